@@ -1,0 +1,1 @@
+"""Generated gRPC code for protos/refitd/v1 (scripts/gen_protos.sh)."""
