@@ -82,7 +82,9 @@ class SlotProgram:
     def from_bytes(cls, data: bytes) -> SlotProgram:
         d = msgpack.unpackb(data, raw=False)
         if d.get("v") != PROGRAM_FORMAT_VERSION:
-            raise ValueError(f"slot program format {d.get('v')!r}, expected {PROGRAM_FORMAT_VERSION}")
+            raise ValueError(
+                f"slot program format {d.get('v')!r}, expected {PROGRAM_FORMAT_VERSION}"
+            )
         return cls(
             digest=d["digest"],
             slot=d["slot"],
@@ -99,7 +101,14 @@ def message_nbytes(copies: tuple[Copy, ...], tensors: dict[int, TensorSpec]) -> 
 
 
 def _copy_to_list(c: Copy) -> list:
-    return [c.src_tensor, list(c.src_offset), c.dst_tensor, list(c.dst_offset), list(c.shape), c.wire]
+    return [
+        c.src_tensor,
+        list(c.src_offset),
+        c.dst_tensor,
+        list(c.dst_offset),
+        list(c.shape),
+        c.wire,
+    ]
 
 
 def _copy_from_list(x: list) -> Copy:

@@ -1,0 +1,58 @@
+"""`refitd` command line: each subcommand lives in its own module, imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("refitd.cli.serve", "run the controller and the local node agent"),
+    "agent": ("refitd.cli.agent", "run a node agent that joins a controller"),
+    "status": ("refitd.cli.status", "print the controller's status"),
+    "demo": ("refitd.cli.demo", "trainer refitting two inference pools through the daemon (CPU)"),
+    "version": ("refitd.cli.version", "print the refitd version"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "plan": ("refitd.cli.bench_plan", "whole-cluster plan of a preset model"),
+    "transfer": (
+        "refitd.cli.bench_transfer",
+        "move a model through the real executor and transport",
+    ),
+    "control": ("refitd.cli.bench_control", "control-plane overhead of cached-plan refits"),
+    "gpu": ("refitd.cli.bench_gpu", "GPU data plane: CUDA IPC, quantizers, NCCL"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Parser whose chosen subcommand (from argv) has its module's arguments loaded."""
+    parser = argparse.ArgumentParser(prog="refitd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks (one JSON line each)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    table = [(sub, COMMANDS), (bench_sub, BENCHES)]
+    for subparsers, commands in table:
+        for name, (module, help_) in commands.items():
+            p = subparsers.add_parser(name, help=help_)
+            p.set_defaults(_module=module)
+            if _chosen(argv, name, commands is BENCHES):
+                importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def _chosen(argv: list[str], name: str, is_bench: bool) -> bool:
+    words = [a for a in argv if not a.startswith("-")]
+    if is_bench:
+        return len(words) >= 2 and words[0] == "bench" and words[1] == name
+    return bool(words) and words[0] == name
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
