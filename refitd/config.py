@@ -1,0 +1,180 @@
+"""refitd settings: one pydantic-settings model read from flags, REFITD_* env vars and a file.
+
+Precedence, highest first: command-line flags, REFITD_* environment variables, the TOML
+config file (path from --config or REFITD_CONFIG), the defaults documented on each field.
+Everything binds to 127.0.0.1 unless told otherwise. The controller, the node agent, the
+client CLI and the demo all build their Settings through `load_settings` /
+`settings_from_args` so they agree on names and defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+CONFIG_ENV = "REFITD_CONFIG"
+MiB = 1 << 20
+
+
+def default_data_dir() -> Path:
+    """$XDG_STATE_HOME/refitd, else ~/.local/state/refitd: where the SQLite state lives."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "refitd"
+
+
+class Settings(BaseSettings):
+    """Every tunable of the controller, node agent and client, with its default."""
+
+    model_config = SettingsConfigDict(env_prefix="REFITD_", extra="forbid", validate_default=True)
+
+    # --- addresses
+    host: str = Field("127.0.0.1", description="address the controller binds (gRPC, HTTP, store)")
+    advertise_host: str = Field(
+        "", description="address agents use to reach the rendezvous store (default: host)"
+    )
+    grpc_port: int = Field(50151, ge=0, le=65535, description="controller gRPC port (0: any)")
+    http_port: int = Field(50152, ge=0, le=65535, description="ops HTTP port (0: any)")
+    store_port: int = Field(0, ge=0, le=65535, description="rendezvous TCPStore port (0: any)")
+    controller: str = Field(
+        "127.0.0.1:50151", description="HOST:PORT of the controller (agents, clients, CLI)"
+    )
+    # --- embedded agent / slots
+    cpu_slots: int = Field(2, ge=0, description="CPU device slots of the embedded local agent")
+    devices: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="explicit device slots of the local agent ('cpu:0,cuda:0'); "
+        "overrides cpu_slots",
+    )
+    embedded_agent: bool = Field(True, description="`refitd serve` also runs the local agent")
+    transport: str = Field("gloo", description="refit communicator backend: gloo or nccl")
+    rendezvous: bool = Field(True, description="host the data-plane rendezvous TCPStore")
+    store_token: str = Field("", description="token agents present to the rendezvous store")
+    # --- state
+    data_dir: Path = Field(
+        default_factory=default_data_dir, description="directory of the SQLite state (WAL)"
+    )
+    # --- data plane sizing
+    bucket_bytes: int = Field(64 * MiB, gt=0, description="largest message of a plan")
+    staging_bytes: int = Field(256 * MiB, gt=0, description="cap on staging buffers per slot")
+    wire: str = Field("raw", description="wire format: raw, mxfp8, fp8_block")
+    # --- timeouts (seconds), one per refit phase
+    barrier_timeout_s: float = Field(60.0, gt=0, description="all trainer ranks ask for v")
+    connect_timeout_s: float = Field(60.0, gt=0, description="communicator (re)connect")
+    load_timeout_s: float = Field(60.0, gt=0, description="slot programs loaded")
+    pause_timeout_s: float = Field(30.0, gt=0, description="destination workers ack PAUSE")
+    transfer_timeout_s: float = Field(300.0, gt=0, description="every slot reports DONE")
+    commit_timeout_s: float = Field(30.0, gt=0, description="destination workers ack COMMIT")
+    refit_wait_timeout_s: float = Field(600.0, gt=0, description="default Refit RPC wait")
+    rpc_timeout_s: float = Field(30.0, gt=0, description="client-side unary RPC deadline")
+    # --- liveness
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="worker/agent heartbeat period")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="lease: dead after this silence")
+    # --- controller internals
+    grpc_workers: int = Field(256, ge=8, description="gRPC thread pool (streams hold a thread)")
+    max_message_bytes: int = Field(256 * MiB, gt=0, description="gRPC max message size")
+    plan_cache_size: int = Field(16, ge=1, description="plans kept (LRU, keyed by digest)")
+    history_size: int = Field(50, ge=1, description="last refits shown in status")
+    log_level: str = Field("info", description="debug, info, warning, error")
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _split_devices(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [d.strip() for d in v.split(",") if d.strip()]
+        return v
+
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, v: str) -> str:
+        if v not in ("gloo", "nccl"):
+            raise ValueError(f"transport must be gloo or nccl, got {v!r}")
+        return v
+
+    @property
+    def store_host(self) -> str:
+        """Address agents dial for the rendezvous store."""
+        return self.advertise_host or self.host
+
+    def local_devices(self) -> list[str]:
+        """Device slots of the embedded agent: `devices`, else cpu:0..cpu_slots-1."""
+        return list(self.devices) or [f"cpu:{i}" for i in range(self.cpu_slots)]
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Settings from overrides (flags) > REFITD_* env > TOML file > defaults.
+
+    The file is `config_file`, else $REFITD_CONFIG, else none. A missing file named
+    explicitly is an error (a typo must not silently fall back to defaults).
+    """
+    path = config_file or os.environ.get(CONFIG_ENV) or None
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+
+    class _Sourced(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+            if path is not None:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
+            return tuple(sources)
+
+    sourced = _Sourced(**overrides)
+    return Settings.model_construct(**sourced.model_dump())
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_settings_arguments(
+    parser: argparse.ArgumentParser, fields: list[str] | None = None
+) -> None:
+    """Add --config and one flag per Settings field (or per name in `fields`).
+
+    Flags default to None (not given) so env and file values are not masked.
+    """
+    if not any("--config" in a.option_strings for a in parser._actions):
+        parser.add_argument("--config", default=None, help=f"TOML config file (or ${CONFIG_ENV})")
+    for name, info in Settings.model_fields.items():
+        if fields is not None and name not in fields:
+            continue
+        help_ = f"{info.description} (env REFITD_{name.upper()})"
+        if info.annotation is bool:
+            parser.add_argument(
+                _flag(name),
+                dest=name,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=help_,
+            )
+        else:
+            parser.add_argument(_flag(name), dest=name, default=None, help=help_)
+
+
+def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
+    """Settings from parsed flags (those given), env, the config file and defaults."""
+    overrides = {
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if getattr(args, name, None) is not None
+    }
+    overrides.update(extra)
+    return load_settings(getattr(args, "config", None), **overrides)
