@@ -1,0 +1,210 @@
+"""Inference side: register the engine's weights, then follow version events.
+
+The handshake keeps torn weights from ever being served. On PAUSE the client calls the
+engine's `pause(version)` hook (it must stop reading weights) and acks; the controller then
+writes the weights in place. On COMMIT it calls `resume(version)` and acks: the engine
+serves the new version. On ABORT (weights untouched) it calls `resume(served_version)`. On
+INCOMPLETE (the refit failed after writing in place) it calls `incomplete(version, reason)`
+and the weights must not be served: `served_version` becomes None until the next COMMIT.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from refitd._proto import refitd_pb2 as pb
+from refitd.client.connection import Backoff, RefitError
+from refitd.client.worker import WorkerClient
+
+log = logging.getLogger(__name__)
+
+KINDS = {
+    pb.EVENT_KIND_HELLO: "hello",
+    pb.EVENT_KIND_PAUSE: "pause",
+    pb.EVENT_KIND_COMMIT: "commit",
+    pb.EVENT_KIND_ABORT: "abort",
+    pb.EVENT_KIND_INCOMPLETE: "incomplete",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class VersionEvent:
+    """One event of this worker's pool: kind is hello, pause, commit, abort or incomplete."""
+
+    event_id: int
+    kind: str
+    model: str
+    pool: str
+    version: int
+    reason: str
+    refit_id: int
+
+
+Hook = Callable[[int], None]
+
+
+class InferenceClient(WorkerClient):
+    """An inference rank: `register(weights)`, then `subscribe()` or `on_update(callback)`.
+
+    state is "new" (registered, no version served yet), "serving", "paused" or
+    "incomplete" (weights must not be served).
+    """
+
+    ROLE = pb.ROLE_DESTINATION
+
+    def __init__(
+        self,
+        controller: str,
+        model: str,
+        pool: str,
+        rank: int = 0,
+        pool_size: int = 1,
+        device: str = "cpu:0",
+        host: str | None = None,
+        pause: Hook | None = None,
+        resume: Hook | None = None,
+        incomplete: Callable[[int, str], None] | None = None,
+        rpc_timeout_s: float = 30.0,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(
+            controller,
+            model,
+            pool,
+            rank,
+            pool_size,
+            device,
+            host,
+            rpc_timeout_s,
+            connect_timeout_s,
+        )
+        self._pause = pause
+        self._resume = resume
+        self._incomplete = incomplete
+        self.served_version: int | None = None
+        self.committed_version: int = 0
+        self.state = "new"
+        self._last_event = 0
+        self._stream: grpc.Future | None = None
+        self._listener: threading.Thread | None = None
+
+    def subscribe(self) -> Iterator[VersionEvent]:
+        """Events of this worker's pool, in order, each after its handshake step was acked.
+
+        Reconnects with backoff when the controller goes away (registering again if it
+        forgot this worker) and resumes after the last event seen. Ends on close().
+        """
+        backoff = Backoff(maximum_s=5.0)
+        while not self._closed.is_set():
+            try:
+                stream = self._conn.refit.Subscribe(
+                    pb.SubscribeRequest(worker_id=self.worker_id, after_event=self._last_event)
+                )
+                self._stream = stream
+                for raw in stream:
+                    backoff.reset()
+                    event = self._handle(raw)
+                    if event is not None:
+                        yield event
+                if self._closed.is_set():
+                    return
+            except grpc.RpcError as err:
+                if self._closed.is_set():
+                    return
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    self._try_reregister()
+                else:
+                    log.info("%s: subscription interrupted: %s", self._who(), err.details())
+            finally:
+                self._stream = None
+            backoff.wait(self._closed)
+
+    def on_update(self, callback: Callable[[VersionEvent], None]) -> threading.Thread:
+        """Run subscribe() on a background thread, calling `callback(event)` for each event."""
+        if self._listener is not None:
+            raise RefitError(f"{self._who()}: on_update() already running")
+
+        def listen() -> None:
+            for event in self.subscribe():
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("%s: on_update callback failed on %s", self._who(), event)
+
+        self._listener = threading.Thread(
+            target=listen, name=f"refitd-events-{self.pool}-{self.rank}", daemon=True
+        )
+        self._listener.start()
+        return self._listener
+
+    def _handle(self, raw: pb.VersionEvent) -> VersionEvent | None:
+        if raw.event_id and raw.event_id <= self._last_event:
+            return None  # replayed after a reconnect
+        event = VersionEvent(
+            event_id=raw.event_id,
+            kind=KINDS.get(raw.kind, "unspecified"),
+            model=raw.model,
+            pool=raw.pool,
+            version=raw.version,
+            reason=raw.reason,
+            refit_id=raw.refit_id,
+        )
+        ok, message, moved = True, "", []
+        try:
+            if event.kind == "hello":
+                self.committed_version = event.version
+            elif event.kind == "pause":
+                self.state = "paused"
+                if self._pause:
+                    self._pause(event.version)
+                moved = self.moved_tensors()
+            elif event.kind == "commit":
+                if self._resume:
+                    self._resume(event.version)
+                self.served_version = event.version
+                self.committed_version = event.version
+                self.state = "serving"
+            elif event.kind == "abort":
+                if self._resume and self.served_version is not None:
+                    self._resume(self.served_version)
+                self.state = "serving" if self.served_version is not None else "new"
+            elif event.kind == "incomplete":
+                self.served_version = None
+                self.state = "incomplete"
+                if self._incomplete:
+                    self._incomplete(event.version, event.reason)
+        except Exception as exc:
+            log.exception("%s: %s hook failed", self._who(), event.kind)
+            ok, message = False, f"{event.kind} hook failed: {exc!r}"
+        if raw.event_id and event.kind != "hello":
+            self._ack(event, ok, message, moved)
+        if raw.event_id:
+            self._last_event = raw.event_id
+        if moved:
+            self.refresh()
+        return event
+
+    def _ack(self, event: VersionEvent, ok: bool, message: str, moved: list[str]) -> None:
+        req = pb.AckRequest(
+            worker_id=self.worker_id,
+            event_id=event.event_id,
+            ok=ok,
+            message=message,
+            moved_tensors=moved,
+        )
+        try:
+            self._conn.call(self._conn.refit.Ack, req, f"ack {event.kind} v{event.version}")
+        except RefitError as err:
+            log.warning("%s: %s", self._who(), err)
+
+    def _stop_streams(self) -> None:
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        if self._listener is not None and self._listener is not threading.current_thread():
+            self._listener.join(timeout=5.0)

@@ -1,0 +1,207 @@
+"""Turn what a worker holds (a torch module, named tensors with Megatron attributes,
+DTensors, or tensors with explicit boxes) into the local tensors and placements it registers.
+
+Thin glue over the planner's layout constructors (refitd.plan.layouts): this module only
+reads torch objects and attributes; the boxes and their checks come from the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refitd.plan.errors import PlanError
+from refitd.plan.layout import PLAIN, Box
+from refitd.plan.layouts import (
+    Layout,
+    Replicate,
+    Shard,
+    check_layout,
+    dtensor_layout,
+    explicit_layout,
+    megatron_layout,
+)
+from refitd.plan.names import canonical_name as plan_canonical_name
+from refitd.transport.memory import dtype_name
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A local tensor with an explicit placement: its global shape and boxes.
+
+    boxes are Box objects or (global offset, shape, local offset) triples; the default is
+    the whole tensor (a replica).
+    """
+
+    tensor: torch.Tensor
+    global_shape: Sequence[int] | None = None
+    boxes: Sequence[Box | tuple[Sequence[int], ...]] | None = None
+    canonical: str | None = None
+    storage: str = PLAIN
+    meta: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronCoords:
+    """Where a Megatron rank sits: TP/EP/expert-TP coordinates and its PP offsets.
+
+    layer_offset turns local layer indices (`decoder.layers.{i}.`) into global ones;
+    expert_offset does the same for per-expert tensors (`...weight{K}`, `...bias{K}`).
+    Expert parameters are those with `allreduce = False` (Megatron's marker); they are split
+    over expert-TP (etp_*) instead of TP.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    layer_offset: int = 0
+    expert_offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTensor:
+    """One tensor to register: the object itself and everything the controller needs."""
+
+    name: str
+    canonical: str
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    layout: Layout
+    storage: str = PLAIN
+    meta: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self.tensor.dtype)
+
+
+def canonical_name(name: str, coords: MegatronCoords) -> str:
+    """Global layer index under PP and global expert index under EP."""
+    return plan_canonical_name(name, coords.layer_offset, coords.expert_offset)
+
+
+def collect(
+    tensors: torch.nn.Module | Mapping[str, Any],
+    coords: MegatronCoords | None = None,
+    label: str = "",
+) -> list[LocalTensor]:
+    """The local tensors to register, in a stable order.
+
+    A module contributes its parameters and persistent buffers. A mapping's values may be
+    torch tensors (Megatron attributes read when present, otherwise whole replicas),
+    DTensors, or Placed (explicit boxes).
+    """
+    coords = coords or MegatronCoords()
+    if isinstance(tensors, torch.nn.Module):
+        items: dict[str, Any] = dict(tensors.named_parameters())
+        non_persistent = {
+            f"{prefix}.{n}" if prefix else n
+            for prefix, mod in tensors.named_modules()
+            for n in getattr(mod, "_non_persistent_buffers_set", ())
+        }
+        items.update({n: b for n, b in tensors.named_buffers() if n not in non_persistent})
+    elif isinstance(tensors, Mapping):
+        items = dict(tensors)
+    else:
+        raise TypeError(
+            f"register() takes a torch.nn.Module or a mapping name -> tensor, got {type(tensors)}"
+        )
+    if not items:
+        raise ValueError(f"nothing to register{f' ({label})' if label else ''}")
+    return [_one(name, value, coords, label) for name, value in items.items()]
+
+
+def _one(name: str, value: Any, coords: MegatronCoords, label: str) -> LocalTensor:
+    where = f"tensor {name!r}{f', {label}' if label else ''}"
+    if isinstance(value, Placed):
+        t = value.tensor
+        gshape = tuple(value.global_shape) if value.global_shape is not None else tuple(t.shape)
+        boxes = value.boxes
+        if boxes is None:
+            boxes = [Box((0,) * t.dim(), tuple(t.shape), (0,) * t.dim())]
+        layout = explicit_layout(tuple(t.shape), boxes)
+        canonical = value.canonical or canonical_name(name, coords)
+        return _checked(name, canonical, t, gshape, layout, where, value.storage, value.meta)
+    if _is_dtensor(value):
+        return _from_dtensor(name, value, coords, where)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: expected a tensor, DTensor or Placed, got {type(value)}")
+    t = value
+    expert = getattr(value, "allreduce", True) is False
+    rank, size = (coords.etp_rank, coords.etp_size) if expert else (coords.tp_rank, coords.tp_size)
+    tp = bool(getattr(value, "tensor_model_parallel", False)) and size > 1
+    dim = getattr(value, "partition_dim", -1) if tp else None
+    stride = int(getattr(value, "partition_stride", 1)) if tp else 1
+    sizes = getattr(value, "partition_sizes", None) if tp else None
+    gshape = list(t.shape)
+    if dim is not None:
+        if not 0 <= dim < t.dim():
+            raise PlanError(f"{where}: partition_dim {dim} out of range for shape {tuple(t.shape)}")
+        gshape[dim] *= size
+    layout = megatron_layout(
+        gshape,
+        tp_rank=rank,
+        tp_size=size,
+        partition_dim=dim,
+        partition_stride=stride,
+        partition_sizes=None if sizes is None else [s * size for s in sizes],
+        label=where,
+    )
+    return _checked(name, canonical_name(name, coords), value, tuple(gshape), layout, where)
+
+
+def _is_dtensor(value: Any) -> bool:
+    return hasattr(value, "device_mesh") and hasattr(value, "placements")
+
+
+def _from_dtensor(name: str, dt: Any, coords: MegatronCoords, where: str) -> LocalTensor:
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    placements: list[Shard | Replicate] = []
+    for p in dt.placements:
+        if isinstance(p, TorchShard):
+            placements.append(Shard(p.dim))
+        elif isinstance(p, TorchReplicate):
+            placements.append(Replicate())
+        else:
+            raise PlanError(f"{where}: DTensor placement {p} is not supported (Shard/Replicate)")
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise PlanError(f"{where}: this process is not part of the DTensor's mesh")
+    layout = dtensor_layout(tuple(dt.shape), tuple(mesh.shape), tuple(coord), placements, where)
+    with torch.no_grad():
+        local = dt.to_local()
+    return _checked(name, canonical_name(name, coords), local, tuple(dt.shape), layout, where)
+
+
+def _checked(
+    name: str,
+    canonical: str,
+    tensor: torch.Tensor,
+    global_shape: tuple[int, ...],
+    layout: Layout,
+    where: str,
+    storage: str = PLAIN,
+    meta: Mapping[str, str] | None = None,
+) -> LocalTensor:
+    if tuple(tensor.shape) != layout.local_shape:
+        raise PlanError(
+            f"{where}: local tensor has shape {tuple(tensor.shape)} but its placement "
+            f"describes {layout.local_shape}"
+        )
+    check_layout(tuple(global_shape), layout, where)
+    return LocalTensor(
+        name=name,
+        canonical=canonical,
+        tensor=tensor,
+        global_shape=tuple(int(s) for s in global_shape),
+        layout=layout,
+        storage=storage,
+        meta=tuple(sorted((meta or {}).items())),
+    )
