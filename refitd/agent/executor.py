@@ -1,0 +1,623 @@
+"""Runs one slot's program for one refit: local copies, then every message, pipelined.
+
+Wire protocol of a message (both ends derive it from the program alone): its copies'
+segments laid end to end (wire.segment_nbytes each) are cut into chunks of at most
+WIRE_CHUNK bytes. Consecutive small segments share a chunk; a segment larger than WIRE_CHUNK
+gets chunks of its own. Each chunk is one send matched by one receive. Chunks are posted in
+(round, chunk index, message id) order on every slot, so every pair of slots sees its
+common chunks in the same order and the smallest unfinished chunk can always progress.
+
+A chunk that is one piece of one raw segment whose block is contiguous is sent straight
+from the source tensor, and received straight into the destination when the destination
+block is contiguous, plain and of the source dtype (zero-copy). Other chunks are packed and
+unpacked through staging buffers from a pool of bounded total size. While chunk k is on the
+wire, k+1 is being packed (poster thread) and k-1 unpacked (receiver thread).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from refitd.agent.segments import (
+    ResolvedTensor,
+    block,
+    copy_block,
+    decode_segment,
+    encode_segment,
+    is_plain_raw,
+)
+from refitd.plan.layout import PLAIN
+from refitd.plan.program import Copy, Message, SlotProgram
+from refitd.plan.wire import RAW, dtype_size, segment_nbytes
+from refitd.transport.base import P2POp, Transport, Work
+from refitd.transport.memory import torch_dtype
+
+WIRE_CHUNK = 32 << 20
+DEFAULT_STAGING_BYTES = 256 << 20
+TAG_CHUNK_BITS = 12
+
+
+class ExecutionError(RuntimeError):
+    """A refit of one slot failed: which message, which peer, why."""
+
+
+class TensorResolver(Protocol):
+    """Plan tensor index -> the registered tensor on this slot."""
+
+    def resolve(self, index: int) -> ResolvedTensor: ...
+
+    def check(self, indices: Iterable[int]) -> None:
+        """Raise StorageMovedError naming every tensor whose registered storage moved."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    wire_chunk: int = WIRE_CHUNK
+
+
+@dataclass
+class MessageStat:
+    id: int
+    direction: str  # "send" | "recv"
+    peer_slot: int
+    nbytes: int
+    seconds: float
+    zero_copy_chunks: int = 0
+    staged_chunks: int = 0
+
+
+@dataclass
+class ExecReport:
+    """What one refit of one slot did: bytes and seconds per message, and totals."""
+
+    slot: int
+    seconds: float = 0.0
+    sources_released_s: float = 0.0
+    local_bytes: int = 0
+    local_seconds: float = 0.0
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    staging_peak_bytes: int = 0
+    messages: list[MessageStat] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "slot": self.slot,
+            "seconds": self.seconds,
+            "sources_released_s": self.sources_released_s,
+            "local_bytes": self.local_bytes,
+            "local_seconds": self.local_seconds,
+            "sent_bytes": self.sent_bytes,
+            "recv_bytes": self.recv_bytes,
+            "staging_peak_bytes": self.staging_peak_bytes,
+            "messages": [vars(m) for m in self.messages],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes [seg_start, seg_start + nbytes) of a copy's segment, at chunk_offset in a chunk."""
+
+    copy: Copy
+    seg_start: int
+    nbytes: int
+    chunk_offset: int
+    whole: bool  # the piece is the copy's entire segment
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    message: Message
+    index: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.message.round, self.index, self.message.id)
+
+    @property
+    def tag(self) -> int:
+        return ((self.message.id << TAG_CHUNK_BITS) | self.index) & 0x7FFFFFFF
+
+
+def chunk_message(
+    m: Message, src_dtype: Callable[[Copy], str], wire_chunk: int = WIRE_CHUNK
+) -> list[Chunk]:
+    """Cut a message into chunks; both ends compute the same list from the program."""
+    if wire_chunk % 16:
+        raise ValueError("wire_chunk must be a multiple of 16")
+    chunks: list[Chunk] = []
+    group: list[Piece] = []
+    group_start = 0
+
+    def flush() -> None:
+        nonlocal group
+        if group:
+            n = max(p.chunk_offset + p.nbytes for p in group)
+            chunks.append(Chunk(m, len(chunks), n, tuple(group)))
+        group = []
+
+    off = 0
+    for c in m.copies:
+        dt = src_dtype(c)
+        total = segment_nbytes(c.wire, c.shape, dt)
+        payload = math.prod(c.shape) * dtype_size(dt) if c.wire == RAW else total
+        if total > wire_chunk:
+            flush()
+            for s in range(0, payload, wire_chunk):
+                n = min(wire_chunk, payload - s)
+                chunks.append(Chunk(m, len(chunks), n, (Piece(c, s, n, 0, payload == n),)))
+        else:
+            if group and off + total - group_start > wire_chunk:
+                flush()
+            if not group:
+                group_start = off
+            group.append(Piece(c, 0, payload, off - group_start, True))
+        off += total
+    flush()
+    if off != m.nbytes:
+        raise ExecutionError(
+            f"message {m.id} ({m.src_slot}->{m.dst_slot}): copies need {off} bytes on the "
+            f"wire but the plan says {m.nbytes}"
+        )
+    return chunks
+
+
+def flat_range_views(t: torch.Tensor, e0: int, e1: int) -> list[torch.Tensor]:
+    """Views covering elements [e0, e1) of `t` in row-major order, fewest blocks possible."""
+    if e0 >= e1:
+        return []
+    if t.dim() == 0:
+        return [t.reshape(1)]
+    if t.dim() == 1:
+        return [t[e0:e1]]
+    if t.is_contiguous():
+        return [t.reshape(-1)[e0:e1]]
+    inner = t.numel() // t.shape[0]
+    i0, r0 = divmod(e0, inner)
+    i1, r1 = divmod(e1, inner)
+    if i0 == i1:
+        return flat_range_views(t[i0], r0, r1)
+    out: list[torch.Tensor] = []
+    if r0:
+        out += flat_range_views(t[i0], r0, inner)
+        i0 += 1
+    if i1 > i0:
+        out.append(t[i0:i1])
+    if r1:
+        out += flat_range_views(t[i1], 0, r1)
+    return out
+
+
+class StagingPool:
+    """Staging buffers of at most `chunk` bytes; sends and receives each get half the cap.
+
+    Buffers are allocated on first use and reused across refits, so a steady refit does no
+    allocation. `peak_bytes` is what was ever allocated: never more than the cap.
+    """
+
+    def __init__(self, cap_bytes: int, chunk: int, device: torch.device) -> None:
+        self.cap_bytes = cap_bytes
+        self.chunk = chunk
+        self.device = device
+        self.per_side = (cap_bytes // 2) // chunk
+        if self.per_side < 1:
+            raise ValueError(
+                f"staging cap {cap_bytes} bytes is below two wire chunks ({2 * chunk} bytes)"
+            )
+        self._free: dict[str, list[torch.Tensor]] = {"send": [], "recv": []}
+        self._count: dict[str, int] = {"send": 0, "recv": 0}
+        self._cv = threading.Condition()
+        self.peak_bytes = 0
+
+    def acquire(self, side: str, deadline: float, abort: threading.Event) -> torch.Tensor:
+        with self._cv:
+            while True:
+                if abort.is_set():
+                    raise ExecutionError("aborted while waiting for a staging buffer")
+                if self._free[side]:
+                    return self._free[side].pop()
+                if self._count[side] < self.per_side:
+                    self._count[side] += 1
+                    self.peak_bytes = self.chunk * (self._count["send"] + self._count["recv"])
+                    pin = self.device.type == "cpu" and torch.cuda.is_available()
+                    return torch.empty(
+                        self.chunk, dtype=torch.uint8, device=self.device, pin_memory=pin
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutionError(f"no {side} staging buffer free before the deadline")
+                self._cv.wait(min(left, 0.1))
+
+    def release(self, side: str, buf: torch.Tensor) -> None:
+        with self._cv:
+            self._free[side].append(buf)
+            self._cv.notify()
+
+
+@dataclass
+class _Posted:
+    chunk: Chunk
+    work: Work
+    buf: torch.Tensor
+    staged: bool
+
+
+class Executor:
+    """A prepared slot program: regions resolved and chunks cut once, run every refit."""
+
+    def __init__(
+        self,
+        program: SlotProgram,
+        resolver: TensorResolver,
+        transport: Transport | None,
+        slot_ranks: dict[int, int] | None = None,
+        config: ExecutorConfig | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.program = program
+        self.resolver = resolver
+        self.transport = transport
+        self.slot_ranks = slot_ranks
+        self.config = config or ExecutorConfig()
+        self._tensors: dict[int, ResolvedTensor] = {}
+        self._validate()
+        self.device = device or self._guess_device()
+        self.send_chunks = self._chunks(program.sends)
+        self.recv_chunks = self._chunks(program.recvs)
+        steps: dict[tuple[int, int, int], tuple[list[Chunk], list[Chunk]]] = {}
+        for c in self.send_chunks:
+            steps.setdefault(c.key, ([], []))[0].append(c)
+        for c in self.recv_chunks:
+            steps.setdefault(c.key, ([], []))[1].append(c)
+        self._steps = [steps[k] for k in sorted(steps)]
+        self.pool = StagingPool(self.config.staging_bytes, self.config.wire_chunk, self.device)
+        self._zc_send = {id(c): self._zero_copy_send(c) for c in self.send_chunks}
+        self._zc_recv = {id(c): self._zero_copy_recv(c) for c in self.recv_chunks}
+
+    # ------------------------------------------------------------------ preparation
+    def _indices(self) -> set[int]:
+        idx: set[int] = set()
+        for c in self.program.local:
+            idx |= {c.src_tensor, c.dst_tensor}
+        for m in self.program.sends:
+            idx |= {c.src_tensor for c in m.copies}
+        for m in self.program.recvs:
+            idx |= {c.dst_tensor for c in m.copies}
+        return idx
+
+    def _validate(self) -> None:
+        p = self.program
+        for i in sorted(self._indices()):
+            spec = p.tensors.get(i)
+            if spec is None:
+                raise ExecutionError(
+                    f"slot {p.slot}: program uses tensor {i} but has no spec for it"
+                )
+            t = self.resolver.resolve(i)
+            if tuple(t.data.shape) != tuple(spec.local_shape):
+                raise ExecutionError(
+                    f"tensor {spec.name!r} (pool {spec.pool}, rank {spec.rank}): mapped shape "
+                    f"{tuple(t.data.shape)} != registered local shape {tuple(spec.local_shape)}"
+                )
+            if spec.storage == PLAIN and t.data.dtype != torch_dtype(spec.dtype):
+                raise ExecutionError(
+                    f"tensor {spec.name!r} (pool {spec.pool}, rank {spec.rank}): mapped dtype "
+                    f"{t.data.dtype} != registered {spec.dtype}"
+                )
+            self._tensors[i] = t
+        for m in p.recvs:
+            for c in m.copies:
+                if c.src_tensor not in p.tensors:
+                    raise ExecutionError(
+                        f"slot {p.slot}: received message {m.id} copies from tensor "
+                        f"{c.src_tensor} whose spec (source dtype) the program lacks"
+                    )
+
+    def _guess_device(self) -> torch.device:
+        for t in self._tensors.values():
+            return t.data.device
+        return torch.device("cpu")
+
+    def _src_dtype(self, c: Copy) -> str:
+        return self.program.tensors[c.src_tensor].dtype
+
+    def _chunks(self, messages: Iterable[Message]) -> list[Chunk]:
+        out: list[Chunk] = []
+        for m in messages:
+            out += chunk_message(m, self._src_dtype, self.config.wire_chunk)
+        return out
+
+    def _src_block(self, c: Copy) -> torch.Tensor:
+        return block(self._tensors[c.src_tensor].data, c.src_offset, c.shape)
+
+    def _dst_block(self, c: Copy) -> torch.Tensor:
+        return block(self._tensors[c.dst_tensor].data, c.dst_offset, c.shape)
+
+    def _piece_views(self, region: torch.Tensor, p: Piece, itemsize: int) -> list[torch.Tensor]:
+        return flat_range_views(
+            region, p.seg_start // itemsize, (p.seg_start + p.nbytes) // itemsize
+        )
+
+    def _zero_copy_send(self, ch: Chunk) -> torch.Tensor | None:
+        if len(ch.pieces) != 1 or ch.pieces[0].copy.wire != RAW:
+            return None
+        p = ch.pieces[0]
+        src = self._src_block(p.copy)
+        views = self._piece_views(src, p, src.element_size())
+        if (
+            len(views) == 1
+            and views[0].is_contiguous()
+            and views[0].numel() * src.element_size() == ch.nbytes
+        ):
+            return views[0].reshape(-1).view(torch.uint8)
+        return None
+
+    def _zero_copy_recv(self, ch: Chunk) -> torch.Tensor | None:
+        if len(ch.pieces) != 1:
+            return None
+        p = ch.pieces[0]
+        dst = self._tensors[p.copy.dst_tensor]
+        if not is_plain_raw(p.copy.wire, dst) or dst.data.dtype != torch_dtype(
+            self._src_dtype(p.copy)
+        ):
+            return None
+        region = self._dst_block(p.copy)
+        views = self._piece_views(region, p, region.element_size())
+        if (
+            len(views) == 1
+            and views[0].is_contiguous()
+            and views[0].numel() * region.element_size() == ch.nbytes
+        ):
+            return views[0].reshape(-1).view(torch.uint8)
+        return None
+
+    # ------------------------------------------------------------------ pack / unpack
+    def _pack(self, ch: Chunk, buf: torch.Tensor) -> None:
+        for p in ch.pieces:
+            c = p.copy
+            src = self._src_block(c)
+            if c.wire == RAW:
+                pos = p.chunk_offset
+                for v in self._piece_views(src, p, src.element_size()):
+                    n = v.numel() * v.element_size()
+                    buf[pos : pos + n].view(v.dtype).view(v.shape).copy_(v)
+                    pos += n
+            elif p.whole:
+                encode_segment(c.wire, src, buf[p.chunk_offset : p.chunk_offset + p.nbytes])
+            else:
+                # A quantized segment larger than a chunk is encoded whole, then sliced.
+                full = segment_nbytes(c.wire, c.shape, self._src_dtype(c))
+                scratch = torch.empty(full, dtype=torch.uint8, device=buf.device)
+                encode_segment(c.wire, src, scratch)
+                buf[: p.nbytes].copy_(scratch[p.seg_start : p.seg_start + p.nbytes])
+
+    def _unpack(self, ch: Chunk, buf: torch.Tensor, partial: dict[Copy, torch.Tensor]) -> None:
+        for p in ch.pieces:
+            c = p.copy
+            dst = self._tensors[c.dst_tensor]
+            src_dtype = torch_dtype(self._src_dtype(c))
+            seg = buf[p.chunk_offset : p.chunk_offset + p.nbytes]
+            if is_plain_raw(c.wire, dst):
+                region = self._dst_block(c)
+                itemsize = dtype_size(self._src_dtype(c))
+                pos = 0
+                for v in self._piece_views(region, p, itemsize):
+                    n = v.numel() * itemsize
+                    v.copy_(seg[pos : pos + n].view(src_dtype).view(v.shape))
+                    pos += n
+                continue
+            if not p.whole:
+                full = segment_nbytes(c.wire, c.shape, self._src_dtype(c))
+                acc = partial.setdefault(c, torch.empty(full, dtype=torch.uint8, device=buf.device))
+                acc[p.seg_start : p.seg_start + p.nbytes].copy_(seg)
+                if p.seg_start + p.nbytes < full:
+                    continue
+                seg = partial.pop(c)
+            decode_segment(c.wire, seg, c.shape, src_dtype, dst, c.dst_offset)
+
+    # ------------------------------------------------------------------ run
+    def _peer(self, slot: int) -> int:
+        return slot if self.slot_ranks is None else self.slot_ranks[slot]
+
+    def run(
+        self,
+        timeout_s: float,
+        on_sources_released: Callable[[], None] | None = None,
+        abort: threading.Event | None = None,
+    ) -> ExecReport:
+        """One refit of this slot; raises ExecutionError (or StorageMovedError) on failure."""
+        self.resolver.check(self._indices())
+        abort = abort or threading.Event()
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        report = ExecReport(slot=self.program.slot)
+        if (self.send_chunks or self.recv_chunks) and self.transport is None:
+            raise ExecutionError(f"slot {self.program.slot}: program has messages but no transport")
+        errors: list[BaseException] = []
+        sends_left = [len(self.send_chunks)]
+        released = threading.Event()
+        lock = threading.Lock()
+        stats: dict[tuple[str, int], MessageStat] = {}
+        started: dict[tuple[str, int], float] = {}
+
+        def fail(e: BaseException) -> None:
+            with lock:
+                errors.append(e)
+            abort.set()
+
+        def stat(direction: str, ch: Chunk, zc: bool) -> MessageStat:
+            key = (direction, ch.message.id)
+            with lock:
+                s = stats.get(key)
+                if s is None:
+                    peer = ch.message.dst_slot if direction == "send" else ch.message.src_slot
+                    s = stats[key] = MessageStat(
+                        ch.message.id, direction, peer, ch.message.nbytes, 0.0
+                    )
+                    started[key] = time.monotonic()
+                if zc:
+                    s.zero_copy_chunks += 1
+                else:
+                    s.staged_chunks += 1
+            return s
+
+        def source_done(n: int = 1) -> None:
+            with lock:
+                sends_left[0] -= n
+                done = sends_left[0] == 0 and local_done.is_set()
+            if done and not released.is_set():
+                released.set()
+                report.sources_released_s = time.monotonic() - t0
+                if on_sources_released is not None:
+                    on_sources_released()
+
+        local_done = threading.Event()
+        send_q: queue.Queue[_Posted | None] = queue.Queue()
+        recv_q: queue.Queue[_Posted | None] = queue.Queue()
+
+        def describe(ch: Chunk, direction: str) -> str:
+            m = ch.message
+            peer = m.dst_slot if direction == "send" else m.src_slot
+            return (
+                f"slot {self.program.slot}: {direction} of message {m.id} (round {m.round}, "
+                f"chunk {ch.index}, {ch.nbytes} bytes) {'to' if direction == 'send' else 'from'} "
+                f"slot {peer} (rank {self._peer(peer)})"
+            )
+
+        def poster() -> None:
+            try:
+                for sends, recvs in self._steps:
+                    ops: list[P2POp] = []
+                    posted: list[tuple[Chunk, torch.Tensor, bool, bool]] = []
+                    for ch in recvs:
+                        zc = self._zc_recv[id(ch)]
+                        buf = zc if zc is not None else self.pool.acquire("recv", deadline, abort)
+                        ops.append(
+                            P2POp(False, buf[: ch.nbytes], self._peer(ch.message.src_slot), ch.tag)
+                        )
+                        posted.append((ch, buf, zc is None, False))
+                    for ch in sends:
+                        zc = self._zc_send[id(ch)]
+                        if zc is None:
+                            buf = self.pool.acquire("send", deadline, abort)
+                            self._pack(ch, buf)
+                            source_done()
+                        else:
+                            buf = zc
+                        ops.append(
+                            P2POp(True, buf[: ch.nbytes], self._peer(ch.message.dst_slot), ch.tag)
+                        )
+                        posted.append((ch, buf, zc is None, True))
+                    if abort.is_set():
+                        return
+                    try:
+                        works = self.transport.batch(ops)  # type: ignore[union-attr]
+                    except Exception as e:
+                        ch0 = posted[0][0]
+                        raise ExecutionError(
+                            f"{describe(ch0, 'send' if posted[0][3] else 'recv')}: {e}"
+                        ) from e
+                    for (ch, buf, staged, is_send), w in zip(posted, works, strict=True):
+                        stat("send" if is_send else "recv", ch, not staged)
+                        (send_q if is_send else recv_q).put(_Posted(ch, w, buf, staged))
+            except BaseException as e:
+                fail(e)
+            finally:
+                send_q.put(None)
+                recv_q.put(None)
+
+        def send_waiter() -> None:
+            try:
+                while (item := send_q.get()) is not None:
+                    try:
+                        item.work.wait(deadline - time.monotonic())
+                    except Exception as e:
+                        raise ExecutionError(f"{describe(item.chunk, 'send')}: {e}") from e
+                    key = ("send", item.chunk.message.id)
+                    stats[key].seconds = time.monotonic() - started[key]
+                    if item.staged:
+                        self.pool.release("send", item.buf)
+                    else:
+                        source_done()
+                    with lock:
+                        report.sent_bytes += item.chunk.nbytes
+            except BaseException as e:
+                fail(e)
+                while send_q.get() is not None:
+                    pass
+
+        def receiver() -> None:
+            partial: dict[Copy, torch.Tensor] = {}
+            try:
+                while (item := recv_q.get()) is not None:
+                    try:
+                        item.work.wait(deadline - time.monotonic())
+                    except Exception as e:
+                        raise ExecutionError(f"{describe(item.chunk, 'recv')}: {e}") from e
+                    if item.staged:
+                        try:
+                            self._unpack(item.chunk, item.buf, partial)
+                        except Exception as e:
+                            raise ExecutionError(
+                                f"{describe(item.chunk, 'recv')}: unpack failed: {e}"
+                            ) from e
+                        self.pool.release("recv", item.buf)
+                    key = ("recv", item.chunk.message.id)
+                    stats[key].seconds = time.monotonic() - started[key]
+                    with lock:
+                        report.recv_bytes += item.chunk.nbytes
+            except BaseException as e:
+                fail(e)
+                while recv_q.get() is not None:
+                    pass
+
+        threads = [
+            threading.Thread(target=f, name=f"refitd-{f.__name__}", daemon=True)
+            for f in (poster, send_waiter, receiver)
+        ]
+        for t in threads:
+            t.start()
+        try:
+            tl = time.monotonic()
+            for c in self.program.local:
+                copy_block(
+                    self._tensors[c.src_tensor],
+                    c.src_offset,
+                    self._tensors[c.dst_tensor],
+                    c.dst_offset,
+                    c.shape,
+                )
+                report.local_bytes += math.prod(c.shape) * dtype_size(self._src_dtype(c))
+            report.local_seconds = time.monotonic() - tl
+        except BaseException as e:
+            fail(ExecutionError(f"slot {self.program.slot}: local copy failed: {e}"))
+        local_done.set()
+        source_done(0)
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0) + 1.0)
+        if any(t.is_alive() for t in threads):
+            abort.set()
+            if not errors:
+                errors.append(
+                    ExecutionError(
+                        f"slot {self.program.slot}: refit did not finish within {timeout_s:.1f}s"
+                    )
+                )
+        if errors:
+            raise errors[0]
+        report.seconds = time.monotonic() - t0
+        report.staging_peak_bytes = self.pool.peak_bytes
+        report.messages = sorted(stats.values(), key=lambda s: (s.direction, s.id))
+        return report

@@ -1,0 +1,93 @@
+"""The executor's one door to wire formats: regions, encode and decode of one copy's segment.
+
+The raw wire into plain storage (with a cast when dtypes differ) is handled here; every other
+case (quantized wire or quantized destination storage) goes to refitd.formats, imported only
+when needed so a raw refit does not depend on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from refitd.plan.layout import PLAIN
+from refitd.plan.wire import RAW
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedTensor:
+    """A registered tensor as the executor sees it: plain data, or quantized data + scales."""
+
+    name: str
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    storage: str = PLAIN
+
+
+def _formats():
+    try:
+        import refitd.formats as formats
+    except ImportError as e:  # pragma: no cover - formats ships with refitd
+        raise RuntimeError(f"refitd.formats is needed for quantized formats: {e}") from e
+    if not hasattr(formats, "encode_segment"):
+        raise NotImplementedError("refitd.formats does not provide quantized codecs yet")
+    return formats
+
+
+def block(t: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """View of the block of `t` at `offset` with `shape` (no copy)."""
+    if len(offset) != t.dim() or len(shape) != t.dim():
+        raise ValueError(f"block {offset}/{shape} does not match a {t.dim()}-d tensor")
+    return t[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+
+
+def is_plain_raw(wire: str, dst: ResolvedTensor | None = None) -> bool:
+    """True when this module handles the copy itself (raw wire, plain storage)."""
+    return wire == RAW and (dst is None or dst.storage == PLAIN)
+
+
+def encode_segment(wire: str, src: torch.Tensor, out: torch.Tensor) -> None:
+    """Write one copy's wire segment (uint8 `out`, segment_nbytes long) from source block `src`."""
+    if wire == RAW:
+        out[: src.numel() * src.element_size()].view(src.dtype).view(src.shape).copy_(src)
+        return
+    _formats().encode_segment(wire, src, out)
+
+
+def decode_segment(
+    wire: str,
+    seg: torch.Tensor,
+    shape: tuple[int, ...],
+    src_dtype: torch.dtype,
+    dst: ResolvedTensor,
+    offset: tuple[int, ...],
+) -> None:
+    """Land one copy's wire segment into the destination block at `offset` of `dst`."""
+    if is_plain_raw(wire, dst):
+        n = 1
+        for s in shape:
+            n *= s
+        itemsize = torch.empty(0, dtype=src_dtype).element_size()
+        block(dst.data, offset, shape).copy_(seg[: n * itemsize].view(src_dtype).view(shape))
+        return
+    f = _formats()
+    region = f.dest_region(dst.storage, dst.data, dst.scales, offset, shape)
+    name = str(src_dtype).removeprefix("torch.")
+    f.decode_segment(wire, seg, shape, name, region)
+
+
+def copy_block(
+    src: ResolvedTensor,
+    src_offset: tuple[int, ...],
+    dst: ResolvedTensor,
+    dst_offset: tuple[int, ...],
+    shape: tuple[int, ...],
+) -> None:
+    """A local copy (same slot), casting or quantizing for the destination's storage."""
+    s = block(src.data, src_offset, shape)
+    if dst.storage == PLAIN:
+        block(dst.data, dst_offset, shape).copy_(s)
+        return
+    f = _formats()
+    f.copy_region(s, f.dest_region(dst.storage, dst.data, dst.scales, dst_offset, shape))
