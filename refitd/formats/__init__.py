@@ -1,1 +1,54 @@
-"""refitd.formats"""
+"""Wire and storage formats: passthrough, MXFP8 and block FP8 codecs, the transform hook.
+
+Torch reference codecs run anywhere; on CUDA tensors the quantizers use Triton kernels
+(refitd.formats.triton_kernels) when triton is installed, bit-identical to the reference.
+"""
+
+from refitd.formats.fp8_block import (
+    fp8_block_dequantize,
+    fp8_block_dequantize_into,
+    fp8_block_quantize,
+    fp8_block_quantize_into,
+)
+from refitd.formats.mxfp8 import (
+    mxfp8_dequantize,
+    mxfp8_dequantize_into,
+    mxfp8_quantize,
+    mxfp8_quantize_into,
+)
+from refitd.formats.passthrough import cast_copy
+from refitd.formats.region import DestRegion, dest_region
+from refitd.formats.segment import copy_region, decode_segment, encode_segment
+from refitd.formats.transform import (
+    FP8BlockTransform,
+    MXFP8Transform,
+    RawTransform,
+    Transform,
+    TransformRegistry,
+    default_registry,
+    split_parts,
+)
+
+__all__ = [
+    "DestRegion",
+    "FP8BlockTransform",
+    "MXFP8Transform",
+    "RawTransform",
+    "Transform",
+    "TransformRegistry",
+    "cast_copy",
+    "copy_region",
+    "decode_segment",
+    "default_registry",
+    "dest_region",
+    "encode_segment",
+    "fp8_block_dequantize",
+    "fp8_block_dequantize_into",
+    "fp8_block_quantize",
+    "fp8_block_quantize_into",
+    "mxfp8_dequantize",
+    "mxfp8_dequantize_into",
+    "mxfp8_quantize",
+    "mxfp8_quantize_into",
+    "split_parts",
+]

@@ -1,0 +1,62 @@
+"""E4M3 helpers shared by the quantized formats: saturating casts and IEEE bit views.
+
+Both quantizers find a block's amax on the integer view of |x| (for non-negative floats
+the integer order is the float order, and NaN/Inf sort above every finite value), so the
+amax and the non-finite test are exact and identical on every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+E4M3_NAN = 0x7F
+F32_EXP_MASK = 0x7F800000
+F32_ABS_MASK = 0x7FFFFFFF
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_float(x: torch.Tensor, what: str) -> None:
+    """A clear error for tensors a quantizer cannot read."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{what}: expected a float tensor ({FLOAT_DTYPES}), got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{what}: cannot quantize a 0-d tensor")
+
+
+def check_buffer(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> None:
+    """Output buffers must already have the exact dtype and shape (they are written in place)."""
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"{what}: expected {dtype} of shape {tuple(shape)}, got {t.dtype} of shape "
+            f"{tuple(t.shape)}"
+        )
+
+
+def abs_bits(x32: torch.Tensor) -> torch.Tensor:
+    """IEEE bits of |x| as int32 (x must be float32)."""
+    return x32.view(torch.int32) & F32_ABS_MASK
+
+
+def to_e4m3_codes(x32: torch.Tensor) -> torch.Tensor:
+    """Round float32 to E4M3 (nearest, ties to even) with saturation at +-448; uint8 codes."""
+    return x32.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """Exact float64 values of uint8 E4M3 codes (0x7F/0xFF are NaN)."""
+    return codes.view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the names refitd.plan.wire uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """ "bfloat16" -> torch.bfloat16, with a clear error for unknown names."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype

@@ -1,0 +1,68 @@
+"""The segment API the executor calls: encode a source region, decode into a destination.
+
+Every function writes into buffers it is given (message buffers, persistent destination
+buffers) and allocates nothing persistent, so destination addresses never change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refitd.formats.fp8 import dtype_name
+from refitd.formats.region import DestRegion
+from refitd.formats.transform import TransformRegistry, default_registry, store_region
+
+
+def encode_segment(
+    wire: str, src: torch.Tensor, out: torch.Tensor, registry: TransformRegistry | None = None
+) -> None:
+    """Encode a source region into its wire segment.
+
+    src: region view (any strides) in the source dtype; out: uint8 1-D of length
+    refitd.plan.wire.segment_nbytes(wire, tuple(src.shape), dtype name); parts laid out per
+    wire.segment_parts, each part starting at a 16-byte-aligned offset.
+    """
+    transform = (registry or default_registry()).get(wire)
+    shape, src_dtype = tuple(src.shape), dtype_name(src.dtype)
+    expected = transform.segment_nbytes(shape, src_dtype)
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != expected:
+        raise ValueError(
+            f"encode_segment({wire!r}): out must be uint8 1-D of {expected} bytes for a "
+            f"{src_dtype} region of shape {shape}, got {out.dtype} {tuple(out.shape)}"
+        )
+    transform.prepare_send(src, out)
+
+
+def decode_segment(
+    wire: str,
+    seg: torch.Tensor,
+    shape: tuple[int, ...],
+    src_dtype: str,
+    dst: DestRegion,
+    registry: TransformRegistry | None = None,
+) -> None:
+    """Write a received segment into the destination region.
+
+    raw -> plain: copy with cast; raw -> mxfp8/fp8_block: quantize on landing
+    (receiver-side conversion); mxfp8 -> mxfp8 / fp8_block -> fp8_block: copy data and
+    scales; quantized -> plain: dequantize.
+    """
+    transform = (registry or default_registry()).get(wire)
+    shape = tuple(shape)
+    if tuple(dst.values.shape) != shape:
+        raise ValueError(
+            f"decode_segment({wire!r}): segment shape {shape} does not match the destination "
+            f"region {tuple(dst.values.shape)}"
+        )
+    parts = transform.prepare_recv(seg, shape, src_dtype)
+    transform.finalize_recv(parts, shape, src_dtype, dst)
+
+
+def copy_region(src: torch.Tensor, dst: DestRegion) -> None:
+    """A local copy (same slot) without a wire buffer: cast, or quantize into quantized storage."""
+    if tuple(src.shape) != tuple(dst.values.shape):
+        raise ValueError(
+            f"copy_region: source shape {tuple(src.shape)} does not match the destination "
+            f"region {tuple(dst.values.shape)}"
+        )
+    store_region(src, dst)

@@ -1,0 +1,244 @@
+"""The transform hook: how one wire format is encoded, received and landed.
+
+A Transform owns one wire format. The executor never branches on formats: for each copy
+it asks the registry for the copy's wire transform and calls
+  prepare_send(src, seg)                     sender: encode a source region into its segment
+  prepare_recv(seg, shape, src_dtype)        receiver: typed views of the segment's parts
+  finalize_recv(parts, shape, src_dtype, dst) receiver: land them in the destination region
+so a user plugs in a format by subclassing Transform and registering it. should_transform
+lets a transform decline tensors by name (the caller then sends them raw).
+
+Segment layout: parts of the byte sizes segment_parts() returns, each starting at a
+SEGMENT_ALIGN-aligned offset (refitd.plan.wire), so every part can be viewed in its dtype.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from refitd.formats.fp8 import dtype_name, torch_dtype
+from refitd.formats.fp8_block import fp8_block_dequantize_into, fp8_block_quantize_into
+from refitd.formats.mxfp8 import mxfp8_dequantize_into, mxfp8_quantize_into
+from refitd.formats.passthrough import cast_copy
+from refitd.formats.region import DestRegion
+from refitd.plan import wire
+from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN
+
+
+def split_parts(seg: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """uint8 views of a segment's parts, each starting SEGMENT_ALIGN-aligned."""
+    if seg.dtype != torch.uint8 or seg.dim() != 1:
+        raise ValueError(
+            f"a segment must be a 1-D uint8 tensor, got {seg.dtype} {tuple(seg.shape)}"
+        )
+    need = sum(wire.aligned(s) for s in sizes)
+    if seg.numel() < need:
+        raise ValueError(f"segment of {seg.numel()} bytes is smaller than its parts ({need})")
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(seg[start : start + size])
+        start += wire.aligned(size)
+    return parts
+
+
+def store_region(src: torch.Tensor, dst: DestRegion) -> None:
+    """Write plain values into a destination region: cast, or quantize into its buffers."""
+    if dst.storage == PLAIN:
+        cast_copy(src, dst.values, "store region")
+    elif dst.storage == MXFP8:
+        mxfp8_quantize_into(src, dst.values, _scales(dst))
+    elif dst.storage == FP8_BLOCK:
+        fp8_block_quantize_into(src, dst.values, _scales(dst))
+    else:
+        raise ValueError(f"unknown destination storage {dst.storage!r}")
+
+
+def _scales(dst: DestRegion) -> torch.Tensor:
+    if dst.scales is None:
+        raise ValueError(f"a {dst.storage} destination region needs its scales view")
+    return dst.scales
+
+
+class Transform(ABC):
+    """One wire format: segment sizes, encode on the sender, decode and land on the receiver."""
+
+    wire: str
+
+    def should_transform(self, name: str) -> bool:
+        """Whether this format applies to the tensor `name` (default: every tensor)."""
+        return True
+
+    @abstractmethod
+    def segment_parts(self, shape: tuple[int, ...], src_dtype: str) -> tuple[int, ...]:
+        """Byte sizes of the parts of one region's segment, in wire order."""
+
+    def segment_nbytes(self, shape: tuple[int, ...], src_dtype: str) -> int:
+        """Bytes of one region's segment, alignment padding included."""
+        return sum(wire.aligned(p) for p in self.segment_parts(shape, src_dtype))
+
+    @abstractmethod
+    def prepare_send(self, src: torch.Tensor, seg: torch.Tensor) -> None:
+        """Encode the source region src (any strides) into the uint8 segment seg, in place."""
+
+    @abstractmethod
+    def prepare_recv(
+        self, seg: torch.Tensor, shape: tuple[int, ...], src_dtype: str
+    ) -> list[torch.Tensor]:
+        """Typed views of the parts of a received segment (receive buffers; no copies)."""
+
+    @abstractmethod
+    def finalize_recv(
+        self, parts: list[torch.Tensor], shape: tuple[int, ...], src_dtype: str, dst: DestRegion
+    ) -> None:
+        """Land the received parts into the destination region (conversion happens here)."""
+
+
+class RawTransform(Transform):
+    """Values in the source dtype; cast or quantized on landing (receiver-side conversion)."""
+
+    wire = wire.RAW
+
+    def segment_parts(self, shape: tuple[int, ...], src_dtype: str) -> tuple[int, ...]:
+        return wire.segment_parts(wire.RAW, shape, src_dtype)
+
+    def prepare_send(self, src: torch.Tensor, seg: torch.Tensor) -> None:
+        (values,) = self.prepare_recv(seg, tuple(src.shape), dtype_name(src.dtype))
+        values.copy_(src)
+
+    def prepare_recv(
+        self, seg: torch.Tensor, shape: tuple[int, ...], src_dtype: str
+    ) -> list[torch.Tensor]:
+        (part,) = split_parts(seg, self.segment_parts(shape, src_dtype))
+        return [part.view(torch_dtype(src_dtype)).view(shape)]
+
+    def finalize_recv(
+        self, parts: list[torch.Tensor], shape: tuple[int, ...], src_dtype: str, dst: DestRegion
+    ) -> None:
+        store_region(parts[0], dst)
+
+
+class _QuantizedTransform(Transform):
+    """Shared shape of the two FP8 wires: (uint8 codes, scales) on the wire."""
+
+    storage: str
+    scale_dtype: torch.dtype
+
+    @abstractmethod
+    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+    @abstractmethod
+    def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _dequantize_into(
+        self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+    ) -> None: ...
+
+    def segment_parts(self, shape: tuple[int, ...], src_dtype: str) -> tuple[int, ...]:
+        return wire.segment_parts(self.wire, shape, src_dtype)
+
+    def prepare_send(self, src: torch.Tensor, seg: torch.Tensor) -> None:
+        data, scales = self.prepare_recv(seg, tuple(src.shape), dtype_name(src.dtype))
+        self._quantize_into(src, data, scales)
+
+    def prepare_recv(
+        self, seg: torch.Tensor, shape: tuple[int, ...], src_dtype: str
+    ) -> list[torch.Tensor]:
+        data, scales = split_parts(seg, self.segment_parts(shape, src_dtype))
+        scale_shape = self._scale_shape(shape)
+        return [data.view(shape), scales.view(self.scale_dtype).view(scale_shape)]
+
+    def finalize_recv(
+        self, parts: list[torch.Tensor], shape: tuple[int, ...], src_dtype: str, dst: DestRegion
+    ) -> None:
+        data, scales = parts
+        if dst.storage == self.storage:
+            dst.values.copy_(data)
+            _scales(dst).copy_(scales)
+        elif dst.storage == PLAIN:
+            self._dequantize_into(data, scales, dst.values)
+        else:
+            raise ValueError(
+                f"wire {self.wire!r} cannot land in {dst.storage!r} storage; send such "
+                f"copies raw (receiver-side conversion) or in the storage's own format"
+            )
+
+
+class MXFP8Transform(_QuantizedTransform):
+    """MXFP8 on the wire (sender-side conversion): E4M3 codes + E8M0 scales, ~1.03 B/elem."""
+
+    wire = wire.MXFP8
+    storage = MXFP8
+    scale_dtype = torch.uint8
+
+    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return wire.mxfp8_scale_shape(shape)
+
+    def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
+        mxfp8_quantize_into(x, data, scales)
+
+    def _dequantize_into(self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        mxfp8_dequantize_into(data, scales, out)
+
+
+class FP8BlockTransform(_QuantizedTransform):
+    """Block FP8 on the wire: E4M3 codes + one float32 scale per 128x128 tile."""
+
+    wire = wire.FP8_BLOCK
+    storage = FP8_BLOCK
+    scale_dtype = torch.float32
+
+    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return wire.fp8_block_scale_shape(shape)
+
+    def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
+        fp8_block_quantize_into(x, data, scales)
+
+    def _dequantize_into(self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        fp8_block_dequantize_into(data, scales, out)
+
+
+class TransformRegistry:
+    """Wire format name -> Transform. Owned by its caller; no global registry exists."""
+
+    def __init__(self, transforms: list[Transform] | None = None) -> None:
+        self._by_wire: dict[str, Transform] = {}
+        for t in transforms or []:
+            self.register(t)
+
+    def register(self, transform: Transform, *, replace: bool = False) -> None:
+        """Add a transform under its wire name; replacing one needs replace=True."""
+        name = getattr(transform, "wire", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{type(transform).__name__} must set a non-empty `wire` name")
+        if name in self._by_wire and not replace:
+            raise ValueError(f"wire format {name!r} is already registered")
+        self._by_wire[name] = transform
+
+    def get(self, wire_name: str) -> Transform:
+        try:
+            return self._by_wire[wire_name]
+        except KeyError:
+            raise ValueError(
+                f"unknown wire format {wire_name!r}; registered: {sorted(self._by_wire)}"
+            ) from None
+
+    def __contains__(self, wire_name: object) -> bool:
+        return wire_name in self._by_wire
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._by_wire)
+
+    def wire_for(self, name: str, preferred: str) -> str:
+        """The wire to use for tensor `name`: preferred if its transform accepts it, else raw."""
+        return preferred if self.get(preferred).should_transform(name) else wire.RAW
+
+    def segment_nbytes(self, wire_name: str, shape: tuple[int, ...], src_dtype: str) -> int:
+        return self.get(wire_name).segment_nbytes(shape, src_dtype)
+
+
+def default_registry() -> TransformRegistry:
+    """A new registry holding the built-in formats: raw, mxfp8, fp8_block."""
+    return TransformRegistry([RawTransform(), MXFP8Transform(), FP8BlockTransform()])
