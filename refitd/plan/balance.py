@@ -1,0 +1,108 @@
+"""Source replica choice: minimise the largest number of bytes any source slot sends.
+
+Every copy has one or more candidate source slots (DP replicas, every TP rank holding a
+replicated tensor). A copy whose destination slot is a candidate stays local. The rest are
+assigned by water-filling: fixed copies first, then classes of identical candidate sets
+from the most to the least constrained, equal-sized copies at once, largest first, each
+class topping up its least loaded candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Choices:
+    """Copies of one batch: candidate source slots (dense slot indices) per copy."""
+
+    cand: np.ndarray  # [N, R] int64 dense slot index
+    nbytes: np.ndarray  # [N] int64 bytes this copy sends if remote
+    dst: np.ndarray  # [N] int64 dense slot index of the destination
+
+
+def choose_replicas(batches: list[Choices], n_slots: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The chosen candidate column per copy of every batch, and the resulting send load
+    per slot (remote bytes)."""
+    load = np.zeros(n_slots, dtype=np.float64)
+    cols: list[np.ndarray] = []
+    flex: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for b, ch in enumerate(batches):
+        n, r = ch.cand.shape
+        col = np.zeros(n, dtype=np.int64)
+        if r == 1:
+            remote = ch.cand[:, 0] != ch.dst
+            np.add.at(load, ch.cand[remote, 0], ch.nbytes[remote])
+        else:
+            hit = ch.cand == ch.dst[:, None]
+            local = hit.any(axis=1)
+            col[local] = hit[local].argmax(axis=1)
+            idx = np.flatnonzero(~local)
+            if idx.size:
+                flex.setdefault(r, []).append((b, idx))
+        cols.append(col)
+    for r in sorted(flex):
+        _fill(batches, cols, flex[r], r, load)
+    return cols, load
+
+
+def _fill(
+    batches: list[Choices],
+    cols: list[np.ndarray],
+    parts: list[tuple[int, np.ndarray]],
+    r: int,
+    load: np.ndarray,
+) -> None:
+    """Water-fill every copy with r candidates: per class of candidate set, per size."""
+    batch_of = np.concatenate([np.full(i.size, b, dtype=np.int64) for b, i in parts])
+    row_of = np.concatenate([i for _, i in parts])
+    cand = np.concatenate([batches[b].cand[i] for b, i in parts])
+    nbytes = np.concatenate([batches[b].nbytes[i] for b, i in parts])
+    dst = np.concatenate([batches[b].dst[i] for b, i in parts])
+    sets = np.sort(cand, axis=1)
+    classes, cls = np.unique(sets, axis=0, return_inverse=True)
+    cls = cls.reshape(-1)
+    # class, then size descending, then destination: equal-sized runs per class.
+    order = np.lexsort((dst, -nbytes, cls))
+    c_sorted = cls[order]
+    b_sorted = nbytes[order]
+    change = np.flatnonzero((np.diff(c_sorted) != 0) | (np.diff(b_sorted) != 0)) + 1
+    starts = np.r_[0, change]
+    ends = np.r_[change, order.size]
+    chosen = np.empty(order.size, dtype=np.int64)
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        slots = classes[c_sorted[s]]
+        size = float(b_sorted[s])
+        counts = _waterfill(load[slots], size, e - s)
+        load[slots] += counts * size
+        chosen[order[s:e]] = np.repeat(slots, counts)
+    col = (cand == chosen[:, None]).argmax(axis=1)
+    for b, _ in parts:
+        m = batch_of == b
+        cols[b][row_of[m]] = col[m]
+
+
+def _waterfill(loads: np.ndarray, size: float, m: int) -> np.ndarray:
+    """How many of m equal items of `size` each candidate takes so the largest resulting
+    load is as small as possible (the items go to the least loaded first)."""
+    r = loads.size
+    order = np.argsort(loads, kind="stable")
+    ls = loads[order]
+    level_k = (m * size + np.cumsum(ls)) / np.arange(1, r + 1)
+    fits = np.r_[level_k[:-1] <= ls[1:], True]
+    k = int(fits.argmax()) + 1
+    level = level_k[k - 1]
+    take = np.zeros(r, dtype=np.int64)
+    take[:k] = np.maximum(np.floor((level - ls[:k]) / size + 1e-9), 0).astype(np.int64)
+    over = int(take.sum()) - m
+    if over > 0:  # float rounding: take back from the highest resulting loads
+        for j in np.argsort(-(ls + take * size), kind="stable")[:over]:
+            take[j] -= 1
+    rest = m - int(take.sum())
+    if rest > 0:
+        take[np.argsort(ls + take * size, kind="stable")[:rest]] += 1
+    counts = np.empty(r, dtype=np.int64)
+    counts[order] = take
+    return counts

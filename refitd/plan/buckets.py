@@ -1,0 +1,125 @@
+"""Buckets and rounds, on columnar copy tables.
+
+Copies between one (source slot, destination slot) pair are coalesced into messages of at
+most bucket_bytes (a larger copy is first cut along its outermost dim, at quantization
+block boundaries when the wire is quantized). Each slot's peers are visited in a rotated
+order over `fanout` lanes, so a slot talks to a few peers at a time, every lane stays busy
+and destinations are not all hit by everyone in the same round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, SEGMENT_ALIGN
+
+WIRE_RAW, WIRE_MXFP8, WIRE_FP8_BLOCK = 0, 1, 2
+
+
+def _aligned(n: np.ndarray) -> np.ndarray:
+    return -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
+
+
+def _ceil(a: np.ndarray, b: int) -> np.ndarray:
+    return -(-a // b)
+
+
+def segment_nbytes(
+    wire: np.ndarray, shape: np.ndarray, ndim: np.ndarray, esize: np.ndarray
+) -> np.ndarray:
+    """wire.segment_nbytes for every copy at once (shape padded with 1s past ndim)."""
+    numel = shape.prod(axis=1)
+    out = _aligned(numel * esize)
+    q = wire != WIRE_RAW
+    if not q.any():
+        return out
+    rows = np.flatnonzero(q)
+    sh = shape[rows]
+    nd = ndim[rows]
+    last = sh[np.arange(rows.size), np.maximum(nd - 1, 0)]
+    inner = np.where(nd >= 1, numel[rows] // np.maximum(last, 1), 1)
+    mx = wire[rows] == WIRE_MXFP8
+    scales = np.empty(rows.size, dtype=np.int64)
+    scales[mx] = inner[mx] * _ceil(last[mx], MXFP8_BLOCK)
+    fb = ~mx
+    two = fb & (nd >= 2)
+    one = fb & (nd < 2)
+    if two.any():
+        r2 = rows[two]
+        second = shape[r2, nd[two] - 2]
+        outer = numel[r2] // np.maximum(second * last[two], 1)
+        scales[two] = outer * _ceil(second, FP8_TILE) * _ceil(last[two], FP8_TILE)
+    scales[one] = _ceil(last[one], FP8_TILE)
+    out[rows] = _aligned(numel[rows]) + _aligned(np.where(mx, 1, 4) * scales)
+    return out
+
+
+def split_granularity(wire: np.ndarray, ndim: np.ndarray) -> np.ndarray:
+    """Rows of dim 0 that keep whole quantization blocks when a copy is cut along dim 0."""
+    g = np.ones(wire.size, dtype=np.int64)
+    g[(wire == WIRE_MXFP8) & (ndim == 1)] = MXFP8_BLOCK
+    g[(wire == WIRE_FP8_BLOCK) & (ndim <= 2)] = FP8_TILE
+    return g
+
+
+def split_rows(
+    shape0: np.ndarray, row_bytes: np.ndarray, gran: np.ndarray, bucket: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(pieces per copy, rows per piece) so each piece fits the bucket where possible."""
+    rows_fit = np.maximum(bucket // np.maximum(row_bytes, 1), 1)
+    per = np.maximum(rows_fit // gran * gran, gran)
+    per = np.minimum(per, np.maximum(shape0, 1))
+    return _ceil(np.maximum(shape0, 1), per), per
+
+
+def pack(pair_start: np.ndarray, pair_end: np.ndarray, nbytes: np.ndarray, bucket: int):
+    """Next-fit packing of each pair's run of copies: (message first copy, message end,
+    pair index) for all messages, pairs in order and messages in order within a pair."""
+    cum = np.cumsum(nbytes)
+    before = cum - nbytes
+    cur = pair_start.copy()
+    pair = np.arange(pair_start.size)
+    starts, ends, pairs = [], [], []
+    while cur.size:
+        end = np.searchsorted(cum, before[cur] + bucket, side="right")
+        end = np.minimum(np.maximum(end, cur + 1), pair_end)
+        starts.append(cur)
+        ends.append(end)
+        pairs.append(pair)
+        live = end < pair_end
+        cur = end[live]
+        pair_end = pair_end[live]
+        pair = pair[live]
+    s = np.concatenate(starts)
+    e = np.concatenate(ends)
+    p = np.concatenate(pairs)
+    order = np.lexsort((s, p))
+    return s[order], e[order], p[order]
+
+
+def assign_rounds(
+    pair_src: np.ndarray,
+    pair_dst: np.ndarray,
+    pair_msgs: np.ndarray,
+    n_slots: int,
+    fanout: int,
+) -> np.ndarray:
+    """First round of each pair: a source's peers in rotated order (starting after
+    itself) dealt over `fanout` lanes; a lane sends its pairs' messages back to back."""
+    rot = (pair_dst - pair_src) % n_slots
+    order = np.lexsort((rot, pair_src))
+    src_sorted = pair_src[order]
+    first = np.r_[0, np.flatnonzero(np.diff(src_sorted)) + 1]
+    group_start = np.repeat(first, np.diff(np.r_[first, order.size]))
+    j = np.arange(order.size) - group_start
+    lane = j % max(fanout, 1)
+    order2 = np.lexsort((j, lane, src_sorted))
+    m = pair_msgs[order][order2]
+    key_src = src_sorted[order2]
+    key_lane = lane[order2]
+    new = np.r_[True, (np.diff(key_src) != 0) | (np.diff(key_lane) != 0)]
+    csum = np.cumsum(m) - m
+    base = csum - np.maximum.accumulate(np.where(new, csum, 0))
+    rounds = np.empty(order.size, dtype=np.int64)
+    rounds[order[order2]] = base
+    return rounds

@@ -1,0 +1,716 @@
+"""The resharding planner: every (source box -> destination box) copy, balanced and bucketed.
+
+build_plan intersects each destination box with the source boxes of the same canonical
+tensor (after name-map links and tied embeddings), picks a source replica per copy so the
+busiest source slot sends as little as possible, and packs copies per (source slot,
+destination slot) into bounded messages with rounds. It works on columns: specs are
+reduced to geometry ids, canonical tensors with the same geometry sequence form a pattern
+whose intersections are computed once, and copies stay NumPy arrays until `program(slot)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+import numpy as np
+
+from refitd.plan import buckets as bk
+from refitd.plan.balance import Choices, choose_replicas
+from refitd.plan.errors import PlanError
+from refitd.plan.layout import FP8_BLOCK, MXFP8, Box, TensorSpec
+from refitd.plan.names import Link, NameMap, resolve_links
+from refitd.plan.program import Copy, Message, SlotProgram
+from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, RAW, dtype_size
+
+__all__ = ["Plan", "PlanConfig", "PlanError", "PlanStats", "build_plan", "plan_digest"]
+
+WIRE_NAMES = (RAW, MXFP8, FP8_BLOCK)
+_GEO_FIELDS = attrgetter("pool", "global_shape", "dtype", "storage", "local_shape")
+_BOXES = attrgetter("boxes")
+_CANON = attrgetter("canonical")
+_SLOT = attrgetter("slot")
+_ID_FIELDS = attrgetter("pool", "rank", "name")
+
+
+@dataclass
+class PlanConfig:
+    """How to plan. fanout: peers a slot sends to concurrently (lanes of the schedule)."""
+
+    bucket_bytes: int = 64 << 20
+    sender_quantization: bool = False
+    allow_dtype_cast: bool = False
+    tie_embeddings: bool = True
+    name_map: NameMap | None = None
+    fanout: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """Byte and count totals of a plan (bytes are wire bytes, alignment included)."""
+
+    copies: int
+    local_copies: int
+    messages: int
+    rounds: int
+    total_bytes: int
+    local_bytes: int
+    remote_bytes: int
+    source_slots: int
+    max_send_bytes: int
+    ideal_send_bytes: float
+    send_imbalance: float
+    max_recv_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Geo:
+    pool: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    storage: str
+    local_shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+
+    @property
+    def cover(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        return tuple(sorted((b.offset, b.shape) for b in self.boxes if all(b.shape)))
+
+
+@dataclass(slots=True)
+class _Side:
+    """Columnar view of one side's specs; canonicals are the groups of `order`."""
+
+    specs: Sequence[TensorSpec]
+    base: int
+    names: dict[str, int]
+    canon: np.ndarray
+    geo: np.ndarray
+    geos: list[_Geo]
+    slot: np.ndarray
+    order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pattern: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def who(self, i: int) -> str:
+        s = self.specs[i]
+        return f"tensor {s.name!r} (canonical {s.canonical!r}), pool {s.pool!r}, rank {s.rank}"
+
+    def members(self, c: int) -> np.ndarray:
+        return self.order[self.start[c] : self.start[c] + self.count[c]]
+
+
+def _extract(specs: Sequence[TensorSpec], base: int) -> _Side:
+    """Geometry and canonical ids per spec; identical box tuples are recognised by id
+    first, so shared layouts cost one hash."""
+    n = len(specs)
+    fast: dict = {}
+    keys = zip(map(_GEO_FIELDS, specs), map(id, map(_BOXES, specs)), strict=True)
+    fid = np.array([fast.setdefault(k, len(fast)) for k in keys], dtype=np.int64)
+    _, first = np.unique(fid, return_index=True)
+    real: dict[_Geo, int] = {}
+    geos: list[_Geo] = []
+    fast_to_geo = np.empty(len(fast), dtype=np.int64)
+    for f, i in enumerate(first.tolist()):
+        s = specs[i]
+        g = _Geo(s.pool, s.global_shape, s.dtype, s.storage, s.local_shape, s.boxes)
+        gid = real.setdefault(g, len(real))
+        if gid == len(geos):
+            geos.append(g)
+        fast_to_geo[f] = gid
+    names: dict[str, int] = {}
+    canon = np.array([names.setdefault(c, len(names)) for c in map(_CANON, specs)], np.int64)
+    slot = np.fromiter(map(_SLOT, specs), dtype=np.int64, count=n)
+    geo = fast_to_geo[fid] if n else np.zeros(0, np.int64)
+    return _Side(specs, base, names, canon.reshape(-1), geo, geos, slot)
+
+
+def _group(side: _Side) -> None:
+    """Sort by (canonical, geometry, slot) and give canonicals with the same geometry
+    sequence the same pattern id (hashed, then verified exactly)."""
+    nc = len(side.names)
+    side.order = np.lexsort((side.slot, side.geo, side.canon))
+    side.count = np.bincount(side.canon, minlength=nc)
+    side.start = np.cumsum(side.count) - side.count
+    if nc == 0:
+        side.pattern = np.zeros(0, np.int64)
+        return
+    g = side.geo[side.order]
+    pos = np.arange(g.size) - np.repeat(side.start, side.count)
+    weights = np.random.default_rng(0x5EED).integers(
+        1, 2**62, size=int(side.count.max()), dtype=np.int64
+    ).astype(np.uint64) | np.uint64(1)
+    h = np.add.reduceat((g.astype(np.uint64) + np.uint64(1)) * weights[pos], side.start)
+    _, pat = np.unique(
+        np.stack([side.count, h.view(np.int64)], axis=1), axis=0, return_inverse=True
+    )
+    pat = pat.reshape(-1)
+    # exact check of every member against its pattern's first canonical
+    firsts = np.unique(pat, return_index=True)[1]
+    rep = firsts[pat]
+    cnt = side.count
+    maxc = int(cnt.max())
+    ar = np.arange(maxc)
+    valid = ar[None, :] < cnt[:, None]
+    idx = np.minimum(side.start[:, None] + ar[None, :], g.size - 1)
+    mine = np.where(valid, g[idx], -1)
+    if not (mine == mine[rep]).all():
+        seen: dict[bytes, int] = {}
+        pat = np.array([seen.setdefault(row.tobytes(), len(seen)) for row in mine], np.int64)
+    side.pattern = pat
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Copies of one pattern group with the same replica count, before replica choice."""
+
+    dst_spec: np.ndarray  # [N]
+    cand_spec: np.ndarray  # [N, R]
+    piece: np.ndarray  # [N]
+    dst_loc: np.ndarray  # [P, D]
+    shape: np.ndarray  # [P, D]
+    rep_loc: np.ndarray  # [P, R, D]
+    wire: np.ndarray  # [P]
+    esize: int
+    ndim: int
+
+
+def _pad(t: tuple[int, ...], d: int, fill: int) -> list[int]:
+    return list(t) + [fill] * (d - len(t))
+
+
+def _check_cover(side: _Side, members: np.ndarray, geo_ids: list[int], what: str) -> None:
+    """The distinct covers of these geometries tile the global tensor exactly."""
+    geos = [side.geos[g] for g in geo_ids]
+    gshape = geos[0].global_shape
+    covers: dict[tuple, int] = {}
+    for k, g in enumerate(geos):
+        covers.setdefault(g.cover, k)
+    boxes = [(k, o, s) for c, k in covers.items() for o, s in c]
+    total = int(np.prod(gshape)) if gshape else 1
+    vol = sum(int(np.prod(s)) if s else 1 for _, _, s in boxes)
+    if len(boxes) > 1 and gshape:
+        lo = np.array([o for _, o, _ in boxes])
+        hi = lo + np.array([s for _, _, s in boxes])
+        a = np.maximum(lo[:, None], lo[None]) < np.minimum(hi[:, None], hi[None])
+        hit = a.all(axis=2)
+        np.fill_diagonal(hit, False)
+        if hit.any():
+            i, j = np.argwhere(hit)[0]
+            ki, kj = boxes[i][0], boxes[j][0]
+            raise PlanError(
+                f"overlapping boxes in the {what}: {side.who(int(members[ki]))} holds "
+                f"{boxes[i][1:]} and {side.who(int(members[kj]))} holds {boxes[j][1:]} "
+                f"of global shape {gshape}"
+            )
+    if vol != total:
+        raise PlanError(
+            f"holes in the {what}: {side.who(int(members[0]))} and the other shards of "
+            f"global shape {gshape} cover {vol} of {total} elements"
+        )
+
+
+class _Planner:
+    """One build: owns the intermediate columns."""
+
+    def __init__(self, src: _Side, dst: _Side, config: PlanConfig) -> None:
+        self.src, self.dst, self.config = src, dst, config
+        self.slots = np.unique(np.concatenate([src.slot, dst.slot]))
+        self.src_slot_idx = np.searchsorted(self.slots, src.slot)
+        self.dst_slot_idx = np.searchsorted(self.slots, dst.slot)
+
+    def links(self) -> list[Link]:
+        dst_names = list(self.dst.names)
+        links = resolve_links(
+            dst_names, self.src.names, self.config.name_map, self.config.tie_embeddings
+        )
+        for ln in links:
+            if ln.src not in self.src.names:
+                i = int(self.dst.members(self.dst.names[ln.dst])[0])
+                raise PlanError(
+                    f"destination tensor missing in the source: {self.dst.who(i)} needs "
+                    f"source tensor {ln.src!r}, which no source rank registered"
+                )
+        return links
+
+    def batches(self) -> list[_Batch]:
+        links = self.links()
+        tmap: dict[tuple[int, int, int, int], int] = {(-1, 0, 0, 0): 0}
+        lk = np.array(
+            [
+                (
+                    self.src.names[ln.src],
+                    self.dst.names[ln.dst],
+                    tmap.setdefault((ln.dim, ln.dst_start, ln.src_start, ln.length), len(tmap)),
+                )
+                for ln in links
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 3)
+        transforms = list(tmap)
+        self._check_rules(links)
+        key = np.stack([self.src.pattern[lk[:, 0]], self.dst.pattern[lk[:, 1]], lk[:, 2]], 1)
+        _, grp = np.unique(key, axis=0, return_inverse=True)
+        grp = grp.reshape(-1)
+        order = np.argsort(grp, kind="stable")
+        cuts = np.flatnonzero(np.diff(grp[order])) + 1
+        out: list[_Batch] = []
+        for sel in np.split(order, cuts):
+            if sel.size:
+                cs, cd, tid = lk[sel, 0], lk[sel, 1], int(lk[sel[0], 2])
+                out.extend(self._pattern(cs, cd, transforms[tid]))
+        return out
+
+    def _check_rules(self, links: list[Link]) -> None:
+        covered: dict[str, int] = {}
+        for ln in links:
+            if ln.dim >= 0:
+                covered[ln.dst] = covered.get(ln.dst, 0) + ln.length
+        for name, n in covered.items():
+            i = int(self.dst.members(self.dst.names[name])[0])
+            shape = self.dst.specs[i].global_shape
+            dim = next(ln.dim for ln in links if ln.dst == name)
+            if dim >= len(shape) or shape[dim] != n:
+                raise PlanError(
+                    f"name map parts cover {n} of dim {dim} of {self.dst.who(i)} "
+                    f"(global shape {shape})"
+                )
+
+    def _pattern(
+        self, cs: np.ndarray, cd: np.ndarray, tf: tuple[int, int, int, int]
+    ) -> list[_Batch]:
+        """Intersections for a group of links sharing geometry; one batch per replica count."""
+        src, dst, cfg = self.src, self.dst, self.config
+        s_mem = src.members(int(cs[0]))
+        d_mem = dst.members(int(cd[0]))
+        s_geo = src.geo[s_mem].tolist()
+        d_geo = dst.geo[d_mem].tolist()
+        g0 = src.geos[s_geo[0]]
+        for k, g in enumerate(s_geo):
+            sg = src.geos[g]
+            if sg.global_shape != g0.global_shape:
+                raise PlanError(
+                    f"global shapes disagree: {src.who(int(s_mem[0]))} has {g0.global_shape}, "
+                    f"{src.who(int(s_mem[k]))} has {sg.global_shape}"
+                )
+            if sg.dtype != g0.dtype:
+                raise PlanError(
+                    f"dtype mismatch among source shards: {src.who(int(s_mem[0]))} is "
+                    f"{g0.dtype}, {src.who(int(s_mem[k]))} is {sg.dtype}"
+                )
+        dim, d_start, s_start, length = tf
+        gshape = g0.global_shape
+        nd = len(gshape)
+        by_pool: dict[str, list[int]] = {}
+        for k, g in enumerate(d_geo):
+            dg = dst.geos[g]
+            by_pool.setdefault(dg.pool, []).append(k)
+            ok = (
+                dg.global_shape == gshape
+                if dim < 0
+                else (
+                    len(dg.global_shape) == nd
+                    and all(
+                        a == b for j, (a, b) in enumerate(zip(dg.global_shape, gshape)) if j != dim
+                    )
+                    and s_start + length <= gshape[dim]
+                    and d_start + length <= dg.global_shape[dim]
+                )
+            )
+            if not ok:
+                raise PlanError(
+                    f"global shapes disagree: {dst.who(int(d_mem[k]))} has "
+                    f"{dg.global_shape}, source {src.who(int(s_mem[0]))} has {gshape}"
+                    + (f" (name map dim {dim}, rows {s_start}+{length})" if dim >= 0 else "")
+                )
+            if dg.dtype != g0.dtype and not cfg.allow_dtype_cast:
+                raise PlanError(
+                    f"dtype mismatch: {dst.who(int(d_mem[k]))} is {dg.dtype}, source "
+                    f"{src.who(int(s_mem[0]))} is {g0.dtype} (PlanConfig.allow_dtype_cast "
+                    f"is off)"
+                )
+        _check_cover(src, s_mem, s_geo, "source")
+        for ks in by_pool.values():
+            _check_cover(
+                dst,
+                d_mem[ks],
+                [d_geo[k] for k in ks],
+                f"destination pool {dst.geos[d_geo[ks[0]]].pool!r}",
+            )
+
+        # source covers: replica positions and their local offsets per global box offset
+        cover_pos: dict[tuple, list[int]] = {}
+        for k, g in enumerate(s_geo):
+            cover_pos.setdefault(src.geos[g].cover, []).append(k)
+        sboxes = [(c, o, s) for c in cover_pos for o, s in c]
+        local_of = [{b.offset: b.local_offset for b in src.geos[g].boxes} for g in s_geo]
+        d = max(nd, 1)
+        dboxes = [(k, b) for k, g in enumerate(d_geo) for b in dst.geos[g].boxes if all(b.shape)]
+        if not dboxes or not sboxes:
+            return []
+        doff = np.array([_pad(b.offset, d, 0) for _, b in dboxes], np.int64)
+        dshp = np.array([_pad(b.shape, d, 1) for _, b in dboxes], np.int64)
+        dloc = np.array([_pad(b.local_offset, d, 0) for _, b in dboxes], np.int64)
+        lo, hi = doff.copy(), doff + dshp
+        shift = np.zeros(d, np.int64)
+        if dim >= 0:
+            lo[:, dim] = np.maximum(lo[:, dim], d_start)
+            hi[:, dim] = np.minimum(hi[:, dim], d_start + length)
+            shift[dim] = s_start - d_start
+        soff = np.array([_pad(o, d, 0) for _, o, _ in sboxes], np.int64)
+        sshp = np.array([_pad(s, d, 1) for _, _, s in sboxes], np.int64)
+        ilo = np.maximum((lo + shift)[:, None], soff[None])
+        ihi = np.minimum((hi + shift)[:, None], (soff + sshp)[None])
+        hit = (ihi > ilo).all(axis=2)
+        bi, si = np.nonzero(hit)
+        pieces: dict[int, list[tuple]] = {}
+        for b, s in zip(bi.tolist(), si.tolist(), strict=True):
+            c, o, _ = sboxes[s]
+            reps = cover_pos[c]
+            plo = ilo[b, s]
+            rel = plo - soff[s]
+            rep_loc = [np.array(_pad(local_of[r][o], d, 0)) + rel for r in reps]
+            pieces.setdefault(len(reps), []).append(
+                (dboxes[b][0], dloc[b] + (plo - shift - doff[b]), ihi[b, s] - plo, reps, rep_loc)
+            )
+        wire_of = [self._wire(dst.geos[g]) for g in d_geo]
+        esize = dtype_size(g0.dtype)
+        out = []
+        for r, ps in pieces.items():
+            dpos = np.array([p[0] for p in ps], np.int64)
+            reps = np.array([p[3] for p in ps], np.int64).reshape(len(ps), r)
+            dst_spec = d_mem_table(dst, cd)[:, dpos]
+            cand = s_mem_table(src, cs)[:, reps]
+            out.append(
+                _Batch(
+                    dst_spec=dst_spec.reshape(-1),
+                    cand_spec=cand.reshape(-1, r),
+                    piece=np.tile(np.arange(len(ps)), cs.size),
+                    dst_loc=np.array([p[1] for p in ps], np.int64).reshape(-1, d),
+                    shape=np.array([p[2] for p in ps], np.int64).reshape(-1, d),
+                    rep_loc=np.array([p[4] for p in ps], np.int64).reshape(len(ps), r, d),
+                    wire=np.array([wire_of[k] for k in dpos.tolist()], np.int64),
+                    esize=esize,
+                    ndim=nd,
+                )
+            )
+        return out
+
+    def _wire(self, g: _Geo) -> int:
+        if self.config.sender_quantization and g.storage in (MXFP8, FP8_BLOCK):
+            return WIRE_NAMES.index(g.storage)
+        return bk.WIRE_RAW
+
+
+def s_mem_table(side: _Side, cs: np.ndarray) -> np.ndarray:
+    """[links, positions] spec indices of each link's canonical (same count for all)."""
+    n = int(side.count[cs[0]])
+    return side.order[side.start[cs][:, None] + np.arange(n)[None, :]]
+
+
+d_mem_table = s_mem_table
+
+
+def _fingerprint(model: str, epoch: int, src: _Side, dst: _Side, config: PlanConfig) -> str:
+    """Digest of everything that shapes a plan."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((model, epoch, config)).encode())
+    for side in (src, dst):
+        h.update(b"|side|")
+        h.update(repr(side.geos).encode())
+        ids = list(map(_ID_FIELDS, side.specs))
+        h.update("\0".join(f"{p}\1{n}" for p, _, n in ids).encode())
+        h.update(np.array([r for _, r, _ in ids], np.int64).tobytes())
+        h.update("\0".join(side.names).encode())
+        h.update(side.canon.tobytes())
+        h.update(side.geo.tobytes())
+        h.update(side.slot.tobytes())
+    return h.hexdigest()
+
+
+def plan_digest(
+    model: str,
+    epoch: int,
+    sources: Sequence[TensorSpec],
+    destinations: Sequence[TensorSpec],
+    config: PlanConfig,
+) -> str:
+    """The key of the plan cache: changes with any registration, layout or config."""
+    return _fingerprint(
+        model, epoch, _extract(sources, 0), _extract(destinations, len(sources)), config
+    )
+
+
+def build_plan(
+    model: str,
+    epoch: int,
+    sources: Sequence[TensorSpec],
+    destinations: Sequence[TensorSpec],
+    config: PlanConfig,
+) -> Plan:
+    """The whole-cluster plan; raises PlanError on inconsistent registrations."""
+    src = _extract(sources, 0)
+    dst = _extract(destinations, len(sources))
+    digest = _fingerprint(model, epoch, src, dst, config)
+    _group(src)
+    _group(dst)
+    planner = _Planner(src, dst, config)
+    batches = planner.batches()
+    n_src = len(sources)
+    choices = [
+        Choices(
+            cand=planner.src_slot_idx[b.cand_spec],
+            nbytes=b.shape[b.piece].prod(axis=1) * np.where(b.wire[b.piece] == 0, b.esize, 1),
+            dst=planner.dst_slot_idx[b.dst_spec],
+        )
+        for b in batches
+    ]
+    cols, _ = choose_replicas(choices, planner.slots.size)
+    d = max([b.dst_loc.shape[1] for b in batches], default=1)
+
+    def padc(a: np.ndarray, fill: int) -> np.ndarray:
+        if a.shape[1] == d:
+            return a
+        return np.concatenate([a, np.full((a.shape[0], d - a.shape[1]), fill, np.int64)], 1)
+
+    parts = []
+    for b, col in zip(batches, cols, strict=True):
+        n = b.piece.size
+        parts.append(
+            (
+                b.cand_spec[np.arange(n), col],
+                b.dst_spec + n_src,
+                padc(b.rep_loc[b.piece, col], 0),
+                padc(b.dst_loc[b.piece], 0),
+                padc(b.shape[b.piece], 1),
+                np.full(n, b.ndim, np.int64),
+                b.wire[b.piece],
+                np.full(n, b.esize, np.int64),
+            )
+        )
+    cols_all = (
+        [np.concatenate(c) if parts else np.zeros(0, np.int64) for c in zip(*parts)]
+        if parts
+        else None
+    )
+    tensors = list(sources) + list(destinations)
+    slot_all = np.concatenate([src.slot, dst.slot])
+    if cols_all is None:
+        z = np.zeros(0, np.int64)
+        cols_all = [z, z, z.reshape(0, d), z.reshape(0, d), z.reshape(0, d), z, z, z]
+    table = _CopyTable(*cols_all)
+    _check_blocks(table, tensors)
+    return Plan(model, epoch, digest, tensors, table, slot_all, config, sources_count=n_src)
+
+
+@dataclass(slots=True)
+class _CopyTable:
+    src: np.ndarray
+    dst: np.ndarray
+    src_loc: np.ndarray
+    dst_loc: np.ndarray
+    shape: np.ndarray
+    ndim: np.ndarray
+    wire: np.ndarray
+    esize: np.ndarray
+
+    def take(self, idx: np.ndarray) -> _CopyTable:
+        return _CopyTable(*(getattr(self, f)[idx] for f in self.__slots__))
+
+
+def _check_blocks(t: _CopyTable, tensors: list[TensorSpec]) -> None:
+    """With a quantized wire every copy carries whole blocks of its destination."""
+    q = np.flatnonzero(t.wire != bk.WIRE_RAW)
+    if not q.size:
+        return
+    for i in q.tolist():  # few distinct tensors in practice; clarity over speed here
+        nd = int(t.ndim[i])
+        spec = tensors[int(t.dst[i])]
+        block = (MXFP8_BLOCK,) if t.wire[i] == bk.WIRE_MXFP8 else (FP8_TILE, FP8_TILE)
+        dims = list(range(nd))[-len(block) :] if nd >= 2 else list(range(nd))
+        for dd in dims:
+            off, n, full = int(t.dst_loc[i, dd]), int(t.shape[i, dd]), spec.local_shape[dd]
+            if off % block[-1] or (n % block[-1] and off + n != full):
+                raise PlanError(
+                    f"quantized block not whole: copy into tensor {spec.name!r}, pool "
+                    f"{spec.pool!r}, rank {spec.rank} covers [{off}, {off + n}) of dim {dd} "
+                    f"(local size {full}), not whole {WIRE_NAMES[int(t.wire[i])]} blocks of "
+                    f"{block[-1]}; the source layout splits a block"
+                )
+
+
+class Plan:
+    """A whole-cluster plan: columnar copies, messages and rounds; SlotPrograms on demand."""
+
+    def __init__(
+        self,
+        model: str,
+        epoch: int,
+        digest: str,
+        tensors: list[TensorSpec],
+        table: _CopyTable,
+        slot_of_tensor: np.ndarray,
+        config: PlanConfig,
+        sources_count: int,
+    ) -> None:
+        self.model, self.epoch, self.digest, self.tensors = model, epoch, digest, tensors
+        self.config = config
+        self._n_src = sources_count
+        self._slot_of = slot_of_tensor
+        s_slot = slot_of_tensor[table.src]
+        d_slot = slot_of_tensor[table.dst]
+        local = s_slot == d_slot
+        nb = bk.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+        self._local = table.take(np.flatnonzero(local))
+        local_bytes = int(nb[local].sum())
+        remote = table.take(np.flatnonzero(~local))
+        remote, rs, rd = self._split(remote, s_slot[~local], d_slot[~local])
+        rnb = bk.segment_nbytes(remote.wire, remote.shape, remote.ndim, remote.esize)
+        order = np.lexsort((remote.dst, rd, rs))
+        self._remote = remote.take(order)
+        rs, rd, rnb = rs[order], rd[order], rnb[order]
+        pair_first = np.r_[0, np.flatnonzero((np.diff(rs) != 0) | (np.diff(rd) != 0)) + 1]
+        pair_first = pair_first[pair_first < rs.size]
+        pair_end = np.r_[pair_first[1:], rs.size]
+        if rs.size:
+            ms, me, mp = bk.pack(pair_first, pair_end, rnb, config.bucket_bytes)
+        else:
+            ms = me = mp = np.zeros(0, np.int64)
+        slots = np.unique(slot_of_tensor)
+        p_src, p_dst = rs[pair_first], rd[pair_first]
+        p_msgs = np.bincount(mp, minlength=pair_first.size)
+        p_round = bk.assign_rounds(
+            np.searchsorted(slots, p_src),
+            np.searchsorted(slots, p_dst),
+            p_msgs,
+            slots.size,
+            config.fanout,
+        )
+        k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
+        m_round = p_round[mp] + k
+        csum = np.r_[0, np.cumsum(rnb)]
+        m_bytes = csum[me] - csum[ms]
+        m_order = np.lexsort((p_dst[mp], p_src[mp], m_round))
+        self._m_start, self._m_end = ms[m_order], me[m_order]
+        self._m_round = m_round[m_order]
+        self._m_src, self._m_dst = p_src[mp][m_order], p_dst[mp][m_order]
+        self._m_bytes = m_bytes[m_order]
+        remote_bytes = int(rnb.sum())
+        send = np.bincount(np.searchsorted(slots, rs), weights=rnb, minlength=slots.size)
+        recv = np.bincount(np.searchsorted(slots, rd), weights=rnb, minlength=slots.size)
+        n_src_slots = int(np.unique(slot_of_tensor[:sources_count]).size)
+        ideal = remote_bytes / n_src_slots if n_src_slots else 0.0
+        mx = int(send.max()) if send.size else 0
+        self.stats = PlanStats(
+            copies=int(self._local.src.size + self._remote.src.size),
+            local_copies=int(self._local.src.size),
+            messages=int(ms.size),
+            rounds=int(m_round.max()) + 1 if m_round.size else 0,
+            total_bytes=remote_bytes + local_bytes,
+            local_bytes=local_bytes,
+            remote_bytes=remote_bytes,
+            source_slots=n_src_slots,
+            max_send_bytes=mx,
+            ideal_send_bytes=ideal,
+            send_imbalance=mx / ideal if ideal else 1.0,
+            max_recv_bytes=int(recv.max()) if recv.size else 0,
+        )
+        self._send_load = send
+        self._all_slots = slots
+
+    def _split(
+        self, t: _CopyTable, s: np.ndarray, d: np.ndarray
+    ) -> tuple[_CopyTable, np.ndarray, np.ndarray]:
+        """Cut copies larger than a bucket along dim 0 (whole blocks when quantized)."""
+        nb = bk.segment_nbytes(t.wire, t.shape, t.ndim, t.esize)
+        big = (nb > self.config.bucket_bytes) & (t.ndim >= 1)
+        if not big.any():
+            return t, s, d
+        rows = t.shape[:, 0]
+        row_bytes = nb // np.maximum(rows, 1)
+        pieces, per = bk.split_rows(
+            rows, row_bytes, bk.split_granularity(t.wire, t.ndim), self.config.bucket_bytes
+        )
+        pieces = np.where(big, pieces, 1)
+        idx = np.repeat(np.arange(t.src.size), pieces)
+        k = np.arange(idx.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        out = t.take(idx)
+        step = np.where(big, per, 0)[idx] * k
+        out.src_loc[:, 0] += step
+        out.dst_loc[:, 0] += step
+        out.shape[:, 0] = np.where(big[idx], np.minimum(per[idx], rows[idx] - step), rows[idx])
+        return out, s[idx], d[idx]
+
+    def slots(self) -> list[int]:
+        """Every slot that holds a registered tensor (source or destination)."""
+        return self._all_slots.tolist()
+
+    def source_slots_of(self, pool: str, rank: int) -> list[int]:
+        """Slots that read the tensors of source worker (pool, rank)."""
+        src = self._remote.src.tolist() + self._local.src.tolist()
+        used = {i for i in src}
+        return sorted(
+            {
+                self.tensors[i].slot
+                for i in used
+                if self.tensors[i].pool == pool and self.tensors[i].rank == rank
+            }
+        )
+
+    def send_bytes(self) -> dict[int, int]:
+        """Remote bytes each slot sends."""
+        return {int(s): int(b) for s, b in zip(self._all_slots, self._send_load, strict=True)}
+
+    def _copies(self, t: _CopyTable, lo: int, hi: int) -> tuple[Copy, ...]:
+        out = []
+        for i in range(lo, hi):
+            nd = int(t.ndim[i])
+            out.append(
+                Copy(
+                    int(t.src[i]),
+                    tuple(t.src_loc[i, :nd].tolist()),
+                    int(t.dst[i]),
+                    tuple(t.dst_loc[i, :nd].tolist()),
+                    tuple(t.shape[i, :nd].tolist()),
+                    WIRE_NAMES[int(t.wire[i])],
+                )
+            )
+        return tuple(out)
+
+    def program(self, slot: int) -> SlotProgram:
+        """What the transfer process of `slot` executes, messages ordered by (round, id)."""
+
+        def msgs(mask: np.ndarray) -> tuple[Message, ...]:
+            return tuple(
+                Message(
+                    id=int(m),
+                    round=int(self._m_round[m]),
+                    src_slot=int(self._m_src[m]),
+                    dst_slot=int(self._m_dst[m]),
+                    copies=self._copies(self._remote, int(self._m_start[m]), int(self._m_end[m])),
+                    nbytes=int(self._m_bytes[m]),
+                )
+                for m in np.flatnonzero(mask).tolist()
+            )
+
+        sends = msgs(self._m_src == slot)
+        recvs = msgs(self._m_dst == slot)
+        lmask = np.flatnonzero(self._slot_of[self._local.src] == slot)
+        local = self._copies(self._local.take(lmask), 0, lmask.size)
+        used: set[int] = set()
+        for m in (*sends, *recvs):
+            for c in m.copies:
+                used.update((c.src_tensor, c.dst_tensor))
+        for c in local:
+            used.update((c.src_tensor, c.dst_tensor))
+        return SlotProgram(
+            digest=self.digest,
+            slot=slot,
+            tensors={i: self.tensors[i] for i in sorted(used)},
+            sends=sends,
+            recvs=recvs,
+            local=local,
+        )
