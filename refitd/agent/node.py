@@ -1,0 +1,350 @@
+"""The node agent: one per host, it serves the controller's commands on its device slots.
+
+It registers its slots (AgentControl.RegisterAgent), opens the Commands stream and relays
+each command to the transfer process of the slot it names (one process per slot, spawned
+through refitd.agent.transfer_process.TransferProcessHandle), reporting CONNECTED, LOADED,
+SOURCES_RELEASED, DONE or FAILED with bytes and seconds. Commands of one slot run in order on
+that slot's thread; different slots run at the same time (they talk to each other). Abort
+goes straight to the processes. When the controller goes away the agent registers again
+with backoff; every call has a deadline and every wait a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from refitd._proto import refitd_pb2 as pb
+from refitd.client.connection import Backoff, ControllerConnection, RefitError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    """The agent's tunables, taken from refitd.config.Settings."""
+
+    rpc_timeout_s: float = 30.0
+    connect_timeout_s: float = 60.0
+    load_timeout_s: float = 60.0
+    transfer_timeout_s: float = 300.0
+    staging_bytes: int = 256 << 20
+    heartbeat_timeout_s: float = 10.0
+    reconnect_max_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> AgentOptions:
+        if settings is None:
+            return cls()
+        return cls(
+            rpc_timeout_s=settings.rpc_timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
+            load_timeout_s=settings.load_timeout_s,
+            transfer_timeout_s=settings.transfer_timeout_s,
+            staging_bytes=settings.staging_bytes,
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a slot command produced, reported to the controller."""
+
+    kind: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    seconds: float = 0.0
+    message: str = ""
+
+
+class SlotRunner:
+    """One device slot: its transfer process and a thread running its commands in order."""
+
+    def __init__(self, agent: NodeAgent, slot: int, device: str, options: AgentOptions) -> None:
+        from refitd.agent.transfer_process import TransferProcessHandle
+
+        self.agent = agent
+        self.slot = slot
+        self.device = device
+        self.options = options
+        self.process = TransferProcessHandle(slot=slot, device=device)
+        self._queue: queue.Queue[pb.AgentCommand | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"refitd-slot-{slot}", daemon=True)
+        self._thread.start()
+
+    def submit(self, cmd: pb.AgentCommand) -> None:
+        self._queue.put(cmd)
+
+    def abort(self, refit_id: int, reason: str) -> None:
+        log.info("slot %d: aborting refit %d: %s", self.slot, refit_id, reason)
+        try:
+            self.process.abort(timeout_s=self.options.rpc_timeout_s)
+        except Exception as exc:
+            log.warning("slot %d: abort of refit %d: %r", self.slot, refit_id, exc)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        try:
+            self.process.close()
+        except Exception as exc:
+            log.warning("slot %d: closing transfer process: %r", self.slot, exc)
+        self._thread.join(timeout=10.0)
+
+    def _loop(self) -> None:
+        while True:
+            cmd = self._queue.get()
+            if cmd is None:
+                return
+            which = cmd.WhichOneof("command")
+            refit_id = cmd.execute.refit_id if which == "execute" else 0
+            start = time.perf_counter()
+            try:
+                outcome = getattr(self, f"_{which}")(cmd)
+            except Exception as exc:
+                log.warning("slot %d: %s failed: %s", self.slot, which, exc)
+                outcome = Outcome(
+                    pb.REPORT_KIND_FAILED,
+                    seconds=time.perf_counter() - start,
+                    message=f"slot {self.slot} ({self.agent.host} {self.device}) {which}: {exc}",
+                )
+            self.agent.report(self.slot, cmd.command_id, refit_id, outcome)
+
+    def _connect(self, cmd: pb.AgentCommand) -> Outcome:
+        c = cmd.connect
+        start = time.perf_counter()
+        self.process.connect(
+            epoch=c.epoch,
+            store_host=c.store_host,
+            store_port=c.store_port,
+            world_size=c.world_size,
+            rank=c.comm_rank[self.slot],
+            transport=c.transport or "gloo",
+            timeout_s=c.timeout_s or self.options.connect_timeout_s,
+            slot_ranks=dict(c.comm_rank),
+            store_token=c.store_token,
+        )
+        return Outcome(pb.REPORT_KIND_CONNECTED, seconds=time.perf_counter() - start)
+
+    def _load(self, cmd: pb.AgentCommand) -> Outcome:
+        c = cmd.load
+        start = time.perf_counter()
+        self.process.load(
+            digest=c.digest,
+            program=c.program,
+            handles={h.index: h.memory for h in c.handles},
+            staging_bytes=self.options.staging_bytes,
+            timeout_s=self.options.load_timeout_s,
+        )
+        return Outcome(pb.REPORT_KIND_LOADED, seconds=time.perf_counter() - start)
+
+    def _execute(self, cmd: pb.AgentCommand) -> Outcome:
+        c = cmd.execute
+
+        def released() -> None:
+            self.agent.report(
+                self.slot, cmd.command_id, c.refit_id, Outcome(pb.REPORT_KIND_SOURCES_RELEASED)
+            )
+
+        result = self.process.execute(
+            digest=c.digest,
+            version=c.version,
+            refit_id=c.refit_id,
+            timeout_s=c.timeout_s or self.options.transfer_timeout_s,
+            on_sources_released=released,
+        )
+        return Outcome(
+            pb.REPORT_KIND_DONE,
+            bytes_sent=int(result["sent_bytes"]),
+            bytes_received=int(result["recv_bytes"]),
+            bytes_local=int(result["local_bytes"]),
+            seconds=float(result["seconds"]),
+        )
+
+
+class NodeAgent:
+    """Registers with the controller and serves its commands until `stop` is set."""
+
+    def __init__(
+        self, controller_address: str, host: str, devices: list[str], settings: Any = None
+    ) -> None:
+        if not devices:
+            raise ValueError("a node agent needs at least one device slot (e.g. cpu:0)")
+        self.address = controller_address
+        self.host = host
+        self.devices = list(devices)
+        self.options = AgentOptions.from_settings(settings)
+        self.agent_id = ""
+        self.slots: dict[int, SlotRunner] = {}
+        self.heartbeat_interval_s = 1.0
+        self._conn = ControllerConnection(controller_address, self.options.rpc_timeout_s)
+        self._stream: Any = None
+        self._stream_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set; reconnect (and register again) with backoff."""
+        backoff = Backoff(maximum_s=self.options.reconnect_max_s)
+        watcher = threading.Thread(target=self._cancel_on, args=(stop,), daemon=True)
+        watcher.start()
+        try:
+            while not stop.is_set():
+                try:
+                    self._register()
+                    backoff.reset()
+                    self._serve(stop)
+                except RefitError as err:
+                    log.info("agent %s: %s", self.host, err)
+                except grpc.RpcError as err:
+                    if not stop.is_set():
+                        log.info("agent %s: command stream ended: %s", self.host, err.details())
+                if backoff.wait(stop):
+                    break
+        finally:
+            self.close()
+
+    def _register(self) -> None:
+        req = pb.RegisterAgentRequest(
+            host=self.host,
+            slots=[pb.SlotInfo(device=d) for d in self.devices],
+            pid=os.getpid(),
+            agent_id=self.agent_id,
+        )
+        resp = self._conn.call(self._conn.agents.RegisterAgent, req, f"register agent {self.host}")
+        if len(resp.slot_ids) != len(self.devices):
+            raise RefitError(
+                f"controller assigned {len(resp.slot_ids)} slot ids for {len(self.devices)} devices"
+            )
+        self.agent_id = resp.agent_id
+        self.heartbeat_interval_s = resp.heartbeat_interval_s or 1.0
+        wanted = dict(zip(resp.slot_ids, self.devices, strict=True))
+        for slot_id in list(self.slots):
+            if wanted.get(slot_id) != self.slots[slot_id].device:
+                self.slots.pop(slot_id).close()
+        missing = [(s, d) for s, d in wanted.items() if s not in self.slots]
+        if missing:  # spawn transfer processes in parallel: each imports torch
+            with ThreadPoolExecutor(len(missing)) as pool:
+                runners = pool.map(lambda sd: SlotRunner(self, sd[0], sd[1], self.options), missing)
+                self.slots.update({r.slot: r for r in runners})
+        log.info("agent %s registered as %s with slots %s", self.host, self.agent_id, wanted)
+
+    def _serve(self, stop: threading.Event) -> None:
+        stream = self._conn.agents.Commands(pb.AgentStreamRequest(agent_id=self.agent_id))
+        with self._stream_lock:
+            self._stream = stream
+        if stop.is_set():
+            stream.cancel()
+        beat = threading.Thread(target=self._heartbeat, args=(stream, stop), daemon=True)
+        beat.start()
+        try:
+            for cmd in stream:
+                self._dispatch(cmd)
+        finally:
+            with self._stream_lock:
+                self._stream = None
+            stream.cancel()
+            beat.join(timeout=self.heartbeat_interval_s + self.options.rpc_timeout_s)
+
+    def _dispatch(self, cmd: pb.AgentCommand) -> None:
+        which = cmd.WhichOneof("command")
+        if which == "abort":
+            for runner in self.slots.values():
+                runner.abort(cmd.abort.refit_id, cmd.abort.reason)
+            return
+        if which == "connect":
+            targets = [s for s in cmd.connect.comm_rank if s in self.slots]
+        elif which in ("load", "execute"):
+            targets = [getattr(cmd, which).slot]
+        else:
+            log.warning("agent %s: unknown command %r", self.host, which)
+            return
+        for slot in targets:
+            runner = self.slots.get(slot)
+            if runner is None:
+                self.report(
+                    slot,
+                    cmd.command_id,
+                    cmd.execute.refit_id if which == "execute" else 0,
+                    Outcome(pb.REPORT_KIND_FAILED, message=f"agent {self.host} has no slot {slot}"),
+                )
+            else:
+                runner.submit(cmd)
+
+    # ------------------------------------------------------------------ controller calls
+    def report(self, slot: int, command_id: int, refit_id: int, outcome: Outcome) -> None:
+        """Send one report; retried briefly, then dropped (the controller's timeout covers it)."""
+        req = pb.AgentReport(
+            agent_id=self.agent_id,
+            slot=slot,
+            command_id=command_id,
+            kind=outcome.kind,
+            refit_id=refit_id,
+            bytes_sent=outcome.bytes_sent,
+            bytes_received=outcome.bytes_received,
+            bytes_local=outcome.bytes_local,
+            seconds=outcome.seconds,
+            message=outcome.message,
+        )
+        for attempt in range(3):
+            try:
+                self._conn.call(self._conn.agents.Report, req, f"report slot {slot}")
+                return
+            except RefitError as err:
+                if not err.transient or attempt == 2:
+                    log.warning("agent %s: report dropped: %s", self.host, err)
+                    return
+                time.sleep(0.2 * (attempt + 1))
+
+    def _heartbeat(self, stream: Any, stop: threading.Event) -> None:
+        """Beat while the stream lives; a controller that stops answering ends the stream."""
+        last_ok = time.monotonic()
+        while not stop.wait(self.heartbeat_interval_s) and stream.is_active():
+            try:
+                self._conn.call(
+                    self._conn.agents.AgentHeartbeat,
+                    pb.AgentHeartbeatRequest(agent_id=self.agent_id),
+                    "agent heartbeat",
+                    timeout_s=max(2.0, self.heartbeat_interval_s * 3),
+                )
+                last_ok = time.monotonic()
+            except RefitError as err:
+                silent = time.monotonic() - last_ok
+                if (
+                    err.code == grpc.StatusCode.NOT_FOUND
+                    or silent > self.options.heartbeat_timeout_s
+                ):
+                    log.info("agent %s: reconnecting (%s)", self.host, err)
+                    stream.cancel()
+                    return
+
+    def _cancel_on(self, stop: threading.Event) -> None:
+        stop.wait()
+        with self._stream_lock:
+            if self._stream is not None:
+                self._stream.cancel()
+
+    def close(self) -> None:
+        """Stop every transfer process and close the channel."""
+        for runner in self.slots.values():
+            runner.close()
+        self.slots.clear()
+        self._conn.close()
+
+
+def run_node_agent(
+    controller_address: str,
+    host: str,
+    devices: list[str],
+    settings: Any,
+    stop_event: threading.Event,
+) -> None:
+    """Run a node agent until stop_event is set (used by `refitd serve` and `refitd agent`)."""
+    NodeAgent(controller_address, host, devices, settings).run(stop_event)

@@ -1,0 +1,54 @@
+"""`refitd agent --controller HOST:PORT --devices cpu:0,cpu:1`: join a controller as a node agent.
+
+Runs until interrupted (SIGINT/SIGTERM); reconnects and registers again when the
+controller restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+
+from refitd.config import add_settings_arguments, settings_from_args
+
+AGENT_FIELDS = [
+    "controller",
+    "devices",
+    "cpu_slots",
+    "rpc_timeout_s",
+    "connect_timeout_s",
+    "load_timeout_s",
+    "transfer_timeout_s",
+    "staging_bytes",
+    "heartbeat_timeout_s",
+    "log_level",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser, AGENT_FIELDS)
+    parser.add_argument(
+        "--hostname",
+        default=None,
+        help="name of this host as workers give it (default: socket.gethostname())",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from refitd.agent.node import run_node_agent
+
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    host = args.hostname or socket.gethostname()
+    devices = settings.local_devices()
+    print(f"refitd agent {host}: slots {','.join(devices)} -> controller {settings.controller}")
+    run_node_agent(settings.controller, host, devices, settings, stop)
+    return 0
