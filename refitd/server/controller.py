@@ -1,0 +1,156 @@
+"""The controller process: gRPC (Refit, AgentControl, health, reflection), ops HTTP, the
+rendezvous store, the SQLite state and the refit coordinator, started and stopped together.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from refitd._proto import refitd_pb2 as pb
+from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.config import Settings
+from refitd.server.database import StateDB
+from refitd.server.grpc_service import AgentControlServicer, RefitServicer
+from refitd.server.http import HttpServer
+from refitd.server.metrics import ControllerMetrics
+from refitd.server.refits import RefitCoordinator
+from refitd.server.registry import Registry
+from refitd.server.rendezvous import RendezvousStore
+
+log = logging.getLogger("refitd.controller")
+
+SERVICE_NAMES = tuple(
+    pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Refit", "AgentControl")
+)
+
+
+class Controller:
+    """One refitd controller. `start()` binds everything; `stop()` releases everything."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.stopping = False
+        self.started_monotonic = time.monotonic()
+        self.metrics = ControllerMetrics()
+        self.db = StateDB(settings.data_dir)
+        self.registry = Registry(self.db)
+        self.store: RendezvousStore | None = None
+        self.refits: RefitCoordinator
+        self.grpc_server: grpc.Server | None = None
+        self.http: HttpServer | None = None
+        self.health = health.HealthServicer()
+        self.grpc_port = 0
+        self._stopped = threading.Event()
+
+    # --- addresses
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.settings.host}:{self.grpc_port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.settings.host}:{self.http.port}" if self.http else ""
+
+    @property
+    def store_address_str(self) -> str:
+        return f"{self.store.host}:{self.store.port}" if self.store else ""
+
+    def start(self) -> Controller:
+        s = self.settings
+        if s.rendezvous:
+            self.store = RendezvousStore.start(s.host, s.store_port)
+        store_addr = (s.store_host, self.store.port) if self.store else None
+        self.refits = RefitCoordinator(s, self.registry, self.db, self.metrics, store_addr)
+        opts = [
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc"),
+            options=opts,
+        )
+        pbg.add_RefitServicer_to_server(RefitServicer(self), server)
+        pbg.add_AgentControlServicer_to_server(AgentControlServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                *SERVICE_NAMES,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if self.grpc_port == 0:
+            raise RuntimeError(f"cannot bind gRPC on {s.host}:{s.grpc_port}")
+        server.start()
+        self.grpc_server = server
+        for name in ("", *SERVICE_NAMES):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.http = HttpServer(self, s.host, s.http_port)
+        self.http.start()
+        self.refresh_gauges()
+        log.info(
+            "controller: gRPC %s, HTTP %s, store %s, state %s",
+            self.grpc_address,
+            self.http_address,
+            self.store_address_str or "off",
+            self.db.path,
+        )
+        return self
+
+    def readiness(self) -> dict[str, bool]:
+        checks = {
+            "grpc": self.grpc_server is not None and not self.stopping,
+            "database": self.db.healthy(),
+        }
+        if self.settings.rendezvous:
+            checks["rendezvous"] = self.store is not None and self.store.alive()
+        return checks
+
+    def refresh_gauges(self) -> None:
+        reg = self.registry
+        with reg.lock:
+            self.metrics.workers.clear()
+            for m in reg.models.values():
+                for p in m.pools.values():
+                    self.metrics.workers.labels(m.name, p.name).set(len(p.ranks))
+            self.metrics.slots.set(len(reg.slots))
+            self.metrics.agents.set(sum(1 for a in reg.agents.values() if a.connected))
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        self.health.enter_graceful_shutdown()
+        if self.http:
+            self.http.stop()
+        if self.grpc_server:
+            self.grpc_server.stop(grace_s).wait(grace_s + 3)
+        if hasattr(self, "refits"):
+            self.refits.stop()
+        if self.store:
+            self.store.stop()
+        self.db.close()
+        self._stopped.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until stopped (or timeout); True when stopped."""
+        return self._stopped.wait(timeout_s)
+
+    def __enter__(self) -> Controller:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

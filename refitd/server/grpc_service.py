@@ -1,0 +1,178 @@
+"""gRPC front end: the Refit and AgentControl servicers over the controller's objects.
+
+Servicers only translate: proto in, ControlError -> status code out. Streams (Subscribe,
+Commands) hold a pool thread each and end when the client goes or the controller stops.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from refitd._proto import refitd_pb2 as pb
+from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.server.errors import ControlError, ErrorKind, invalid
+from refitd.server.status import status_document
+
+if TYPE_CHECKING:
+    from refitd.server.controller import Controller
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+GRPC_CODES = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+WAITS = (pb.WAIT_UNSPECIFIED, pb.WAIT_SOURCES_READ, pb.WAIT_COMMITTED, pb.WAIT_ACCEPTED)
+
+
+def _translated(fn: F) -> F:
+    """Run a unary handler; a ControlError becomes the matching gRPC status."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except ControlError as e:
+            context.abort(GRPC_CODES[e.kind], e.message)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class RefitServicer(pbg.RefitServicer):
+    """What workers call (through refitd.client)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    @_translated
+    def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: Any) -> Any:
+        w = self.c.registry.register_worker(request)
+        model = self.c.registry.model(w.model)
+        self.c.refresh_gauges()
+        return pb.RegisterWorkerResponse(
+            worker_id=w.worker_id,
+            epoch=model.epoch,
+            current_version=model.committed_version,
+            slot=w.slot,
+            heartbeat_interval_s=self.c.settings.heartbeat_interval_s,
+        )
+
+    @_translated
+    def UnregisterWorker(self, request: pb.UnregisterWorkerRequest, context: Any) -> Any:
+        self.c.registry.unregister_worker(request.worker_id)
+        self.c.refresh_gauges()
+        return pb.UnregisterWorkerResponse()
+
+    @_translated
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
+        w = self.c.registry.touch_worker(request.worker_id)
+        return pb.HeartbeatResponse(epoch=self.c.registry.model(w.model).epoch)
+
+    @_translated
+    def Refit(self, request: pb.RefitRequest, context: Any) -> Any:
+        if request.wait not in WAITS:
+            raise invalid(f"field wait={request.wait} is not a WaitFor value")
+        if request.timeout_s < 0:
+            raise invalid(f"field timeout_s must be >= 0, got {request.timeout_s}")
+        return self.c.refits.request(
+            request.worker_id, request.version, request.wait, request.timeout_s
+        )
+
+    def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> Iterator[pb.VersionEvent]:
+        try:
+            w = self.c.registry.worker(request.worker_id)
+            if w.role != "destination":
+                raise invalid(f"{w.describe()} is a source; only destination ranks subscribe")
+        except ControlError as e:
+            context.abort(GRPC_CODES[e.kind], e.message)
+        stream = self.c.refits.events.open(w.worker_id)
+        try:
+            hello = pb.VersionEvent(
+                event_id=self.c.refits.events.next_id(),
+                kind=pb.EVENT_KIND_HELLO,
+                model=w.model,
+                pool=w.pool,
+                version=self.c.registry.model(w.model).committed_version,
+            )
+            yield hello
+            yield from stream.items(lambda: context.is_active() and not self.c.stopping)
+        finally:
+            self.c.refits.events.close(stream, f"{w.describe()} closed its subscription")
+
+    @_translated
+    def Ack(self, request: pb.AckRequest, context: Any) -> Any:
+        w = self.c.registry.worker(request.worker_id)
+        if request.event_id <= 0:
+            raise invalid(f"field event_id must be > 0, got {request.event_id}")
+        self.c.refits.events.ack(request, w.describe())
+        return pb.AckResponse()
+
+    @_translated
+    def GetStatus(self, request: pb.StatusRequest, context: Any) -> Any:
+        if request.model and request.model not in self.c.registry.models:
+            raise ControlError(ErrorKind.NOT_FOUND, f"model {request.model!r} is not registered")
+        return pb.StatusResponse(json=json.dumps(status_document(self.c, request.model)))
+
+
+class AgentControlServicer(pbg.AgentControlServicer):
+    """What node agents call."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    @_translated
+    def RegisterAgent(self, request: pb.RegisterAgentRequest, context: Any) -> Any:
+        agent = self.c.registry.register_agent(
+            request.host, [s.device for s in request.slots], request.pid, request.agent_id
+        )
+        self.c.refresh_gauges()
+        return pb.RegisterAgentResponse(
+            agent_id=agent.agent_id,
+            slot_ids=agent.slot_ids,
+            heartbeat_interval_s=self.c.settings.heartbeat_interval_s,
+        )
+
+    def Commands(self, request: pb.AgentStreamRequest, context: Any) -> Iterator[pb.AgentCommand]:
+        try:
+            agent = self.c.registry.agent(request.agent_id)
+        except ControlError as e:
+            context.abort(GRPC_CODES[e.kind], e.message)
+        stream = self.c.refits.agents.open(agent.agent_id)
+        agent.connected = True
+        self.c.refresh_gauges()
+        try:
+            yield from stream.items(lambda: context.is_active() and not self.c.stopping)
+        finally:
+            if self.c.refits.agents.close(
+                stream, f"agent {agent.agent_id} on host {agent.host!r} disconnected"
+            ):
+                agent.connected = False
+            self.c.refresh_gauges()
+
+    @_translated
+    def Report(self, request: pb.AgentReport, context: Any) -> Any:
+        agent = self.c.registry.agent(request.agent_id)
+        if request.kind not in pb.ReportKind.values() or request.kind == 0:
+            raise invalid(f"field kind={request.kind} of a report is not a ReportKind")
+        if request.slot not in agent.slot_ids:
+            raise invalid(
+                f"agent {agent.agent_id} reports for slot {request.slot}, which it does not "
+                f"serve (its slots: {agent.slot_ids})"
+            )
+        agent.last_seen = time.monotonic()
+        self.c.refits.agents.report(request)
+        return pb.AgentReportResponse()
+
+    @_translated
+    def AgentHeartbeat(self, request: pb.AgentHeartbeatRequest, context: Any) -> Any:
+        self.c.registry.agent(request.agent_id).last_seen = time.monotonic()
+        return pb.AgentHeartbeatResponse()

@@ -1,0 +1,81 @@
+"""Ops HTTP (FastAPI): health, readiness, Prometheus metrics, the status JSON and page.
+
+Runs on uvicorn in a thread of the controller process. Errors are 4xx with a JSON body.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Query
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from refitd import __version__
+from refitd.server.status import status_document
+
+if TYPE_CHECKING:
+    from refitd.server.controller import Controller
+
+
+def build_app(c: Controller) -> FastAPI:
+    """The ops app of one controller."""
+    app = FastAPI(title="refitd", version=__version__, docs_url=None, redoc_url=None)
+    page = resources.files("refitd.server").joinpath("static/status.html").read_text()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        """Always ok while the process lives."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        """Ready when gRPC serves, the database answers and the rendezvous store runs."""
+        checks = c.readiness()
+        ok = all(checks.values())
+        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        c.refresh_gauges()
+        return Response(c.metrics.render(), media_type=c.metrics.content_type)
+
+    @app.get("/v1/status")
+    def status(
+        model: str = Query("", max_length=128, description="only this model"),
+    ) -> dict[str, Any]:
+        if model and model not in c.registry.models:
+            raise HTTPException(404, f"model {model!r} is not registered")
+        return status_document(c, model)
+
+    @app.get("/", response_class=HTMLResponse)
+    def index() -> str:
+        return page
+
+    return app
+
+
+class HttpServer:
+    """uvicorn serving the ops app on a socket bound before the thread starts."""
+
+    def __init__(self, c: Controller, host: str, port: int) -> None:
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(build_app(c), log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+        self.sock.close()

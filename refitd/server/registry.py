@@ -1,0 +1,337 @@
+"""Who is where: models, pools, workers, device slots and agents, with membership epochs.
+
+Every change of membership (a worker or an agent registers or leaves) bumps the epoch of
+the models it touches; the epoch is part of the plan digest, so a stale plan is never
+replayed. The registry is the controller's in-memory view, written through to StateDB.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from refitd._proto import refitd_pb2 as pb
+from refitd.plan.layout import TensorSpec
+from refitd.server.database import StateDB
+from refitd.server.errors import invalid, not_found, precondition
+from refitd.server.validation import check_device, check_worker_header, specs_from_request
+
+
+@dataclass
+class Worker:
+    """One registered trainer or inference rank."""
+
+    worker_id: str
+    model: str
+    pool: str
+    role: str
+    rank: int
+    pool_size: int
+    host: str
+    device: str
+    pid: int
+    slot: int
+    specs: tuple[TensorSpec, ...]
+    memory: dict[str, bytes]
+    registered_at: float
+    last_seen: float
+    live: bool = True  # False: restored from the database, not re-registered yet
+
+    def describe(self) -> str:
+        return f"worker {self.worker_id} (rank {self.rank} of pool {self.pool!r})"
+
+
+@dataclass
+class Pool:
+    name: str
+    role: str
+    size: int
+    ranks: dict[int, str] = field(default_factory=dict)  # rank -> worker_id
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ranks) == self.size
+
+
+@dataclass
+class Model:
+    name: str
+    epoch: int = 0
+    committed_version: int = 0
+    pools: dict[str, Pool] = field(default_factory=dict)
+
+    def source_pool(self) -> Pool | None:
+        return next((p for p in self.pools.values() if p.role == "source"), None)
+
+    def destination_pools(self) -> list[Pool]:
+        return [p for p in self.pools.values() if p.role == "destination"]
+
+
+@dataclass
+class Slot:
+    slot_id: int
+    host: str
+    device: str
+    agent_id: str | None
+
+
+@dataclass
+class Agent:
+    agent_id: str
+    host: str
+    pid: int
+    slot_ids: list[int]
+    registered_at: float
+    last_seen: float
+    incarnation: int
+    connected: bool = False  # its Commands stream is open
+
+
+class Registry:
+    """Membership of the cluster, persisted through StateDB; thread-safe."""
+
+    def __init__(self, db: StateDB) -> None:
+        self.db = db
+        self.lock = threading.RLock()
+        self.models: dict[str, Model] = {}
+        self.workers: dict[str, Worker] = {}
+        self.agents: dict[str, Agent] = {}
+        self.slots: dict[int, Slot] = {}
+        self._incarnations = 0
+        self._restore()
+
+    def _restore(self) -> None:
+        """Rebuild the view from the database; restored entries wait for re-registration."""
+        for name, epoch, committed in self.db.models():
+            # +1: communicators and plans of the previous controller are gone.
+            self.models[name] = Model(name, epoch + 1, committed)
+        for slot_id, host, device, agent_id in self.db.slots():
+            self.slots[slot_id] = Slot(slot_id, host, device, agent_id)
+        for agent_id, host, pid in self.db.agents():
+            ids = [s.slot_id for s in self.slots.values() if s.agent_id == agent_id]
+            self.agents[agent_id] = Agent(agent_id, host, pid, ids, 0.0, 0.0, 0)
+        for worker_id, blob, slot in self.db.workers():
+            req = pb.RegisterWorkerRequest.FromString(blob)
+            try:
+                self._insert_worker(req, worker_id, slot, live=False)
+            except Exception:  # a row a newer validation refuses: drop it, it re-registers
+                self.db.delete_worker(worker_id)
+        for model in self.models.values():
+            self.db.save_model(model.name, model.epoch, model.committed_version)
+
+    # --- models
+    def model(self, name: str) -> Model:
+        with self.lock:
+            m = self.models.get(name)
+            if m is None:
+                raise not_found(f"model {name!r} is not registered")
+            return m
+
+    def _bump(self, model: Model) -> None:
+        model.epoch += 1
+        self.db.save_model(model.name, model.epoch, model.committed_version)
+
+    # --- agents
+    def register_agent(self, host: str, devices: list[str], pid: int, agent_id: str = "") -> Agent:
+        """Register (or re-register) a node agent; returns it with its global slot ids."""
+        if not host:
+            raise invalid("field host of RegisterAgent is empty")
+        if not devices:
+            raise invalid(f"agent on host {host!r} registers no slots")
+        for i, d in enumerate(devices):
+            check_device(d, f"slots[{i}] of agent on host {host!r}")
+        if len(set(devices)) != len(devices):
+            raise invalid(f"agent on host {host!r} lists a device twice: {devices}")
+        with self.lock:
+            if agent_id and agent_id not in self.agents:
+                agent_id = ""  # unknown id (e.g. its state was wiped): treat as new
+            agent_id = agent_id or uuid.uuid4().hex[:12]
+            for d in devices:
+                owner = next(
+                    (
+                        a
+                        for a in self.agents.values()
+                        if a.agent_id != agent_id
+                        and a.connected
+                        and any(
+                            self.slots[s].host == host and self.slots[s].device == d
+                            for s in a.slot_ids
+                        )
+                    ),
+                    None,
+                )
+                if owner is not None:
+                    raise precondition(
+                        f"device {d} of host {host!r} is served by connected agent {owner.agent_id}"
+                    )
+            ids = []
+            for d in devices:
+                sid = self.db.slot_id(host, d, agent_id)
+                self.slots[sid] = Slot(sid, host, d, agent_id)
+                ids.append(sid)
+            for a in self.agents.values():  # a slot moves to its newest agent
+                if a.agent_id != agent_id:
+                    a.slot_ids = [s for s in a.slot_ids if s not in ids]
+            self._incarnations += 1
+            now = time.monotonic()
+            agent = Agent(agent_id, host, pid, ids, time.time(), now, self._incarnations)
+            self.agents[agent_id] = agent
+            self.db.save_agent(agent_id, host, pid)
+            for m in self.models.values():
+                self._bump(m)
+            return agent
+
+    def agent(self, agent_id: str) -> Agent:
+        with self.lock:
+            a = self.agents.get(agent_id)
+            if a is None:
+                raise not_found(f"agent_id {agent_id!r} is not registered")
+            return a
+
+    def slot_for(self, host: str, device: str) -> Slot:
+        with self.lock:
+            for s in self.slots.values():
+                if s.host == host and s.device == device and s.agent_id in self.agents:
+                    return s
+        raise precondition(
+            f"no node agent serves device {device} on host {host!r}; start `refitd agent` "
+            f"there (or `refitd serve` with that device)"
+        )
+
+    # --- workers
+    def register_worker(self, req: pb.RegisterWorkerRequest) -> Worker:
+        """Validate and register a worker; re-registering (model, pool, rank) replaces it."""
+        check_worker_header(req)
+        slot = self.slot_for(req.host, req.device)
+        with self.lock:
+            return self._insert_worker(req, "", slot.slot_id, live=True)
+
+    def _insert_worker(
+        self, req: pb.RegisterWorkerRequest, worker_id: str, slot: int, live: bool
+    ) -> Worker:
+        role = check_worker_header(req)
+        specs = specs_from_request(req, slot)
+        model = self.models.get(req.model) or Model(req.model)
+        pool = model.pools.get(req.pool)
+        if pool is not None and pool.role != role:
+            raise precondition(
+                f"rank {req.rank} of pool {req.pool!r} registers as {role}, but the pool is "
+                f"a {pool.role} pool"
+            )
+        if (
+            pool is not None
+            and pool.size != req.pool_size
+            and len(pool.ranks) > (1 if req.rank in pool.ranks else 0)
+        ):
+            raise precondition(
+                f"rank {req.rank} of pool {req.pool!r} says pool_size={req.pool_size}, the "
+                f"registered ranks say {pool.size}"
+            )
+        if role == "source":
+            src = model.source_pool()
+            if src is not None and src.name != req.pool:
+                raise precondition(
+                    f"model {req.model!r} already has source pool {src.name!r}; pool "
+                    f"{req.pool!r} cannot be a second source"
+                )
+        self._check_against_pool(model, req, specs)
+        if pool is None:
+            pool = Pool(req.pool, role, req.pool_size)
+            model.pools[req.pool] = pool
+        pool.size = req.pool_size
+        old_id = pool.ranks.get(req.rank)
+        if req.worker_id and req.worker_id != old_id and req.worker_id in self.workers:
+            raise precondition(
+                f"worker_id {req.worker_id} belongs to another rank; it cannot register as "
+                f"rank {req.rank} of pool {req.pool!r}"
+            )
+        if old_id is not None:
+            self.workers.pop(old_id, None)
+            self.db.delete_worker(old_id)
+        worker_id = worker_id or req.worker_id or uuid.uuid4().hex[:12]
+        now = time.monotonic()
+        worker = Worker(
+            worker_id=worker_id,
+            model=req.model,
+            pool=req.pool,
+            role=role,
+            rank=req.rank,
+            pool_size=req.pool_size,
+            host=req.host,
+            device=req.device,
+            pid=req.pid,
+            slot=slot,
+            specs=tuple(specs),
+            memory={t.name: t.memory for t in req.tensors},
+            registered_at=time.time(),
+            last_seen=now,
+            live=live,
+        )
+        self.models[req.model] = model
+        pool.ranks[req.rank] = worker_id
+        self.workers[worker_id] = worker
+        if live:
+            self.db.save_worker(
+                worker_id, req.model, req.pool, req.rank, req.SerializeToString(), slot
+            )
+            self._bump(model)
+        return worker
+
+    def _check_against_pool(
+        self, model: Model, req: pb.RegisterWorkerRequest, specs: list[TensorSpec]
+    ) -> None:
+        """A canonical tensor has one global shape within a pool."""
+        pool = model.pools.get(req.pool)
+        if pool is None:
+            return
+        known: dict[str, tuple[tuple[int, ...], int]] = {}
+        for rank, wid in pool.ranks.items():
+            if rank == req.rank or wid not in self.workers:
+                continue
+            for s in self.workers[wid].specs:
+                known.setdefault(s.canonical, (s.global_shape, rank))
+        for s in specs:
+            if s.canonical in known and known[s.canonical][0] != s.global_shape:
+                shape, rank = known[s.canonical]
+                raise invalid(
+                    f"tensor {s.name!r} of rank {req.rank} in pool {req.pool!r}: global_shape "
+                    f"{list(s.global_shape)} disagrees with {list(shape)} registered by rank "
+                    f"{rank} for {s.canonical!r}"
+                )
+
+    def worker(self, worker_id: str) -> Worker:
+        with self.lock:
+            w = self.workers.get(worker_id)
+            if w is None:
+                raise not_found(f"worker_id {worker_id!r} is not registered")
+            return w
+
+    def unregister_worker(self, worker_id: str) -> Worker:
+        with self.lock:
+            w = self.worker(worker_id)
+            del self.workers[worker_id]
+            model = self.models[w.model]
+            pool = model.pools[w.pool]
+            pool.ranks.pop(w.rank, None)
+            if not pool.ranks:
+                del model.pools[w.pool]
+            self.db.delete_worker(worker_id)
+            self._bump(model)
+            return w
+
+    def touch_worker(self, worker_id: str) -> Worker:
+        with self.lock:
+            w = self.worker(worker_id)
+            w.last_seen = time.monotonic()
+            return w
+
+    def pool_workers(self, model: str, pool: str) -> list[Worker]:
+        with self.lock:
+            p = self.model(model).pools[pool]
+            return [self.workers[w] for _, w in sorted(p.ranks.items()) if w in self.workers]
+
+    def set_committed(self, model: str, version: int) -> None:
+        with self.lock:
+            self.models[model].committed_version = version

@@ -1,0 +1,270 @@
+"""The controller's two outgoing streams and the waits on their answers.
+
+EventHub: one Subscribe stream per worker (version events, acked with Ack).
+AgentHub: one Commands stream per agent (commands, answered with Report).
+Gather: a phase of a refit waiting for a set of answers (acks or reports), failing on the
+first bad answer, on a member leaving, or on its timeout. Nothing here blocks without one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from refitd._proto import refitd_pb2 as pb
+
+T = TypeVar("T")
+POLL_S = 0.5
+
+
+class PhaseFailed(Exception):
+    """A refit phase ended badly; the message is the refit's failure reason."""
+
+
+class Stream(Generic[T]):
+    """One open server stream: items queued by the controller, yielded by the servicer."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._queue: queue.SimpleQueue[T | None] = queue.SimpleQueue()
+        self.closed = threading.Event()
+
+    def put(self, item: T) -> None:
+        self._queue.put(item)
+
+    def close(self) -> None:
+        self.closed.set()
+        self._queue.put(None)
+
+    def items(self, alive: Callable[[], bool]) -> Iterator[T]:
+        """Yield queued items until closed or `alive()` turns false (client gone)."""
+        while not self.closed.is_set() and alive():
+            try:
+                item = self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            yield item
+
+
+@dataclass
+class Gather:
+    """Waits until every key has answered; the first failure wins."""
+
+    what: str
+    pending: set = field(default_factory=set)
+    members: dict = field(default_factory=dict)  # key -> member id (agent or worker)
+    failure: str | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def complete(self, key: object) -> None:
+        with self.cond:
+            self.pending.discard(key)
+            if not self.pending:
+                self.cond.notify_all()
+
+    def fail(self, reason: str) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = reason
+            self.cond.notify_all()
+
+    def involves(self, member: str) -> bool:
+        with self.cond:
+            return any(self.members.get(k) == member for k in self.pending)
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while self.pending and self.failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(str(k) for k in self.pending)
+                    raise PhaseFailed(
+                        f"{self.what}: timed out after {timeout_s:g}s waiting for "
+                        f"{', '.join(missing[:16])}{' ...' if len(missing) > 16 else ''}"
+                    )
+                self.cond.wait(left)
+            if self.failure is not None:
+                raise PhaseFailed(self.failure)
+
+
+class GatherBoard:
+    """The gathers in progress, so a member that leaves fails the ones waiting for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: set[int] = set()
+        self._gathers: dict[int, Gather] = {}
+        self._ids = itertools.count(1)
+
+    def add(self, g: Gather) -> int:
+        with self._lock:
+            gid = next(self._ids)
+            self._gathers[gid] = g
+            return gid
+
+    def remove(self, gid: int) -> None:
+        with self._lock:
+            self._gathers.pop(gid, None)
+
+    def member_gone(self, member: str, reason: str) -> None:
+        with self._lock:
+            gathers = list(self._gathers.values())
+        for g in gathers:
+            if g.involves(member):
+                g.fail(reason)
+
+
+class EventHub:
+    """Subscribe streams by worker id, and the acks the controller waits for."""
+
+    def __init__(self, board: GatherBoard) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[str, Stream[pb.VersionEvent]] = {}
+        self._event_ids = itertools.count(1)
+        self._waiting: dict[int, tuple[Gather, str]] = {}  # event id -> (gather, worker id)
+        self.board = board
+
+    def open(self, worker_id: str) -> Stream[pb.VersionEvent]:
+        """A new stream for the worker; an older one of the same worker is closed."""
+        s: Stream[pb.VersionEvent] = Stream(worker_id)
+        with self._lock:
+            old = self._streams.get(worker_id)
+            self._streams[worker_id] = s
+        if old is not None:
+            old.close()
+        return s
+
+    def close(self, s: Stream[pb.VersionEvent], reason: str) -> None:
+        with self._lock:
+            if self._streams.get(s.owner) is s:
+                del self._streams[s.owner]
+            else:
+                s = None  # type: ignore[assignment]  # replaced by a newer stream: not gone
+        if s is not None:
+            s.close()
+            self.board.member_gone(s.owner, reason)
+
+    def subscribed(self, worker_ids: Iterable[str]) -> list[str]:
+        with self._lock:
+            return [w for w in worker_ids if w in self._streams]
+
+    def next_id(self) -> int:
+        return next(self._event_ids)
+
+    def send(self, worker_id: str, event: pb.VersionEvent, gather: Gather | None) -> bool:
+        """Queue an event (event_id assigned here); False when the worker has no stream."""
+        event.event_id = self.next_id()
+        with self._lock:
+            s = self._streams.get(worker_id)
+            if s is None:
+                return False
+            if gather is not None:
+                self._waiting[event.event_id] = (gather, worker_id)
+                gather.pending.add(worker_id)
+                gather.members[worker_id] = worker_id
+        s.put(event)
+        return True
+
+    def forget(self, gather: Gather) -> None:
+        with self._lock:
+            for eid in [e for e, (g, _) in self._waiting.items() if g is gather]:
+                del self._waiting[eid]
+
+    def ack(self, req: pb.AckRequest, describe: str) -> None:
+        with self._lock:
+            entry = self._waiting.pop(req.event_id, None)
+        if entry is None or entry[1] != req.worker_id:
+            return  # an ack nobody waits for (late, or HELLO/COMMIT of an ended refit)
+        gather, worker_id = entry
+        if req.moved_tensors:
+            gather.fail(
+                f"{describe} reports moved storage of tensors {list(req.moved_tensors)}; it "
+                f"must re-register them"
+            )
+        elif not req.ok:
+            gather.fail(f"{describe} refused {gather.what}: {req.message or 'no reason given'}")
+        else:
+            gather.complete(worker_id)
+
+
+class AgentHub:
+    """Commands streams by agent id, and the reports the controller waits for."""
+
+    def __init__(self, board: GatherBoard) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[str, Stream[pb.AgentCommand]] = {}
+        self._command_ids = itertools.count(1)
+        self._waiting: dict[int, tuple[Gather, Callable[[pb.AgentReport], None] | None]] = {}
+        self.board = board
+
+    def open(self, agent_id: str) -> Stream[pb.AgentCommand]:
+        s: Stream[pb.AgentCommand] = Stream(agent_id)
+        with self._lock:
+            old = self._streams.get(agent_id)
+            self._streams[agent_id] = s
+        if old is not None:
+            old.close()
+        return s
+
+    def close(self, s: Stream[pb.AgentCommand], reason: str) -> bool:
+        """Close a stream; True when it was the agent's current one (the agent is gone)."""
+        with self._lock:
+            current = self._streams.get(s.owner) is s
+            if current:
+                del self._streams[s.owner]
+        s.close()
+        if current:
+            self.board.member_gone(s.owner, reason)
+        return current
+
+    def connected(self, agent_id: str) -> bool:
+        with self._lock:
+            return agent_id in self._streams
+
+    def send(
+        self,
+        agent_id: str,
+        command: pb.AgentCommand,
+        gather: Gather | None,
+        keys: Iterable[object] = (),
+        on_report: Callable[[pb.AgentReport], None] | None = None,
+    ) -> int:
+        """Queue a command; its answers (keys (slot, kind)) complete `gather`."""
+        command.command_id = next(self._command_ids)
+        with self._lock:
+            s = self._streams.get(agent_id)
+            if s is None:
+                raise PhaseFailed(f"agent {agent_id} is not connected")
+            if gather is not None:
+                self._waiting[command.command_id] = (gather, on_report)
+                for k in keys:
+                    gather.pending.add(k)
+                    gather.members[k] = agent_id
+        s.put(command)
+        return command.command_id
+
+    def forget(self, gather: Gather) -> None:
+        with self._lock:
+            for cid in [c for c, (g, _) in self._waiting.items() if g is gather]:
+                del self._waiting[cid]
+
+    def report(self, r: pb.AgentReport) -> None:
+        with self._lock:
+            entry = self._waiting.get(r.command_id)
+        if entry is None:
+            return  # answer to a command of an ended phase
+        gather, on_report = entry
+        if r.kind == pb.REPORT_KIND_FAILED:
+            gather.fail(f"slot {r.slot} on agent {r.agent_id}: {r.message or 'failed'}")
+            return
+        if on_report is not None:
+            on_report(r)
+        gather.complete((r.slot, r.kind))
