@@ -38,7 +38,7 @@ from refitd.plan.layout import PLAIN
 from refitd.plan.program import Copy, Message, SlotProgram
 from refitd.plan.wire import RAW, dtype_size, segment_nbytes
 from refitd.transport.base import P2POp, Transport, Work
-from refitd.transport.memory import torch_dtype
+from refitd.transport.memory import StorageMovedError, torch_dtype
 
 WIRE_CHUNK = 32 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -57,6 +57,32 @@ class TensorResolver(Protocol):
     def check(self, indices: Iterable[int]) -> None:
         """Raise StorageMovedError naming every tensor whose registered storage moved."""
         ...
+
+
+class DirectResolver:
+    """Resolver over tensors of this process (tests, embedded use); detects moved storage
+    by comparing data pointers with those seen at construction."""
+
+    def __init__(self, tensors: dict[int, ResolvedTensor]) -> None:
+        self.tensors = tensors
+        self._ptrs = {i: t.data.data_ptr() for i, t in tensors.items()}
+
+    def resolve(self, index: int) -> ResolvedTensor:
+        try:
+            return self.tensors[index]
+        except KeyError:
+            raise ExecutionError(f"no tensor registered for plan tensor {index}") from None
+
+    def check(self, indices: Iterable[int]) -> None:
+        moved = [
+            self.tensors[i].name
+            for i in indices
+            if i in self.tensors and self.tensors[i].data.data_ptr() != self._ptrs[i]
+        ]
+        if moved:
+            raise StorageMovedError(
+                f"registered storage moved for {moved}: register these tensors again"
+            )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,441 @@
+"""One OS process per device slot, driven by its node agent over a multiprocessing Pipe.
+
+The process holds the slot's rank of the refit communicator, maps worker memory, and keeps
+programs, mappings and prepared executors cached per plan digest, so a cached-plan refit is
+one `execute` command. Commands (dicts with an "op" and a request id "rid"):
+connect, load, unload, execute (emits an intermediate "sources_released" event), abort,
+probe (raw link/memcpy reference for benchmarks), close. Every reply carries the rid it
+answers; errors come back as {"ok": False, "kind", "error"} and are raised in the parent.
+
+`TransferProcessHandle` is the parent side: one method per command, each with a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from refitd.agent.executor import (
+    DEFAULT_STAGING_BYTES,
+    WIRE_CHUNK,
+    ExecReport,
+    ExecutionError,
+    Executor,
+    ExecutorConfig,
+)
+from refitd.agent.segments import ResolvedTensor
+from refitd.plan.layout import PLAIN
+from refitd.plan.program import SlotProgram
+from refitd.transport.base import ConnectInfo, Transport, TransportError, create_transport
+from refitd.transport.memory import MemoryHandle, MemoryMapper, StorageMovedError, check_all_live
+
+
+class TransferProcessError(RuntimeError):
+    """A command failed in the transfer process, or the process did not answer in time."""
+
+
+@dataclass
+class MappedResolver:
+    """Plan tensor index -> worker memory mapped in this process (via a shared MemoryMapper)."""
+
+    mapper: MemoryMapper
+    handles: dict[int, MemoryHandle]
+    storages: dict[int, str]
+    _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
+
+    def resolve(self, index: int) -> ResolvedTensor:
+        t = self._cache.get(index)
+        if t is None:
+            h = self.handles.get(index)
+            if h is None:
+                raise ExecutionError(f"no memory handle was loaded for plan tensor {index}")
+            scales = None if h.scales is None else self.mapper.map_handle(h.scales)
+            t = ResolvedTensor(
+                h.name, self.mapper.map_handle(h), scales, self.storages.get(index, PLAIN)
+            )
+            self._cache[index] = t
+        return t
+
+    def check(self, indices: Any) -> None:
+        check_all_live(self.mapper, [self.handles[i] for i in indices if i in self.handles])
+
+
+@dataclass
+class _Loaded:
+    program: SlotProgram
+    resolver: MappedResolver
+    config: ExecutorConfig
+    executor: Executor | None = None
+
+
+class _TransferState:
+    """Everything a transfer process holds between commands."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.mapper = MemoryMapper()
+        self.transport: Transport | None = None
+        self.slot_ranks: dict[int, int] | None = None
+        self.loaded: dict[str, _Loaded] = {}
+        self.abort = threading.Event()
+        self.running: threading.Thread | None = None
+
+    def reply(self, msg: dict) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def connect(self, cmd: dict) -> dict:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        for entry in self.loaded.values():
+            entry.executor = None
+        transport = create_transport(cmd["transport"])
+        transport.connect(
+            ConnectInfo(
+                epoch=cmd["epoch"],
+                store_host=cmd["store_host"],
+                store_port=cmd["store_port"],
+                rank=cmd["rank"],
+                world_size=cmd["world_size"],
+                timeout_s=cmd["timeout_s"],
+                store_token=cmd.get("store_token", ""),
+            )
+        )
+        self.transport = transport
+        self.slot_ranks = cmd.get("slot_ranks")
+        return {}
+
+    def load(self, cmd: dict) -> dict:
+        program = SlotProgram.from_bytes(cmd["program"])
+        if program.digest != cmd["digest"]:
+            raise ExecutionError(f"program digest {program.digest!r} != {cmd['digest']!r}")
+        handles = {int(i): MemoryHandle.from_bytes(b) for i, b in cmd["handles"].items()}
+        storages = {i: s.storage for i, s in program.tensors.items()}
+        resolver = MappedResolver(self.mapper, handles, storages)
+        config = ExecutorConfig(
+            staging_bytes=cmd.get("staging_bytes") or DEFAULT_STAGING_BYTES,
+            wire_chunk=cmd.get("wire_chunk") or WIRE_CHUNK,
+        )
+        self.loaded[cmd["digest"]] = _Loaded(program, resolver, config)
+        return {}
+
+    def executor(self, digest: str) -> Executor:
+        entry = self.loaded.get(digest)
+        if entry is None:
+            raise ExecutionError(f"plan {digest!r} is not loaded in this transfer process")
+        if entry.executor is None:
+            entry.executor = Executor(
+                entry.program,
+                entry.resolver,
+                self.transport,
+                self.slot_ranks,
+                entry.config,
+            )
+        return entry.executor
+
+    def execute(self, cmd: dict) -> None:
+        rid = cmd["rid"]
+        self.abort.clear()
+
+        def released() -> None:
+            self.reply({"rid": rid, "event": "sources_released", "t": time.time()})
+
+        def body() -> None:
+            try:
+                report: ExecReport = self.executor(cmd["digest"]).run(
+                    cmd["timeout_s"], released, self.abort
+                )
+                out = report.to_dict()
+                out.update(version=cmd.get("version"), refit_id=cmd.get("refit_id"))
+                self.reply({"rid": rid, "ok": True, "report": out})
+            except BaseException as e:
+                self.reply(_error(rid, e))
+
+        self.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
+        self.running.start()
+
+    def probe(self, cmd: dict) -> dict:
+        """Raw reference: one large send/recv per peer, or one large memcpy (seconds)."""
+        if "memcpy" in cmd:
+            n = cmd["memcpy"]
+            a = torch.ones(n, dtype=torch.uint8)
+            b = torch.empty(n, dtype=torch.uint8)
+            b.copy_(a)
+            t0 = time.monotonic()
+            b.copy_(a)
+            return {"seconds": time.monotonic() - t0, "bytes": n}
+        if self.transport is None:
+            raise TransportError("probe needs a connected transport")
+        bufs = {("s", int(p)): torch.ones(n, dtype=torch.uint8) for p, n in cmd["sends"].items()}
+        bufs |= {("r", int(p)): torch.empty(n, dtype=torch.uint8) for p, n in cmd["recvs"].items()}
+        timeout = cmd["timeout_s"]
+        t0 = time.monotonic()
+        works = []
+        for _ in range(cmd.get("repeat", 1)):
+            for (kind, peer), buf in bufs.items():
+                tag = 0x7FFF0000 + peer
+                if kind == "s":
+                    works.append(self.transport.isend(buf, peer, tag))
+                else:
+                    works.append(self.transport.irecv(buf, peer, tag))
+        for w in works:
+            w.wait(timeout - (time.monotonic() - t0))
+        return {"seconds": time.monotonic() - t0}
+
+    def close(self) -> None:
+        self.abort.set()
+        if self.running is not None:
+            self.running.join(5)
+        if self.transport is not None:
+            self.transport.close()
+        self.loaded.clear()
+        self.mapper.close()
+
+
+def _error(rid: int, e: BaseException) -> dict:
+    kind = "storage_moved" if isinstance(e, StorageMovedError) else type(e).__name__
+    detail = f"{e}"
+    if not isinstance(e, ExecutionError | StorageMovedError | TransportError):
+        detail += "\n" + "".join(traceback.format_exception(e)[-3:])
+    return {"rid": rid, "ok": False, "kind": kind, "error": detail}
+
+
+def transfer_process_main(conn: Connection, slot: int, device: str | None) -> None:
+    """Entry point of a transfer process: serve commands until close or the pipe closes."""
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if device is not None and device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    state = _TransferState(conn)
+    handlers: dict[str, Callable[[dict], dict]] = {
+        "connect": state.connect,
+        "load": state.load,
+        "unload": lambda c: {"unloaded": state.loaded.pop(c["digest"], None) is not None},
+        "probe": state.probe,
+        "ping": lambda c: {"slot": slot},
+    }
+    while True:
+        try:
+            cmd = conn.recv()
+        except (EOFError, OSError):
+            break
+        op, rid = cmd.get("op"), cmd.get("rid", 0)
+        if op == "close":
+            state.close()
+            state.reply({"rid": rid, "ok": True})
+            break
+        if op == "abort":
+            state.abort.set()
+            state.reply({"rid": rid, "ok": True})
+            continue
+        if op == "execute":
+            if state.running is not None and state.running.is_alive():
+                state.reply(_error(rid, ExecutionError("a refit is already running on this slot")))
+            else:
+                state.execute(cmd)
+            continue
+        handler = handlers.get(op)
+        try:
+            if handler is None:
+                raise ExecutionError(f"unknown transfer-process command {op!r}")
+            state.reply({"rid": rid, "ok": True, **handler(cmd)})
+        except BaseException as e:
+            state.reply(_error(rid, e))
+    conn.close()
+
+
+class Pending:
+    """A command sent to a transfer process whose reply has not been read yet."""
+
+    def __init__(self, handle: TransferProcessHandle, rid: int, op: str) -> None:
+        self.handle = handle
+        self.rid = rid
+        self.op = op
+
+    def result(self, timeout_s: float, on_event: Callable[[dict], None] | None = None) -> dict:
+        return self.handle._wait(self.rid, self.op, timeout_s, on_event)
+
+
+class TransferProcessHandle:
+    """Parent side of one transfer process (spawned at construction)."""
+
+    def __init__(self, slot: int, device: str | None = None, start_timeout_s: float = 60.0) -> None:
+        self.slot = slot
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=transfer_process_main,
+            args=(child, slot, device),
+            name=f"refitd-transfer-slot{slot}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        self._rid = 0
+        self._lock = threading.Lock()
+        self._replies: dict[int, list[dict]] = {}
+        self.request("ping").result(start_timeout_s)
+
+    def request(self, op: str, **args: Any) -> Pending:
+        """Send a command now; read its reply later with .result(timeout)."""
+        with self._lock:
+            self._rid += 1
+            rid = self._rid
+            try:
+                self._conn.send({"op": op, "rid": rid, **args})
+            except (OSError, BrokenPipeError) as e:
+                raise TransferProcessError(
+                    f"slot {self.slot}: transfer process is gone: {e}"
+                ) from e
+        return Pending(self, rid, op)
+
+    def _wait(
+        self, rid: int, op: str, timeout_s: float, on_event: Callable[[dict], None] | None
+    ) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                queued = self._replies.get(rid)
+                msg = queued.pop(0) if queued else None
+                if msg is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TransferProcessError(
+                            f"slot {self.slot}: no answer to {op!r} within {timeout_s:.1f}s"
+                        )
+                    try:
+                        if not self._conn.poll(min(left, 0.2)):
+                            continue
+                        msg = self._conn.recv()
+                    except (EOFError, OSError) as e:
+                        raise TransferProcessError(
+                            f"slot {self.slot}: transfer process died during {op!r} "
+                            f"(exit code {self.process.exitcode})"
+                        ) from e
+                    if msg.get("rid") != rid:
+                        self._replies.setdefault(msg.get("rid", -1), []).append(msg)
+                        continue
+            if "event" in msg:
+                if on_event is not None:
+                    on_event(msg)
+                continue
+            if not msg.get("ok"):
+                if msg.get("kind") == "storage_moved":
+                    raise StorageMovedError(f"slot {self.slot}: {msg['error']}")
+                raise TransferProcessError(f"slot {self.slot}: {op} failed: {msg['error']}")
+            return msg
+
+    # ---------------------------------------------------------------- commands
+    def connect(
+        self,
+        epoch: int,
+        store_host: str,
+        store_port: int,
+        rank: int,
+        world_size: int,
+        transport: str,
+        timeout_s: float,
+        slot_ranks: dict[int, int] | None = None,
+        store_token: str = "",
+        wait: bool = True,
+    ) -> Pending | None:
+        """Join the refit communicator of `epoch` (all ranks must connect concurrently:
+        pass wait=False and call .result() on each)."""
+        p = self.request(
+            "connect",
+            epoch=epoch,
+            store_host=store_host,
+            store_port=store_port,
+            rank=rank,
+            world_size=world_size,
+            transport=transport,
+            timeout_s=timeout_s,
+            slot_ranks=slot_ranks,
+            store_token=store_token,
+        )
+        if not wait:
+            return p
+        p.result(timeout_s + 10.0)
+        return None
+
+    def load(
+        self,
+        digest: str,
+        program: bytes,
+        handles: dict[int, bytes],
+        staging_bytes: int | None = None,
+        timeout_s: float = 60.0,
+        wire_chunk: int | None = None,
+    ) -> None:
+        """Cache a slot program and the memory handles of its tensors under `digest`.
+
+        wire_chunk must be the same on every slot of a plan (default executor.WIRE_CHUNK).
+        """
+        self.request(
+            "load",
+            digest=digest,
+            program=program,
+            handles=handles,
+            staging_bytes=staging_bytes,
+            wire_chunk=wire_chunk,
+        ).result(timeout_s)
+
+    def unload(self, digest: str, timeout_s: float = 30.0) -> bool:
+        return bool(self.request("unload", digest=digest).result(timeout_s)["unloaded"])
+
+    def start_execute(self, digest: str, version: int, refit_id: int, timeout_s: float) -> Pending:
+        return self.request(
+            "execute", digest=digest, version=version, refit_id=refit_id, timeout_s=timeout_s
+        )
+
+    def execute(
+        self,
+        digest: str,
+        version: int,
+        refit_id: int,
+        timeout_s: float,
+        on_sources_released: Callable[[], None] | None = None,
+    ) -> dict:
+        """Run one refit of a loaded plan; returns the ExecReport as a dict."""
+        p = self.start_execute(digest, version, refit_id, timeout_s)
+        return wait_execute(p, timeout_s, on_sources_released)
+
+    def abort(self, timeout_s: float = 10.0) -> None:
+        """Ask a running refit to stop (its execute then fails)."""
+        self.request("abort").result(timeout_s)
+
+    def probe(self, timeout_s: float = 600.0, **args: Any) -> Pending:
+        return self.request("probe", timeout_s=timeout_s, **args)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the process (killed if it does not exit within timeout_s)."""
+        if self.process.is_alive():
+            with contextlib.suppress(TransferProcessError, StorageMovedError):
+                self.request("close").result(timeout_s)
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout_s)
+        self._conn.close()
+
+
+def wait_execute(
+    pending: Pending, timeout_s: float, on_sources_released: Callable[[], None] | None = None
+) -> dict:
+    """The report of a started execute (with a margin over the refit's own timeout)."""
+
+    def event(msg: dict) -> None:
+        if msg.get("event") == "sources_released" and on_sources_released is not None:
+            on_sources_released()
+
+    return pending.result(timeout_s + 10.0, event)["report"]

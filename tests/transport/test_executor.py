@@ -1,0 +1,154 @@
+"""Executor over real Gloo (ranks in threads of this process) and local copies."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from _transport_layouts import expected, fill_sources, globals_for, make_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refitd.agent.direct_plan import direct_programs
+from refitd.agent.executor import (
+    DirectResolver,
+    ExecReport,
+    ExecutionError,
+    Executor,
+    ExecutorConfig,
+    chunk_message,
+    flat_range_views,
+)
+from refitd.agent.segments import ResolvedTensor
+from refitd.plan.program import Copy, Message
+from refitd.transport.base import ConnectInfo
+from refitd.transport.gloo import GlooTransport
+from refitd.transport.local import LocalTransport
+from refitd.transport.memory import StorageMovedError
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_flat_range_views_cover_the_range_in_order(shape: list[int], data: st.DataObject) -> None:
+    base = torch.arange(math.prod(2 * s for s in shape)).reshape([2 * s for s in shape])
+    t = base[tuple(slice(0, s * 2, 2) for s in shape)]  # non-contiguous
+    n = t.numel()
+    e0 = data.draw(st.integers(0, n - 1))
+    e1 = data.draw(st.integers(e0 + 1, n))
+    views = flat_range_views(t, e0, e1)
+    got = torch.cat([v.reshape(-1) for v in views])
+    assert torch.equal(got, t.reshape(-1)[e0:e1])
+    assert all(v.data_ptr() >= base.data_ptr() for v in views)  # views, not copies
+
+
+def test_chunks_split_large_segments_and_group_small_ones() -> None:
+    small = Copy(0, (0,), 1, (0,), (10,))  # 20 bytes -> 32 on the wire
+    big = Copy(0, (0,), 1, (0,), (100,))  # 200 bytes
+    copies = (small, small, big, small)
+    m = Message(7, 0, 0, 1, copies, 32 + 32 + 208 + 32)
+    chunks = chunk_message(m, lambda c: "bfloat16", wire_chunk=64)
+    assert [c.nbytes for c in chunks] == [52, 64, 64, 64, 8, 20]
+    assert [len(c.pieces) for c in chunks] == [2, 1, 1, 1, 1, 1]
+    with pytest.raises(ExecutionError, match="plan says"):
+        chunk_message(Message(1, 0, 0, 1, copies, 5), lambda c: "bfloat16", 64)
+
+
+def _resolvers(specs_by_slot, tensors):
+    return {
+        slot: DirectResolver(
+            {
+                i: ResolvedTensor(f"{s.pool}/{s.rank}/{s.name}", tensors[i])
+                for i, s in p.tensors.items()
+            }
+        )
+        for slot, p in specs_by_slot.items()
+    }
+
+
+def _tensors(src, dst, globals_):
+    tensors = fill_sources(src, globals_)
+    tensors += [torch.zeros(d.local_shape, dtype=getattr(torch, d.dtype)) for d in dst]
+    return tensors
+
+
+def test_local_copies_cast_and_release_sources() -> None:
+    src, dst = make_model(2, 3, [0, 0], [0, 0, 0], {"row": "float32"})
+    g = globals_for(1)
+    tensors = _tensors(src, dst, g)
+    (program,) = direct_programs(src, dst).values()
+    released = []
+    ex = Executor(program, _resolvers({0: program}, tensors)[0], LocalTransport())
+    report = ex.run(10.0, lambda: released.append(True))
+    assert released == [True] and report.local_bytes > 0 and not report.messages
+    for i, d in enumerate(dst):
+        assert torch.equal(tensors[len(src) + i], expected(d, g)), d.name
+
+
+def _run_ranks(programs, resolvers, config, world, timeout=30.0):
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    results: dict[int, ExecReport | BaseException] = {}
+
+    def rank(r: int) -> None:
+        t = GlooTransport()
+        try:
+            t.connect(ConnectInfo(0, "127.0.0.1", store.port, r, world, 20.0))
+            ex = Executor(programs[r], resolvers[r], t, config=config)
+            results[r] = ex.run(timeout)
+            results[r] = ex.run(timeout)  # a replay of the cached program
+        except BaseException as e:
+            results[r] = e
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout * 3)
+    return results
+
+
+def test_gloo_refit_zero_copy_and_staged_within_staging_cap() -> None:
+    src, dst = make_model(2, 3, [0, 1], [1, 0, 1], {"qkv": "float32"})
+    g = globals_for(2)
+    tensors = _tensors(src, dst, g)
+    programs = direct_programs(src, dst, bucket_bytes=1024)
+    config = ExecutorConfig(staging_bytes=4 * 256, wire_chunk=256)
+    results = _run_ranks(programs, _resolvers(programs, tensors), config, 2)
+    for r, res in results.items():
+        assert isinstance(res, ExecReport), f"rank {r}: {res!r}"
+        assert res.staging_peak_bytes <= config.staging_bytes
+    for i, d in enumerate(dst):
+        assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
+    msgs = [m for res in results.values() for m in res.messages]
+    assert sum(m.zero_copy_chunks for m in msgs) > 0
+    assert sum(m.staged_chunks for m in msgs) > 0
+    total = sum(res.sent_bytes for res in results.values())
+    assert total > config.staging_bytes  # the cap was smaller than what moved
+
+
+def test_moved_storage_is_refused_before_any_byte_moves() -> None:
+    src, dst = make_model(1, 1, [0], [0])
+    tensors = _tensors(src, dst, globals_for(3))
+    (program,) = direct_programs(src, dst).values()
+    resolver = _resolvers({0: program}, tensors)[0]
+    with torch.no_grad():
+        tensors[len(src)].set_(torch.zeros_like(tensors[len(src)]))
+    before = tensors[len(src)].clone()
+    ex = Executor(program, resolver, LocalTransport())
+    with pytest.raises(StorageMovedError, match="infer/0/col"):
+        ex.run(5.0)
+    assert torch.equal(tensors[len(src)], before)
