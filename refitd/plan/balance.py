@@ -62,8 +62,14 @@ def _fill(
     nbytes = np.concatenate([batches[b].nbytes[i] for b, i in parts])
     dst = np.concatenate([batches[b].dst[i] for b, i in parts])
     sets = np.sort(cand, axis=1)
-    classes, cls = np.unique(sets, axis=0, return_inverse=True)
+    weights = np.random.default_rng(0xB1A5).integers(1, 2**62, size=r, dtype=np.int64)
+    h = (sets.astype(np.uint64) * (weights.astype(np.uint64) | np.uint64(1))).sum(axis=1)
+    _, first, cls = np.unique(h, return_index=True, return_inverse=True)
     cls = cls.reshape(-1)
+    classes = sets[first]
+    if not (classes[cls] == sets).all():  # a hash collision: exact grouping instead
+        classes, cls = np.unique(sets, axis=0, return_inverse=True)
+        cls = cls.reshape(-1)
     # class, then size descending, then destination: equal-sized runs per class.
     order = np.lexsort((dst, -nbytes, cls))
     c_sorted = cls[order]

@@ -32,7 +32,9 @@ _GEO_FIELDS = attrgetter("pool", "global_shape", "dtype", "storage", "local_shap
 _BOXES = attrgetter("boxes")
 _CANON = attrgetter("canonical")
 _SLOT = attrgetter("slot")
-_ID_FIELDS = attrgetter("pool", "rank", "name")
+_NAME = attrgetter("name")
+_POOL = attrgetter("pool")
+_RANK = attrgetter("rank")
 
 
 @dataclass
@@ -107,9 +109,9 @@ def _extract(specs: Sequence[TensorSpec], base: int) -> _Side:
     """Geometry and canonical ids per spec; identical box tuples are recognised by id
     first, so shared layouts cost one hash."""
     n = len(specs)
-    fast: dict = {}
-    keys = zip(map(_GEO_FIELDS, specs), map(id, map(_BOXES, specs)), strict=True)
-    fid = np.array([fast.setdefault(k, len(fast)) for k in keys], dtype=np.int64)
+    keys = list(zip(map(_GEO_FIELDS, specs), map(id, map(_BOXES, specs)), strict=True))
+    fast = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    fid = np.fromiter(map(fast.__getitem__, keys), dtype=np.int64, count=n)
     _, first = np.unique(fid, return_index=True)
     real: dict[_Geo, int] = {}
     geos: list[_Geo] = []
@@ -121,8 +123,9 @@ def _extract(specs: Sequence[TensorSpec], base: int) -> _Side:
         if gid == len(geos):
             geos.append(g)
         fast_to_geo[f] = gid
-    names: dict[str, int] = {}
-    canon = np.array([names.setdefault(c, len(names)) for c in map(_CANON, specs)], np.int64)
+    cnames = list(map(_CANON, specs))
+    names = {c: i for i, c in enumerate(dict.fromkeys(cnames))}
+    canon = np.fromiter(map(names.__getitem__, cnames), dtype=np.int64, count=n)
     slot = np.fromiter(map(_SLOT, specs), dtype=np.int64, count=n)
     geo = fast_to_geo[fid] if n else np.zeros(0, np.int64)
     return _Side(specs, base, names, canon.reshape(-1), geo, geos, slot)
@@ -144,9 +147,8 @@ def _group(side: _Side) -> None:
         1, 2**62, size=int(side.count.max()), dtype=np.int64
     ).astype(np.uint64) | np.uint64(1)
     h = np.add.reduceat((g.astype(np.uint64) + np.uint64(1)) * weights[pos], side.start)
-    _, pat = np.unique(
-        np.stack([side.count, h.view(np.int64)], axis=1), axis=0, return_inverse=True
-    )
+    h ^= side.count.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    _, pat = np.unique(h, return_inverse=True)
     pat = pat.reshape(-1)
     # exact check of every member against its pattern's first canonical
     firsts = np.unique(pat, return_index=True)[1]
@@ -252,8 +254,9 @@ class _Planner:
         ).reshape(-1, 3)
         transforms = list(tmap)
         self._check_rules(links)
-        key = np.stack([self.src.pattern[lk[:, 0]], self.dst.pattern[lk[:, 1]], lk[:, 2]], 1)
-        _, grp = np.unique(key, axis=0, return_inverse=True)
+        n_dp, n_t = int(self.dst.pattern.max()) + 1, len(transforms)
+        key = (self.src.pattern[lk[:, 0]] * n_dp + self.dst.pattern[lk[:, 1]]) * n_t + lk[:, 2]
+        _, grp = np.unique(key, return_inverse=True)
         grp = grp.reshape(-1)
         order = np.argsort(grp, kind="stable")
         cuts = np.flatnonzero(np.diff(grp[order])) + 1
@@ -421,9 +424,9 @@ def _fingerprint(model: str, epoch: int, src: _Side, dst: _Side, config: PlanCon
     for side in (src, dst):
         h.update(b"|side|")
         h.update(repr(side.geos).encode())
-        ids = list(map(_ID_FIELDS, side.specs))
-        h.update("\0".join(f"{p}\1{n}" for p, _, n in ids).encode())
-        h.update(np.array([r for _, r, _ in ids], np.int64).tobytes())
+        h.update("\0".join(map(_NAME, side.specs)).encode())
+        h.update("\0".join(map(_POOL, side.specs)).encode())
+        h.update(np.fromiter(map(_RANK, side.specs), np.int64, len(side.specs)).tobytes())
         h.update("\0".join(side.names).encode())
         h.update(side.canon.tobytes())
         h.update(side.geo.tobytes())

@@ -27,14 +27,20 @@ def execute(
     wire: dict[int, bytes] = {}
     for p in programs:
         for c in p.local:
-            _store(dst_arrays[c.dst_tensor], c, src_arrays[c.src_tensor][_region(c.src_offset, c.shape)])
+            _store(
+                dst_arrays[c.dst_tensor],
+                c,
+                src_arrays[c.src_tensor][_region(c.src_offset, c.shape)],
+            )
         for m in p.sends:
             buf = bytearray(m.nbytes)
             at = 0
             for c in m.copies:
                 if c.wire != RAW:
                     raise ValueError(f"simulate runs raw wire only, got {c.wire!r}")
-                data = np.ascontiguousarray(src_arrays[c.src_tensor][_region(c.src_offset, c.shape)])
+                data = np.ascontiguousarray(
+                    src_arrays[c.src_tensor][_region(c.src_offset, c.shape)]
+                )
                 raw = data.tobytes()
                 buf[at : at + len(raw)] = raw
                 at += aligned(len(raw))

@@ -1,0 +1,102 @@
+"""`refitd bench plan`: build a preset model's layouts and time the whole-cluster plan.
+
+Prints one JSON line. Megatron-Core is not installed here; its figures for the same
+layouts (issue 2: 2.7 s to replay its global schedule for kimi-k2 256->128, send
+imbalance 1.055 for that layout and 1.030 for llama3-70b 128->64) are quoted as
+references and the ratios to them reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import resource
+import sys
+import time
+
+MEGATRON_REF = {
+    # (model, src layout, src world, dst layout, dst world): (plan seconds, send imbalance)
+    ("kimi-k2", "tp=8,pp=8,ep=32", 256, "tp=8,ep=32", 128): (2.7, 1.055),
+    ("llama3-70b", "tp=8,pp=4", 128, "tp=4", 64): (None, 1.030),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama3-8b", help="llama3-8b, llama3-70b or kimi-k2")
+    p.add_argument("--src", default="tp=8", help="source layout, e.g. tp=8,pp=8,ep=32")
+    p.add_argument("--src-world", type=int, default=8)
+    p.add_argument("--dst", default="tp=4", help="destination layout, e.g. tp=8,ep=32")
+    p.add_argument("--dst-world", type=int, default=4)
+    p.add_argument("--collocated", action="store_true", help="destinations share source slots")
+    p.add_argument("--bucket-mib", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3, help="plan builds timed; the best is reported")
+
+
+def run(args: argparse.Namespace) -> int:
+    from refitd.plan.planner import PlanConfig, build_plan
+    from refitd.plan.presets import Parallel, build_specs, preset
+
+    model = preset(args.model)
+    src_par = Parallel.parse(args.src, args.src_world)
+    dst_par = Parallel.parse(args.dst, args.dst_world)
+    if args.collocated and args.dst_world > args.src_world:
+        print("--collocated needs dst-world <= src-world", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    sources = build_specs(model, src_par, args.model, "trainer", 0)
+    dst_base = 0 if args.collocated else args.src_world
+    destinations = build_specs(model, dst_par, args.model, "inference", dst_base)
+    build_s = time.perf_counter() - t0
+    config = PlanConfig(bucket_bytes=args.bucket_mib << 20)
+    times = []
+    plan = None
+    for _ in range(max(args.repeat, 1)):
+        plan = None
+        gc.collect()
+        t0 = time.perf_counter()
+        plan = build_plan(args.model, 0, sources, destinations, config)
+        times.append(time.perf_counter() - t0)
+    assert plan is not None
+    t0 = time.perf_counter()
+    program = plan.program(plan.slots()[0])
+    program_s = time.perf_counter() - t0
+    s = plan.stats
+    ref = MEGATRON_REF.get((args.model, args.src, args.src_world, args.dst, args.dst_world))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {
+        "bench": "plan",
+        "model": args.model,
+        "src": f"{args.src} world={args.src_world}",
+        "dst": f"{args.dst} world={args.dst_world}",
+        "collocated": args.collocated,
+        "tensors": len(sources) + len(destinations),
+        "specs_build_s": round(build_s, 3),
+        "plan_s": round(min(times), 4),
+        "plan_s_runs": [round(t, 4) for t in times],
+        "program_slot0_s": round(program_s, 4),
+        "program_slot0_bytes": len(program.to_bytes()),
+        "copies": s.copies,
+        "local_copies": s.local_copies,
+        "messages": s.messages,
+        "rounds": s.rounds,
+        "total_bytes": s.total_bytes,
+        "local_bytes": s.local_bytes,
+        "max_send_bytes": s.max_send_bytes,
+        "ideal_send_bytes": round(s.ideal_send_bytes),
+        "send_imbalance": round(s.send_imbalance, 5),
+        "max_recv_bytes": s.max_recv_bytes,
+        "peak_rss_bytes": peak,
+    }
+    if ref is not None:
+        ref_s, ref_imb = ref
+        out["megatron_ref"] = {
+            "source": "issue 2 figures, not run here",
+            "plan_s": ref_s,
+            "send_imbalance": ref_imb,
+        }
+        if ref_s:
+            out["speedup_vs_megatron"] = round(ref_s / min(times), 2)
+        out["imbalance_vs_megatron"] = round(s.send_imbalance / ref_imb, 5)
+    print(json.dumps(out))
+    return 0
