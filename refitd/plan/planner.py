@@ -317,7 +317,9 @@ class _Planner:
                 else (
                     len(dg.global_shape) == nd
                     and all(
-                        a == b for j, (a, b) in enumerate(zip(dg.global_shape, gshape)) if j != dim
+                        a == b
+                        for j, (a, b) in enumerate(zip(dg.global_shape, gshape, strict=True))
+                        if j != dim
                     )
                     and s_start + length <= gshape[dim]
                     and d_start + length <= dg.global_shape[dim]
@@ -495,7 +497,7 @@ def build_plan(
             )
         )
     cols_all = (
-        [np.concatenate(c) if parts else np.zeros(0, np.int64) for c in zip(*parts)]
+        [np.concatenate(c) if parts else np.zeros(0, np.int64) for c in zip(*parts, strict=True)]
         if parts
         else None
     )
