@@ -247,7 +247,9 @@ class StagingPool:
         self._cv = threading.Condition()
         self.peak_bytes = 0
 
-    def acquire(self, side: str, deadline: float, abort: threading.Event) -> torch.Tensor:
+    def acquire(
+        self, side: str, deadline: float, abort: threading.Event, what: str = ""
+    ) -> torch.Tensor:
         with self._cv:
             while True:
                 if abort.is_set():
@@ -263,7 +265,10 @@ class StagingPool:
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ExecutionError(f"no {side} staging buffer free before the deadline")
+                    raise ExecutionError(
+                        f"{what}: timed out waiting for a free {side} staging buffer (earlier "
+                        "messages still in flight: a peer is slow, stuck or absent)"
+                    )
                 self._cv.wait(min(left, 0.1))
 
     def release(self, side: str, buf: torch.Tensor) -> None:
@@ -529,7 +534,11 @@ class Executor:
                     posted: list[tuple[Chunk, torch.Tensor, bool, bool]] = []
                     for ch in recvs:
                         zc = self._zc_recv[id(ch)]
-                        buf = zc if zc is not None else self.pool.acquire("recv", deadline, abort)
+                        buf = (
+                            zc
+                            if zc is not None
+                            else self.pool.acquire("recv", deadline, abort, describe(ch, "recv"))
+                        )
                         ops.append(
                             P2POp(False, buf[: ch.nbytes], self._peer(ch.message.src_slot), ch.tag)
                         )
@@ -537,7 +546,7 @@ class Executor:
                     for ch in sends:
                         zc = self._zc_send[id(ch)]
                         if zc is None:
-                            buf = self.pool.acquire("send", deadline, abort)
+                            buf = self.pool.acquire("send", deadline, abort, describe(ch, "send"))
                             self._pack(ch, buf)
                             source_done()
                         else:

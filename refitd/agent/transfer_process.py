@@ -89,6 +89,7 @@ class _TransferState:
         self.loaded: dict[str, _Loaded] = {}
         self.abort = threading.Event()
         self.running: threading.Thread | None = None
+        self.busy = threading.Event()
 
     def reply(self, msg: dict) -> None:
         with self.send_lock:
@@ -158,10 +159,13 @@ class _TransferState:
                 )
                 out = report.to_dict()
                 out.update(version=cmd.get("version"), refit_id=cmd.get("refit_id"))
-                self.reply({"rid": rid, "ok": True, "report": out})
+                reply = {"rid": rid, "ok": True, "report": out}
             except BaseException as e:
-                self.reply(_error(rid, e))
+                reply = _error(rid, e)
+            self.busy.clear()
+            self.reply(reply)
 
+        self.busy.set()
         self.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
         self.running.start()
 
@@ -239,7 +243,7 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None) -> No
             state.reply({"rid": rid, "ok": True})
             continue
         if op == "execute":
-            if state.running is not None and state.running.is_alive():
+            if state.busy.is_set():
                 state.reply(_error(rid, ExecutionError("a refit is already running on this slot")))
             else:
                 state.execute(cmd)

@@ -1,0 +1,113 @@
+"""Transfer processes (spawned) refitting shared-memory tensors of this process over Gloo."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _transport_layouts import expected, fill_sources, globals_for, make_model
+
+from refitd.agent.direct_plan import direct_programs
+from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
+from refitd.transport.memory import SharedTensorArena, StorageMovedError
+
+pytestmark = pytest.mark.slow
+SLOTS = 3
+
+
+@pytest.fixture(scope="module")
+def procs():
+    handles = [TransferProcessHandle(slot) for slot in range(SLOTS)]
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    yield handles, store
+    for h in handles:
+        h.close()
+
+
+def _connect(handles, store, epoch, world, timeout=20.0):
+    pending = [
+        h.connect(epoch, "127.0.0.1", store.port, h.slot, world, "gloo", timeout, wait=False)
+        for h in handles
+    ]
+    errors = []
+    for p in pending:
+        try:
+            p.result(timeout + 10)
+        except TransferProcessError as e:
+            errors.append(e)
+    return errors
+
+
+def _refit(handles, digest, timeout=30.0):
+    pending = [h.start_execute(digest, 1, 1, timeout) for h in handles]
+    out = []
+    for p in pending:
+        try:
+            out.append(wait_execute(p, timeout))
+        except (TransferProcessError, StorageMovedError) as e:
+            out.append(e)
+    return out
+
+
+def test_refit_between_layouts_then_moved_storage_then_absent_peer(procs) -> None:
+    handles, store = procs
+    assert _connect(handles, store, epoch=1, world=SLOTS) == []
+    # source TP=2 on slots 0,1; destination TP=3 on slots 2,0,1 (uneven, other split dims)
+    src, dst = make_model(2, 3, [0, 1], [2, 0, 1], {"col": "float32"})
+    g = globals_for(11)
+    arena = SharedTensorArena(prefix="refitd-test")
+    try:
+        tensors = fill_sources(src, g)
+        tensors += [torch.zeros(d.local_shape, dtype=getattr(torch, d.dtype)) for d in dst]
+        objs = list(tensors)
+        mem = arena.register({f"t{i}": t for i, t in enumerate(tensors)})
+        assert all(o is t for o, t in zip(objs, tensors, strict=True))
+        programs = direct_programs(src, dst, digest="p1", bucket_bytes=2048)
+        for h in handles:
+            p = programs[h.slot]
+            h.load(
+                "p1",
+                p.to_bytes(),
+                {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
+                staging_bytes=2048,
+                wire_chunk=512,
+            )
+        for seed in (11, 12):  # the second refit replays the cached program on new weights
+            g = globals_for(seed)
+            for t, v in zip(tensors, fill_sources(src, g), strict=False):
+                t.copy_(v)
+            reports = _refit(handles, "p1")
+            assert all(isinstance(r, dict) for r in reports), reports
+            for i, d in enumerate(dst):
+                assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
+        assert all(r["staging_peak_bytes"] <= 2048 for r in reports)
+        assert sum(m["zero_copy_chunks"] for r in reports for m in r["messages"]) > 0
+        assert sum(m["staged_chunks"] for r in reports for m in r["messages"]) > 0
+
+        # a worker's storage moves: the slot holding it refuses, naming the tensor
+        moved = len(src) + 1  # destination "col" rank 1, on slot 0
+        with torch.no_grad():
+            tensors[moved].set_(torch.zeros_like(tensors[moved]))
+        assert arena.check_unmoved() == [f"t{moved}"]
+        t0 = time.monotonic()
+        reports = _refit(handles, "p1", timeout=3.0)
+        assert isinstance(reports[0], StorageMovedError) and f"t{moved}" in str(reports[0])
+        assert all(isinstance(r, Exception) for r in reports[1:])  # peers time out, no hang
+        assert time.monotonic() - t0 < 20
+    finally:
+        arena.close()
+
+    # a new epoch where one rank never shows up: every connect fails within its timeout
+    t0 = time.monotonic()
+    errors = _connect(handles, store, epoch=2, world=SLOTS + 1, timeout=3.0)
+    assert len(errors) == SLOTS
+    assert time.monotonic() - t0 < 20
