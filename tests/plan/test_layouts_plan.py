@@ -306,7 +306,7 @@ def test_block_aligned_split_and_digest():
     assert all(c.dst_offset[0] % 128 == 0 and c.shape[0] % 128 == 0 for c in copies)
     assert plan.digest == plan_digest("m", 1, src, dst, cfg)
     assert plan.digest != plan_digest("m", 2, src, dst, cfg)
-    moved = src[:1] + [mspec("t", 1, 3, "w", shape, tp_rank=1, tp_size=2, partition_dim=0)]
+    moved = [*src[:1], mspec("t", 1, 3, "w", shape, tp_rank=1, tp_size=2, partition_dim=0)]
     assert plan.digest != plan_digest("m", 1, moved, dst, cfg)
     mx = [
         make_spec(
