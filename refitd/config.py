@@ -67,7 +67,9 @@ class Settings(BaseSettings):
     # --- data plane sizing
     bucket_bytes: int = Field(64 * MiB, gt=0, description="largest message of a plan")
     staging_bytes: int = Field(256 * MiB, gt=0, description="cap on staging buffers per slot")
-    wire: str = Field("raw", description="wire format: raw, mxfp8, fp8_block")
+    sender_quantization: bool = Field(
+        False, description="quantize on the sender (MXFP8/FP8 on the wire) for quantized storage"
+    )
     # --- timeouts (seconds), one per refit phase
     barrier_timeout_s: float = Field(60.0, gt=0, description="all trainer ranks ask for v")
     connect_timeout_s: float = Field(60.0, gt=0, description="communicator (re)connect")

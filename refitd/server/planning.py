@@ -1,4 +1,4 @@
-"""The controller's view of a plan, the one adapter to refitd.plan.planner, and the plan cache.
+"""The controller's view of a plan, the adapter to refitd.plan.planner, and the plan cache.
 
 The controller needs from a plan only: its digest, the SlotProgram of every slot (shipped
 to agents), the bytes it moves, and which slots read each source rank's tensors (so a
@@ -8,12 +8,13 @@ trainer rank's Refit can return once its weights have been read). `make_plan` an
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
+from refitd.plan.planner import PlanConfig, build_plan, plan_digest
 from refitd.plan.program import SlotProgram
 from refitd.server.errors import precondition
 
@@ -23,7 +24,7 @@ class PlanOptions:
     """The plan configuration the controller passes on (from Settings)."""
 
     bucket_bytes: int
-    wire: str = "raw"
+    sender_quantization: bool = False
 
 
 @dataclass
@@ -47,18 +48,10 @@ class ControllerPlan:
         return data
 
 
-def _planner_config(options: PlanOptions) -> object:
-    from refitd.plan.planner import PlanConfig
-
-    return PlanConfig(bucket_bytes=options.bucket_bytes, wire=options.wire)
-
-
-def planner_available() -> bool:
-    try:
-        import refitd.plan.planner  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _planner_config(options: PlanOptions) -> PlanConfig:
+    return PlanConfig(
+        bucket_bytes=options.bucket_bytes, sender_quantization=options.sender_quantization
+    )
 
 
 def make_digest(
@@ -69,12 +62,7 @@ def make_digest(
     options: PlanOptions,
 ) -> str:
     """Plan digest of (model, epoch, layouts, config): the plan cache key."""
-    if planner_available():
-        from refitd.plan.planner import plan_digest
-
-        return plan_digest(model, epoch, sources, destinations, _planner_config(options))
-    h = hashlib.sha256(repr((model, epoch, sources, destinations, options)).encode())
-    return "interim-" + h.hexdigest()[:32]
+    return plan_digest(model, epoch, sources, destinations, _planner_config(options))
 
 
 def make_plan(
@@ -85,63 +73,18 @@ def make_plan(
     options: PlanOptions,
 ) -> ControllerPlan:
     """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION."""
-    digest = make_digest(model, epoch, sources, destinations, options)
-    if not planner_available():
-        # TODO(planner): refitd.plan.planner has not landed; until it does every slot of the
-        # membership gets an empty program so the control plane can run. Remove then.
-        return _interim_plan(digest, sources, destinations)
-    from refitd.plan.errors import PlanError
-    from refitd.plan.planner import build_plan
-
     try:
         plan = build_plan(model, epoch, sources, destinations, _planner_config(options))
     except PlanError as e:
         raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
-    programs = _programs_of(plan)
+    programs = {slot: plan.program(slot) for slot in plan.slots()}
+    ranks = {(t.pool, t.rank) for t in sources}
     return ControllerPlan(
-        digest=digest,
+        digest=plan.digest,
         programs=programs,
-        total_bytes=sum(m.nbytes for p in programs.values() for m in p.sends)
-        + sum(_local_bytes(p) for p in programs.values()),
-        readers=_readers(programs),
+        total_bytes=plan.stats.total_bytes,
+        readers={(pool, rank): frozenset(plan.source_slots_of(pool, rank)) for pool, rank in ranks},
     )
-
-
-def _programs_of(plan: object) -> dict[int, SlotProgram]:
-    progs = getattr(plan, "programs", None)
-    if callable(progs):
-        progs = progs()
-    if isinstance(progs, dict):
-        return dict(progs)
-    return {p.slot: p for p in progs}  # type: ignore[union-attr]
-
-
-def _local_bytes(p: SlotProgram) -> int:
-    from refitd.plan.program import message_nbytes
-
-    return message_nbytes(p.local, p.tensors) if p.local else 0
-
-
-def _readers(programs: dict[int, SlotProgram]) -> dict[tuple[str, int], frozenset[int]]:
-    """(source pool, rank) -> the slots whose sends or local copies read that rank."""
-    out: dict[tuple[str, int], set[int]] = {}
-    for slot, p in programs.items():
-        used = {c.src_tensor for m in p.sends for c in m.copies} | {c.src_tensor for c in p.local}
-        for i in used:
-            spec = p.tensors[i]
-            out.setdefault((spec.pool, spec.rank), set()).add(slot)
-    return {k: frozenset(v) for k, v in out.items()}
-
-
-def _interim_plan(
-    digest: str, sources: list[TensorSpec], destinations: list[TensorSpec]
-) -> ControllerPlan:
-    slots = sorted({s.slot for s in sources} | {s.slot for s in destinations})
-    programs = {s: SlotProgram(digest, s, {}, (), (), ()) for s in slots}
-    readers: dict[tuple[str, int], set[int]] = {}
-    for s in sources:
-        readers.setdefault((s.pool, s.rank), set()).add(s.slot)
-    return ControllerPlan(digest, programs, 0, {k: frozenset(v) for k, v in readers.items()})
 
 
 class PlanCache:

@@ -111,7 +111,7 @@ class RefitCoordinator:
         self.events = EventHub(self.board)
         self.agents = AgentHub(self.board)
         self.plans = PlanCache(settings.plan_cache_size)
-        self.plan_options = PlanOptions(settings.bucket_bytes, settings.wire)
+        self.plan_options = PlanOptions(settings.bucket_bytes, settings.sender_quantization)
         self._models: dict[str, ModelRefits] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -284,14 +284,16 @@ class RefitCoordinator:
             self._set_state(m, run, pb.REFIT_STATE_SOURCES_READY)
             self._connect(plan)
             self._load(plan, run.model)
-            paused = self._broadcast(
-                dest_workers, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, "pause"
+            self._broadcast(
+                dest_workers, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, "pause", paused
             )
             self._set_state(m, run, pb.REFIT_STATE_TRANSFERRING)
             executed = True
             last_done = self._transfer(plan, run, m)
             self._set_state(m, run, pb.REFIT_STATE_LANDED)
-            self._broadcast(dest_workers, pb.EVENT_KIND_COMMIT, run, s.commit_timeout_s, "commit")
+            self._broadcast(
+                dest_workers, pb.EVENT_KIND_COMMIT, run, s.commit_timeout_s, "commit", []
+            )
             run.seconds = time.monotonic() - run.started
             epoch = self.registry.model(run.model).epoch
             self.db.commit_version(
@@ -472,12 +474,18 @@ class RefitCoordinator:
         )
 
     def _broadcast(
-        self, workers: list[Worker], kind: int, run: RefitRun, timeout_s: float, what: str
-    ) -> list[str]:
-        """Send an event to every subscribed destination worker and wait for their acks."""
+        self,
+        workers: list[Worker],
+        kind: int,
+        run: RefitRun,
+        timeout_s: float,
+        what: str,
+        sent: list[str],
+    ) -> None:
+        """Send an event to every subscribed destination worker (appended to `sent`) and
+        wait for their acks."""
         g = Gather(f"{what} of version {run.version}")
         gid = self.board.add(g)
-        sent = []
         try:
             for w in workers:
                 ev = self._event(run, kind)
@@ -488,7 +496,6 @@ class RefitCoordinator:
         finally:
             self.events.forget(g)
             self.board.remove(gid)
-        return sent
 
     def _transfer(self, plan: ControllerPlan, run: RefitRun, m: ModelRefits) -> float:
         """ExecuteCommand to every slot; returns when all are DONE (monotonic time)."""

@@ -1,0 +1,178 @@
+"""The refit state machine over real gRPC: an agent peer answers commands, a subscriber acks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+
+from refitd._proto import refitd_pb2 as pb
+from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.server.controller import Controller
+
+from .conftest import Cluster, make_cluster
+
+pytestmark = pytest.mark.slow
+
+
+def status(stub: pbg.RefitStub, model: str) -> dict:
+    return json.loads(stub.GetStatus(pb.StatusRequest(model=model), timeout=5).json)
+
+
+def test_refit_commits_and_subscriber_sees_versions_in_order(cluster: Cluster) -> None:
+    for v in (1, 2):
+        out = cluster.refit(v)
+        assert all(r.state == pb.REFIT_STATE_COMMITTED for r in out), out
+    kinds = cluster.subscribers[0].kinds()
+    assert kinds == [
+        (pb.EVENT_KIND_HELLO, 0),
+        (pb.EVENT_KIND_PAUSE, 1),
+        (pb.EVENT_KIND_COMMIT, 1),
+        (pb.EVENT_KIND_PAUSE, 2),
+        (pb.EVENT_KIND_COMMIT, 2),
+    ]
+    ids = [e.event_id for e in cluster.subscribers[0].events]
+    assert ids == sorted(ids)
+    # The first refit connects and loads, the second replays the cached plan.
+    assert cluster.agent.kinds() == ["connect", *["load"] * 3, *["execute"] * 3, *["execute"] * 3]
+    st = status(cluster.stub, cluster.model)
+    m = st["models"][0]
+    assert m["committed_version"] == 2
+    assert [v["version"] for v in m["versions"]] == [2, 1]
+    assert st["refits"][0]["state"] == "committed"
+    # Both trainer ranks send their half of the 4x8 float32 tensor to the inference slot.
+    assert st["refits"][0]["bytes"] == 4 * 8 * 4
+
+
+def test_default_wait_returns_when_sources_read(cluster: Cluster) -> None:
+    out = cluster.refit(1, wait=pb.WAIT_SOURCES_READ)
+    assert all(
+        r.state in (pb.REFIT_STATE_TRANSFERRING, pb.REFIT_STATE_LANDED, pb.REFIT_STATE_COMMITTED)
+        for r in out
+    ), out
+    deadline = time.monotonic() + 10
+    while status(cluster.stub, cluster.model)["models"][0]["committed_version"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_preconditions_name_the_problem(cluster: Cluster) -> None:
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(3))
+    err = cluster.refit(2, ranks=[0])[0]
+    assert isinstance(err, grpc.RpcError)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not newer than the committed version 3" in err.details()
+    with pytest.raises(grpc.RpcError) as e:
+        cluster.stub.Refit(pb.RefitRequest(worker_id=cluster.inference[0], version=4), timeout=5)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "only source (trainer) ranks call Refit" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        cluster.stub.Refit(pb.RefitRequest(worker_id="nobody", version=4), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'nobody'" in e.value.details()
+
+
+def test_barrier_timeout_names_missing_ranks(cluster: Cluster) -> None:
+    (r,) = cluster.refit(1, ranks=[0])
+    assert r.state == pb.REFIT_STATE_FAILED
+    assert "ranks [1] of pool trainer never asked for version 1" in r.message
+
+
+def test_failed_transfer_keeps_last_version(controller: Controller, stub: pbg.RefitStub) -> None:
+    cl = make_cluster(controller, stub)
+    try:
+        assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cl.refit(1))
+        bad_slot = cl.agent.slot_ids[2]
+        cl.agent.fail_execute[bad_slot] = "recv from slot 0 timed out"
+        out = cl.refit(2)
+        assert all(r.state == pb.REFIT_STATE_FAILED for r in out), out
+        assert f"slot {bad_slot} on agent {cl.agent.agent_id}: recv from slot 0 timed out" in (
+            out[0].message
+        )
+        assert status(stub, cl.model)["models"][0]["committed_version"] == 1
+        assert "abort" in cl.agent.kinds()
+        last = cl.subscribers[0].events[-1]
+        assert last.kind == pb.EVENT_KIND_INCOMPLETE and last.version == 2
+        # The next refit reconnects (abort drops the communicator) and commits.
+        del cl.agent.fail_execute[bad_slot]
+        assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cl.refit(3))
+        assert cl.agent.kinds().count("connect") == 2
+    finally:
+        cl.stop()
+
+
+def test_silent_slot_times_out(controller: Controller, stub: pbg.RefitStub) -> None:
+    cl = make_cluster(controller, stub)
+    try:
+        cl.agent.silent.add(cl.agent.slot_ids[0])
+        out = cl.refit(1)
+        assert all(r.state == pb.REFIT_STATE_FAILED for r in out)
+        assert "transfer of version 1: timed out after 3s" in out[0].message
+        assert status(stub, cl.model)["models"][0]["committed_version"] == 0
+    finally:
+        cl.stop()
+
+
+def test_refused_pause_aborts_untouched_pool(controller: Controller, stub: pbg.RefitStub) -> None:
+    cl = make_cluster(controller, stub)
+    try:
+        cl.subscribers[0].refuse = "engine busy"
+        out = cl.refit(1)
+        assert all(r.state == pb.REFIT_STATE_FAILED for r in out)
+        assert "refused pause of version 1: engine busy" in out[0].message
+        assert cl.subscribers[0].events[-1].kind == pb.EVENT_KIND_ABORT
+        assert "execute" not in cl.agent.kinds()
+        cl.subscribers[0].refuse = ""
+        cl.subscribers[0].moved = ["w"]
+        out = cl.refit(2)
+        assert "moved storage of tensors ['w']; it must re-register" in out[0].message
+    finally:
+        cl.stop()
+
+
+def test_newer_requests_coalesce_to_newest(controller: Controller, stub: pbg.RefitStub) -> None:
+    cl = make_cluster(controller, stub)
+    try:
+        slot = cl.agent.slot_ids[0]
+        cl.agent.silent.add(slot)  # v1 stalls in transfer until its timeout
+        results: dict[int, list] = {}
+        threads = [threading.Thread(target=lambda: results.__setitem__(1, cl.refit(1)))]
+        threads[0].start()
+        deadline = time.monotonic() + 5
+        while status(stub, cl.model)["models"][0]["running"] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for v in (2, 3):
+            t = threading.Thread(target=lambda v=v: results.__setitem__(v, cl.refit(v)))
+            t.start()
+            threads.append(t)
+        time.sleep(0.3)  # v2 and v3 fully requested while v1 runs
+        cl.agent.silent.discard(slot)
+        for t in threads:
+            t.join(30)
+        assert all(r.state == pb.REFIT_STATE_FAILED for r in results[1])
+        assert all(r.state == pb.REFIT_STATE_SUPERSEDED for r in results[2])
+        assert "coalesced into version 3" in results[2][0].message
+        assert all(r.state == pb.REFIT_STATE_COMMITTED for r in results[3])
+        assert status(stub, cl.model)["models"][0]["committed_version"] == 3
+    finally:
+        cl.stop()
+
+
+def test_agent_gone_fails_running_refit(controller: Controller, stub: pbg.RefitStub) -> None:
+    cl = make_cluster(controller, stub)
+    try:
+        cl.agent.silent.add(cl.agent.slot_ids[1])
+        t0 = time.monotonic()
+        timer = threading.Timer(0.5, cl.agent.stop)
+        timer.start()
+        out = cl.refit(1)
+        assert all(r.state == pb.REFIT_STATE_FAILED for r in out)
+        assert f"agent {cl.agent.agent_id} on host {cl.host!r} disconnected" in out[0].message
+        assert time.monotonic() - t0 < 2.5  # well before the 3 s transfer timeout
+    finally:
+        for s in cl.subscribers:
+            s.stop()
