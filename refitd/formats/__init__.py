@@ -4,6 +4,7 @@ Torch reference codecs run anywhere; on CUDA tensors the quantizers use Triton k
 (refitd.formats.triton_kernels) when triton is installed, bit-identical to the reference.
 """
 
+from refitd.formats import triton_kernels
 from refitd.formats.fp8_block import (
     fp8_block_dequantize,
     fp8_block_dequantize_into,
@@ -51,4 +52,5 @@ __all__ = [
     "mxfp8_quantize",
     "mxfp8_quantize_into",
     "split_parts",
+    "triton_kernels",
 ]

@@ -1,0 +1,156 @@
+"""Triton kernels for the quantizers (imported only through refitd.formats.triton_kernels).
+
+Bit-identity with the torch reference does not rest on the GPU's float rounding modes:
+amax, the E8M0 exponent and the E4M3 rounding (nearest, ties to even, saturating) are done
+in integer arithmetic on IEEE bit patterns; the MXFP8 power-of-two scaling is an exponent
+add; the block-FP8 divisions are IEEE (div_rn, or float64 for tiles with amax < 2^-100
+where flush-to-zero of subnormals could otherwise change a result).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e4m3_code(biased, mant, sign):
+    """E4M3 code of sign * 1.mant * 2^(biased - 127) (biased may be <= 0), RNE, saturating."""
+    biased = tl.minimum(biased, 136)
+    a = tl.minimum((tl.maximum(biased, 0) << 23) | mant, 0x43E00000)  # clamp to 448
+    r = a + 0x7FFFF + ((a >> 20) & 1)
+    normal = (r >> 20) - 960  # rebias 127 -> 7, keep 3 mantissa bits
+    # below 2^-6: multiples of 2^-9, sig24 >> (141 - biased) with ties to even
+    sig = mant | 0x800000
+    shift = tl.minimum(tl.maximum(141 - biased, 21), 30)
+    one = shift * 0 + 1
+    q = sig >> shift
+    rem = sig & ((one << shift) - 1)
+    half = one << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    q = q + up.to(tl.int32)
+    return tl.where(biased >= 121, normal, q) | sign
+
+
+@triton.jit
+def _load_f32_bits(ptrs, mask, SRC_BF16: tl.constexpr):
+    """IEEE float32 bits of the loaded values; bf16 (passed as int16) is widened by a shift,
+    which keeps bf16 subnormals exact on every backend (the interpreter flushes them)."""
+    if SRC_BF16:
+        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16
+    else:
+        bits = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+    return bits
+
+
+@triton.jit
+def mxfp8_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    C,
+    NB,
+    n_col_programs,
+    sxm,
+    sxc,
+    sqm,
+    sqc,
+    ssm,
+    ssc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SRC_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid // n_col_programs
+    pid_c = pid % n_col_programs
+    NBB: tl.constexpr = BLOCK_C // 32
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < M) & (cols[None, :] < C)
+    bits = _load_f32_bits(x_ptr + rows[:, None] * sxm + cols[None, :] * sxc, mask, SRC_BF16)
+    absb = bits & 0x7FFFFFFF
+    sign = (bits >> 24) & 0x80
+    amax = tl.max(tl.reshape(absb, (BLOCK_M, NBB, 32)), axis=2)
+    nonfinite = amax >= 0x7F800000
+    sbyte = tl.maximum((amax >> 23) - 8, 0)
+    # x * 2^(127 - sbyte): add to the exponent; float32 subnormals are normalized through
+    # an exact int -> float conversion of their mantissa.
+    exp = absb >> 23
+    mant = absb & 0x7FFFFF
+    mf = mant.to(tl.float32).to(tl.int32, bitcast=True)
+    sub = exp == 0
+    biased = tl.where(sub, (mf >> 23) - 149, exp)
+    mant = tl.where(sub, mf & 0x7FFFFF, mant)
+    biased = tl.reshape(biased, (BLOCK_M, NBB, 32)) + (127 - sbyte)[:, :, None]
+    code = _e4m3_code(
+        biased, tl.reshape(mant, (BLOCK_M, NBB, 32)), tl.reshape(sign, (BLOCK_M, NBB, 32))
+    )
+    code = tl.where(nonfinite[:, :, None], 0x7F, code)
+    code = tl.reshape(code, (BLOCK_M, BLOCK_C))
+    tl.store(q_ptr + rows[:, None] * sqm + cols[None, :] * sqc, code.to(tl.uint8), mask=mask)
+    sbyte = tl.where(nonfinite, 255, sbyte)
+    scols = pid_c * NBB + tl.arange(0, NBB)
+    smask = (rows[:, None] < M) & (scols[None, :] < NB)
+    tl.store(s_ptr + rows[:, None] * ssm + scols[None, :] * ssc, sbyte.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def fp8_block_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    R,
+    C,
+    TR,
+    TC,
+    sxb,
+    sxr,
+    sxc,
+    sqb,
+    sqr,
+    sqc,
+    ssb,
+    ssr,
+    ssc,
+    SUB_R: tl.constexpr,
+    TILE: tl.constexpr,
+    SRC_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tc = pid % TC
+    rest = pid // TC
+    tr = rest % TR
+    b = (rest // TR).to(tl.int64)
+    cols = tc * TILE + tl.arange(0, TILE)
+    cmask = cols < C
+    xb = x_ptr + b * sxb
+    qb = q_ptr + b * sqb
+    acc = tl.zeros((SUB_R, TILE), dtype=tl.int32)
+    for i in tl.static_range(0, TILE, SUB_R):
+        rows = (tr * TILE + i + tl.arange(0, SUB_R)).to(tl.int64)
+        m = (rows[:, None] < R) & cmask[None, :]
+        bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
+        acc = tl.maximum(acc, bits & 0x7FFFFFFF)
+    amax = tl.max(tl.max(acc, axis=1), axis=0)
+    nonfinite = amax >= 0x7F800000
+    tiny = amax < (27 << 23)
+    scale = (amax.to(tl.float32, bitcast=True).to(tl.float64) / 448.0).to(tl.float32)
+    scale = tl.where(amax == 0, 1.0, scale)
+    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    tl.store(s_ptr + b * ssb + tr * ssr + tc * ssc, tl.where(nonfinite, nan, scale))
+    for i in tl.static_range(0, TILE, SUB_R):
+        rows = (tr * TILE + i + tl.arange(0, SUB_R)).to(tl.int64)
+        m = (rows[:, None] < R) & cmask[None, :]
+        bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
+        x = bits.to(tl.float32, bitcast=True)
+        if tiny:
+            p = (x.to(tl.float64) / scale.to(tl.float64)).to(tl.float32)
+        else:
+            p = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+        bits = p.to(tl.int32, bitcast=True)
+        absb = bits & 0x7FFFFFFF
+        code = _e4m3_code(absb >> 23, absb & 0x7FFFFF, (bits >> 24) & 0x80)
+        code = tl.where(nonfinite, 0x7F, code)
+        tl.store(qb + rows[:, None] * sqr + cols[None, :] * sqc, code.to(tl.uint8), mask=m)

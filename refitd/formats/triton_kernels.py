@@ -1,0 +1,128 @@
+"""GPU quantizers (Triton), bit-identical to the torch reference codecs.
+
+Importable without triton: the kernels live in refitd.formats._triton_jit, imported on the
+first call. Each function writes into the given output buffers (views into persistent
+destination buffers or message buffers are fine); when a buffer cannot be viewed as rows
+of its last dim, the kernel writes a temporary that is then copied in place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from refitd.formats.fp8 import check_buffer, check_float
+from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, fp8_block_scale_shape, mxfp8_scale_shape
+
+MXFP8_CONFIG = {"block_m": 16, "block_c": 256, "num_warps": 8}
+FP8_BLOCK_CONFIG = {"sub_r": 32, "num_warps": 8}
+
+
+def available() -> bool:
+    """Whether triton is installed (the kernels need a CUDA device or TRITON_INTERPRET=1)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _view(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
+def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """bf16 goes in as its int16 bits (widened exactly in the kernel); float64 as float32."""
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16)
+    return x.to(torch.float32) if x.dtype == torch.float64 else x
+
+
+def mxfp8_quantize_into(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    block_m: int = MXFP8_CONFIG["block_m"],
+    block_c: int = MXFP8_CONFIG["block_c"],
+    num_warps: int = MXFP8_CONFIG["num_warps"],
+) -> None:
+    """MXFP8 of x into data (uint8, x.shape) and scales (uint8, mxfp8_scale_shape)."""
+    from refitd.formats._triton_jit import mxfp8_kernel
+
+    check_float(x, "mxfp8 quantize")
+    check_buffer(data, torch.uint8, tuple(x.shape), "mxfp8 data")
+    check_buffer(scales, torch.uint8, mxfp8_scale_shape(tuple(x.shape)), "mxfp8 scales")
+    if x.numel() == 0:
+        return
+    cols = x.shape[-1]
+    nb = -(-cols // MXFP8_BLOCK)
+    xk = _as_kernel_input(x)
+    x2 = _view(xk, (-1, cols))
+    if x2 is None:
+        x2 = xk.reshape(-1, cols)
+    q2, s2 = _view(data, (-1, cols)), _view(scales, (-1, nb))
+    q_out = q2 if q2 is not None else torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+    s_out = (
+        s2 if s2 is not None else torch.empty((x2.shape[0], nb), dtype=torch.uint8, device=x.device)
+    )
+    block_c = max(MXFP8_BLOCK, min(block_c, triton_next_pow2(cols)))
+    rows = x2.shape[0]
+    n_c = -(-cols // block_c)
+    grid = (-(-rows // block_m) * n_c,)
+    mxfp8_kernel[grid](
+        x2, q_out, s_out, rows, cols, nb, n_c,
+        x2.stride(0), x2.stride(1), q_out.stride(0), q_out.stride(1), s_out.stride(0), s_out.stride(1),
+        BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=x.dtype == torch.bfloat16,
+        num_warps=num_warps,
+    )  # fmt: skip
+    if q2 is None:
+        data.copy_(q_out.view(data.shape))
+    if s2 is None:
+        scales.copy_(s_out.view(scales.shape))
+
+
+def fp8_block_quantize_into(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    sub_r: int = FP8_BLOCK_CONFIG["sub_r"],
+    num_warps: int = FP8_BLOCK_CONFIG["num_warps"],
+) -> None:
+    """Block FP8 of x into data (uint8, x.shape) and scales (float32, fp8_block_scale_shape)."""
+    from refitd.formats._triton_jit import fp8_block_kernel
+
+    check_float(x, "fp8_block quantize")
+    check_buffer(data, torch.uint8, tuple(x.shape), "fp8_block data")
+    check_buffer(scales, torch.float32, fp8_block_scale_shape(tuple(x.shape)), "fp8_block scales")
+    if x.numel() == 0:
+        return
+    rows, cols = (1, x.shape[0]) if x.dim() == 1 else tuple(x.shape[-2:])
+    tr, tc = -(-rows // FP8_TILE), -(-cols // FP8_TILE)
+    xk = _as_kernel_input(x)
+    x3 = _view(xk, (-1, rows, cols))
+    if x3 is None:
+        x3 = xk.reshape(-1, rows, cols)
+    q3, s3 = _view(data, (-1, rows, cols)), _view(scales, (-1, tr, tc))
+    q_out = q3 if q3 is not None else torch.empty(x3.shape, dtype=torch.uint8, device=x.device)
+    s_out = (
+        s3
+        if s3 is not None
+        else torch.empty((x3.shape[0], tr, tc), dtype=torch.float32, device=x.device)
+    )
+    grid = (x3.shape[0] * tr * tc,)
+    fp8_block_kernel[grid](
+        x3, q_out, s_out, rows, cols, tr, tc,
+        x3.stride(0), x3.stride(1), x3.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        s_out.stride(0), s_out.stride(1), s_out.stride(2),
+        SUB_R=sub_r, TILE=FP8_TILE, SRC_BF16=x.dtype == torch.bfloat16,
+        num_warps=num_warps,
+    )  # fmt: skip
+    if q3 is None:
+        data.copy_(q_out.view(data.shape))
+    if s3 is None:
+        scales.copy_(s_out.view(scales.shape))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
