@@ -1,0 +1,194 @@
+"""GPU quantizer benchmark: Triton MXFP8 / block-FP8 throughput vs a device-to-device copy.
+
+Bandwidth counts bytes read + written (bf16 in; E4M3 codes and scales out; a copy reads
+and writes the bf16 tensor), measured in the same run, so `ratio` = quantizer GB/s / copy
+GB/s is comparable across devices (target >= 0.7). It also checks the kernels bit for bit
+against the CPU torch reference on every shape class, and the large outputs against the
+reference run on the device.
+
+    PYTHONPATH=. python3 -m refitd.formats.gpu_bench      # table + one JSON line
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from refitd.formats import fp8_block, mxfp8, triton_kernels
+from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
+
+LARGE_SHAPE = (16384, 32768)  # 1 GiB of bf16
+MXFP8_CONFIGS = [
+    {"block_m": 16, "block_c": 256, "num_warps": 8},
+    {"block_m": 32, "block_c": 128, "num_warps": 4},
+    {"block_m": 8, "block_c": 512, "num_warps": 4},
+    {"block_m": 64, "block_c": 128, "num_warps": 8},
+]
+FP8_BLOCK_CONFIGS = [
+    {"sub_r": 32, "num_warps": 8},
+    {"sub_r": 16, "num_warps": 4},
+    {"sub_r": 64, "num_warps": 8},
+]
+CHECK_SHAPES = {
+    "mxfp8": [(1,), (7,), (33,), (31, 33), (3, 5, 100), (129, 257), (256, 4096)],
+    "fp8_block": [(1,), (300,), (5, 7), (129, 257), (2, 300, 130), (512, 1024)],
+}
+
+
+def _median_seconds(fn: Callable[[], None], iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _hard_data(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values over a wide exponent range with zeros, subnormals, NaN and +-Inf."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.Size(shape).numel()
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x *= torch.exp2(torch.randint(-30, 30, (n,), generator=g).double())
+    pick = torch.rand(n, generator=g)
+    x[pick < 0.05] = 0.0
+    tiny = torch.finfo(dtype).tiny
+    x = torch.where((pick > 0.05) & (pick < 0.08), x.sign() * tiny * pick, x)
+    if n > 300:
+        x[100:164] = tiny * 0.3  # all-subnormal blocks
+        x[200] = float("nan")
+        x[250] = float("inf")
+        x[-1] = float("-inf")
+    return x.reshape(shape).to(dtype)
+
+
+def _check_rows(device: str) -> list[dict]:
+    rows = []
+    for fmt, shapes in CHECK_SHAPES.items():
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            for i, shape in enumerate(shapes):
+                x = _hard_data(shape, dtype, seed=i)
+                if fmt == "mxfp8":
+                    want = mxfp8.mxfp8_quantize(x)
+                    data = torch.empty(shape, dtype=torch.uint8, device=device)
+                    scales = torch.empty(mxfp8_scale_shape(shape), dtype=torch.uint8, device=device)
+                    triton_kernels.mxfp8_quantize_into(x.to(device), data, scales)
+                    same_scales = torch.equal(scales.cpu(), want[1])
+                else:
+                    want = fp8_block.fp8_block_quantize(x)
+                    data = torch.empty(shape, dtype=torch.uint8, device=device)
+                    scales = torch.empty(
+                        fp8_block_scale_shape(shape), dtype=torch.float32, device=device
+                    )
+                    triton_kernels.fp8_block_quantize_into(x.to(device), data, scales)
+                    same_scales = torch.equal(
+                        scales.cpu().view(torch.int32), want[1].view(torch.int32)
+                    )
+                rows.append(
+                    {
+                        "name": f"check {fmt} {str(dtype).removeprefix('torch.')}",
+                        "shape": shape,
+                        "gbps": None,
+                        "copy_gbps": None,
+                        "ratio": None,
+                        "bit_identical": same_scales and torch.equal(data.cpu(), want[0]),
+                    }
+                )
+    return rows
+
+
+def bench_quantizers(device: str = "cuda") -> list[dict]:
+    """Rows of {name, shape, gbps, copy_gbps, ratio, bit_identical} (see the module doc)."""
+    if not torch.cuda.is_available() or not triton_kernels.available():
+        raise RuntimeError("bench_quantizers needs a CUDA device and triton")
+    rows = _check_rows(device)
+    x = torch.randn(LARGE_SHAPE, dtype=torch.bfloat16, device=device)
+    copy_dst = torch.empty_like(x)
+    copy_s = _median_seconds(lambda: copy_dst.copy_(x))
+    copy_gbps = 2 * x.nbytes / copy_s / 1e9
+    rows.append(
+        {
+            "name": "copy_ bf16 (reference)",
+            "shape": LARGE_SHAPE,
+            "gbps": copy_gbps,
+            "copy_gbps": copy_gbps,
+            "ratio": 1.0,
+            "bit_identical": None,
+        }
+    )
+    data = torch.empty(LARGE_SHAPE, dtype=torch.uint8, device=device)
+    specs = [
+        ("mxfp8", MXFP8_CONFIGS, triton_kernels.mxfp8_quantize_into, mxfp8._reference_codes,
+         torch.empty(mxfp8_scale_shape(LARGE_SHAPE), dtype=torch.uint8, device=device)),
+        ("fp8_block", FP8_BLOCK_CONFIGS, triton_kernels.fp8_block_quantize_into,
+         fp8_block._reference_codes,
+         torch.empty(fp8_block_scale_shape(LARGE_SHAPE), dtype=torch.float32, device=device)),
+    ]  # fmt: skip
+    for fmt, configs, kernel, reference, scales in specs:
+        moved = x.nbytes + data.nbytes + scales.nbytes
+        for config in configs:
+            seconds = _median_seconds(lambda k=kernel, c=config, s=scales: k(x, data, s, **c))
+            gbps = moved / seconds / 1e9
+            want_data, want_scales = reference(x)
+            same = torch.equal(data, want_data) and torch.equal(
+                scales.view(torch.int32) if scales.dtype == torch.float32 else scales,
+                want_scales.view(torch.int32) if scales.dtype == torch.float32 else want_scales,
+            )
+            del want_data, want_scales
+            rows.append(
+                {
+                    "name": f"{fmt} {config}",
+                    "shape": LARGE_SHAPE,
+                    "gbps": gbps,
+                    "copy_gbps": copy_gbps,
+                    "ratio": gbps / copy_gbps,
+                    "bit_identical": same,
+                }
+            )
+    return rows
+
+
+def _format(v: object) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def main() -> int:
+    rows = bench_quantizers()
+    print(f"device: {torch.cuda.get_device_name()}")
+    print(f"{'name':58} {'shape':16} {'GB/s':>8} {'copy':>8} {'ratio':>6} bit_identical")
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(
+            f"{r['name']:58} {r['shape']!s:16} {_format(r['gbps']) if r['gbps'] else '':>8} "
+            f"{_format(r['copy_gbps']) if r['copy_gbps'] else '':>8} {ratio:>6} "
+            f"{r['bit_identical']}"
+        )
+    best = {
+        fmt: max((r for r in rows if r["name"].startswith(fmt + " ")), key=lambda r: r["gbps"])
+        for fmt in ("mxfp8", "fp8_block")
+    }
+    checks = [r["bit_identical"] for r in rows if r["bit_identical"] is not None]
+    summary = {
+        "bench": "quantizers",
+        "device": torch.cuda.get_device_name(),
+        "copy_gbps": next(r["gbps"] for r in rows if r["name"].startswith("copy_")),
+        **{f"{fmt}_gbps": r["gbps"] for fmt, r in best.items()},
+        **{f"{fmt}_ratio": r["ratio"] for fmt, r in best.items()},
+        **{f"{fmt}_config": r["name"].split(" ", 1)[1] for fmt, r in best.items()},
+        "bit_identical": all(checks),
+    }
+    print(json.dumps(summary))
+    return 0 if summary["bit_identical"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
