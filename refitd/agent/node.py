@@ -206,6 +206,8 @@ class NodeAgent:
                 except grpc.RpcError as err:
                     if not stop.is_set():
                         log.info("agent %s: command stream ended: %s", self.host, err.details())
+                except Exception:
+                    log.exception("agent %s: unexpected error; starting over", self.host)
                 if backoff.wait(stop):
                     break
         finally:
