@@ -1,0 +1,64 @@
+"""`refitd serve [--cpu-slots N]`: the controller and, embedded, the local node agent.
+
+The embedded agent runs in a thread of this process and talks gRPC over loopback like any
+other agent; its transfer processes are child processes. Runs until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+
+from refitd.config import add_settings_arguments, settings_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser)
+    parser.add_argument(
+        "--hostname",
+        default=None,
+        help="host name of the embedded agent's slots (default: socket.gethostname())",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from refitd.server.controller import Controller
+
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    controller = Controller(settings).start()
+    agent_thread = None
+    devices = settings.local_devices()
+    if settings.embedded_agent and devices:
+        from refitd.agent.node import run_node_agent
+
+        host = args.hostname or socket.gethostname()
+        agent_thread = threading.Thread(
+            target=run_node_agent,
+            args=(controller.grpc_address, host, devices, settings, stop),
+            name="local-agent",
+            daemon=True,
+        )
+        agent_thread.start()
+    print(
+        f"refitd serving: gRPC {controller.grpc_address}, status http://{controller.http_address}/"
+        f", store {controller.store_address_str or 'off'}, state {controller.db.path}"
+        + (f", local agent slots {','.join(devices)}" if agent_thread else ""),
+        flush=True,
+    )
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        if agent_thread is not None:
+            agent_thread.join(timeout=10)
+        controller.stop()
+    return 0
