@@ -186,7 +186,10 @@ class InferenceClient(WorkerClient):
         if raw.event_id:
             self._last_event = raw.event_id
         if moved:
-            self.refresh()
+            try:
+                self.refresh()
+            except RefitError as err:
+                log.error("%s: registering moved tensors again failed: %s", self._who(), err)
         return event
 
     def _ack(self, event: VersionEvent, ok: bool, message: str, moved: list[str]) -> None:

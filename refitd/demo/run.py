@@ -9,6 +9,7 @@ bit on every inference rank before the trainer steps again.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -22,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from refitd._proto import refitd_pb2 as pb
+from refitd._proto import refitd_pb2_grpc as pb_grpc
 from refitd.demo.gpt import GptConfig, ParallelLayout
 from refitd.demo.workers import WorkerSpec, inference_main, trainer_main
 
@@ -76,21 +79,33 @@ class Daemon:
         import grpc
 
         channel = grpc.insecure_channel(self.address)
+        stub = pb_grpc.RefitStub(channel)
         try:
             deadline = time.monotonic() + timeout_s
             while True:
                 if self.process is not None and self.process.poll() is not None:
                     raise RuntimeError(f"refitd serve exited early:\n{self.log_tail()}")
-                try:
-                    grpc.channel_ready_future(channel).result(timeout=0.5)
+                if self._slots_connected(stub) >= self.cpu_slots:
                     return
-                except grpc.FutureTimeoutError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"refitd serve not ready after {timeout_s:.0f} s:\n{self.log_tail()}"
-                        ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"refitd serve: {self.cpu_slots} slots not connected after "
+                        f"{timeout_s:.0f} s:\n{self.log_tail()}"
+                    )
+                time.sleep(0.2)
         finally:
             channel.close()
+
+    @staticmethod
+    def _slots_connected(stub: Any) -> int:
+        """Slots whose agent has its command stream open (0 while the daemon starts)."""
+        import grpc
+
+        try:
+            doc = json.loads(stub.GetStatus(pb.StatusRequest(), timeout=2.0).json)
+        except grpc.RpcError:
+            return 0
+        return sum(1 for s in doc.get("slots", []) if s.get("connected"))
 
     def log_tail(self, n: int = 4000) -> str:
         if self._log is None:

@@ -110,7 +110,7 @@ def test_storage_move_is_caught_on_both_sides(daemon: Daemon) -> None:
 
         # Trainer side: a moved storage is refused with on_move="error" ...
         name = shards[1].name
-        src[name].set_(torch.zeros(shards[1].local_shape, dtype=torch.bfloat16).untyped_storage())
+        src[name].data = torch.zeros_like(src[name])  # new storage, same tensor object
         trainer.on_move = "error"
         with pytest.raises(RefitError, match=name.replace(".", r"\.")):
             trainer.refit(2, timeout=60)
@@ -123,7 +123,7 @@ def test_storage_move_is_caught_on_both_sides(daemon: Daemon) -> None:
         # Inference side: the PAUSE ack names the moved tensor, the refit fails asking for
         # re-registration (the client re-registers by itself), and the next refit lands.
         dname = shards[0].name
-        dst[dname].set_(torch.zeros(shards[0].local_shape, dtype=torch.bfloat16).untyped_storage())
+        dst[dname].data = torch.zeros_like(dst[dname])
         _fill(gen, shards, src, 3)
         with pytest.raises(RefitError, match="regist"):
             trainer.refit(3, wait="committed", timeout=60)
