@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
@@ -53,6 +54,7 @@ class RefitRun:
     reason: str = ""
     readers: dict[int, frozenset[int]] = field(default_factory=dict)  # rank -> slots
     released: set[int] = field(default_factory=set)
+    source_waiters: int = 0  # Refit calls waiting for their sources to be read
     started: float = 0.0
     seconds: float = 0.0
     bytes: int = 0
@@ -193,17 +195,33 @@ class RefitCoordinator:
                 done = lambda: run.final  # noqa: E731
             else:
                 done = lambda: run.sources_read(w.rank)  # noqa: E731
-            while not done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ControlError(
-                        ErrorKind.DEADLINE,
-                        f"version {version} of model {w.model!r}: still "
-                        f"{STATE_NAMES[run.state]} after {timeout_s or self.settings.refit_wait_timeout_s:g}s; "
-                        "the refit goes on",
-                    )
-                m.cond.wait(min(left, 1.0))
+            sources_wait = wait != pb.WAIT_COMMITTED
+            run.source_waiters += sources_wait
+            try:
+                self._wait(m, run, done, deadline, timeout_s)
+            finally:
+                run.source_waiters -= sources_wait
             return self._response(run)
+
+    def _wait(
+        self,
+        m: ModelRefits,
+        run: RefitRun,
+        done: Callable[[], bool],
+        deadline: float,
+        timeout_s: float,
+    ) -> None:
+        """Under m.cond: wait until done() or raise DEADLINE at the deadline."""
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waited = timeout_s or self.settings.refit_wait_timeout_s
+                raise ControlError(
+                    ErrorKind.DEADLINE,
+                    f"version {run.version} of model {run.model!r}: still "
+                    f"{STATE_NAMES[run.state]} after {waited:g}s; the refit goes on",
+                )
+            m.cond.wait(min(left, 1.0))
 
     def _response(self, run: RefitRun) -> pb.RefitResponse:
         return pb.RefitResponse(
@@ -508,7 +526,8 @@ class RefitCoordinator:
             if r.kind == pb.REPORT_KIND_SOURCES_RELEASED:
                 with m.cond:
                     run.released.add(r.slot)
-                    m.cond.notify_all()
+                    if run.source_waiters:
+                        m.cond.notify_all()
             elif r.kind == pb.REPORT_KIND_DONE:
                 moved = r.bytes_sent + r.bytes_received + r.bytes_local
                 run.slot_stats[r.slot] = (moved, r.seconds)

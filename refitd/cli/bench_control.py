@@ -1,0 +1,302 @@
+"""`refitd bench control`: control-plane overhead of refits with a cached plan.
+
+A real controller (`refitd serve` child process, gRPC on loopback) with 64 registered slots
+(8 agents x 8 slots), a trainer pool of 32 ranks and an inference pool of 32 subscribed
+ranks. The agents are light threads in a peer process that answer every command at once
+without moving bytes: this bench measures the controller's overhead only. Per refit:
+start = last trainer Refit call -> every slot has received its ExecuteCommand;
+end = last DONE report sent -> the version committed (first Refit(WAIT_COMMITTED) return).
+The reference measured in the same run is one unary gRPC round trip to the controller.
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+AGENTS = 8
+ROWS_PER_RANK = 4
+COLS = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--refits", type=int, default=200, help="timed refits")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed refits first")
+    parser.add_argument("--slots", type=int, default=64, help="slots (half trainer, half infer)")
+
+
+def _register_tensor(rank: int, size: int) -> Any:
+    from refitd._proto import refitd_pb2 as pb
+
+    return pb.TensorRegistration(
+        name="w",
+        global_shape=[ROWS_PER_RANK * size, COLS],
+        dtype="bfloat16",
+        local_shape=[ROWS_PER_RANK, COLS],
+        boxes=[
+            pb.Box(
+                offset=[rank * ROWS_PER_RANK, 0], shape=[ROWS_PER_RANK, COLS], local_offset=[0, 0]
+            )
+        ],
+        memory=b"bench-handle",
+    )
+
+
+def _peers(address: str, host: str, slots: int, ready: Any, out: Any, stop: Any) -> None:
+    """Peer process: light agents (answer commands at once) and subscribing inference ranks."""
+    import grpc
+
+    from refitd._proto import refitd_pb2 as pb
+    from refitd._proto import refitd_pb2_grpc as pbg
+
+    ch = grpc.insecure_channel(address)
+    agents = pbg.AgentControlStub(ch)
+    refit = pbg.RefitStub(ch)
+    per = slots // AGENTS
+    streams = []
+
+    def agent_loop(agent_id: str, stream: Any) -> None:
+        """Read commands as they come (timestamped on receipt); a helper thread reports."""
+        todo: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
+        threading.Thread(target=answer, args=(agent_id, todo), daemon=True).start()
+        try:
+            for cmd in stream:
+                todo.put((cmd, time.monotonic()))
+        except grpc.RpcError:
+            pass
+        todo.put(None)
+
+    def answer(agent_id: str, todo: queue.SimpleQueue[tuple[Any, float] | None]) -> None:
+        try:
+            while (item := todo.get()) is not None:
+                cmd, got = item
+                which = cmd.WhichOneof("command")
+                rep = pb.AgentReport(agent_id=agent_id, command_id=cmd.command_id)
+                if which == "connect":
+                    for slot in ids_of[agent_id]:
+                        rep.slot, rep.kind = slot, pb.REPORT_KIND_CONNECTED
+                        agents.Report(rep, timeout=30)
+                elif which == "load":
+                    rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
+                    agents.Report(rep, timeout=30)
+                elif which == "execute":
+                    rep.slot, rep.refit_id = cmd.execute.slot, cmd.execute.refit_id
+                    rep.kind = pb.REPORT_KIND_SOURCES_RELEASED
+                    agents.Report(rep, timeout=30)
+                    rep.kind = pb.REPORT_KIND_DONE
+                    done = time.monotonic()
+                    agents.Report(rep, timeout=30)
+                    out.put((cmd.execute.refit_id, got, done))
+        except grpc.RpcError:
+            pass
+
+    ids_of: dict[str, list[int]] = {}
+    threads = []
+    for a in range(AGENTS):
+        resp = agents.RegisterAgent(
+            pb.RegisterAgentRequest(
+                host=host,
+                slots=[pb.SlotInfo(device=f"cpu:{a * per + i}") for i in range(per)],
+                pid=os.getpid(),
+            ),
+            timeout=30,
+        )
+        ids_of[resp.agent_id] = list(resp.slot_ids)
+        s = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
+        streams.append(s)
+        threads.append(threading.Thread(target=agent_loop, args=(resp.agent_id, s), daemon=True))
+    for t in threads:
+        t.start()
+    n = slots // 2
+    time.sleep(0.5)  # agent streams open
+
+    def subscriber(rank: int) -> None:
+        resp = refit.RegisterWorker(
+            pb.RegisterWorkerRequest(
+                model="bench",
+                pool="infer",
+                role=pb.ROLE_DESTINATION,
+                rank=rank,
+                pool_size=n,
+                host=host,
+                device=f"cpu:{n + rank}",
+                pid=os.getpid(),
+                tensors=[_register_tensor(rank, n)],
+            ),
+            timeout=30,
+        )
+        stream = refit.Subscribe(pb.SubscribeRequest(worker_id=resp.worker_id))
+        streams.append(stream)
+        try:
+            for ev in stream:
+                if ev.kind != pb.EVENT_KIND_HELLO:
+                    refit.Ack(
+                        pb.AckRequest(worker_id=resp.worker_id, event_id=ev.event_id, ok=True),
+                        timeout=30,
+                    )
+        except grpc.RpcError:
+            pass
+
+    for r in range(n):
+        threading.Thread(target=subscriber, args=(r,), daemon=True).start()
+    time.sleep(0.5)
+    ready.set()
+    stop.wait()
+    for s in streams:
+        s.cancel()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from refitd._proto import refitd_pb2 as pb
+    from refitd._proto import refitd_pb2_grpc as pbg
+
+    slots = args.slots - args.slots % (2 * AGENTS) or 2 * AGENTS
+    n = slots // 2
+    host = "bench-host"
+    data = tempfile.mkdtemp(prefix="refitd-bench-")
+    ctl = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "refitd.cli.main",
+            "serve",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--no-embedded-agent",
+            "--data-dir",
+            data,
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ctx = mp.get_context("spawn")
+    ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    peers = None
+    try:
+        line = ctl.stdout.readline()  # type: ignore[union-attr]
+        match = re.search(r"gRPC (\S+),", line)
+        if not match:
+            raise RuntimeError(f"controller did not start: {line!r}")
+        address = match.group(1)
+        peers = ctx.Process(
+            target=_peers, args=(address, host, slots, ready, out, stop), daemon=True
+        )
+        peers.start()
+        if not ready.wait(60):
+            raise RuntimeError("bench peers did not come up within 60 s")
+        ch = grpc.insecure_channel(address)
+        stub = pbg.RefitStub(ch)
+        trainers = [
+            stub.RegisterWorker(
+                pb.RegisterWorkerRequest(
+                    model="bench",
+                    pool="trainer",
+                    role=pb.ROLE_SOURCE,
+                    rank=r,
+                    pool_size=n,
+                    host=host,
+                    device=f"cpu:{r}",
+                    pid=os.getpid(),
+                    tensors=[_register_tensor(r, n)],
+                ),
+                timeout=30,
+            ).worker_id
+            for r in range(n)
+        ]
+        pool = ThreadPoolExecutor(n)
+
+        def call(wid: str, version: int) -> tuple[float, float, int]:
+            t0 = time.monotonic()
+            resp = stub.Refit(
+                pb.RefitRequest(worker_id=wid, version=version, wait=pb.WAIT_COMMITTED),
+                timeout=60,
+            )
+            return t0, time.monotonic(), resp.state
+
+        starts, ends, totals = [], [], []
+        for i in range(args.warmup + args.refits):
+            version = i + 1
+            res = list(pool.map(lambda w, v=version: call(w, v), trainers))
+            if any(s != pb.REFIT_STATE_COMMITTED for _, _, s in res):
+                raise RuntimeError(f"refit {version} did not commit: {res}")
+            got, done = [], []
+            while len(got) < slots:
+                _, g, d = out.get(timeout=30)
+                got.append(g)
+                done.append(d)
+            t_last_call = max(t0 for t0, _, _ in res)
+            t_commit = min(t1 for _, t1, _ in res)
+            if i >= args.warmup:
+                starts.append(max(got) - t_last_call)
+                ends.append(t_commit - max(done))
+                totals.append(max(t1 for _, t1, _ in res) - t_last_call)
+        rtts = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            stub.Heartbeat(pb.HeartbeatRequest(worker_id=trainers[0]), timeout=10)
+            rtts.append(time.perf_counter() - t0)
+        doc = json.loads(stub.GetStatus(pb.StatusRequest(model="bench"), timeout=30).json)
+        inside = [r for r in doc["refits"] if r["state"] == "committed"][: args.refits]
+        ctl_start = [r["control_start_s"] for r in inside]
+        ctl_end = [r["control_end_s"] for r in inside]
+        ms = 1e3
+        result = {
+            "bench": "control",
+            "slots": slots,
+            "agents": AGENTS,
+            "trainer_ranks": n,
+            "inference_ranks": n,
+            "refits": args.refits,
+            "start_p50_ms": _pct(starts, 50) * ms,
+            "start_p99_ms": _pct(starts, 99) * ms,
+            "end_p50_ms": _pct(ends, 50) * ms,
+            "end_p99_ms": _pct(ends, 99) * ms,
+            "refit_p50_ms": _pct(totals, 50) * ms,
+            "controller_start_p50_ms": _pct(ctl_start, 50) * ms,
+            "controller_end_p50_ms": _pct(ctl_end, 50) * ms,
+            "rpc_rtt_p50_ms": _pct(rtts, 50) * ms,
+            "start_p50_over_rtt": _pct(starts, 50) / _pct(rtts, 50),
+            "target_p50_ms": 5.0,
+            "target_p99_ms": 20.0,
+            "note": "light agents answer commands at once without moving bytes: control "
+            "overhead only; controller, agents+subscribers and trainers are 3 processes on "
+            f"{os.cpu_count()} cores",
+        }
+        print(json.dumps(result))
+        ch.close()
+        pool.shutdown()
+        return 0
+    finally:
+        stop.set()
+        if peers is not None:
+            peers.join(10)
+            if peers.is_alive():
+                peers.kill()
+        ctl.terminate()
+        try:
+            ctl.wait(15)
+        except subprocess.TimeoutExpired:
+            ctl.kill()
