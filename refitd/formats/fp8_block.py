@@ -60,7 +60,8 @@ def _reference_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax_bits = abs_bits(tiles).amax(dim=(-3, -1))
     nonfinite = amax_bits >= F32_EXP_MASK
     amax = amax_bits.view(torch.float32)
-    scale = torch.where(amax == 0, 1.0, amax / E4M3_MAX)
+    # a tensor divisor: CUDA turns division by a Python scalar into a reciprocal multiply
+    scale = torch.where(amax == 0, 1.0, amax / torch.full_like(amax, E4M3_MAX))
     scale = torch.where(nonfinite, torch.nan, scale)
     codes = to_e4m3_codes(tiles / scale[..., :, None, :, None]).to(torch.int32)
     codes = torch.where(nonfinite[..., :, None, :, None], E4M3_NAN, codes)

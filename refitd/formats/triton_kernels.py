@@ -15,8 +15,8 @@ import torch
 from refitd.formats.fp8 import check_buffer, check_float
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, fp8_block_scale_shape, mxfp8_scale_shape
 
-MXFP8_CONFIG = {"block_m": 16, "block_c": 256, "num_warps": 8}
-FP8_BLOCK_CONFIG = {"sub_r": 32, "num_warps": 8}
+MXFP8_CONFIG = {"block_m": 16, "block_c": 256, "num_warps": 8, "fast": False}
+FP8_BLOCK_CONFIG = {"sub_r": 32, "num_warps": 8, "fast": False}
 
 
 def available() -> bool:
@@ -45,6 +45,7 @@ def mxfp8_quantize_into(
     block_m: int = MXFP8_CONFIG["block_m"],
     block_c: int = MXFP8_CONFIG["block_c"],
     num_warps: int = MXFP8_CONFIG["num_warps"],
+    fast: bool = MXFP8_CONFIG["fast"],
 ) -> None:
     """MXFP8 of x into data (uint8, x.shape) and scales (uint8, mxfp8_scale_shape)."""
     from refitd.formats._triton_jit import mxfp8_kernel
@@ -72,7 +73,7 @@ def mxfp8_quantize_into(
     mxfp8_kernel[grid](
         x2, q_out, s_out, rows, cols, nb, n_c,
         x2.stride(0), x2.stride(1), q_out.stride(0), q_out.stride(1), s_out.stride(0), s_out.stride(1),
-        BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=x.dtype == torch.bfloat16,
+        BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=x.dtype == torch.bfloat16, FAST=fast,
         num_warps=num_warps,
     )  # fmt: skip
     if q2 is None:
@@ -87,6 +88,7 @@ def fp8_block_quantize_into(
     scales: torch.Tensor,
     sub_r: int = FP8_BLOCK_CONFIG["sub_r"],
     num_warps: int = FP8_BLOCK_CONFIG["num_warps"],
+    fast: bool = FP8_BLOCK_CONFIG["fast"],
 ) -> None:
     """Block FP8 of x into data (uint8, x.shape) and scales (float32, fp8_block_scale_shape)."""
     from refitd.formats._triton_jit import fp8_block_kernel
@@ -115,7 +117,7 @@ def fp8_block_quantize_into(
         x3.stride(0), x3.stride(1), x3.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         s_out.stride(0), s_out.stride(1), s_out.stride(2),
-        SUB_R=sub_r, TILE=FP8_TILE, SRC_BF16=x.dtype == torch.bfloat16,
+        SUB_R=sub_r, TILE=FP8_TILE, SRC_BF16=x.dtype == torch.bfloat16, FAST=fast,
         num_warps=num_warps,
     )  # fmt: skip
     if q3 is None:

@@ -29,13 +29,13 @@ MX_SHAPES = [(1,), (7,), (33,), (31, 33), (3, 5, 100), (64, 4096), (129, 257)]
 BLOCK_SHAPES = [(1,), (300,), (5, 7), (129, 257), (2, 300, 130), (256, 512)]
 
 
-def _check(device: str, dtype: torch.dtype, mx_shapes, block_shapes) -> None:
+def _check(device: str, dtype: torch.dtype, mx_shapes, block_shapes, fast: bool = False) -> None:
     for shape in mx_shapes:
         x = special_tensor(shape, dtype, seed=len(shape) * 1000 + shape[-1], block=32)
         want = mxfp8_quantize(x)  # CPU: torch reference
         data = torch.empty(shape, dtype=torch.uint8, device=device)
         scales = torch.empty(mxfp8_scale_shape(shape), dtype=torch.uint8, device=device)
-        triton_kernels.mxfp8_quantize_into(x.to(device), data, scales)
+        triton_kernels.mxfp8_quantize_into(x.to(device), data, scales, fast=fast)
         assert torch.equal(data.cpu(), want[0]), ("mxfp8 data", shape, dtype)
         assert torch.equal(scales.cpu(), want[1]), ("mxfp8 scales", shape, dtype)
     for shape in block_shapes:
@@ -43,7 +43,7 @@ def _check(device: str, dtype: torch.dtype, mx_shapes, block_shapes) -> None:
         want = fp8_block_quantize(x)
         data = torch.empty(shape, dtype=torch.uint8, device=device)
         scales = torch.empty(fp8_block_scale_shape(shape), dtype=torch.float32, device=device)
-        triton_kernels.fp8_block_quantize_into(x.to(device), data, scales)
+        triton_kernels.fp8_block_quantize_into(x.to(device), data, scales, fast=fast)
         assert torch.equal(data.cpu(), want[0]), ("fp8_block data", shape, dtype)
         assert torch.equal(scales.cpu().view(torch.int32), want[1].view(torch.int32)), (
             "fp8_block scales",
@@ -63,9 +63,10 @@ def test_kernels_in_interpreter_match_reference() -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_kernels_bit_identical_to_reference(dtype: torch.dtype) -> None:
-    _check("cuda", dtype, MX_SHAPES, BLOCK_SHAPES)
+def test_kernels_bit_identical_to_reference(dtype: torch.dtype, fast: bool) -> None:
+    _check("cuda", dtype, MX_SHAPES, BLOCK_SHAPES, fast)
 
 
 @pytest.mark.gpu
