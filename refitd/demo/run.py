@@ -279,9 +279,11 @@ def run_demo(
     demo: Demo | None = None
     lines: list[RefitLine] = []
     try:
+        say(f"starting refitd serve --cpu-slots {daemon.cpu_slots} (controller + local agent)")
         daemon.start()
         say(f"refitd serve up: gRPC {daemon.address}, status page {daemon.status_url}")
         demo = Demo(daemon.address, config, say=say)
+        say("starting 8 worker processes and registering their tensors")
         demo.start()
         for v in range(1, refits + 1):
             line = demo.refit(v)
@@ -299,7 +301,9 @@ def run_demo(
             f"status page {daemon.status_url}"
         )
         if keep_running:
-            say("--keep-running: daemon and workers stay up; Ctrl-C to stop")
+            say(
+                f"--keep-running: daemon and workers stay up at {daemon.status_url}; Ctrl-C to stop"
+            )
             try:
                 while daemon.process is not None and daemon.process.poll() is None:
                     time.sleep(1.0)
