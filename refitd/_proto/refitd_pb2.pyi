@@ -264,16 +264,18 @@ class SlotInfo(_message.Message):
     def __init__(self, device: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("host", "slots", "pid", "agent_id")
+    __slots__ = ("host", "slots", "pid", "agent_id", "batch_execute")
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_EXECUTE_FIELD_NUMBER: _ClassVar[int]
     host: str
     slots: _containers.RepeatedCompositeFieldContainer[SlotInfo]
     pid: int
     agent_id: str
-    def __init__(self, host: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., pid: _Optional[int] = ..., agent_id: _Optional[str] = ...) -> None: ...
+    batch_execute: bool
+    def __init__(self, host: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., pid: _Optional[int] = ..., agent_id: _Optional[str] = ..., batch_execute: _Optional[bool] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("agent_id", "slot_ids", "heartbeat_interval_s")
@@ -341,20 +343,22 @@ class LoadProgramCommand(_message.Message):
     def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., program: _Optional[bytes] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
 
 class ExecuteCommand(_message.Message):
-    __slots__ = ("model", "digest", "slot", "version", "refit_id", "timeout_s")
+    __slots__ = ("model", "digest", "slot", "version", "refit_id", "timeout_s", "slots")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     digest: str
     slot: int
     version: int
     refit_id: int
     timeout_s: float
-    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortCommand(_message.Message):
     __slots__ = ("refit_id", "reason")
@@ -379,7 +383,7 @@ class AgentCommand(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., connect: _Optional[_Union[ConnectCommand, _Mapping]] = ..., load: _Optional[_Union[LoadProgramCommand, _Mapping]] = ..., execute: _Optional[_Union[ExecuteCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ...) -> None: ...
 
 class AgentReport(_message.Message):
-    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message")
+    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +394,7 @@ class AgentReport(_message.Message):
     BYTES_LOCAL_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     slot: int
     command_id: int
@@ -400,7 +405,8 @@ class AgentReport(_message.Message):
     bytes_local: int
     seconds: float
     message: str
-    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[AgentReport]
+    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ...) -> None: ...
 
 class AgentReportResponse(_message.Message):
     __slots__ = ()
