@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -59,7 +59,10 @@ class Settings(BaseSettings):
     embedded_agent: bool = Field(True, description="`refitd serve` also runs the local agent")
     transport: str = Field("gloo", description="refit communicator backend: gloo or nccl")
     rendezvous: bool = Field(True, description="host the data-plane rendezvous TCPStore")
-    store_token: str = Field("", description="token agents present to the rendezvous store")
+    store_token: str = Field(
+        "",
+        description="key prefix of the rendezvous store (default: derived from auth_token)",
+    )
     # --- state
     data_dir: Path = Field(
         default_factory=default_data_dir, description="directory of the SQLite state (WAL)"
@@ -79,6 +82,18 @@ class Settings(BaseSettings):
     commit_timeout_s: float = Field(30.0, gt=0, description="destination workers ack COMMIT")
     refit_wait_timeout_s: float = Field(600.0, gt=0, description="default Refit RPC wait")
     rpc_timeout_s: float = Field(30.0, gt=0, description="client-side unary RPC deadline")
+    # --- refit policy (version safety)
+    early_pause: bool = Field(
+        True,
+        description="pause destination pools when the first trainer rank asks (overlaps the "
+        "PAUSE handshake with the barrier; weights are untouched until all ranks asked)",
+    )
+    refit_retries: int = Field(
+        2, ge=0, description="retries of a refit that failed after writing (pool stays paused)"
+    )
+    refit_retry_budget_s: float = Field(
+        30.0, ge=0, description="time after a failed attempt within which retries may start"
+    )
     # --- liveness
     heartbeat_interval_s: float = Field(1.0, gt=0, description="worker/agent heartbeat period")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="lease: dead after this silence")
@@ -88,6 +103,32 @@ class Settings(BaseSettings):
     plan_cache_size: int = Field(16, ge=1, description="plans kept (LRU, keyed by digest)")
     history_size: int = Field(50, ge=1, description="last refits shown in status")
     log_level: str = Field("info", description="debug, info, warning, error")
+    # --- security (docs/security.md)
+    tls_cert: str = Field(
+        "", description="PEM certificate of the controller (gRPC and HTTP serve TLS when set)"
+    )
+    tls_key: str = Field("", description="PEM private key of tls_cert")
+    tls_ca: str = Field(
+        "",
+        description="PEM CA bundle: clients verify the controller with it; with "
+        "require_client_cert the controller verifies client certificates with it",
+    )
+    require_client_cert: bool = Field(
+        False, description="mutual TLS: refuse clients without a certificate signed by tls_ca"
+    )
+    tls_client_cert: str = Field(
+        "", description="PEM client certificate agents, workers and the CLI present (mTLS)"
+    )
+    tls_client_key: str = Field("", description="PEM private key of tls_client_cert")
+    tls_server_name: str = Field(
+        "", description="name clients expect in the controller's certificate (default: host)"
+    )
+    auth_token: str = Field(
+        "", description="bearer token required for mutating RPCs and the status page"
+    )
+    auth_token_file: str = Field(
+        "", description="file holding the bearer token (used when auth_token is empty)"
+    )
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -102,6 +143,21 @@ class Settings(BaseSettings):
         if v not in ("gloo", "nccl"):
             raise ValueError(f"transport must be gloo or nccl, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _check_security(self) -> Settings:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise ValueError("tls_client_cert and tls_client_key must be given together")
+        if self.require_client_cert and not (self.tls_cert and self.tls_ca):
+            raise ValueError("require_client_cert needs tls_cert, tls_key and tls_ca")
+        if not self.store_token:
+            from refitd.security import resolve_token, store_secret
+
+            # Rendezvous keys unguessable without the bearer token (docs/security.md).
+            self.store_token = store_secret(resolve_token(self))
+        return self
 
     @property
     def store_host(self) -> str:

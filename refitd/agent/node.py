@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.client.connection import Backoff, ControllerConnection, RefitError
+from refitd.client.connection import Backoff, ControllerConnection, RefitError, security_for
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,9 @@ class NodeAgent:
         self.agent_id = ""
         self.slots: dict[int, SlotRunner] = {}
         self.heartbeat_interval_s = 1.0
-        self._conn = ControllerConnection(controller_address, self.options.rpc_timeout_s)
+        self._conn = ControllerConnection(
+            controller_address, self.options.rpc_timeout_s, security_for(settings)
+        )
         self._stream: Any = None
         self._stream_lock = threading.Lock()
 

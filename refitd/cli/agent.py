@@ -25,6 +25,12 @@ AGENT_FIELDS = [
     "staging_bytes",
     "heartbeat_timeout_s",
     "log_level",
+    "tls_ca",
+    "tls_client_cert",
+    "tls_client_key",
+    "tls_server_name",
+    "auth_token",
+    "auth_token_file",
 ]
 
 

@@ -11,7 +11,19 @@ from refitd.config import add_settings_arguments, settings_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_arguments(parser, ["controller", "rpc_timeout_s"])
+    add_settings_arguments(
+        parser,
+        [
+            "controller",
+            "rpc_timeout_s",
+            "tls_ca",
+            "tls_client_cert",
+            "tls_client_key",
+            "tls_server_name",
+            "auth_token",
+            "auth_token_file",
+        ],
+    )
     parser.add_argument("--model", default="", help="only this model")
     parser.add_argument("--json", action="store_true", help="print the JSON document")
 
@@ -21,9 +33,10 @@ def run(args: argparse.Namespace) -> int:
 
     from refitd._proto import refitd_pb2 as pb
     from refitd._proto import refitd_pb2_grpc as pbg
+    from refitd.security import ClientSecurity
 
     settings = settings_from_args(args)
-    with grpc.insecure_channel(settings.controller) as ch:
+    with ClientSecurity.from_settings(settings).channel(settings.controller) as ch:
         try:
             resp = pbg.RefitStub(ch).GetStatus(
                 pb.StatusRequest(model=args.model), timeout=settings.rpc_timeout_s

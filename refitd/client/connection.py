@@ -1,7 +1,8 @@
 """A gRPC connection to the controller, shared by workers and node agents.
 
 Every unary call carries a deadline; a failed call raises RefitError with the controller's
-own message, so users see "tensor X of rank 3: ..." instead of a gRPC traceback.
+own message, so users see "tensor X of rank 3: ..." instead of a gRPC traceback. TLS and
+the bearer token come from `ClientSecurity` (by default from the REFITD_* settings).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import grpc
 
 from refitd._proto import refitd_pb2_grpc as pb_grpc
+from refitd.security import ClientSecurity
 
 # Codes after which retrying the same call later can succeed (controller restarting, overloaded).
 TRANSIENT_CODES = frozenset(
@@ -65,12 +67,15 @@ class Backoff:
 class ControllerConnection:
     """One channel to the controller with both service stubs and deadline-bound calls."""
 
-    def __init__(self, address: str, rpc_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: str, rpc_timeout_s: float = 30.0, security: ClientSecurity | None = None
+    ) -> None:
         if ":" not in address:
             raise ValueError(f"controller address {address!r} must be HOST:PORT")
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
-        self.channel = grpc.insecure_channel(
+        self.security = security if security is not None else default_security()
+        self.channel = self.security.channel(
             address,
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -100,3 +105,15 @@ class ControllerConnection:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def default_security() -> ClientSecurity:
+    """TLS and token settings from REFITD_* env vars and $REFITD_CONFIG (none: plaintext)."""
+    from refitd.config import load_settings
+
+    return ClientSecurity.from_settings(load_settings())
+
+
+def security_for(settings: Any) -> ClientSecurity:
+    """ClientSecurity of `settings` (a refitd.config.Settings), else the default."""
+    return ClientSecurity.from_settings(settings) if settings is not None else default_security()

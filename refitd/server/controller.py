@@ -16,6 +16,8 @@ from grpc_reflection.v1alpha import reflection
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.config import Settings
+from refitd.security import ServerSecurity
+from refitd.server.auth import server_interceptors
 from refitd.server.database import StateDB
 from refitd.server.grpc_service import AgentControlServicer, RefitServicer
 from refitd.server.http import HttpServer
@@ -36,6 +38,7 @@ class Controller:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.security = ServerSecurity.from_settings(settings)
         self.stopping = False
         self.started_monotonic = time.monotonic()
         self.metrics = ControllerMetrics()
@@ -79,6 +82,7 @@ class Controller:
         server = grpc.server(
             ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc"),
             options=opts,
+            interceptors=server_interceptors(self.security),
         )
         pbg.add_RefitServicer_to_server(RefitServicer(self), server)
         pbg.add_AgentControlServicer_to_server(AgentControlServicer(self), server)
@@ -91,7 +95,7 @@ class Controller:
             ),
             server,
         )
-        self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        self.grpc_port = self.security.add_port(server, f"{s.host}:{s.grpc_port}")
         if self.grpc_port == 0:
             raise RuntimeError(f"cannot bind gRPC on {s.host}:{s.grpc_port}")
         server.start()

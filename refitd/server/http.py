@@ -1,6 +1,8 @@
 """Ops HTTP (FastAPI): health, readiness, Prometheus metrics, the status JSON and page.
 
-Runs on uvicorn in a thread of the controller process. Errors are 4xx with a JSON body.
+Runs on uvicorn in a thread of the controller process, over TLS when the controller has a
+certificate. Errors are 4xx with a JSON body. With a token configured, /v1/status and the
+page need it (docs/security.md); /healthz, /readyz and /metrics stay open.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from refitd import __version__
+from refitd.security import TOKEN_COOKIE
+from refitd.server.auth import http_token_dependency
 from refitd.server.status import status_document
 
 if TYPE_CHECKING:
@@ -25,6 +29,7 @@ def build_app(c: Controller) -> FastAPI:
     """The ops app of one controller."""
     app = FastAPI(title="refitd", version=__version__, docs_url=None, redoc_url=None)
     page = resources.files("refitd.server").joinpath("static/status.html").read_text()
+    guarded = [Depends(http_token_dependency(c.security.token))]
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -43,7 +48,7 @@ def build_app(c: Controller) -> FastAPI:
         c.refresh_gauges()
         return Response(c.metrics.render(), media_type=c.metrics.content_type)
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", dependencies=guarded)
     def status(
         model: str = Query("", max_length=128, description="only this model"),
     ) -> dict[str, Any]:
@@ -51,9 +56,20 @@ def build_app(c: Controller) -> FastAPI:
             raise HTTPException(404, f"model {model!r} is not registered")
         return status_document(c, model)
 
-    @app.get("/", response_class=HTMLResponse)
-    def index() -> str:
-        return page
+    @app.get("/", response_class=HTMLResponse, dependencies=guarded)
+    def index(request: Request) -> HTMLResponse:
+        """The status page; a `?token=` login is kept in a cookie for its own fetches."""
+        response = HTMLResponse(page)
+        token = request.query_params.get("token", "")
+        if c.security.token and token:
+            response.set_cookie(
+                TOKEN_COOKIE,
+                token,
+                httponly=True,
+                samesite="strict",
+                secure=c.security.tls,
+            )
+        return response
 
     return app
 
@@ -66,7 +82,13 @@ class HttpServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(build_app(c), log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            build_app(c),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            **c.security.uvicorn_ssl(),
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True
