@@ -29,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dst", default="tp=4", help="destination layout, e.g. tp=8,ep=32")
     p.add_argument("--dst-world", type=int, default=4)
     p.add_argument("--collocated", action="store_true", help="destinations share source slots")
+    p.add_argument(
+        "--relay",
+        action="store_true",
+        help="let destination replicas forward blocks (PlanConfig.relay)",
+    )
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3, help="plan builds timed; the best is reported")
 
@@ -48,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     dst_base = 0 if args.collocated else args.src_world
     destinations = build_specs(model, dst_par, args.model, "inference", dst_base)
     build_s = time.perf_counter() - t0
-    config = PlanConfig(bucket_bytes=args.bucket_mib << 20)
+    config = PlanConfig(bucket_bytes=args.bucket_mib << 20, relay=args.relay)
     times = []
     plan = None
     for _ in range(max(args.repeat, 1)):
@@ -70,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         "src": f"{args.src} world={args.src_world}",
         "dst": f"{args.dst} world={args.dst_world}",
         "collocated": args.collocated,
+        "relay": args.relay,
         "tensors": len(sources) + len(destinations),
         "specs_build_s": round(build_s, 3),
         "plan_s": round(min(times), 4),
@@ -83,20 +89,21 @@ def run(args: argparse.Namespace) -> int:
         "total_bytes": s.total_bytes,
         "local_bytes": s.local_bytes,
         "max_send_bytes": s.max_send_bytes,
+        "source_max_send_bytes": s.source_max_send_bytes,
         "ideal_send_bytes": round(s.ideal_send_bytes),
         "send_imbalance": round(s.send_imbalance, 5),
+        "relay_bytes": s.relay_bytes,
+        "relay_copies": s.relay_copies,
         "max_recv_bytes": s.max_recv_bytes,
         "peak_rss_bytes": peak,
     }
     if ref is not None:
         ref_s, ref_imb = ref
-        out["megatron_ref"] = {
-            "source": "issue 2 figures, not run here",
-            "plan_s": ref_s,
-            "send_imbalance": ref_imb,
-        }
+        out["megatron_ref_source"] = "issue 2 figures (Megatron-Core 0.19.2), not run here"
         if ref_s:
+            out["megatron_plan_s_ref"] = ref_s
             out["speedup_vs_megatron"] = round(ref_s / min(times), 2)
+        out["megatron_imbalance_ref"] = ref_imb
         out["imbalance_vs_megatron"] = round(s.send_imbalance / ref_imb, 5)
     print(json.dumps(out))
     return 0

@@ -23,10 +23,12 @@ class Choices:
     dst: np.ndarray  # [N] int64 dense slot index of the destination
 
 
-def choose_replicas(batches: list[Choices], n_slots: int) -> tuple[list[np.ndarray], np.ndarray]:
+def choose_replicas(
+    batches: list[Choices], n_slots: int, load: np.ndarray | None = None
+) -> tuple[list[np.ndarray], np.ndarray]:
     """The chosen candidate column per copy of every batch, and the resulting send load
-    per slot (remote bytes)."""
-    load = np.zeros(n_slots, dtype=np.float64)
+    per slot (remote bytes, on top of `load` when given)."""
+    load = np.zeros(n_slots, dtype=np.float64) if load is None else load.astype(np.float64)
     cols: list[np.ndarray] = []
     flex: dict[int, list[tuple[int, np.ndarray]]] = {}
     for b, ch in enumerate(batches):
@@ -96,6 +98,10 @@ def _waterfill(loads: np.ndarray, size: float, m: int) -> np.ndarray:
     r = loads.size
     order = np.argsort(loads, kind="stable")
     ls = loads[order]
+    if size <= 0:  # weightless items: dealt evenly, least loaded first
+        counts = np.empty(r, dtype=np.int64)
+        counts[order] = m // r + (np.arange(r) < m % r)
+        return counts
     level_k = (m * size + np.cumsum(ls)) / np.arange(1, r + 1)
     fits = np.r_[level_k[:-1] <= ls[1:], True]
     k = int(fits.argmax()) + 1

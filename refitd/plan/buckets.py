@@ -123,3 +123,15 @@ def assign_rounds(
     rounds = np.empty(order.size, dtype=np.int64)
     rounds[order[order2]] = base
     return rounds
+
+
+def successive_rounds(need: np.ndarray, pair: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Rounds of messages given in pair order (k: index within the pair): message k of a
+    pair goes no earlier than its `need` and after message k-1 of the same pair, i.e.
+    round_k = k + max over j <= k of (need_j - j)."""
+    if not need.size:
+        return need
+    v = need - k
+    span = int(v.max() - v.min()) + 1
+    shifted = v - v.min() + pair * span
+    return np.maximum.accumulate(shifted) - pair * span + v.min() + k

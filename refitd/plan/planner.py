@@ -6,6 +6,22 @@ busiest source slot sends as little as possible, and packs copies per (source sl
 destination slot) into bounded messages with rounds. It works on columns: specs are
 reduced to geometry ids, canonical tensors with the same geometry sequence form a pattern
 whose intersections are computed once, and copies stay NumPy arrays until `program(slot)`.
+
+Relays (PlanConfig.relay, off by default until every executor honours the rule below): a
+destination slot that received a block may forward it to another destination replica of
+the same tensor, so the busiest source slots send fewer replica copies (relay.py picks
+which). Convention on top of program.py:
+- a relay Copy's src_tensor is the plan index of a DESTINATION tensor held on the sending
+  slot, reading a region that an earlier message to that slot wrote in full; relays are
+  raw wire, between plain-storage destinations of the same dtype, never forwarded again;
+- a message with relay copies has a round strictly greater than the round of every message
+  whose data it forwards. Executor rule: before packing such a message the slot completes
+  all its receives of smaller rounds; local copies whose src_tensor is a destination
+  tensor (listed after the others in SlotProgram.local) run after all receives completed;
+- a trainer rank's sources are released once every copy reading a source tensor is done;
+  relays don't count (`source_slots_of` lists only slots reading source tensors).
+Stats: send_imbalance = source_max_send_bytes / ideal_send_bytes, both over source slots
+(ideal = bytes leaving source slots / source slots); max_send_bytes is over all slots.
 """
 
 from __future__ import annotations
@@ -20,9 +36,10 @@ import numpy as np
 from refitd.plan import buckets as bk
 from refitd.plan.balance import Choices, choose_replicas
 from refitd.plan.errors import PlanError
-from refitd.plan.layout import FP8_BLOCK, MXFP8, Box, TensorSpec
+from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, Box, TensorSpec
 from refitd.plan.names import Link, NameMap, resolve_links
 from refitd.plan.program import Copy, Message, SlotProgram
+from refitd.plan.relay import RelayCandidates, choose_relays
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, RAW, dtype_size
 
 __all__ = ["Plan", "PlanConfig", "PlanError", "PlanStats", "build_plan", "plan_digest"]
@@ -39,7 +56,8 @@ _RANK = attrgetter("rank")
 
 @dataclass
 class PlanConfig:
-    """How to plan. fanout: peers a slot sends to concurrently (lanes of the schedule)."""
+    """How to plan. fanout: peers a slot sends to concurrently (lanes of the schedule);
+    relay: let destination replicas forward blocks (see the module docstring)."""
 
     bucket_bytes: int = 64 << 20
     sender_quantization: bool = False
@@ -47,11 +65,16 @@ class PlanConfig:
     tie_embeddings: bool = True
     name_map: NameMap | None = None
     fanout: int = 4
+    relay: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class PlanStats:
-    """Byte and count totals of a plan (bytes are wire bytes, alignment included)."""
+    """Byte and count totals of a plan (bytes are wire bytes, alignment included).
+
+    send_imbalance and ideal_send_bytes are over source slots (see the module docstring);
+    relay_bytes/relay_copies: remote copies forwarded by destination slots.
+    """
 
     copies: int
     local_copies: int
@@ -65,6 +88,9 @@ class PlanStats:
     ideal_send_bytes: float
     send_imbalance: float
     max_recv_bytes: int
+    source_max_send_bytes: int = 0
+    relay_bytes: int = 0
+    relay_copies: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +204,9 @@ class _Batch:
     wire: np.ndarray  # [P]
     esize: int
     ndim: int
+    klass: np.ndarray  # [P] equal within a link: the same block into replica tensors
+    nklass: int
+    relayable: np.ndarray  # [P] bool: plain storage of the source dtype, raw wire
 
 
 def _pad(t: tuple[int, ...], d: int, fill: int) -> list[int]:
@@ -353,12 +382,17 @@ class _Planner:
         sboxes = [(c, o, s) for c in cover_pos for o, s in c]
         local_of = [{b.offset: b.local_offset for b in src.geos[g].boxes} for g in s_geo]
         d = max(nd, 1)
-        dboxes = [(k, b) for k, g in enumerate(d_geo) for b in dst.geos[g].boxes if all(b.shape)]
+        dboxes = [
+            (k, j, b)
+            for k, g in enumerate(d_geo)
+            for j, b in enumerate(dst.geos[g].boxes)
+            if all(b.shape)
+        ]
         if not dboxes or not sboxes:
             return []
-        doff = np.array([_pad(b.offset, d, 0) for _, b in dboxes], np.int64)
-        dshp = np.array([_pad(b.shape, d, 1) for _, b in dboxes], np.int64)
-        dloc = np.array([_pad(b.local_offset, d, 0) for _, b in dboxes], np.int64)
+        doff = np.array([_pad(b.offset, d, 0) for _, _, b in dboxes], np.int64)
+        dshp = np.array([_pad(b.shape, d, 1) for _, _, b in dboxes], np.int64)
+        dloc = np.array([_pad(b.local_offset, d, 0) for _, _, b in dboxes], np.int64)
         lo, hi = doff.copy(), doff + dshp
         shift = np.zeros(d, np.int64)
         if dim >= 0:
@@ -372,16 +406,22 @@ class _Planner:
         hit = (ihi > ilo).all(axis=2)
         bi, si = np.nonzero(hit)
         pieces: dict[int, list[tuple]] = {}
+        klass_ids: dict[tuple[int, int, int], int] = {}
         for b, s in zip(bi.tolist(), si.tolist(), strict=True):
             c, o, _ = sboxes[s]
             reps = cover_pos[c]
             plo = ilo[b, s]
             rel = plo - soff[s]
             rep_loc = [np.array(_pad(local_of[r][o], d, 0)) + rel for r in reps]
+            k, j, _ = dboxes[b]
+            klass = klass_ids.setdefault((d_geo[k], j, s), len(klass_ids))
             pieces.setdefault(len(reps), []).append(
-                (dboxes[b][0], dloc[b] + (plo - shift - doff[b]), ihi[b, s] - plo, reps, rep_loc)
+                (k, dloc[b] + (plo - shift - doff[b]), ihi[b, s] - plo, reps, rep_loc, klass)
             )
         wire_of = [self._wire(dst.geos[g]) for g in d_geo]
+        relayable_of = [
+            dst.geos[g].storage == PLAIN and dst.geos[g].dtype == g0.dtype for g in d_geo
+        ]
         esize = dtype_size(g0.dtype)
         out = []
         for r, ps in pieces.items():
@@ -400,6 +440,12 @@ class _Planner:
                     wire=np.array([wire_of[k] for k in dpos.tolist()], np.int64),
                     esize=esize,
                     ndim=nd,
+                    klass=np.array([p[5] for p in ps], np.int64),
+                    nklass=len(klass_ids),
+                    relayable=np.array(
+                        [relayable_of[k] and wire_of[k] == bk.WIRE_RAW for k in dpos.tolist()],
+                        bool,
+                    ),
                 )
             )
         return out
@@ -482,8 +528,11 @@ def build_plan(
         return np.concatenate([a, np.full((a.shape[0], d - a.shape[1]), fill, np.int64)], 1)
 
     parts = []
+    group_base = 0
     for b, col in zip(batches, cols, strict=True):
         n = b.piece.size
+        n_links = n // max(b.klass.size, 1)
+        link = np.repeat(np.arange(n_links), b.klass.size)
         parts.append(
             (
                 b.cand_spec[np.arange(n), col],
@@ -494,25 +543,86 @@ def build_plan(
                 np.full(n, b.ndim, np.int64),
                 b.wire[b.piece],
                 np.full(n, b.esize, np.int64),
+                group_base + link * b.nklass + b.klass[b.piece],
+                b.relayable[b.piece],
             )
         )
-    cols_all = (
-        [np.concatenate(c) if parts else np.zeros(0, np.int64) for c in zip(*parts, strict=True)]
-        if parts
-        else None
-    )
+        group_base += n_links * b.nklass
     tensors = list(sources) + list(destinations)
     slot_all = np.concatenate([src.slot, dst.slot])
-    if cols_all is None:
+    if parts:
+        cols_all = [np.concatenate(c) for c in zip(*parts, strict=True)]
+    else:
         z = np.zeros(0, np.int64)
-        cols_all = [z, z, z.reshape(0, d), z.reshape(0, d), z.reshape(0, d), z, z, z]
-    table = _CopyTable(*cols_all)
+        cols_all = [z, z, z.reshape(0, d), z.reshape(0, d), z.reshape(0, d), z, z, z, z]
+        cols_all.append(np.zeros(0, bool))
+    group, relayable = cols_all[8], cols_all[9]
+    n_copies = cols_all[0].size
+    table = _CopyTable(*cols_all[:8], feed=np.full(n_copies, -1, np.int64), cid=np.arange(n_copies))
     _check_blocks(table, tensors)
+    if config.relay and n_copies:
+        _add_relays(planner, table, group, relayable, n_src)
     return Plan(model, epoch, digest, tensors, table, slot_all, config, sources_count=n_src)
+
+
+def _add_relays(
+    planner: _Planner, table: _CopyTable, group: np.ndarray, relayable: np.ndarray, n_src: int
+) -> None:
+    """Turn some copies into relays (see relay.py): their source becomes the destination
+    region of their feed copy."""
+    all_slot_idx = np.concatenate([planner.src_slot_idx, planner.dst_slot_idx])
+    is_source = np.zeros(planner.slots.size, dtype=bool)
+    is_source[planner.src_slot_idx] = True
+    feed = choose_relays(
+        RelayCandidates(
+            src=all_slot_idx[table.src],
+            dst=all_slot_idx[table.dst],
+            nbytes=bk.segment_nbytes(table.wire, table.shape, table.ndim, table.esize),
+            group=group,
+            eligible=relayable,
+        ),
+        is_source,
+    )
+    r = np.flatnonzero(feed >= 0)
+    table.feed[r] = feed[r]
+    table.src[r] = table.dst[feed[r]]
+    table.src_loc[r] = table.dst_loc[feed[r]]
+
+
+@dataclass(slots=True)
+class _Messages:
+    """Copies of one kind (direct or relay), sorted and bucketed into messages."""
+
+    copies: _CopyTable
+    copy_bytes: np.ndarray  # [C]
+    start: np.ndarray  # [M] first copy of each message
+    end: np.ndarray  # [M]
+    round: np.ndarray  # [M]
+    src: np.ndarray  # [M] source slot
+    dst: np.ndarray  # [M] destination slot
+    nbytes: np.ndarray  # [M]
+    round_of_copy: np.ndarray  # [copies before splitting] last round carrying it
+
+    def pair_last_round(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Per (src, dst) slot pair, the last round of its messages here (-1 if none)."""
+        if not self.src.size:
+            return np.full(src.size, -1, np.int64)
+        big = int(max(self.src.max(), self.dst.max(), src.max(), dst.max())) + 1
+        key = self.src * big + self.dst
+        order = np.lexsort((self.round, key))
+        k, r = key[order], self.round[order]
+        last = np.r_[k[1:] != k[:-1], True]
+        k, r = k[last], r[last]
+        q = src * big + dst
+        i = np.minimum(np.searchsorted(k, q), k.size - 1)
+        return np.where(k[i] == q, r[i], -1)
 
 
 @dataclass(slots=True)
 class _CopyTable:
+    """Copies as columns. feed: the copy (cid) whose destination region a relay reads, -1
+    for a copy from a source tensor; cid: the copy's index before bucket splitting."""
+
     src: np.ndarray
     dst: np.ndarray
     src_loc: np.ndarray
@@ -521,6 +631,8 @@ class _CopyTable:
     ndim: np.ndarray
     wire: np.ndarray
     esize: np.ndarray
+    feed: np.ndarray
+    cid: np.ndarray
 
     def take(self, idx: np.ndarray) -> _CopyTable:
         return _CopyTable(*(getattr(self, f)[idx] for f in self.__slots__))
@@ -565,50 +677,49 @@ class Plan:
         self.config = config
         self._n_src = sources_count
         self._slot_of = slot_of_tensor
+        slots = np.unique(slot_of_tensor)
         s_slot = slot_of_tensor[table.src]
         d_slot = slot_of_tensor[table.dst]
         local = s_slot == d_slot
         nb = bk.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
-        self._local = table.take(np.flatnonzero(local))
+        # local copies from source tensors first; local relays run after all receives
+        lidx = np.flatnonzero(local)
+        lidx = lidx[np.argsort(table.feed[lidx] >= 0, kind="stable")]
+        self._local = table.take(lidx)
         local_bytes = int(nb[local].sum())
-        remote = table.take(np.flatnonzero(~local))
-        remote, rs, rd = self._split(remote, s_slot[~local], d_slot[~local])
-        rnb = bk.segment_nbytes(remote.wire, remote.shape, remote.ndim, remote.esize)
-        order = np.lexsort((remote.dst, rd, rs))
-        self._remote = remote.take(order)
-        rs, rd, rnb = rs[order], rd[order], rnb[order]
-        pair_first = np.r_[0, np.flatnonzero((np.diff(rs) != 0) | (np.diff(rd) != 0)) + 1]
-        pair_first = pair_first[pair_first < rs.size]
-        pair_end = np.r_[pair_first[1:], rs.size]
-        if rs.size:
-            ms, me, mp = bk.pack(pair_first, pair_end, rnb, config.bucket_bytes)
-        else:
-            ms = me = mp = np.zeros(0, np.int64)
-        slots = np.unique(slot_of_tensor)
-        p_src, p_dst = rs[pair_first], rd[pair_first]
-        p_msgs = np.bincount(mp, minlength=pair_first.size)
-        p_round = bk.assign_rounds(
-            np.searchsorted(slots, p_src),
-            np.searchsorted(slots, p_dst),
-            p_msgs,
-            slots.size,
-            config.fanout,
+        relay = table.feed >= 0
+        direct = self._messages(table, ~local & ~relay, slots, None)
+        relays = self._messages(table, ~local & relay, slots, direct)
+        n_direct = direct.copies.src.size
+        self._remote = _CopyTable(
+            *(
+                np.concatenate([getattr(direct.copies, f), getattr(relays.copies, f)])
+                for f in _CopyTable.__slots__
+            )
         )
-        k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
-        m_round = p_round[mp] + k
-        csum = np.r_[0, np.cumsum(rnb)]
-        m_bytes = csum[me] - csum[ms]
-        m_order = np.lexsort((p_dst[mp], p_src[mp], m_round))
+        ms = np.concatenate([direct.start, relays.start + n_direct])
+        me = np.concatenate([direct.end, relays.end + n_direct])
+        m_round = np.concatenate([direct.round, relays.round])
+        m_src = np.concatenate([direct.src, relays.src])
+        m_dst = np.concatenate([direct.dst, relays.dst])
+        m_bytes = np.concatenate([direct.nbytes, relays.nbytes])
+        m_order = np.lexsort((m_dst, m_src, m_round))
         self._m_start, self._m_end = ms[m_order], me[m_order]
         self._m_round = m_round[m_order]
-        self._m_src, self._m_dst = p_src[mp][m_order], p_dst[mp][m_order]
+        self._m_src, self._m_dst = m_src[m_order], m_dst[m_order]
         self._m_bytes = m_bytes[m_order]
+        rnb = np.concatenate([direct.copy_bytes, relays.copy_bytes])
+        rs = slot_of_tensor[self._remote.src]
+        rd = slot_of_tensor[self._remote.dst]
         remote_bytes = int(rnb.sum())
         send = np.bincount(np.searchsorted(slots, rs), weights=rnb, minlength=slots.size)
         recv = np.bincount(np.searchsorted(slots, rd), weights=rnb, minlength=slots.size)
-        n_src_slots = int(np.unique(slot_of_tensor[:sources_count]).size)
-        ideal = remote_bytes / n_src_slots if n_src_slots else 0.0
-        mx = int(send.max()) if send.size else 0
+        is_source = np.zeros(slots.size, dtype=bool)
+        is_source[np.searchsorted(slots, slot_of_tensor[:sources_count])] = True
+        n_src_slots = int(is_source.sum())
+        src_send = send[is_source]
+        ideal = float(src_send.sum()) / n_src_slots if n_src_slots else 0.0
+        src_max = int(src_send.max()) if src_send.size else 0
         self.stats = PlanStats(
             copies=int(self._local.src.size + self._remote.src.size),
             local_copies=int(self._local.src.size),
@@ -618,13 +729,71 @@ class Plan:
             local_bytes=local_bytes,
             remote_bytes=remote_bytes,
             source_slots=n_src_slots,
-            max_send_bytes=mx,
+            max_send_bytes=int(send.max()) if send.size else 0,
             ideal_send_bytes=ideal,
-            send_imbalance=mx / ideal if ideal else 1.0,
+            send_imbalance=src_max / ideal if ideal else 1.0,
             max_recv_bytes=int(recv.max()) if recv.size else 0,
+            source_max_send_bytes=src_max,
+            relay_bytes=int(relays.copy_bytes.sum()),
+            relay_copies=int(relays.copies.src.size),
         )
         self._send_load = send
         self._all_slots = slots
+
+    def _messages(
+        self,
+        table: _CopyTable,
+        mask: np.ndarray,
+        slots: np.ndarray,
+        feeds: _Messages | None,
+    ) -> _Messages:
+        """Split, sort and bucket the selected remote copies; rounds per message.
+
+        Direct copies (feeds None): each source's peers over `fanout` lanes. Relays: a
+        message's round is above the round of every message that wrote what it forwards
+        (and above the pair's direct messages), and a pair's messages take successive
+        rounds.
+        """
+        cfg = self.config
+        t = table.take(np.flatnonzero(mask))
+        t, rs, rd = self._split(t, self._slot_of[t.src], self._slot_of[t.dst])
+        rnb = bk.segment_nbytes(t.wire, t.shape, t.ndim, t.esize)
+        if feeds is None:
+            order = np.lexsort((t.dst, rd, rs))
+        else:
+            need = feeds.round_of_copy[t.feed] + 1
+            order = np.lexsort((t.dst, need, rd, rs))
+            need = need[order]
+        t = t.take(order)
+        rs, rd, rnb = rs[order], rd[order], rnb[order]
+        if not rs.size:
+            z = np.zeros(0, np.int64)
+            return _Messages(t, rnb, z, z, z, z, z, z, np.zeros(table.src.size, np.int64))
+        pair_first = np.r_[0, np.flatnonzero((np.diff(rs) != 0) | (np.diff(rd) != 0)) + 1]
+        pair_end = np.r_[pair_first[1:], rs.size]
+        ms, me, mp = bk.pack(pair_first, pair_end, rnb, cfg.bucket_bytes)
+        p_src, p_dst = rs[pair_first], rd[pair_first]
+        p_msgs = np.bincount(mp, minlength=pair_first.size)
+        k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
+        if feeds is None:
+            p_round = bk.assign_rounds(
+                np.searchsorted(slots, p_src),
+                np.searchsorted(slots, p_dst),
+                p_msgs,
+                slots.size,
+                cfg.fanout,
+            )
+            m_round = p_round[mp] + k
+        else:
+            m_need = np.maximum.reduceat(need, ms)
+            after = feeds.pair_last_round(p_src, p_dst) + 1
+            m_round = bk.successive_rounds(np.maximum(m_need, after[mp]), mp, k)
+        csum = np.r_[0, np.cumsum(rnb)]
+        round_of_copy = np.zeros(table.src.size, np.int64)
+        np.maximum.at(round_of_copy, t.cid, np.repeat(m_round, me - ms))
+        return _Messages(
+            t, rnb, ms, me, m_round, p_src[mp], p_dst[mp], csum[me] - csum[ms], round_of_copy
+        )
 
     def _split(
         self, t: _CopyTable, s: np.ndarray, d: np.ndarray

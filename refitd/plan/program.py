@@ -9,6 +9,11 @@ Message k of a slot is packed from its copies' source regions in order, each as 
 segment (wire.segment_parts) starting SEGMENT_ALIGN-aligned, and unpacked in the same order
 into the destination regions. Messages carry a round: in round r each slot sends at most one
 message to any peer and the executor may overlap round r+1 with round r.
+
+Relays (plans built with PlanConfig.relay): a Copy whose src_tensor is a destination tensor
+forwards a region this slot received earlier. Its message's round is greater than the
+rounds that delivered that region: before packing it, the slot completes all its receives
+of smaller rounds; local copies reading a destination tensor run after all receives.
 """
 
 from __future__ import annotations

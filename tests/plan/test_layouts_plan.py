@@ -17,6 +17,7 @@ from refitd.plan.layouts import (
 from refitd.plan.names import NameMap, canonical_name, split_fused_qkv, split_gated_fc1
 from refitd.plan.planner import PlanConfig
 from refitd.plan.program import SlotProgram
+
 from .oracle import run_and_check
 
 FEW = settings(max_examples=12, deadline=None)

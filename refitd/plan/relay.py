@@ -1,0 +1,178 @@
+"""Relays: destination replicas forward blocks they received to other destination replicas.
+
+A destination pool often holds several replicas of a tensor (DP, expert-DP); without relays
+the source slot feeding a block sends one copy per replica, so the source slots with the
+most layers (uneven PP stages) or the embedding set the pace. With relays a copy may instead
+be read from a destination replica that received the same block directly from a source
+(depth 1: a relay never forwards a relayed block), so source slots shed bytes onto the
+otherwise idle send links of the destination slots. Slots that also hold source tensors
+(collocated layouts) take no part: their send links are the trainer's.
+
+Policy: the source slots are levelled down to a common send level T, the smallest level at
+which the destination slots can absorb the shed bytes without sending more than a source
+slot does (their relay sends stay at most the resulting ideal source send); every block
+keeps at least one direct copy (from its least loaded source); relay senders are chosen
+among a block's direct replicas by the same water-filling as source replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refitd.plan.balance import Choices, choose_replicas
+
+# Share of the destination slots' relay capacity the level may count on: the water-filling
+# over each block's few direct replicas cannot spread bytes perfectly.
+_CAPACITY_SHARE = 0.98
+_SEARCH_STEPS = 48
+
+
+@dataclass(slots=True)
+class RelayCandidates:
+    """Copies after source replica choice (dense slot indices)."""
+
+    src: np.ndarray  # [N] slot of the chosen source
+    dst: np.ndarray  # [N] slot of the destination
+    nbytes: np.ndarray  # [N] wire bytes
+    group: np.ndarray  # [N] equal: the same global block into the same local region of
+    #                    same-geometry destination tensors (replicas of each other)
+    eligible: np.ndarray  # [N] bool: raw wire, plain storage, same dtype on both ends
+
+
+def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
+    """Per copy, the index of the copy whose destination region it forwards (its feed), or
+    -1 when it stays a direct copy from its source."""
+    n_slots = is_source_slot.size
+    feed = np.full(c.src.size, -1, dtype=np.int64)
+    remote = c.src != c.dst
+    load = np.bincount(c.src[remote], weights=c.nbytes[remote], minlength=n_slots)
+    # a slot that also holds source tensors neither relays nor is relayed to: its send
+    # link is a trainer link
+    cand = np.flatnonzero(remote & c.eligible & ~is_source_slot[c.dst])
+    if cand.size < 2:
+        return feed
+    order = np.lexsort((cand, c.group[cand]))
+    cand = cand[order]
+    g = c.group[cand]
+    first = np.r_[True, g[1:] != g[:-1]]
+    gid = np.cumsum(first) - 1
+    gcount = np.bincount(gid)
+    gstart = np.cumsum(gcount) - gcount
+    multi = gcount[gid] >= 2
+    hub = np.zeros(n_slots, dtype=bool)
+    hub[c.dst[cand[multi]]] = True
+    # one member of each group stays direct (the keeper, a relay sender); keepers are
+    # water-filled over the members' destination slots by the bytes each group is expected
+    # to relay: first as if every other member were relayed, then with each source's
+    # shed fraction at the chosen level
+    weight = c.nbytes[cand].astype(np.float64)
+    level = 0.0
+    for step in range(2):
+        keeper = _keepers(c, cand, gcount, gstart, weight, n_slots)
+        conv_mask = multi & ~keeper
+        conv = cand[conv_mask]
+        conv_bytes = np.bincount(c.src[conv], weights=c.nbytes[conv], minlength=n_slots)
+        if step == 0:
+            level = _level(load, conv_bytes, is_source_slot, hub)
+            shed = np.clip(load - level, 0, conv_bytes)
+            frac = shed / np.maximum(conv_bytes, 1)
+            weight = c.nbytes[cand] * frac[c.src[cand]]
+    if not conv.size:
+        return feed
+    shed = np.clip(load - level, 0, conv_bytes)
+    # per source slot, shed a prefix of its convertible copies: first one member of every
+    # group, then a second one..., groups in a hashed order, so every keeper relays alike
+    pos = np.arange(cand.size) - gstart[gid]
+    nth = np.empty(c.src.size, dtype=np.int64)
+    kpos = np.full(gcount.size, -1, dtype=np.int64)
+    kpos[gid[keeper]] = pos[keeper]
+    rank = pos - (pos > kpos[gid])
+    nth[cand] = (rank + gid) % np.maximum(gcount[gid] - 1, 1)  # rotated: no replica first
+    mix = (c.group[conv].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+    o = np.lexsort((conv, mix, nth[conv], c.src[conv]))
+    conv_sorted = conv[o]
+    s_sorted = c.src[conv_sorted]
+    nb = c.nbytes[conv_sorted]
+    cum = np.cumsum(nb)
+    seg_first = np.r_[True, s_sorted[1:] != s_sorted[:-1]]
+    seg_base = np.maximum.accumulate(np.where(seg_first, cum - nb, 0))
+    before = cum - nb - seg_base
+    take = before < shed[s_sorted] - 0.5
+    if not take.any():
+        return feed
+    selected = np.zeros(c.src.size, dtype=bool)
+    selected[conv_sorted[take]] = True
+    sel_mask = selected[cand]
+    direct = multi & ~sel_mask
+    dcount = np.bincount(gid[direct], minlength=gcount.size)
+    dstart = np.cumsum(dcount) - dcount
+    direct_list = cand[direct]
+    sel = cand[sel_mask]
+    sel_gid = gid[sel_mask]
+    r_of = dcount[sel_gid]
+    shed_load = load - np.bincount(c.src[sel], weights=c.nbytes[sel], minlength=n_slots)
+    batches: list[Choices] = []
+    members: list[np.ndarray] = []
+    rows: list[np.ndarray] = []
+    for r in np.unique(r_of).tolist():
+        pick = np.flatnonzero(r_of == r)
+        mat = direct_list[dstart[sel_gid[pick]][:, None] + np.arange(r)[None, :]]
+        batches.append(Choices(cand=c.dst[mat], nbytes=c.nbytes[sel[pick]], dst=c.dst[sel[pick]]))
+        members.append(mat)
+        rows.append(sel[pick])
+    cols, _ = choose_replicas(batches, n_slots, shed_load)
+    for mat, idx, col in zip(members, rows, cols, strict=True):
+        feed[idx] = mat[np.arange(idx.size), col]
+    return feed
+
+
+def _keepers(
+    c: RelayCandidates,
+    cand: np.ndarray,
+    gcount: np.ndarray,
+    gstart: np.ndarray,
+    weight: np.ndarray,
+    n_slots: int,
+) -> np.ndarray:
+    """Mask over cand (grouped): the member of each group that stays direct, chosen by
+    water-filling each group's expected relay bytes (its members' weights less one
+    member's share) over its members' destination slots."""
+    keeper = np.zeros(cand.size, dtype=bool)
+    batches: list[Choices] = []
+    groups: list[np.ndarray] = []
+    for r in np.unique(gcount[gcount >= 2]).tolist():
+        gs = np.flatnonzero(gcount == r)
+        pos = gstart[gs][:, None] + np.arange(r)[None, :]
+        nbytes = np.rint(weight[pos].sum(axis=1) * (r - 1) / r).astype(np.int64)
+        batches.append(Choices(cand=c.dst[cand[pos]], nbytes=nbytes, dst=np.full(gs.size, -1)))
+        groups.append(gs)
+    cols, _ = choose_replicas(batches, n_slots)
+    for gs, col in zip(groups, cols, strict=True):
+        keeper[gstart[gs] + col] = True
+    return keeper
+
+
+def _level(load: np.ndarray, conv: np.ndarray, is_source: np.ndarray, hub: np.ndarray) -> float:
+    """The lowest common send level of the source slots whose shed bytes the relay-capable
+    destination slots can absorb while sending no more than a source slot; never below what
+    a source slot cannot shed."""
+    n_src = max(int(is_source.sum()), 1)
+
+    def feasible(t: float) -> bool:
+        shed = np.clip(load - t, 0, conv)
+        after = load - shed
+        ideal = after[is_source].sum() / n_src
+        cap = np.clip(np.where(is_source, t, ideal) - after, 0, None)[hub].sum()
+        return bool(shed.sum() <= _CAPACITY_SHARE * cap)
+
+    lo, hi = 0.0, float(load.max(initial=0.0))
+    for _ in range(_SEARCH_STEPS):
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    floor = float((load - conv)[is_source].max(initial=0.0))
+    return max(hi, floor)

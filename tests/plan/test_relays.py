@@ -1,0 +1,154 @@
+"""Relay plans (destination replicas forwarding blocks): bit for bit, round rule, balance."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refitd.plan.names import canonical_name
+from refitd.plan.planner import Plan, PlanConfig
+from refitd.plan.simulate import execute
+
+from .oracle import run_and_check
+from .test_layouts_plan import mspec, tp_side
+
+FEW = settings(max_examples=10, deadline=None)
+
+
+def _region(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def check_relay_rule(plan: Plan, n_src: int) -> int:
+    """Every relay reads, on its sending slot, a destination region that messages of
+    smaller rounds to that slot wrote in full; returns the number of relay copies."""
+    relays = 0
+    for slot in plan.slots():
+        p = plan.program(slot)
+        for m in p.sends:
+            for c in m.copies:
+                if c.src_tensor < n_src:
+                    continue
+                relays += 1
+                spec = p.tensors[c.src_tensor]
+                assert spec.slot == slot and spec.storage == "plain"
+                assert spec.dtype == p.tensors[c.dst_tensor].dtype
+                written = np.zeros(spec.local_shape, bool)
+                for r in p.recvs:
+                    if r.round >= m.round:
+                        continue
+                    for w in r.copies:
+                        if w.dst_tensor == c.src_tensor:
+                            written[_region(w.dst_offset, w.shape)] = True
+                region = _region(c.src_offset, c.shape)
+                assert written[region].all(), f"relay in round {m.round} reads unwritten data"
+        for c in p.local:
+            if c.src_tensor >= n_src:
+                relays += 1
+    return relays
+
+
+@FEW
+@given(
+    tp_s=st.sampled_from([1, 2, 4]),
+    tp_d=st.sampled_from([1, 2, 3]),
+    st_s=st.sampled_from([1, 2]),
+    st_d=st.sampled_from([1, 3]),
+    dim=st.sampled_from([0, 1]),
+    dp_s=st.sampled_from([1, 2]),
+    dp_d=st.sampled_from([2, 3]),
+    bucket=st.sampled_from([64, 1 << 20]),
+    collocated=st.booleans(),
+)
+def test_relays_tp_replicas(tp_s, tp_d, st_s, st_d, dim, dp_s, dp_d, bucket, collocated):
+    n = 72
+    shape = (n, 10) if dim == 0 else (6, n)
+    src = tp_side("train", tp_s, dp_s, st_s, shape, dim, 0)
+    src += tp_side("train", tp_s, dp_s, 1, (n,), 0, 0, name="bias")
+    base = 0 if collocated else 100
+    dst = tp_side("inf", tp_d, dp_d, st_d, shape, dim, base)
+    dst += tp_side("inf", tp_d, dp_d, 1, (n,), 0, base, name="bias")
+    direct = run_and_check(src, dst, PlanConfig(bucket_bytes=bucket))
+    plan = run_and_check(src, dst, PlanConfig(bucket_bytes=bucket, relay=True))
+    relays = check_relay_rule(plan, len(src))
+    assert relays == plan.stats.relay_copies + sum(
+        1 for s in plan.slots() for c in plan.program(s).local if c.src_tensor >= len(src)
+    )
+    assert plan.stats.source_max_send_bytes <= direct.stats.source_max_send_bytes
+    if not collocated and dp_s == 1:  # one source feeds every replica: it must shed
+        assert relays > 0 and plan.stats.relay_bytes > 0
+        assert plan.stats.source_max_send_bytes < direct.stats.source_max_send_bytes
+
+
+def _expert_side(pool, layers_per_stage, ep, edp, experts, shape, base):
+    """Per-expert tensors over PP stages x EP x expert-DP (rank = (stage, edp, ep))."""
+    out, rank = [], 0
+    local = experts // ep
+    first = 0
+    for n_layers in layers_per_stage:
+        for _ in range(edp):
+            for e in range(ep):
+                for lay in range(n_layers):
+                    for k in range(local):
+                        name = f"decoder.layers.{lay}.mlp.experts.linear_fc2.weight{k}"
+                        canon = canonical_name(name, layer_offset=first, expert_offset=e * local)
+                        out.append(mspec(pool, rank, base + rank, name, shape, canonical=canon))
+                rank += 1
+        first += n_layers
+    return out
+
+
+@FEW
+@given(
+    stages=st.sampled_from([(2, 1), (3, 2, 2), (1,)]),
+    ep_s=st.sampled_from([2, 4]),
+    ep_d=st.sampled_from([2, 4]),
+    edp_d=st.sampled_from([2, 4]),
+    bucket=st.sampled_from([48, 1 << 20]),
+)
+def test_relays_experts_uneven_stages(stages, ep_s, ep_d, edp_d, bucket):
+    experts, shape = 8, (4, 6)
+    layers = sum(stages)
+    src = _expert_side("train", stages, ep_s, 1, experts, shape, 0)
+    dst = _expert_side("inf", (layers,), ep_d, edp_d, experts, shape, 100)
+    direct = run_and_check(src, dst, PlanConfig(bucket_bytes=bucket))
+    relay = run_and_check(src, dst, PlanConfig(bucket_bytes=bucket, relay=True))
+    assert check_relay_rule(relay, len(src)) == relay.stats.relay_copies > 0
+    s, d = relay.stats, direct.stats
+    assert s.total_bytes == d.total_bytes and s.max_recv_bytes == d.max_recv_bytes
+    # sources send less and no more unevenly; bytes leaving sources + relays = all bytes
+    assert s.source_max_send_bytes < d.source_max_send_bytes
+    assert s.send_imbalance <= d.send_imbalance + 1e-9
+    assert s.ideal_send_bytes * s.source_slots + s.relay_bytes == s.remote_bytes
+    assert s.max_send_bytes >= s.source_max_send_bytes
+
+
+def test_relay_round_rule_is_enforced_by_the_oracle():
+    """A relay moved into the round of its feed reads stale bytes: the simulation fails."""
+    shape = (8, 4)
+    src = tp_side("train", 1, 1, 1, shape, 0, 0)
+    dst = tp_side("inf", 1, 3, 1, shape, 0, 10)
+    plan = run_and_check(src, dst, PlanConfig(relay=True))
+    assert plan.stats.relay_copies > 0
+    plan._m_round[:] = 0  # every message in one round: relays no longer after their feeds
+    full = np.arange(32, dtype=np.float32).reshape(shape)
+    dst_arrays = {1 + i: np.zeros(shape, np.float32) for i in range(3)}
+    execute(plan, {0: full}, dst_arrays)
+    assert not all(np.array_equal(a, full) for a in dst_arrays.values())
+
+
+def test_relay_off_by_default_and_digest():
+    from refitd.plan.planner import plan_digest
+
+    src = tp_side("train", 2, 1, 1, (8, 4), 0, 0)
+    dst = tp_side("inf", 2, 2, 1, (8, 4), 0, 10)
+    plan = run_and_check(src, dst)
+    assert plan.stats.relay_copies == 0 and plan.stats.relay_bytes == 0
+    assert plan_digest("m", 1, src, dst, PlanConfig()) != plan_digest(
+        "m", 1, src, dst, PlanConfig(relay=True)
+    )
+    relayed = run_and_check(src, dst, PlanConfig(relay=True))
+    # a trainer rank is released once its sources are read: relays don't count
+    for r in range(2):
+        assert relayed.source_slots_of("train", r) == [r]
