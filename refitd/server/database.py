@@ -9,6 +9,7 @@ is its own transaction (the controller writes a few rows per refit, never tensor
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -78,6 +79,10 @@ class StateDB:
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = data_dir / "refitd.sqlite3"
         self._lock = threading.Lock()
+        # Created owner-only before SQLite opens it: SQLite gives the -wal and -shm files
+        # the mode of the database file.
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        self.path.chmod(0o600)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
