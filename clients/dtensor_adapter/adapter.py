@@ -1,0 +1,104 @@
+"""Read a module's DTensor parameters (FSDP2's fully_shard, TP plans, distribute_tensor)
+and turn them into registrations.
+
+Each DTensor's device mesh (shape, this process's coordinate) and placements become boxes
+through refitd.plan.layouts.dtensor_layout, which follows torch.chunk for uneven shards and
+applies mesh dims left to right (two mesh dims may shard the same tensor dim). The local
+tensor registered is the DTensor's own local shard, so registration moves the storage the
+optimizer writes to, and later steps are what the next refit reads. Wrapper prefixes that
+FSDP, activation checkpointing and torch.compile insert are dropped from canonical names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from refitd.client import Placed
+from refitd.client.worker import Registration, WorkerClient
+from refitd.plan.errors import PlanError
+from refitd.plan.layouts import Replicate, Shard, dtensor_layout
+
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_dtensor_name(name: str, wrappers: Sequence[str] = WRAPPER_PREFIXES) -> str:
+    """The module name without wrapper components (`_orig_mod.layers.0.w` -> `layers.0.w`)."""
+    for w in wrappers:
+        name = name.replace(w, "")
+    return name
+
+
+def dtensor_tensors(module: torch.nn.Module) -> dict[str, Placed]:
+    """Parameters and persistent buffers as Placed tensors; plain tensors are replicas.
+
+    A shard that is empty on this rank (torch.chunk gives trailing ranks nothing when a
+    dim is smaller than the mesh) holds no bytes and is left out.
+    """
+    from torch.distributed.tensor import DTensor
+
+    skip = {
+        f"{prefix}.{n}" if prefix else n
+        for prefix, mod in module.named_modules()
+        for n in getattr(mod, "_non_persistent_buffers_set", ())
+    }
+    named = [*module.named_parameters(), *module.named_buffers()]
+    out: dict[str, Placed] = {}
+    for name, t in named:
+        if name in skip:
+            continue
+        canonical = canonical_dtensor_name(name)
+        if isinstance(t, DTensor):
+            placed = _from_dtensor(name, canonical, t)
+            if placed is not None:
+                out[name] = placed
+        else:
+            out[name] = Placed(t, canonical=canonical)
+    if not out:
+        raise ValueError("the module holds no tensor data on this rank")
+    return out
+
+
+def register_dtensor_module(client: WorkerClient, module: torch.nn.Module) -> Registration:
+    """Register a module with DTensor parameters with a TrainerClient (or InferenceClient)."""
+    return client.register(dtensor_tensors(module))
+
+
+def _from_dtensor(name: str, canonical: str, dt: torch.Tensor) -> Placed | None:
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    where = f"tensor {name!r} (mesh {tuple(mesh.shape)}, coordinate {coord})"
+    if coord is None:
+        raise PlanError(f"{where}: this process is not part of the DTensor's device mesh")
+    placements: list[Shard | Replicate] = []
+    for p in dt.placements:
+        # _StridedShard (FSDP2 over a TP-sharded dim) subclasses Shard but interleaves.
+        if type(p) is TorchShard:
+            placements.append(Shard(p.dim))
+        elif isinstance(p, TorchReplicate):
+            placements.append(Replicate())
+        else:
+            raise PlanError(
+                f"{where}: placement {p} is not supported (Shard and Replicate are); "
+                "a Partial tensor must be reduced before registration"
+            )
+    layout = dtensor_layout(tuple(dt.shape), tuple(mesh.shape), tuple(coord), placements, where)
+    # The DTensor's own local tensor object: in-place updates (optimizer steps) write to
+    # it, and registration must move *its* storage. to_local() may return an alias (for a
+    # Parameter it does), whose storage move the DTensor would never see.
+    local = getattr(dt, "_local_tensor", None)
+    if local is None:
+        with torch.no_grad():
+            local = dt.to_local()
+    if tuple(local.shape) != layout.local_shape:
+        raise PlanError(
+            f"{where}: local shard has shape {tuple(local.shape)}, its placements "
+            f"{dt.placements} describe {layout.local_shape}"
+        )
+    if local.numel() == 0:
+        return None
+    return Placed(local, tuple(dt.shape), layout.boxes, canonical=canonical)
