@@ -90,6 +90,7 @@ class _TransferState:
         self.abort = threading.Event()
         self.running: threading.Thread | None = None
         self.busy = threading.Event()
+        self.probe_bufs: dict[tuple[str, int], torch.Tensor] = {}
 
     def reply(self, msg: dict) -> None:
         with self.send_lock:
@@ -170,31 +171,43 @@ class _TransferState:
         self.running.start()
 
     def probe(self, cmd: dict) -> dict:
-        """Raw reference: one large send/recv per peer, or one large memcpy (seconds)."""
+        """Raw reference for benchmarks, in seconds: per peer one large contiguous buffer
+        sent (or received) `repeat` times ({"sends"/"recvs": {rank: [nbytes, repeat]}}), or
+        one large memcpy ({"memcpy": nbytes, "repeat": n}). "prepare" only allocates."""
         if "memcpy" in cmd:
-            n = cmd["memcpy"]
+            n, repeat = cmd["memcpy"], cmd.get("repeat", 1)
             a = torch.ones(n, dtype=torch.uint8)
             b = torch.empty(n, dtype=torch.uint8)
             b.copy_(a)
             t0 = time.monotonic()
-            b.copy_(a)
-            return {"seconds": time.monotonic() - t0, "bytes": n}
+            for _ in range(repeat):
+                b.copy_(a)
+            return {"seconds": time.monotonic() - t0}
         if self.transport is None:
             raise TransportError("probe needs a connected transport")
-        bufs = {("s", int(p)): torch.ones(n, dtype=torch.uint8) for p, n in cmd["sends"].items()}
-        bufs |= {("r", int(p)): torch.empty(n, dtype=torch.uint8) for p, n in cmd["recvs"].items()}
-        timeout = cmd["timeout_s"]
+        want = [("s", int(p), n, r) for p, (n, r) in cmd["sends"].items()]
+        want += [("r", int(p), n, r) for p, (n, r) in cmd["recvs"].items()]
+        for kind, peer, n, _ in want:
+            buf = self.probe_bufs.get((kind, peer))
+            if buf is None or buf.numel() != n:
+                self.probe_bufs[(kind, peer)] = torch.ones(n, dtype=torch.uint8)
+        if cmd.get("prepare"):
+            return {}
         t0 = time.monotonic()
         works = []
-        for _ in range(cmd.get("repeat", 1)):
-            for (kind, peer), buf in bufs.items():
-                tag = 0x7FFF0000 + peer
+        for k in range(max((w[3] for w in want), default=0)):
+            for kind, peer, _, repeat in want:
+                if k >= repeat:
+                    continue
+                buf = self.probe_bufs[(kind, peer)]
+                tag = 0x7FFF0000 + k
                 if kind == "s":
                     works.append(self.transport.isend(buf, peer, tag))
                 else:
                     works.append(self.transport.irecv(buf, peer, tag))
         for w in works:
-            w.wait(timeout - (time.monotonic() - t0))
+            w.wait(cmd["timeout_s"] - (time.monotonic() - t0))
+        self.probe_bufs.clear()
         return {"seconds": time.monotonic() - t0}
 
     def close(self) -> None:

@@ -1,0 +1,307 @@
+"""`refitd bench transfer`: move a model through real transfer processes, executor and transport.
+
+This process plays every worker: it holds the source shards (filled from a known pattern)
+and the destination shards in shared memory, plans the refit with the real planner, and
+drives one spawned transfer process per slot. The refit runs twice (the first maps memory
+and warms buffers); the second is timed, then every destination shard is checked bit for
+bit. The reference is measured in the same run between the same processes: for gloo, each
+(source, destination) pair sends its bytes as one large contiguous buffer (repeated when it
+exceeds --ref-chunk), all pairs at once; for local, each slot memcpys its bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from refitd.agent.transfer_process import TransferProcessHandle, wait_execute
+from refitd.plan.layout import MXFP8, PLAIN, TensorSpec
+from refitd.plan.layouts import make_spec, megatron_layout
+from refitd.plan.planner import PlanConfig, build_plan
+from refitd.plan.wire import mxfp8_scale_shape
+from refitd.transport.memory import SharedTensorArena
+
+UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
+COLS = 4096
+
+
+def parse_bytes(text: str) -> int:
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in "kmg" else ""
+    return int(float(t[: len(t) - len(unit)]) * UNITS[unit])
+
+
+def parse_layout(text: str) -> int:
+    key, _, value = text.partition("=")
+    if key != "tp" or not value.isdigit():
+        raise argparse.ArgumentTypeError(f"layout {text!r}: expected tp=N")
+    return int(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bytes", type=parse_bytes, default=parse_bytes("1GiB"))
+    parser.add_argument("--src-slots", type=int, default=2)
+    parser.add_argument("--dst-slots", type=int, default=2)
+    parser.add_argument("--transport", choices=("gloo", "local"), default="gloo")
+    parser.add_argument("--wire", choices=("bf16", "mxfp8"), default="bf16")
+    parser.add_argument("--src", type=parse_layout, default=None, help="tp=N (default: slots)")
+    parser.add_argument("--dst", type=parse_layout, default=None, help="tp=N (default: slots)")
+    parser.add_argument("--staging", type=parse_bytes, default=parse_bytes("256MiB"))
+    parser.add_argument("--bucket", type=parse_bytes, default=parse_bytes("64MiB"))
+    parser.add_argument("--tensor-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
+    parser.add_argument("--ref-chunk", type=parse_bytes, default=parse_bytes("512MiB"))
+    parser.add_argument("--timeout", type=float, default=600.0)
+
+
+def _pattern(k: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Global tensor k: distinct, exactly representable BF16 values from its index."""
+    n = math.prod(shape)
+    return ((torch.arange(n, dtype=torch.int32) * 7 + k * 13) % 2039 - 1019).to(
+        torch.bfloat16
+    ).reshape(shape) / 64
+
+
+def _specs(args: argparse.Namespace, n_tensors: int, rows: int) -> tuple[list, list, dict]:
+    src_tp = args.src or args.src_slots
+    dst_tp = args.dst or args.dst_slots
+    for side, tp, slots in (("src", src_tp, args.src_slots), ("dst", dst_tp, args.dst_slots)):
+        if slots % tp:
+            raise SystemExit(f"--{side} tp={tp} does not divide --{side}-slots {slots}")
+    local = args.transport == "local"
+    if local and args.src_slots != args.dst_slots:
+        raise SystemExit("--transport local needs --src-slots == --dst-slots (same slots)")
+    dst_base = 0 if local else args.src_slots
+    storage = MXFP8 if args.wire == "mxfp8" else PLAIN
+    src: list[TensorSpec] = []
+    dst: list[TensorSpec] = []
+    shapes: dict[str, tuple[int, int]] = {}
+    for k in range(n_tensors):
+        name = f"layers.{k}.weight"
+        shape = (rows, COLS)
+        shapes[name] = shape
+        dim = k % 2  # column- then row-parallel
+        for rank in range(args.src_slots):
+            lay = megatron_layout(shape, tp_rank=rank % src_tp, tp_size=src_tp, partition_dim=dim)
+            src.append(
+                make_spec(
+                    model="bench",
+                    pool="trainer",
+                    rank=rank,
+                    slot=rank,
+                    name=name,
+                    global_shape=shape,
+                    dtype="bfloat16",
+                    layout=lay,
+                )
+            )
+        for rank in range(args.dst_slots):
+            lay = megatron_layout(shape, tp_rank=rank % dst_tp, tp_size=dst_tp, partition_dim=dim)
+            dst.append(
+                make_spec(
+                    model="bench",
+                    pool="infer",
+                    rank=rank,
+                    slot=dst_base + rank,
+                    name=name,
+                    global_shape=shape,
+                    dtype="bfloat16",
+                    layout=lay,
+                    storage=storage,
+                )
+            )
+    return src, dst, shapes
+
+
+def _block(g: torch.Tensor, s: TensorSpec) -> torch.Tensor:
+    (b,) = s.boxes
+    return g[tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape, strict=True))]
+
+
+def run(args: argparse.Namespace) -> int:
+    n_tensors = max(1, round(args.bytes / args.tensor_bytes))
+    rows = max(64, args.bytes // n_tensors // (COLS * 2) // 64 * 64)
+    src, dst, shapes = _specs(args, n_tensors, rows)
+    model_bytes = sum(math.prod(s) * 2 for s in shapes.values())
+    config = PlanConfig(bucket_bytes=args.bucket, sender_quantization=args.wire == "mxfp8")
+    plan = build_plan("bench", 1, src, dst, config)
+    slots = plan.slots()
+    arena = SharedTensorArena(prefix="refitd-bench")
+    handles: list[TransferProcessHandle] = []
+    store = None
+    try:
+        tensors: list[torch.Tensor] = []
+        scales: dict[int, torch.Tensor] = {}
+        by_name: dict[str, list[int]] = defaultdict(list)
+        for i, s in enumerate(src):
+            by_name[s.name].append(i)
+        for k, name in enumerate(shapes):
+            g = _pattern(k, shapes[name])
+            for i in by_name[name]:
+                while len(tensors) <= i:
+                    tensors.append(torch.empty(0))
+                tensors[i] = _block(g, src[i]).clone()
+        for j, d in enumerate(dst):
+            if d.storage == MXFP8:
+                tensors.append(torch.zeros(d.local_shape, dtype=torch.uint8))
+                scales[len(src) + j] = torch.zeros(
+                    mxfp8_scale_shape(d.local_shape), dtype=torch.uint8
+                )
+            else:
+                tensors.append(torch.zeros(d.local_shape, dtype=torch.bfloat16))
+        mem = arena.register({f"t{i}": t for i, t in enumerate(tensors)})
+        smem = arena.register({f"s{i}": t for i, t in scales.items()})
+        for i in scales:
+            mem[f"t{i}"] = dataclasses.replace(mem[f"t{i}"], scales=smem[f"s{i}"])
+
+        handles = [TransferProcessHandle(slot) for slot in slots]
+        rank_of = {slot: r for r, slot in enumerate(slots)}
+        if args.transport == "gloo":
+            store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=120),
+            )
+            pend = [
+                h.connect(
+                    1,
+                    "127.0.0.1",
+                    store.port,
+                    rank_of[h.slot],
+                    len(slots),
+                    "gloo",
+                    120.0,
+                    slot_ranks=rank_of,
+                    wait=False,
+                )
+                for h in handles
+            ]
+            for p in pend:
+                p.result(130.0)
+        else:
+            for h in handles:
+                h.connect(1, "", 0, 0, 1, "local", 10.0)
+        for h in handles:
+            prog = plan.program(h.slot)
+            if args.transport == "local" and (prog.sends or prog.recvs):
+                raise SystemExit("--transport local: this layout needs copies between slots")
+            h.load(
+                plan.digest,
+                prog.to_bytes(),
+                {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
+                staging_bytes=args.staging,
+            )
+
+        def refit(refit_id: int) -> tuple[float, list[dict]]:
+            t0 = time.monotonic()
+            pend = [h.start_execute(plan.digest, refit_id, refit_id, args.timeout) for h in handles]
+            reports = [wait_execute(p, args.timeout) for p in pend]
+            return time.monotonic() - t0, reports
+
+        refit(1)
+        seconds, reports = refit(2)
+        wire_bytes = sum(r["sent_bytes"] for r in reports)
+        local_bytes = sum(r["local_bytes"] for r in reports)
+        moved = wire_bytes if args.transport == "gloo" else local_bytes
+        ref_seconds = _reference(args, handles, plan, rank_of, reports)
+        ok = _verify(args, src, dst, shapes, tensors, scales)
+        out = {
+            "bench": "transfer",
+            "transport": args.transport,
+            "wire": args.wire,
+            "model_bytes": model_bytes,
+            "bytes": moved,
+            "seconds": round(seconds, 4),
+            "gbps": round(moved / seconds / 1e9, 3),
+            "ref_gbps": round(moved / ref_seconds / 1e9, 3),
+            "ratio": round(ref_seconds / seconds, 3),
+            "staging_peak_bytes": max(r["staging_peak_bytes"] for r in reports),
+            "staging_cap_bytes": args.staging,
+            "sources_released_s": round(max(r["sources_released_s"] for r in reports), 4),
+            "messages": sum(len(r["messages"]) for r in reports) // 2,
+            "zero_copy_chunks": sum(m["zero_copy_chunks"] for r in reports for m in r["messages"]),
+            "staged_chunks": sum(m["staged_chunks"] for r in reports for m in r["messages"]),
+            "slots": len(slots),
+            "verified": ok,
+        }
+        print(json.dumps(out))
+        return 0 if ok else 1
+    finally:
+        for h in handles:
+            h.close()
+        arena.close()
+
+
+def _reference(args, handles, plan, rank_of, reports) -> float:
+    """Seconds of the raw reference moving the same bytes between the same processes."""
+    t0 = time.monotonic()
+    if args.transport == "local":
+        pend = []
+        for h, r in zip(handles, reports, strict=True):
+            n = r["local_bytes"]
+            chunk = min(n, args.ref_chunk)
+            pend.append(h.probe(args.timeout, memcpy=chunk, repeat=max(1, -(-n // chunk))))
+        for p in pend:
+            p.result(args.timeout)
+        return time.monotonic() - t0
+    pair: dict[tuple[int, int], int] = defaultdict(int)
+    for r in reports:
+        for m in r["messages"]:
+            if m["direction"] == "send":
+                pair[(r["slot"], m["peer_slot"])] += m["nbytes"]
+    pend = []
+    for h in handles:
+        sends = {
+            rank_of[d]: _ref_sizes(n, args.ref_chunk) for (s, d), n in pair.items() if s == h.slot
+        }
+        recvs = {
+            rank_of[s]: _ref_sizes(n, args.ref_chunk) for (s, d), n in pair.items() if d == h.slot
+        }
+        pend.append((h, sends, recvs))
+    # buffers are allocated before the clock starts: a prepare call, then the timed run
+    for h, sends, recvs in pend:
+        h.probe(args.timeout, sends=sends, recvs=recvs, prepare=True).result(args.timeout)
+    t0 = time.monotonic()
+    started = [h.probe(args.timeout, sends=sends, recvs=recvs) for h, sends, recvs in pend]
+    for p in started:
+        p.result(args.timeout)
+    return time.monotonic() - t0
+
+
+def _ref_sizes(n: int, chunk: int) -> list[int]:
+    size = min(n, chunk)
+    return [size, max(1, round(n / size))]
+
+
+def _verify(args, src, dst, shapes, tensors, scales) -> bool:
+    n_src = len(src)
+    by_name: dict[str, list[int]] = defaultdict(list)
+    for j, d in enumerate(dst):
+        by_name[d.name].append(j)
+    if args.wire == "mxfp8":
+        from refitd.formats import mxfp8_quantize
+    for k, name in enumerate(shapes):
+        g = _pattern(k, shapes[name])
+        for j in by_name[name]:
+            d = dst[j]
+            want = _block(g, d)
+            got = tensors[n_src + j]
+            if d.storage == MXFP8:
+                values, sc = mxfp8_quantize(want)
+                if not (
+                    torch.equal(got, values.view(torch.uint8))
+                    and torch.equal(scales[n_src + j], sc.view(torch.uint8))
+                ):
+                    return False
+            elif not torch.equal(got, want):
+                return False
+    return True
