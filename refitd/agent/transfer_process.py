@@ -90,6 +90,7 @@ class _TransferState:
         self.abort = threading.Event()
         self.running: threading.Thread | None = None
         self.busy = threading.Event()
+        self.aborted: dict[int, None] = {}  # refit ids aborted (latest 64), even before execute
         self.probe_bufs: dict[tuple[str, int], torch.Tensor] = {}
 
     def reply(self, msg: dict) -> None:
@@ -146,8 +147,28 @@ class _TransferState:
             )
         return entry.executor
 
+    def abort_refit(self, refit_id: int) -> None:
+        """Stop the running execute; with a refit id, also any later execute of that refit.
+
+        A running execute may be blocked in a transfer wait on a dead peer: the communicator
+        is closed to unblock it (the controller reconnects every slot after an abort)."""
+        if refit_id:
+            self.aborted[refit_id] = None
+            while len(self.aborted) > 64:
+                del self.aborted[next(iter(self.aborted))]
+        self.abort.set()
+        if self.busy.is_set() and self.transport is not None:
+            transport, self.transport = self.transport, None
+            for entry in self.loaded.values():
+                entry.executor = None
+            with contextlib.suppress(Exception):
+                transport.close()
+
     def execute(self, cmd: dict) -> None:
         rid = cmd["rid"]
+        if cmd.get("refit_id") in self.aborted:
+            self.reply(_error(rid, ExecutionError(f"refit {cmd['refit_id']} was aborted")))
+            return
         self.abort.clear()
 
         def released() -> None:
@@ -176,9 +197,14 @@ class _TransferState:
         one large memcpy ({"memcpy": nbytes, "repeat": n}). "prepare" only allocates."""
         if "memcpy" in cmd:
             n, repeat = cmd["memcpy"], cmd.get("repeat", 1)
-            a = torch.ones(n, dtype=torch.uint8)
-            b = torch.empty(n, dtype=torch.uint8)
-            b.copy_(a)
+            a = self.probe_bufs.get(("m", 0))
+            if a is None or a.numel() != n:
+                a = self.probe_bufs[("m", 0)] = torch.ones(n, dtype=torch.uint8)
+                self.probe_bufs[("m", 1)] = torch.ones(n, dtype=torch.uint8)
+            b = self.probe_bufs[("m", 1)]
+            if cmd.get("prepare"):
+                return {}
+            self.probe_bufs.clear()
             t0 = time.monotonic()
             for _ in range(repeat):
                 b.copy_(a)
@@ -252,7 +278,7 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None) -> No
             state.reply({"rid": rid, "ok": True})
             break
         if op == "abort":
-            state.abort.set()
+            state.abort_refit(int(cmd.get("refit_id") or 0))
             state.reply({"rid": rid, "ok": True})
             continue
         if op == "execute":
@@ -427,9 +453,10 @@ class TransferProcessHandle:
         p = self.start_execute(digest, version, refit_id, timeout_s)
         return wait_execute(p, timeout_s, on_sources_released)
 
-    def abort(self, timeout_s: float = 10.0) -> None:
-        """Ask a running refit to stop (its execute then fails)."""
-        self.request("abort").result(timeout_s)
+    def abort(self, timeout_s: float = 10.0, refit_id: int = 0) -> None:
+        """Ask a running refit to stop (its execute then fails); with refit_id, an execute of
+        that refit that arrives later fails at once."""
+        self.request("abort", refit_id=refit_id).result(timeout_s)
 
     def probe(self, timeout_s: float = 600.0, **args: Any) -> Pending:
         return self.request("probe", timeout_s=timeout_s, **args)

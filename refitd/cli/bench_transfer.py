@@ -243,13 +243,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _reference(args, handles, plan, rank_of, reports) -> float:
     """Seconds of the raw reference moving the same bytes between the same processes."""
-    t0 = time.monotonic()
     if args.transport == "local":
-        pend = []
-        for h, r in zip(handles, reports, strict=True):
+        sizes = []
+        for r in reports:
             n = r["local_bytes"]
             chunk = min(n, args.ref_chunk)
-            pend.append(h.probe(args.timeout, memcpy=chunk, repeat=max(1, -(-n // chunk))))
+            sizes.append({"memcpy": chunk, "repeat": max(1, round(n / chunk))})
+        for h, size in zip(handles, sizes, strict=True):
+            h.probe(args.timeout, prepare=True, **size).result(args.timeout)
+        t0 = time.monotonic()
+        pend = [h.probe(args.timeout, **size) for h, size in zip(handles, sizes, strict=True)]
         for p in pend:
             p.result(args.timeout)
         return time.monotonic() - t0
