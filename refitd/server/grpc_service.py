@@ -18,6 +18,14 @@ from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.errors import ControlError, ErrorKind, invalid
 from refitd.server.status import status_document
+from refitd.server.validation import (
+    check_ack,
+    check_id,
+    check_identifier,
+    check_refit_request,
+    check_register_agent,
+    check_report,
+)
 
 if TYPE_CHECKING:
     from refitd.server.controller import Controller
@@ -68,27 +76,29 @@ class RefitServicer(pbg.RefitServicer):
 
     @_translated
     def UnregisterWorker(self, request: pb.UnregisterWorkerRequest, context: Any) -> Any:
+        check_id(request.worker_id, "worker_id")
         self.c.registry.unregister_worker(request.worker_id)
         self.c.refresh_gauges()
         return pb.UnregisterWorkerResponse()
 
     @_translated
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
+        check_id(request.worker_id, "worker_id")
         w = self.c.registry.touch_worker(request.worker_id)
         return pb.HeartbeatResponse(epoch=self.c.registry.model(w.model).epoch)
 
     @_translated
     def Refit(self, request: pb.RefitRequest, context: Any) -> Any:
-        if request.wait not in WAITS:
-            raise invalid(f"field wait={request.wait} is not a WaitFor value")
-        if request.timeout_s < 0:
-            raise invalid(f"field timeout_s must be >= 0, got {request.timeout_s}")
+        check_refit_request(request, WAITS)
         return self.c.refits.request(
             request.worker_id, request.version, request.wait, request.timeout_s
         )
 
     def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> Iterator[pb.VersionEvent]:
         try:
+            check_id(request.worker_id, "worker_id")
+            if request.after_event < 0:
+                raise invalid(f"field after_event must be >= 0, got {request.after_event}")
             w = self.c.registry.worker(request.worker_id)
             if w.role != "destination":
                 raise invalid(f"{w.describe()} is a source; only destination ranks subscribe")
@@ -110,14 +120,15 @@ class RefitServicer(pbg.RefitServicer):
 
     @_translated
     def Ack(self, request: pb.AckRequest, context: Any) -> Any:
+        check_ack(request)
         w = self.c.registry.worker(request.worker_id)
-        if request.event_id <= 0:
-            raise invalid(f"field event_id must be > 0, got {request.event_id}")
         self.c.refits.events.ack(request, w.describe())
         return pb.AckResponse()
 
     @_translated
     def GetStatus(self, request: pb.StatusRequest, context: Any) -> Any:
+        if request.model:
+            check_identifier(request.model, "model")
         if request.model and request.model not in self.c.registry.models:
             raise ControlError(ErrorKind.NOT_FOUND, f"model {request.model!r} is not registered")
         return pb.StatusResponse(json=json.dumps(status_document(self.c, request.model)))
@@ -131,9 +142,11 @@ class AgentControlServicer(pbg.AgentControlServicer):
 
     @_translated
     def RegisterAgent(self, request: pb.RegisterAgentRequest, context: Any) -> Any:
+        check_register_agent(request)
         agent = self.c.registry.register_agent(
             request.host, [s.device for s in request.slots], request.pid, request.agent_id
         )
+        agent.batch_execute = request.batch_execute
         self.c.refresh_gauges()
         return pb.RegisterAgentResponse(
             agent_id=agent.agent_id,
@@ -143,6 +156,7 @@ class AgentControlServicer(pbg.AgentControlServicer):
 
     def Commands(self, request: pb.AgentStreamRequest, context: Any) -> Iterator[pb.AgentCommand]:
         try:
+            check_id(request.agent_id, "agent_id")
             agent = self.c.registry.agent(request.agent_id)
         except ControlError as e:
             context.abort(GRPC_CODES[e.kind], e.message)
@@ -160,19 +174,15 @@ class AgentControlServicer(pbg.AgentControlServicer):
 
     @_translated
     def Report(self, request: pb.AgentReport, context: Any) -> Any:
+        check_id(request.agent_id, "agent_id")
         agent = self.c.registry.agent(request.agent_id)
-        if request.kind not in pb.ReportKind.values() or request.kind == 0:
-            raise invalid(f"field kind={request.kind} of a report is not a ReportKind")
-        if request.slot not in agent.slot_ids:
-            raise invalid(
-                f"agent {agent.agent_id} reports for slot {request.slot}, which it does not "
-                f"serve (its slots: {agent.slot_ids})"
-            )
+        check_report(request, agent.slot_ids)
         agent.last_seen = time.monotonic()
-        self.c.refits.agents.report(request)
+        self.c.refits.agents.report(request, agent.slot_ids)
         return pb.AgentReportResponse()
 
     @_translated
     def AgentHeartbeat(self, request: pb.AgentHeartbeatRequest, context: Any) -> Any:
+        check_id(request.agent_id, "agent_id")
         self.c.registry.agent(request.agent_id).last_seen = time.monotonic()
         return pb.AgentHeartbeatResponse()

@@ -6,6 +6,7 @@ fix the registration without reading controller logs.
 
 from __future__ import annotations
 
+import math
 import re
 
 from refitd._proto import refitd_pb2 as pb
@@ -13,10 +14,27 @@ from refitd.plan.layout import PLAIN, STORAGE_FORMATS, Box, TensorSpec
 from refitd.plan.wire import DTYPE_SIZES
 from refitd.server.errors import invalid
 
-DEVICE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
+DEVICE_RE = re.compile(r"^(cpu|cuda):(\d{1,6})$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+HOST_RE = re.compile(r"^[A-Za-z0-9_.:\-\[\]%]{1,255}$")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 MAX_DIMS = 8
 MAX_BOXES_PAIRWISE = 256
+# Bounds that keep every later computation (plan sizes in int64, loops over boxes) sane.
+MAX_DIM = 1 << 40
+MAX_TENSOR_BYTES = 1 << 50
+MAX_TENSORS = 1 << 18
+MAX_BOXES = 1 << 16
+MAX_TENSOR_NAME = 512
+MAX_HANDLE_BYTES = 1 << 16
+MAX_META = 64
+MAX_META_KEY = 128
+MAX_META_VALUE = 4096
+MAX_POOL_SIZE = 1 << 20
+MAX_SLOTS_PER_AGENT = 4096
+MAX_MESSAGE_TEXT = 1 << 16
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 ROLE_NAMES = {pb.ROLE_SOURCE: "source", pb.ROLE_DESTINATION: "destination"}
 
@@ -24,8 +42,111 @@ ROLE_NAMES = {pb.ROLE_SOURCE: "source", pb.ROLE_DESTINATION: "destination"}
 def check_device(device: str, what: str) -> str:
     """A device slot name: 'cpu:K' or 'cuda:K'."""
     if not DEVICE_RE.match(device):
-        raise invalid(f"{what}: device {device!r} must look like 'cpu:K' or 'cuda:K'")
+        raise invalid(f"{what}: device {device[:64]!r} must look like 'cpu:K' or 'cuda:K'")
     return device
+
+
+def check_text(value: str, limit: int, field: str, empty_ok: bool = False) -> str:
+    """Free text (tensor names, messages): bounded, no control characters."""
+    if not value and not empty_ok:
+        raise invalid(f"{field} is empty")
+    if len(value) > limit:
+        raise invalid(f"{field} is {len(value)} characters, at most {limit}")
+    if CONTROL_RE.search(value):
+        raise invalid(f"{field} {value[:64]!r} contains control characters")
+    return value
+
+
+def check_host(host: str, field: str) -> str:
+    """A host name or address as agents and workers give it."""
+    if not host:
+        raise invalid(f"{field} is empty")
+    if not HOST_RE.match(host):
+        raise invalid(
+            f"{field}={host[:64]!r} must be 1-255 characters of letters, digits and '_.:-[]%'"
+        )
+    return host
+
+
+def check_id(value: str, field: str) -> str:
+    """A worker or agent id (assigned by the controller, echoed back by clients)."""
+    if not ID_RE.match(value):
+        raise invalid(
+            f"field {field}={value[:64]!r} must be 1-64 characters of letters, digits, "
+            f"'_', '.', '-'"
+        )
+    return value
+
+
+def check_optional_id(value: str, field: str) -> str:
+    return check_id(value, field) if value else value
+
+
+def check_timeout(value: float, field: str) -> float:
+    """A requested timeout in seconds: finite, >= 0 (0: the default), at most a week."""
+    if not math.isfinite(value) or value < 0 or value > MAX_TIMEOUT_S:
+        raise invalid(
+            f"field {field} must be a finite number in [0, {MAX_TIMEOUT_S:g}], got {value}"
+        )
+    return value
+
+
+def check_non_negative(value: int | float, field: str) -> None:
+    if not (isinstance(value, int) or math.isfinite(value)) or value < 0:
+        raise invalid(f"field {field} must be a finite number >= 0, got {value}")
+
+
+def check_refit_request(req: pb.RefitRequest, waits: tuple[int, ...]) -> None:
+    check_id(req.worker_id, "worker_id")
+    if req.wait not in waits:
+        raise invalid(f"field wait={req.wait} is not a WaitFor value")
+    if req.version <= 0:
+        raise invalid(f"field version must be > 0, got {req.version}")
+    check_timeout(req.timeout_s, "timeout_s")
+
+
+def check_ack(req: pb.AckRequest) -> None:
+    check_id(req.worker_id, "worker_id")
+    if req.event_id <= 0:
+        raise invalid(f"field event_id must be > 0, got {req.event_id}")
+    check_text(req.message, MAX_MESSAGE_TEXT, "field message of the ack", empty_ok=True)
+    if len(req.moved_tensors) > MAX_TENSORS:
+        raise invalid(
+            f"field moved_tensors lists {len(req.moved_tensors)} names, at most {MAX_TENSORS}"
+        )
+    for name in req.moved_tensors:
+        check_text(name, MAX_TENSOR_NAME, "a name in field moved_tensors")
+
+
+def check_register_agent(req: pb.RegisterAgentRequest) -> None:
+    check_host(req.host, "field host of RegisterAgent")
+    if len(req.slots) > MAX_SLOTS_PER_AGENT:
+        raise invalid(
+            f"agent on host {req.host!r} registers {len(req.slots)} slots, at most "
+            f"{MAX_SLOTS_PER_AGENT}"
+        )
+    if req.pid < 0:
+        raise invalid(f"field pid of agent on host {req.host!r} must be >= 0, got {req.pid}")
+    check_optional_id(req.agent_id, f"field agent_id of agent on host {req.host!r}")
+
+
+def check_report(req: pb.AgentReport, slots: list[int]) -> None:
+    """An agent's report (and the batched ones in `more`): known kind, its own slots."""
+    for i, r in enumerate((req, *req.more)):
+        where = "report" if i == 0 else f"report more[{i - 1}]"
+        if r.more and i > 0:
+            raise invalid(f"{where} of agent {req.agent_id}: nested field more")
+        if r.kind not in pb.ReportKind.values() or r.kind == pb.REPORT_KIND_UNSPECIFIED:
+            raise invalid(f"field kind={r.kind} of {where} is not a ReportKind")
+        if r.slot not in slots:
+            raise invalid(
+                f"agent {req.agent_id} {where} names slot {r.slot}, which it does not serve "
+                f"(its slots: {slots})"
+            )
+        for field in ("command_id", "refit_id", "bytes_sent", "bytes_received", "bytes_local"):
+            check_non_negative(getattr(r, field), f"{field} of {where} for slot {r.slot}")
+        check_non_negative(r.seconds, f"seconds of {where} for slot {r.slot}")
+        check_text(r.message, MAX_MESSAGE_TEXT, f"field message of {where}", empty_ok=True)
 
 
 def check_identifier(value: str, field: str) -> str:
@@ -52,11 +173,20 @@ def check_worker_header(req: pb.RegisterWorkerRequest) -> str:
         raise invalid(
             f"field rank {req.rank} of pool {req.pool!r} is outside [0, pool_size={req.pool_size})"
         )
-    if not req.host:
-        raise invalid(f"field host of rank {req.rank} in pool {req.pool!r} is empty")
-    check_device(req.device, f"field device of rank {req.rank} in pool {req.pool!r}")
+    if req.pool_size > MAX_POOL_SIZE:
+        raise invalid(
+            f"field pool_size of pool {req.pool!r} is {req.pool_size}, at most {MAX_POOL_SIZE}"
+        )
+    who = f"rank {req.rank} in pool {req.pool!r}"
+    check_host(req.host, f"field host of {who}")
+    check_device(req.device, f"field device of {who}")
+    if req.pid < 0:
+        raise invalid(f"field pid of {who} must be >= 0, got {req.pid}")
+    check_optional_id(req.worker_id, f"field worker_id of {who}")
     if not req.tensors:
         raise invalid(f"rank {req.rank} of pool {req.pool!r} registers no tensors")
+    if len(req.tensors) > MAX_TENSORS:
+        raise invalid(f"{who} registers {len(req.tensors)} tensors, at most {MAX_TENSORS}")
     return ROLE_NAMES[req.role]
 
 
@@ -68,6 +198,7 @@ def specs_from_request(req: pb.RegisterWorkerRequest, slot: int) -> list[TensorS
         where = f"tensor {t.name!r} of rank {req.rank} in pool {req.pool!r}"
         if not t.name:
             raise invalid(f"a tensor of rank {req.rank} in pool {req.pool!r} has an empty name")
+        check_text(t.name, MAX_TENSOR_NAME, f"field name of a tensor of rank {req.rank}")
         if t.name in seen:
             raise invalid(f"{where}: duplicate tensor name")
         seen.add(t.name)
@@ -85,6 +216,8 @@ def _spec(
         raise invalid(f"{where}: global_shape has {ndim} dims, at most {MAX_DIMS}")
     if any(d < 0 for d in gshape):
         raise invalid(f"{where}: global_shape {list(gshape)} has a negative dim")
+    if any(d > MAX_DIM for d in gshape):
+        raise invalid(f"{where}: global_shape {list(gshape)} has a dim above {MAX_DIM}")
     if len(lshape) != ndim:
         raise invalid(
             f"{where}: local_shape {list(lshape)} has {len(lshape)} dims, global_shape "
@@ -92,11 +225,32 @@ def _spec(
         )
     if any(d < 0 for d in lshape):
         raise invalid(f"{where}: local_shape {list(lshape)} has a negative dim")
+    if any(d > MAX_DIM for d in lshape):
+        raise invalid(f"{where}: local_shape {list(lshape)} has a dim above {MAX_DIM}")
     if t.dtype not in DTYPE_SIZES:
-        raise invalid(f"{where}: unknown dtype {t.dtype!r}; known: {sorted(DTYPE_SIZES)}")
+        raise invalid(f"{where}: unknown dtype {t.dtype[:64]!r}; known: {sorted(DTYPE_SIZES)}")
+    nbytes = math.prod(gshape) * DTYPE_SIZES[t.dtype]
+    if nbytes > MAX_TENSOR_BYTES:
+        raise invalid(
+            f"{where}: global_shape {list(gshape)} of {t.dtype} is {nbytes} bytes, at most "
+            f"{MAX_TENSOR_BYTES}"
+        )
+    check_text(t.canonical, MAX_TENSOR_NAME, f"{where}: field canonical", empty_ok=True)
+    if len(t.memory) > MAX_HANDLE_BYTES:
+        raise invalid(
+            f"{where}: field memory is {len(t.memory)} bytes, a handle is at most "
+            f"{MAX_HANDLE_BYTES}"
+        )
+    if len(t.meta) > MAX_META:
+        raise invalid(f"{where}: field meta has {len(t.meta)} entries, at most {MAX_META}")
+    for k, v in t.meta.items():
+        check_text(k, MAX_META_KEY, f"{where}: a key of field meta")
+        check_text(v, MAX_META_VALUE, f"{where}: field meta[{k!r}]", empty_ok=True)
+    if len(t.boxes) > MAX_BOXES:
+        raise invalid(f"{where}: {len(t.boxes)} boxes, at most {MAX_BOXES}")
     storage = t.storage or PLAIN
     if storage not in STORAGE_FORMATS:
-        raise invalid(f"{where}: unknown storage {storage!r}; known: {list(STORAGE_FORMATS)}")
+        raise invalid(f"{where}: unknown storage {storage[:64]!r}; known: {list(STORAGE_FORMATS)}")
     if not t.memory:
         raise invalid(f"{where}: field memory (the memory handle) is empty")
     if not t.boxes:
