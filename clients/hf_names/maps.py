@@ -1,0 +1,194 @@
+"""Name maps from Megatron-Core naming to Hugging Face checkpoint naming.
+
+Destinations are HF checkpoint names (what vLLM and SGLang load, and what transformers
+modules hold once fused experts are viewed per expert, see clients.hf_names.destination);
+sources are Megatron canonical names (global layer and expert indices). Fused QKV is split
+per KV group into q/k/v, gated fc1 into gate/up, everything else is renamed. The maps are
+refitd.plan NameMaps: the planner applies them box by box, no tensor is gathered whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from refitd.plan.names import NameMap, NameRule, rename, split_fused_qkv, split_gated_fc1
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaDims:
+    """Sizes of a Llama / Qwen2 / Mistral-style model that the map needs."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> LlamaDims:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            layers=cfg.num_hidden_layers,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            ffn=cfg.intermediate_size,
+            vocab=cfg.vocab_size,
+            qkv_bias=bool(getattr(cfg, "attention_bias", False))
+            or cfg.model_type.startswith("qwen2"),
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+def _ends(hidden: int, vocab: int, tie: bool) -> list[NameRule]:
+    rules = [
+        rename("model.embed_tokens.weight", "embedding.word_embeddings.weight", vocab),
+        rename("model.norm.weight", "decoder.final_layernorm.weight", hidden),
+    ]
+    if not tie:
+        rules.append(rename("lm_head.weight", "output_layer.weight", vocab))
+    return rules
+
+
+def _gated_mlp(dst: str, src: str, hidden: int, ffn: int) -> list[NameRule]:
+    """HF gate/up/down projections from Megatron's gated linear_fc1 and linear_fc2."""
+    return [
+        *split_gated_fc1(f"{src}.linear_fc1.weight", f"{dst}.gate_proj.weight",
+                         f"{dst}.up_proj.weight", ffn),
+        rename(f"{dst}.down_proj.weight", f"{src}.linear_fc2.weight", hidden),
+    ]  # fmt: skip
+
+
+def llama_name_map(d: LlamaDims) -> NameMap:
+    """Megatron GPT (fused QKV with its input layernorm, gated fc1 with its layernorm) to
+    HF Llama / Qwen2 names."""
+    rules = _ends(d.hidden, d.vocab, d.tie_embeddings)
+    for i in range(d.layers):
+        hf, mg = f"model.layers.{i}", f"decoder.layers.{i}"
+        qkv = f"{mg}.self_attention.linear_qkv"
+        attn = f"{hf}.self_attn"
+        rules += [
+            rename(f"{hf}.input_layernorm.weight", f"{qkv}.layer_norm_weight", d.hidden),
+            *split_fused_qkv(f"{qkv}.weight", f"{attn}.q_proj.weight", f"{attn}.k_proj.weight",
+                             f"{attn}.v_proj.weight", d.heads, d.kv_heads, d.head_dim),
+            rename(f"{attn}.o_proj.weight", f"{mg}.self_attention.linear_proj.weight", d.hidden),
+            rename(f"{hf}.post_attention_layernorm.weight", f"{mg}.mlp.linear_fc1.layer_norm_weight",
+                   d.hidden),
+            *_gated_mlp(f"{hf}.mlp", f"{mg}.mlp", d.hidden, d.ffn),
+        ]  # fmt: skip
+        if d.qkv_bias:
+            rules += split_fused_qkv(f"{qkv}.bias", f"{attn}.q_proj.bias", f"{attn}.k_proj.bias",
+                                     f"{attn}.v_proj.bias", d.heads, d.kv_heads, d.head_dim)  # fmt: skip
+    return NameMap(tuple(rules))
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekV3Dims:
+    """Sizes of a DeepSeek-V3 / Kimi-K2-style model (MLA attention, routed + shared experts)."""
+
+    layers: int
+    first_dense: int
+    hidden: int
+    heads: int
+    q_lora: int | None
+    kv_lora: int
+    rope: int
+    nope: int
+    v_head: int
+    ffn: int
+    experts: int
+    expert_ffn: int
+    shared_experts: int
+    vocab: int
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> DeepseekV3Dims:
+        return cls(
+            layers=cfg.num_hidden_layers,
+            first_dense=cfg.first_k_dense_replace,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_attention_heads,
+            q_lora=cfg.q_lora_rank,
+            kv_lora=cfg.kv_lora_rank,
+            rope=cfg.qk_rope_head_dim,
+            nope=cfg.qk_nope_head_dim,
+            v_head=cfg.v_head_dim,
+            ffn=cfg.intermediate_size,
+            experts=cfg.n_routed_experts,
+            expert_ffn=cfg.moe_intermediate_size,
+            shared_experts=cfg.n_shared_experts or 0,
+            vocab=cfg.vocab_size,
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+def deepseek_v3_name_map(d: DeepseekV3Dims) -> NameMap:
+    """Megatron MLA + MoE (per-expert `weight{E}`) to HF DeepSeek-V3 / Kimi-K2 names, experts
+    as `mlp.experts.{e}.{gate,up,down}_proj.weight`."""
+    rules = _ends(d.hidden, d.vocab, d.tie_embeddings)
+    qk = d.heads * (d.nope + d.rope)
+    for i in range(d.layers):
+        hf, mg = f"model.layers.{i}", f"decoder.layers.{i}"
+        attn, sa = f"{hf}.self_attn", f"{mg}.self_attention"
+        rules += [
+            rename(f"{hf}.input_layernorm.weight", f"{mg}.input_layernorm.weight", d.hidden),
+            rename(f"{attn}.kv_a_proj_with_mqa.weight", f"{sa}.linear_kv_down_proj.weight",
+                   d.kv_lora + d.rope),
+            rename(f"{attn}.kv_a_layernorm.weight", f"{sa}.linear_kv_up_proj.layer_norm_weight",
+                   d.kv_lora),
+            rename(f"{attn}.kv_b_proj.weight", f"{sa}.linear_kv_up_proj.weight",
+                   d.heads * (d.nope + d.v_head)),
+            rename(f"{attn}.o_proj.weight", f"{sa}.linear_proj.weight", d.hidden),
+        ]  # fmt: skip
+        if d.q_lora:
+            rules += [
+                rename(f"{attn}.q_a_proj.weight", f"{sa}.linear_q_down_proj.weight", d.q_lora),
+                rename(f"{attn}.q_a_layernorm.weight", f"{sa}.linear_q_up_proj.layer_norm_weight",
+                       d.q_lora),
+                rename(f"{attn}.q_b_proj.weight", f"{sa}.linear_q_up_proj.weight", qk),
+            ]  # fmt: skip
+        else:
+            rules.append(rename(f"{attn}.q_proj.weight", f"{sa}.linear_q_proj.weight", qk))
+        if i < d.first_dense:
+            rules += [
+                rename(f"{hf}.post_attention_layernorm.weight",
+                       f"{mg}.mlp.linear_fc1.layer_norm_weight", d.hidden),
+                *_gated_mlp(f"{hf}.mlp", f"{mg}.mlp", d.hidden, d.ffn),
+            ]  # fmt: skip
+            continue
+        rules += [
+            rename(f"{hf}.post_attention_layernorm.weight", f"{mg}.pre_mlp_layernorm.weight",
+                   d.hidden),
+            rename(f"{hf}.mlp.gate.weight", f"{mg}.mlp.router.weight", d.experts),
+            rename(f"{hf}.mlp.gate.e_score_correction_bias", f"{mg}.mlp.router.expert_bias",
+                   d.experts),
+        ]  # fmt: skip
+        if d.shared_experts:
+            rules += _gated_mlp(f"{hf}.mlp.shared_experts", f"{mg}.mlp.shared_experts",
+                                d.hidden, d.expert_ffn * d.shared_experts)  # fmt: skip
+        for e in range(d.experts):
+            ex = f"{hf}.mlp.experts.{e}"
+            rules += [
+                *split_gated_fc1(f"{mg}.mlp.experts.linear_fc1.weight{e}", f"{ex}.gate_proj.weight",
+                                 f"{ex}.up_proj.weight", d.expert_ffn),
+                rename(f"{ex}.down_proj.weight", f"{mg}.mlp.experts.linear_fc2.weight{e}",
+                       d.hidden),
+            ]  # fmt: skip
+    return NameMap(tuple(rules))
+
+
+def name_map_for(cfg: Any) -> NameMap:
+    """The map for a transformers config by its model_type."""
+    kind = cfg.model_type
+    if kind in ("llama", "qwen2", "qwen3", "mistral"):
+        return llama_name_map(LlamaDims.from_hf_config(cfg))
+    if kind in ("deepseek_v3", "kimi_k2"):
+        return deepseek_v3_name_map(DeepseekV3Dims.from_hf_config(cfg))
+    raise ValueError(f"no Megatron -> HF name map for model_type {kind!r}")

@@ -1,0 +1,128 @@
+"""Tiny Llama and DeepSeek-V3 models built from transformers configs (random init, no
+download), and their weights in Megatron-Core naming, converted here with plain torch
+(independently of the name maps under test)."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+LLAMA = "hf-llama"
+DSV3 = "hf-dsv3"
+
+
+def config(kind: str) -> Any:
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    if kind == LLAMA:
+        return LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    return DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def model(kind: str, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(config(kind)).to(torch.bfloat16).eval()
+    if kind == DSV3:  # random router bias, so a wrong expert_bias mapping shows in logits
+        with torch.no_grad():
+            for layer in m.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_()
+    return m
+
+
+def megatron_weights(kind: str, hf: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The HF model's weights as a Megatron-Core GPT holds them (global tensors)."""
+    cfg = hf.config
+    sd = {n: t.detach().clone() for n, t in hf.state_dict().items()}
+    out = {
+        "embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": sd["model.norm.weight"],
+        "output_layer.weight": sd["lm_head.weight"],
+    }
+    for i in range(cfg.num_hidden_layers):
+        hf_, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a, sa = hf_ + "self_attn.", mg + "self_attention."
+        out[sa + "linear_proj.weight"] = sd[a + "o_proj.weight"]
+        if kind == LLAMA:
+            kv, hd = cfg.num_key_value_heads, cfg.head_dim
+            h = cfg.hidden_size
+            q = sd[a + "q_proj.weight"].view(kv, -1, h)
+            k = sd[a + "k_proj.weight"].view(kv, hd, h)
+            v = sd[a + "v_proj.weight"].view(kv, hd, h)
+            out[sa + "linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
+            out[sa + "linear_qkv.layer_norm_weight"] = sd[hf_ + "input_layernorm.weight"]
+        else:
+            out[mg + "input_layernorm.weight"] = sd[hf_ + "input_layernorm.weight"]
+            out[sa + "linear_q_down_proj.weight"] = sd[a + "q_a_proj.weight"]
+            out[sa + "linear_q_up_proj.layer_norm_weight"] = sd[a + "q_a_layernorm.weight"]
+            out[sa + "linear_q_up_proj.weight"] = sd[a + "q_b_proj.weight"]
+            out[sa + "linear_kv_down_proj.weight"] = sd[a + "kv_a_proj_with_mqa.weight"]
+            out[sa + "linear_kv_up_proj.layer_norm_weight"] = sd[a + "kv_a_layernorm.weight"]
+            out[sa + "linear_kv_up_proj.weight"] = sd[a + "kv_b_proj.weight"]
+        m = hf_ + "mlp."
+        if kind == LLAMA or i < cfg.first_k_dense_replace:
+            out[mg + "mlp.linear_fc1.layer_norm_weight"] = sd[
+                hf_ + "post_attention_layernorm.weight"
+            ]
+            out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+                [sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]
+            )
+            out[mg + "mlp.linear_fc2.weight"] = sd[m + "down_proj.weight"]
+            continue
+        out[mg + "pre_mlp_layernorm.weight"] = sd[hf_ + "post_attention_layernorm.weight"]
+        out[mg + "mlp.router.weight"] = sd[m + "gate.weight"]
+        out[mg + "mlp.router.expert_bias"] = sd[m + "gate.e_score_correction_bias"]
+        s = m + "shared_experts."
+        out[mg + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [sd[s + "gate_proj.weight"], sd[s + "up_proj.weight"]]
+        )
+        out[mg + "mlp.shared_experts.linear_fc2.weight"] = sd[s + "down_proj.weight"]
+        for e in range(cfg.n_routed_experts):
+            out[mg + f"mlp.experts.linear_fc1.weight{e}"] = sd[m + "experts.gate_up_proj"][e]
+            out[mg + f"mlp.experts.linear_fc2.weight{e}"] = sd[m + "experts.down_proj"][e]
+    return {n: t.contiguous().clone() for n, t in out.items()}
+
+
+def trainer_rank(rank: int, controller: str, seed: int, results: Any, barrier: Any) -> None:
+    """Megatron rank (tp=2 x pp=2; experts ep=2 over the TP ranks) of both models."""
+    from clients.megatron_adapter import ParallelState, register_megatron
+    from clients.megatron_adapter.toy import build_rank_module
+    from refitd.client import TrainerClient
+
+    trainers = []
+    try:
+        tp, pp = rank % 2, rank // 2
+        for kind in (LLAMA, DSV3):
+            ref = model(kind, seed)
+            state = ParallelState(
+                tp_rank=tp, tp_size=2, pp_rank=pp, pp_size=2,
+                ep_rank=tp if kind == DSV3 else 0, ep_size=2 if kind == DSV3 else 1,
+            )  # fmt: skip
+            experts = ref.config.n_routed_experts if kind == DSV3 else 0
+            module = build_rank_module(
+                megatron_weights(kind, ref), ref.config.num_hidden_layers, state, experts
+            )
+            t = TrainerClient(controller, kind, rank=rank, pool_size=4, device=f"cpu:{rank}")
+            trainers.append(t)
+            register_megatron(t, module, state)
+        barrier.wait(120)  # every rank registered before any asks for a refit
+        for kind, t in zip((LLAMA, DSV3), trainers, strict=True):
+            results.put((rank, kind, t.refit(1, wait="committed", timeout=90).state))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        for t in trainers:
+            t.close()
