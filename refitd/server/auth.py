@@ -112,5 +112,9 @@ def http_token_dependency(token: str) -> Callable[[Request], None]:
 
 
 def server_interceptors(security: ServerSecurity) -> list[grpc.ServerInterceptor]:
-    """The controller's gRPC interceptors: the token check when a token is configured."""
-    return [TokenAuthInterceptor(security.token)] if security.token else []
+    """The controller's gRPC interceptors: the token check (when a token is configured)
+    before anything parses the request, then the request decoding."""
+    from refitd.server.grpc_service import RequestDecodeInterceptor
+
+    auth = [TokenAuthInterceptor(security.token)] if security.token else []
+    return [*auth, RequestDecodeInterceptor()]

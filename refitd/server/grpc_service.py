@@ -55,6 +55,46 @@ def _translated(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class RequestDecodeInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Parses requests inside the handler, so undecodable bytes get INVALID_ARGUMENT naming
+    the method and message type (gRPC's own answer is a bare INTERNAL)."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        method = details.method
+
+        def decoded(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                return parse(raw)
+            except Exception as e:
+                kind = getattr(parse, "__self__", None)
+                what = getattr(kind, "__name__", "message")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request of {method} is not a valid {what} message: {e}",
+                )
+
+        ser = handler.response_serializer
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            def stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+                yield from behavior(decoded(raw, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(stream, None, ser)
+        unary = handler.unary_unary
+        return grpc.unary_unary_rpc_method_handler(
+            lambda raw, context: unary(decoded(raw, context), context), None, ser
+        )
+
+
 class RefitServicer(pbg.RefitServicer):
     """What workers call (through refitd.client)."""
 
