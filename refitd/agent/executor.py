@@ -548,6 +548,8 @@ class Executor:
                         if zc is None:
                             buf = self.pool.acquire("send", deadline, abort, describe(ch, "send"))
                             self._pack(ch, buf)
+                            if buf.is_cuda:
+                                torch.cuda.current_stream(buf.device).synchronize()
                             source_done()
                         else:
                             buf = zc
@@ -638,6 +640,8 @@ class Executor:
             report.local_seconds = time.monotonic() - tl
         except BaseException as e:
             fail(ExecutionError(f"slot {self.program.slot}: local copy failed: {e}"))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # local copies are async on the GPU
         local_done.set()
         source_done(0)
         for t in threads:
@@ -652,6 +656,8 @@ class Executor:
                 )
         if errors:
             raise errors[0]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         report.seconds = time.monotonic() - t0
         report.staging_peak_bytes = self.pool.peak_bytes
         report.messages = sorted(stats.values(), key=lambda s: (s.direction, s.id))

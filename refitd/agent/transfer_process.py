@@ -197,10 +197,11 @@ class _TransferState:
         one large memcpy ({"memcpy": nbytes, "repeat": n}). "prepare" only allocates."""
         if "memcpy" in cmd:
             n, repeat = cmd["memcpy"], cmd.get("repeat", 1)
+            dev = torch.device(cmd.get("device", "cpu"))
             a = self.probe_bufs.get(("m", 0))
-            if a is None or a.numel() != n:
-                a = self.probe_bufs[("m", 0)] = torch.ones(n, dtype=torch.uint8)
-                self.probe_bufs[("m", 1)] = torch.ones(n, dtype=torch.uint8)
+            if a is None or a.numel() != n or a.device != dev:
+                a = self.probe_bufs[("m", 0)] = torch.ones(n, dtype=torch.uint8, device=dev)
+                self.probe_bufs[("m", 1)] = torch.ones(n, dtype=torch.uint8, device=dev)
             b = self.probe_bufs[("m", 1)]
             if cmd.get("prepare"):
                 return {}
@@ -208,6 +209,8 @@ class _TransferState:
             t0 = time.monotonic()
             for _ in range(repeat):
                 b.copy_(a)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             return {"seconds": time.monotonic() - t0}
         if self.transport is None:
             raise TransportError("probe needs a connected transport")
