@@ -9,6 +9,7 @@ class topping up its least loaded candidates.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,41 +81,55 @@ def _fill(
     starts = np.r_[0, change]
     ends = np.r_[change, order.size]
     chosen = np.empty(order.size, dtype=np.int64)
-    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-        slots = classes[c_sorted[s]]
-        size = float(b_sorted[s])
-        counts = _waterfill(load[slots], size, e - s)
-        load[slots] += counts * size
-        chosen[order[s:e]] = np.repeat(slots, counts)
+    load_l = load.tolist()  # per-run work on Python lists: runs are many and small
+    classes_l = classes.tolist()
+    c_first = c_sorted[starts].tolist()
+    b_first = b_sorted[starts].tolist()
+    picks: list[int] = []
+    for s, e, cl, size in zip(starts.tolist(), ends.tolist(), c_first, b_first, strict=True):
+        slots = classes_l[cl]
+        counts = _waterfill([load_l[x] for x in slots], float(size), e - s)
+        for x, k in zip(slots, counts, strict=True):
+            if k:
+                load_l[x] += k * size
+                picks.extend([x] * k)
+    chosen[order] = picks
+    load[:] = load_l
     col = (cand == chosen[:, None]).argmax(axis=1)
     for b, _ in parts:
         m = batch_of == b
         cols[b][row_of[m]] = col[m]
 
 
-def _waterfill(loads: np.ndarray, size: float, m: int) -> np.ndarray:
+def _waterfill(loads: list[float], size: float, m: int) -> list[int]:
     """How many of m equal items of `size` each candidate takes so the largest resulting
     load is as small as possible (the items go to the least loaded first)."""
-    r = loads.size
-    order = np.argsort(loads, kind="stable")
-    ls = loads[order]
+    r = len(loads)
+    order = sorted(range(r), key=loads.__getitem__)
+    ls = [loads[i] for i in order]
+    take = [0] * r
     if size <= 0:  # weightless items: dealt evenly, least loaded first
-        counts = np.empty(r, dtype=np.int64)
-        counts[order] = m // r + (np.arange(r) < m % r)
-        return counts
-    level_k = (m * size + np.cumsum(ls)) / np.arange(1, r + 1)
-    fits = np.r_[level_k[:-1] <= ls[1:], True]
-    k = int(fits.argmax()) + 1
-    level = level_k[k - 1]
-    take = np.zeros(r, dtype=np.int64)
-    take[:k] = np.maximum(np.floor((level - ls[:k]) / size + 1e-9), 0).astype(np.int64)
-    over = int(take.sum()) - m
-    if over > 0:  # float rounding: take back from the highest resulting loads
-        for j in np.argsort(-(ls + take * size), kind="stable")[:over]:
-            take[j] -= 1
-    rest = m - int(take.sum())
-    if rest > 0:
-        take[np.argsort(ls + take * size, kind="stable")[:rest]] += 1
-    counts = np.empty(r, dtype=np.int64)
-    counts[order] = take
+        for j in range(r):
+            take[j] = m // r + (j < m % r)
+    else:
+        cum, level, k = 0.0, 0.0, r
+        for j in range(r):
+            cum += ls[j]
+            level = (m * size + cum) / (j + 1)
+            if j + 1 == r or level <= ls[j + 1]:
+                k = j + 1
+                break
+        for j in range(k):
+            take[j] = max(math.floor((level - ls[j]) / size + 1e-9), 0)
+        over = sum(take) - m
+        if over > 0:  # float rounding: take back from the highest resulting loads
+            for j in sorted(range(r), key=lambda j: -(ls[j] + take[j] * size))[:over]:
+                take[j] -= 1
+        rest = m - sum(take)
+        if rest > 0:
+            for j in sorted(range(r), key=lambda j: ls[j] + take[j] * size)[:rest]:
+                take[j] += 1
+    counts = [0] * r
+    for j, i in enumerate(order):
+        counts[i] = take[j]
     return counts

@@ -29,29 +29,31 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 import numpy as np
 
 from refitd.plan import buckets as bk
 from refitd.plan.balance import Choices, choose_replicas
 from refitd.plan.errors import PlanError
-from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, Box, TensorSpec
+from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, TensorSpec
 from refitd.plan.names import Link, NameMap, resolve_links
 from refitd.plan.program import Copy, Message, SlotProgram
 from refitd.plan.relay import RelayCandidates, choose_relays
+from refitd.plan.table import Geo, SpecTable
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, RAW, dtype_size
 
-__all__ = ["Plan", "PlanConfig", "PlanError", "PlanStats", "build_plan", "plan_digest"]
+__all__ = [
+    "Plan",
+    "PlanConfig",
+    "PlanError",
+    "PlanStats",
+    "SpecTable",
+    "build_plan",
+    "build_plan_from_table",
+    "plan_digest",
+]
 
 WIRE_NAMES = (RAW, MXFP8, FP8_BLOCK)
-_GEO_FIELDS = attrgetter("pool", "global_shape", "dtype", "storage", "local_shape")
-_BOXES = attrgetter("boxes")
-_CANON = attrgetter("canonical")
-_SLOT = attrgetter("slot")
-_NAME = attrgetter("name")
-_POOL = attrgetter("pool")
-_RANK = attrgetter("rank")
 
 
 @dataclass
@@ -93,18 +95,7 @@ class PlanStats:
     relay_copies: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Geo:
-    pool: str
-    global_shape: tuple[int, ...]
-    dtype: str
-    storage: str
-    local_shape: tuple[int, ...]
-    boxes: tuple[Box, ...]
-
-    @property
-    def cover(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
-        return tuple(sorted((b.offset, b.shape) for b in self.boxes if all(b.shape)))
+_Geo = Geo
 
 
 @dataclass(slots=True)
@@ -131,30 +122,9 @@ class _Side:
         return self.order[self.start[c] : self.start[c] + self.count[c]]
 
 
-def _extract(specs: Sequence[TensorSpec], base: int) -> _Side:
-    """Geometry and canonical ids per spec; identical box tuples are recognised by id
-    first, so shared layouts cost one hash."""
-    n = len(specs)
-    keys = list(zip(map(_GEO_FIELDS, specs), map(id, map(_BOXES, specs)), strict=True))
-    fast = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    fid = np.fromiter(map(fast.__getitem__, keys), dtype=np.int64, count=n)
-    _, first = np.unique(fid, return_index=True)
-    real: dict[_Geo, int] = {}
-    geos: list[_Geo] = []
-    fast_to_geo = np.empty(len(fast), dtype=np.int64)
-    for f, i in enumerate(first.tolist()):
-        s = specs[i]
-        g = _Geo(s.pool, s.global_shape, s.dtype, s.storage, s.local_shape, s.boxes)
-        gid = real.setdefault(g, len(real))
-        if gid == len(geos):
-            geos.append(g)
-        fast_to_geo[f] = gid
-    cnames = list(map(_CANON, specs))
-    names = {c: i for i, c in enumerate(dict.fromkeys(cnames))}
-    canon = np.fromiter(map(names.__getitem__, cnames), dtype=np.int64, count=n)
-    slot = np.fromiter(map(_SLOT, specs), dtype=np.int64, count=n)
-    geo = fast_to_geo[fid] if n else np.zeros(0, np.int64)
-    return _Side(specs, base, names, canon.reshape(-1), geo, geos, slot)
+def _side(table: SpecTable, base: int) -> _Side:
+    canon, geo, slot = table.columns()
+    return _Side(table.specs, base, table.canonical_ids, canon, geo, table.geos, slot)
 
 
 def _group(side: _Side) -> None:
@@ -253,10 +223,23 @@ class _Planner:
         self.src_slot_idx = np.searchsorted(self.slots, src.slot)
         self.dst_slot_idx = np.searchsorted(self.slots, dst.slot)
 
-    def links(self) -> list[Link]:
+    def links(self) -> tuple[np.ndarray, list[tuple[int, int, int, int]], list[Link]]:
+        """(rows of (source canonical id, destination canonical id, transform id), the
+        transforms, the links that are not plain same-name links). A destination name
+        registered in the source and not named by the name map links to itself without
+        going through resolve_links (the common case, kept columnar)."""
         dst_names = list(self.dst.names)
+        rules = self.config.name_map.index() if self.config.name_map is not None else {}
+        sid = list(map(self.src.names.get, dst_names))
+        for d in rules:
+            if d in self.dst.names:
+                sid[self.dst.names[d]] = None
+        slow = [i for i, x in enumerate(sid) if x is None]
         links = resolve_links(
-            dst_names, self.src.names, self.config.name_map, self.config.tie_embeddings
+            [dst_names[i] for i in slow],
+            self.src.names,
+            self.config.name_map,
+            self.config.tie_embeddings,
         )
         for ln in links:
             if ln.src not in self.src.names:
@@ -265,23 +248,32 @@ class _Planner:
                     f"destination tensor missing in the source: {self.dst.who(i)} needs "
                     f"source tensor {ln.src!r}, which no source rank registered"
                 )
-        return links
+        tmap: dict[tuple[int, int, int, int], int] = {(-1, 0, 0, 0): 0}
+        rows = [
+            (
+                self.src.names[ln.src],
+                self.dst.names[ln.dst],
+                tmap.setdefault((ln.dim, ln.dst_start, ln.src_start, ln.length), len(tmap)),
+            )
+            for ln in links
+        ]
+        n = len(dst_names)
+        plain = np.ones(n, dtype=bool)
+        plain[slow] = False
+        ids = np.arange(n)[plain]
+        fast = np.stack(
+            [
+                np.fromiter((x for x in sid if x is not None), np.int64, count=ids.size),
+                ids,
+                np.zeros(ids.size, np.int64),
+            ],
+            axis=1,
+        )
+        lk = np.concatenate([fast, np.array(rows, dtype=np.int64).reshape(-1, 3)])
+        return lk, list(tmap), links
 
     def batches(self) -> list[_Batch]:
-        links = self.links()
-        tmap: dict[tuple[int, int, int, int], int] = {(-1, 0, 0, 0): 0}
-        lk = np.array(
-            [
-                (
-                    self.src.names[ln.src],
-                    self.dst.names[ln.dst],
-                    tmap.setdefault((ln.dim, ln.dst_start, ln.src_start, ln.length), len(tmap)),
-                )
-                for ln in links
-            ],
-            dtype=np.int64,
-        ).reshape(-1, 3)
-        transforms = list(tmap)
+        lk, transforms, links = self.links()
         self._check_rules(links)
         n_dp, n_t = int(self.dst.pattern.max()) + 1, len(transforms)
         key = (self.src.pattern[lk[:, 0]] * n_dp + self.dst.pattern[lk[:, 1]]) * n_t + lk[:, 2]
@@ -465,34 +457,29 @@ def s_mem_table(side: _Side, cs: np.ndarray) -> np.ndarray:
 d_mem_table = s_mem_table
 
 
-def _fingerprint(model: str, epoch: int, src: _Side, dst: _Side, config: PlanConfig) -> str:
+def _fingerprint(model: str, epoch: int, src: SpecTable, dst: SpecTable, config: PlanConfig) -> str:
     """Digest of everything that shapes a plan."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr((model, epoch, config)).encode())
     for side in (src, dst):
         h.update(b"|side|")
-        h.update(repr(side.geos).encode())
-        h.update("\0".join(map(_NAME, side.specs)).encode())
-        h.update("\0".join(map(_POOL, side.specs)).encode())
-        h.update(np.fromiter(map(_RANK, side.specs), np.int64, len(side.specs)).tobytes())
-        h.update("\0".join(side.names).encode())
-        h.update(side.canon.tobytes())
-        h.update(side.geo.tobytes())
-        h.update(side.slot.tobytes())
+        side.digest_into(h)
     return h.hexdigest()
 
 
 def plan_digest(
     model: str,
     epoch: int,
-    sources: Sequence[TensorSpec],
-    destinations: Sequence[TensorSpec],
+    sources: Sequence[TensorSpec] | SpecTable,
+    destinations: Sequence[TensorSpec] | SpecTable,
     config: PlanConfig,
 ) -> str:
     """The key of the plan cache: changes with any registration, layout or config."""
-    return _fingerprint(
-        model, epoch, _extract(sources, 0), _extract(destinations, len(sources)), config
-    )
+    return _fingerprint(model, epoch, _table(sources), _table(destinations), config)
+
+
+def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:
+    return specs if isinstance(specs, SpecTable) else SpecTable.from_specs(specs)
 
 
 def build_plan(
@@ -503,9 +490,19 @@ def build_plan(
     config: PlanConfig,
 ) -> Plan:
     """The whole-cluster plan; raises PlanError on inconsistent registrations."""
-    src = _extract(sources, 0)
-    dst = _extract(destinations, len(sources))
-    digest = _fingerprint(model, epoch, src, dst, config)
+    return build_plan_from_table(
+        model, epoch, SpecTable.from_specs(sources), SpecTable.from_specs(destinations), config
+    )
+
+
+def build_plan_from_table(
+    model: str, epoch: int, sources: SpecTable, destinations: SpecTable, config: PlanConfig
+) -> Plan:
+    """build_plan from registrations already in columns (e.g. kept by the controller as
+    workers register); the tables must not change while the plan is in use."""
+    digest = _fingerprint(model, epoch, sources, destinations, config)
+    src = _side(sources, 0)
+    dst = _side(destinations, len(sources))
     _group(src)
     _group(dst)
     planner = _Planner(src, dst, config)
@@ -548,7 +545,7 @@ def build_plan(
             )
         )
         group_base += n_links * b.nklass
-    tensors = list(sources) + list(destinations)
+    tensors = sources.specs + destinations.specs
     slot_all = np.concatenate([src.slot, dst.slot])
     if parts:
         cols_all = [np.concatenate(c) for c in zip(*parts, strict=True)]

@@ -77,7 +77,8 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
         if step == 0:
             level = _level(load, conv_bytes, is_source_slot, hub)
             shed = np.clip(load - level, 0, conv_bytes)
-            frac = shed / np.maximum(conv_bytes, 1)
+            # in 1/16 steps: few distinct weights keep the water-filling runs few
+            frac = np.ceil(16 * shed / np.maximum(conv_bytes, 1)) / 16
             weight = c.nbytes[cand] * frac[c.src[cand]]
     if not conv.size:
         return feed
@@ -112,6 +113,7 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     sel = cand[sel_mask]
     sel_gid = gid[sel_mask]
     r_of = dcount[sel_gid]
+    # relay senders: water-filled over each group's direct members
     shed_load = load - np.bincount(c.src[sel], weights=c.nbytes[sel], minlength=n_slots)
     batches: list[Choices] = []
     members: list[np.ndarray] = []

@@ -1,0 +1,123 @@
+"""SpecTable: one side's registrations (source or destination pools) as columns.
+
+The planner works on integer columns (canonical id, geometry id, slot, ...) and on the few
+distinct geometries; turning ~10^5 TensorSpec objects into those columns is the Python
+part of planning. A controller can keep a SpecTable per side and `add` each worker's specs
+as it registers, so a plan starts from ready columns (`build_plan_from_table`); a removal
+or a moved registration rebuilds the table. `SpecTable.from_specs` is the one-shot path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+import numpy as np
+
+from refitd.plan.layout import Box, TensorSpec
+
+_GEO_FIELDS = attrgetter("pool", "global_shape", "dtype", "storage", "local_shape")
+_BOXES = attrgetter("boxes")
+_CANON = attrgetter("canonical")
+_SLOT = attrgetter("slot")
+_RANK = attrgetter("rank")
+_NAME = attrgetter("name")
+
+
+@dataclass(frozen=True, slots=True)
+class Geo:
+    """Everything about a registered tensor's layout except where it lives and its names."""
+
+    pool: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    storage: str
+    local_shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+
+    @property
+    def cover(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        return tuple(sorted((b.offset, b.shape) for b in self.boxes if all(b.shape)))
+
+
+def _intern(values: list, ids: dict, order: list) -> Iterable[int]:
+    """Ids of `values` in `ids` (new values appended to `order`)."""
+    for v in dict.fromkeys(values):
+        if v not in ids:
+            ids[v] = len(order)
+            order.append(v)
+    return map(ids.__getitem__, values)
+
+
+@dataclass
+class SpecTable:
+    """Registered specs of one side with their integer columns, in registration order."""
+
+    specs: list[TensorSpec] = field(default_factory=list)
+    canonicals: list[str] = field(default_factory=list)
+    geos: list[Geo] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    _canon_ids: dict[str, int] = field(default_factory=dict)
+    _geo_ids: dict[Geo, int] = field(default_factory=dict)
+    _name_ids: dict[str, int] = field(default_factory=dict)
+    _canon: array = field(default_factory=lambda: array("q"))
+    _geo: array = field(default_factory=lambda: array("q"))
+    _slot: array = field(default_factory=lambda: array("q"))
+    _rank: array = field(default_factory=lambda: array("q"))
+    _name: array = field(default_factory=lambda: array("q"))
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[TensorSpec]) -> SpecTable:
+        t = cls()
+        t.add(specs)
+        return t
+
+    @property
+    def canonical_ids(self) -> dict[str, int]:
+        """Canonical name -> id, in id order."""
+        return self._canon_ids
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def add(self, specs: Iterable[TensorSpec]) -> None:
+        """Append registrations. Box tuples shared between specs (one object) are hashed
+        once; distinct objects are compared by value."""
+        new = specs if isinstance(specs, list) else list(specs)
+        if not new:
+            return
+        keys = list(zip(map(_GEO_FIELDS, new), map(id, map(_BOXES, new)), strict=True))
+        fast: dict[tuple, TensorSpec | int] = dict(zip(keys, new, strict=True))
+        for k, s in fast.items():
+            assert isinstance(s, TensorSpec)
+            g = Geo(s.pool, s.global_shape, s.dtype, s.storage, s.local_shape, s.boxes)
+            gid = self._geo_ids.setdefault(g, len(self.geos))
+            if gid == len(self.geos):
+                self.geos.append(g)
+            fast[k] = gid
+        self._geo.extend(map(fast.__getitem__, keys))
+        self._canon.extend(_intern(list(map(_CANON, new)), self._canon_ids, self.canonicals))
+        self._name.extend(_intern(list(map(_NAME, new)), self._name_ids, self.names))
+        self._slot.extend(map(_SLOT, new))
+        self._rank.extend(map(_RANK, new))
+        self.specs.extend(new)
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(canonical id, geometry id, slot) per spec, as int64 arrays (no copy)."""
+        return (
+            np.frombuffer(self._canon, dtype=np.int64),
+            np.frombuffer(self._geo, dtype=np.int64),
+            np.frombuffer(self._slot, dtype=np.int64),
+        )
+
+    def digest_into(self, h: hashlib._Hash) -> None:
+        """Feed everything that identifies these registrations into a hash (the pool is
+        part of each geometry)."""
+        h.update(repr(self.geos).encode())
+        h.update("\0".join(self.canonicals).encode())
+        h.update("\0".join(self.names).encode())
+        for col in (self._canon, self._geo, self._slot, self._rank, self._name):
+            h.update(memoryview(col).cast("B"))
