@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "move a model through the real executor and transport",
     ),
     "control": ("refitd.cli.bench_control", "control-plane overhead of cached-plan refits"),
+    "fuzz": ("refitd.cli.bench_fuzz", "bad-input fuzzing of a live controller (gRPC and HTTP)"),
     "gpu": ("refitd.cli.bench_gpu", "GPU data plane: CUDA IPC, quantizers, NCCL"),
 }
 

@@ -141,7 +141,9 @@ class RefitServicer(pbg.RefitServicer):
                 raise invalid(f"field after_event must be >= 0, got {request.after_event}")
             w = self.c.registry.worker(request.worker_id)
             if w.role != "destination":
-                raise invalid(f"{w.describe()} is a source; only destination ranks subscribe")
+                raise invalid(
+                    f"field worker_id: {w.describe()} is a source; only destination ranks subscribe"
+                )
         except ControlError as e:
             context.abort(GRPC_CODES[e.kind], e.message)
         stream = self.c.refits.events.open(w.worker_id)
