@@ -149,15 +149,19 @@ def _group(side: _Side) -> None:
     # exact check of every member against its pattern's first canonical
     firsts = np.unique(pat, return_index=True)[1]
     rep = firsts[pat]
-    cnt = side.count
-    maxc = int(cnt.max())
-    ar = np.arange(maxc)
-    valid = ar[None, :] < cnt[:, None]
-    idx = np.minimum(side.start[:, None] + ar[None, :], g.size - 1)
-    mine = np.where(valid, g[idx], -1)
-    if not (mine == mine[rep]).all():
+    canon_sorted = side.canon[side.order]
+    same = (side.count[rep] == side.count).all() and (
+        g == g[side.start[rep[canon_sorted]] + pos]
+    ).all()
+    if not same:
         seen: dict[bytes, int] = {}
-        pat = np.array([seen.setdefault(row.tobytes(), len(seen)) for row in mine], np.int64)
+        pat = np.array(
+            [
+                seen.setdefault(g[a : a + n].tobytes(), len(seen))
+                for a, n in zip(side.start.tolist(), side.count.tolist(), strict=True)
+            ],
+            np.int64,
+        )
     side.pattern = pat
 
 
@@ -397,47 +401,53 @@ class _Planner:
         ihi = np.minimum((hi + shift)[:, None], (soff + sshp)[None])
         hit = (ihi > ilo).all(axis=2)
         bi, si = np.nonzero(hit)
-        pieces: dict[int, list[tuple]] = {}
-        klass_ids: dict[tuple[int, int, int], int] = {}
-        for b, s in zip(bi.tolist(), si.tolist(), strict=True):
-            c, o, _ = sboxes[s]
-            reps = cover_pos[c]
-            plo = ilo[b, s]
-            rel = plo - soff[s]
-            rep_loc = [np.array(_pad(local_of[r][o], d, 0)) + rel for r in reps]
-            k, j, _ = dboxes[b]
-            klass = klass_ids.setdefault((d_geo[k], j, s), len(klass_ids))
-            pieces.setdefault(len(reps), []).append(
-                (k, dloc[b] + (plo - shift - doff[b]), ihi[b, s] - plo, reps, rep_loc, klass)
-            )
-        wire_of = [self._wire(dst.geos[g]) for g in d_geo]
-        relayable_of = [
-            dst.geos[g].storage == PLAIN and dst.geos[g].dtype == g0.dtype for g in d_geo
-        ]
+        plo, phi = ilo[bi, si], ihi[bi, si]
+        # per source box: its replica positions and their local offsets
+        s_reps = [cover_pos[c] for c, _, _ in sboxes]
+        nrep_s = np.array([len(x) for x in s_reps], np.int64)
+        k_of = np.array([k for k, _, _ in dboxes], np.int64)
+        j_of = np.array([j for _, j, _ in dboxes], np.int64)
+        # klass: (destination geometry, its box, source box) -> the same block
+        key = (np.array(d_geo, np.int64)[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(
+            sboxes
+        ) + si
+        _, klass = np.unique(key, return_inverse=True)
+        klass = klass.reshape(-1)
+        nklass = int(klass.max()) + 1 if klass.size else 0
+        wire_of = np.array([self._wire(dst.geos[g]) for g in d_geo], np.int64)
+        relayable_of = np.array(
+            [dst.geos[g].storage == PLAIN and dst.geos[g].dtype == g0.dtype for g in d_geo]
+        ) & (wire_of == bk.WIRE_RAW)
         esize = dtype_size(g0.dtype)
+        nrep = nrep_s[si]
         out = []
-        for r, ps in pieces.items():
-            dpos = np.array([p[0] for p in ps], np.int64)
-            reps = np.array([p[3] for p in ps], np.int64).reshape(len(ps), r)
+        for r in np.unique(nrep).tolist():
+            sel = np.flatnonzero(nrep == r)
+            reps_mat = np.zeros((len(sboxes), r), np.int64)
+            locs_mat = np.zeros((len(sboxes), r, d), np.int64)
+            for x in np.flatnonzero(nrep_s == r).tolist():
+                o = sboxes[x][1]
+                reps_mat[x] = s_reps[x]
+                locs_mat[x] = [_pad(local_of[q][o], d, 0) for q in s_reps[x]]
+            b, sb = bi[sel], si[sel]
+            dpos = k_of[b]
+            reps = reps_mat[sb]
             dst_spec = d_mem_table(dst, cd)[:, dpos]
             cand = s_mem_table(src, cs)[:, reps]
             out.append(
                 _Batch(
                     dst_spec=dst_spec.reshape(-1),
                     cand_spec=cand.reshape(-1, r),
-                    piece=np.tile(np.arange(len(ps)), cs.size),
-                    dst_loc=np.array([p[1] for p in ps], np.int64).reshape(-1, d),
-                    shape=np.array([p[2] for p in ps], np.int64).reshape(-1, d),
-                    rep_loc=np.array([p[4] for p in ps], np.int64).reshape(len(ps), r, d),
-                    wire=np.array([wire_of[k] for k in dpos.tolist()], np.int64),
+                    piece=np.tile(np.arange(sel.size), cs.size),
+                    dst_loc=dloc[b] + (plo[sel] - shift - doff[b]),
+                    shape=phi[sel] - plo[sel],
+                    rep_loc=locs_mat[sb] + (plo[sel] - soff[sb])[:, None, :],
+                    wire=wire_of[dpos],
                     esize=esize,
                     ndim=nd,
-                    klass=np.array([p[5] for p in ps], np.int64),
-                    nklass=len(klass_ids),
-                    relayable=np.array(
-                        [relayable_of[k] and wire_of[k] == bk.WIRE_RAW for k in dpos.tolist()],
-                        bool,
-                    ),
+                    klass=klass[sel],
+                    nklass=nklass,
+                    relayable=relayable_of[dpos],
                 )
             )
         return out
@@ -685,8 +695,8 @@ class Plan:
         self._local = table.take(lidx)
         local_bytes = int(nb[local].sum())
         relay = table.feed >= 0
-        direct = self._messages(table, ~local & ~relay, slots, None)
-        relays = self._messages(table, ~local & relay, slots, direct)
+        direct = self._messages(table, nb, ~local & ~relay, slots, None)
+        relays = self._messages(table, nb, ~local & relay, slots, direct)
         n_direct = direct.copies.src.size
         self._remote = _CopyTable(
             *(
@@ -740,6 +750,7 @@ class Plan:
     def _messages(
         self,
         table: _CopyTable,
+        nb: np.ndarray,
         mask: np.ndarray,
         slots: np.ndarray,
         feeds: _Messages | None,
@@ -752,16 +763,26 @@ class Plan:
         rounds.
         """
         cfg = self.config
-        t = table.take(np.flatnonzero(mask))
-        t, rs, rd = self._split(t, self._slot_of[t.src], self._slot_of[t.dst])
-        rnb = bk.segment_nbytes(t.wire, t.shape, t.ndim, t.esize)
-        if feeds is None:
-            order = np.lexsort((t.dst, rd, rs))
+        rows, step, len0 = self._split(table, np.flatnonzero(mask), nb)
+        rs = self._slot_of[table.src[rows]]
+        rd = self._slot_of[table.dst[rows]]
+        if step is None:
+            rnb = nb[rows]
         else:
-            need = feeds.round_of_copy[t.feed] + 1
-            order = np.lexsort((t.dst, need, rd, rs))
+            shape = table.shape[rows]
+            shape[:, 0] = len0
+            rnb = bk.segment_nbytes(table.wire[rows], shape, table.ndim[rows], table.esize[rows])
+        if feeds is None:
+            order = np.lexsort((table.dst[rows], rd, rs))
+        else:
+            need = feeds.round_of_copy[table.feed[rows]] + 1
+            order = np.lexsort((table.dst[rows], need, rd, rs))
             need = need[order]
-        t = t.take(order)
+        t = table.take(rows[order])
+        if step is not None:
+            t.src_loc[:, 0] += step[order]
+            t.dst_loc[:, 0] += step[order]
+            t.shape[:, 0] = len0[order]
         rs, rd, rnb = rs[order], rd[order], rnb[order]
         if not rs.size:
             z = np.zeros(0, np.int64)
@@ -793,27 +814,29 @@ class Plan:
         )
 
     def _split(
-        self, t: _CopyTable, s: np.ndarray, d: np.ndarray
-    ) -> tuple[_CopyTable, np.ndarray, np.ndarray]:
-        """Cut copies larger than a bucket along dim 0 (whole blocks when quantized)."""
-        nb = bk.segment_nbytes(t.wire, t.shape, t.ndim, t.esize)
-        big = (nb > self.config.bucket_bytes) & (t.ndim >= 1)
+        self, t: _CopyTable, idx: np.ndarray, nb: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Cut copies larger than a bucket along dim 0 (whole blocks when quantized):
+        (the table row of every piece, its row offset along dim 0, its length there), or
+        (idx, None, None) when nothing is cut."""
+        nbi = nb[idx]
+        big = (nbi > self.config.bucket_bytes) & (t.ndim[idx] >= 1)
         if not big.any():
-            return t, s, d
-        rows = t.shape[:, 0]
-        row_bytes = nb // np.maximum(rows, 1)
+            return idx, None, None
+        rows = t.shape[idx, 0]
+        row_bytes = nbi // np.maximum(rows, 1)
         pieces, per = bk.split_rows(
-            rows, row_bytes, bk.split_granularity(t.wire, t.ndim), self.config.bucket_bytes
+            rows,
+            row_bytes,
+            bk.split_granularity(t.wire[idx], t.ndim[idx]),
+            self.config.bucket_bytes,
         )
         pieces = np.where(big, pieces, 1)
-        idx = np.repeat(np.arange(t.src.size), pieces)
-        k = np.arange(idx.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        out = t.take(idx)
-        step = np.where(big, per, 0)[idx] * k
-        out.src_loc[:, 0] += step
-        out.dst_loc[:, 0] += step
-        out.shape[:, 0] = np.where(big[idx], np.minimum(per[idx], rows[idx] - step), rows[idx])
-        return out, s[idx], d[idx]
+        rep = np.repeat(np.arange(idx.size), pieces)
+        k = np.arange(rep.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        step = np.where(big, per, 0)[rep] * k
+        len0 = np.where(big[rep], np.minimum(per[rep], rows[rep] - step), rows[rep])
+        return idx[rep], step, len0
 
     def slots(self) -> list[int]:
         """Every slot that holds a registered tensor (source or destination)."""
