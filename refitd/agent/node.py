@@ -4,9 +4,14 @@ It registers its slots (AgentControl.RegisterAgent), opens the Commands stream a
 each command to the transfer process of the slot it names (one process per slot, spawned
 through refitd.agent.transfer_process.TransferProcessHandle), reporting CONNECTED, LOADED,
 SOURCES_RELEASED, DONE or FAILED with bytes and seconds. Commands of one slot run in order on
-that slot's thread; different slots run at the same time (they talk to each other). Abort
-goes straight to the processes. When the controller goes away the agent registers again
-with backoff; every call has a deadline and every wait a timeout.
+that slot's thread; different slots run at the same time (they talk to each other). One
+ExecuteCommand names all the agent's slots of a refit (`slots`), and reports go out batched
+(whatever is queued when the reporter thread is free goes in one Report call). Abort goes
+straight to the processes, with the refit id, so an execute of that refit that has not
+started yet fails at once. A transfer process that dies is restarted and the agent registers
+again (its slots get a new incarnation: the controller reconnects and reloads them). When
+the controller goes away the agent registers again with backoff; every call has a deadline
+and every wait a timeout.
 """
 
 from __future__ import annotations
@@ -76,20 +81,41 @@ class SlotRunner:
         self.slot = slot
         self.device = device
         self.options = options
-        self.process = TransferProcessHandle(slot=slot, device=device)
-        self._queue: queue.Queue[pb.AgentCommand | None] = queue.Queue()
+        self._spawn = lambda: TransferProcessHandle(slot=slot, device=device)
+        self.process = self._spawn()
+        self._aborted: dict[int, None] = {}  # refit ids aborted (latest 64)
+        self._queue: queue.Queue[pb.AgentCommand | str | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"refitd-slot-{slot}", daemon=True)
         self._thread.start()
 
-    def submit(self, cmd: pb.AgentCommand) -> None:
+    def submit(self, cmd: pb.AgentCommand | str) -> None:
         self._queue.put(cmd)
 
     def abort(self, refit_id: int, reason: str) -> None:
         log.info("slot %d: aborting refit %d: %s", self.slot, refit_id, reason)
+        self._aborted[refit_id] = None
+        while len(self._aborted) > 64:
+            del self._aborted[next(iter(self._aborted))]
+        if not self.process.process.is_alive():
+            return
         try:
-            self.process.abort(timeout_s=self.options.rpc_timeout_s)
+            self.process.abort(timeout_s=self.options.rpc_timeout_s, refit_id=refit_id)
         except Exception as exc:
             log.warning("slot %d: abort of refit %d: %r", self.slot, refit_id, exc)
+
+    def alive(self) -> bool:
+        return self.process.process.is_alive()
+
+    def restart(self) -> None:
+        """Replace a dead transfer process (its communicator and programs are gone)."""
+        code = self.process.process.exitcode
+        log.warning("slot %d: transfer process died (exit code %s); restarting it", self.slot, code)
+        try:
+            self.process.close(timeout_s=1.0)
+        except Exception as exc:
+            log.debug("slot %d: closing the dead process: %r", self.slot, exc)
+        self.process = self._spawn()
+        self.agent.slot_restarted(self.slot)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -104,10 +130,23 @@ class SlotRunner:
             cmd = self._queue.get()
             if cmd is None:
                 return
+            if cmd == "restart":
+                if not self.alive():
+                    self._restart_quietly()
+                continue
             which = cmd.WhichOneof("command")
             refit_id = cmd.execute.refit_id if which == "execute" else 0
             start = time.perf_counter()
             try:
+                if which == "execute" and refit_id in self._aborted:
+                    raise RuntimeError(f"refit {refit_id} was aborted before it started")
+                if not self.alive():
+                    self._restart_quietly()
+                    if which != "connect":
+                        raise RuntimeError(
+                            "transfer process had died and was restarted; the controller "
+                            "reconnects and reloads this slot"
+                        )
                 outcome = getattr(self, f"_{which}")(cmd)
             except Exception as exc:
                 log.warning("slot %d: %s failed: %s", self.slot, which, exc)
@@ -117,6 +156,14 @@ class SlotRunner:
                     message=f"slot {self.slot} ({self.agent.host} {self.device}) {which}: {exc}",
                 )
             self.agent.report(self.slot, cmd.command_id, refit_id, outcome)
+            if not self.alive():
+                self._restart_quietly()
+
+    def _restart_quietly(self) -> None:
+        try:
+            self.restart()
+        except Exception as exc:
+            log.error("slot %d: restarting the transfer process failed: %r", self.slot, exc)
 
     def _connect(self, cmd: pb.AgentCommand) -> Outcome:
         c = cmd.connect
@@ -190,6 +237,10 @@ class NodeAgent:
         )
         self._stream: Any = None
         self._stream_lock = threading.Lock()
+        self._reports: queue.SimpleQueue[pb.AgentReport | None] = queue.SimpleQueue()
+        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
+        self._reporter.start()
+        self._restarted = threading.Event()
 
     # ------------------------------------------------------------------ main loop
     def run(self, stop: threading.Event) -> None:
@@ -221,6 +272,7 @@ class NodeAgent:
             slots=[pb.SlotInfo(device=d) for d in self.devices],
             pid=os.getpid(),
             agent_id=self.agent_id,
+            batch_execute=True,
         )
         resp = self._conn.call(self._conn.agents.RegisterAgent, req, f"register agent {self.host}")
         if len(resp.slot_ids) != len(self.devices):
@@ -265,8 +317,10 @@ class NodeAgent:
             return
         if which == "connect":
             targets = [s for s in cmd.connect.comm_rank if s in self.slots]
-        elif which in ("load", "execute"):
-            targets = [getattr(cmd, which).slot]
+        elif which == "execute":
+            targets = list(cmd.execute.slots) or [cmd.execute.slot]
+        elif which == "load":
+            targets = [cmd.load.slot]
         else:
             log.warning("agent %s: unknown command %r", self.host, which)
             return
@@ -284,19 +338,47 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ controller calls
     def report(self, slot: int, command_id: int, refit_id: int, outcome: Outcome) -> None:
-        """Send one report; retried briefly, then dropped (the controller's timeout covers it)."""
-        req = pb.AgentReport(
-            agent_id=self.agent_id,
-            slot=slot,
-            command_id=command_id,
-            kind=outcome.kind,
-            refit_id=refit_id,
-            bytes_sent=outcome.bytes_sent,
-            bytes_received=outcome.bytes_received,
-            bytes_local=outcome.bytes_local,
-            seconds=outcome.seconds,
-            message=outcome.message,
+        """Queue one report; the reporter thread sends what is queued in one call."""
+        self._reports.put(
+            pb.AgentReport(
+                agent_id=self.agent_id,
+                slot=slot,
+                command_id=command_id,
+                kind=outcome.kind,
+                refit_id=refit_id,
+                bytes_sent=outcome.bytes_sent,
+                bytes_received=outcome.bytes_received,
+                bytes_local=outcome.bytes_local,
+                seconds=outcome.seconds,
+                message=outcome.message,
+            )
         )
+
+    def _report_loop(self) -> None:
+        """Send queued reports, batched (AgentReport.more), in the order they were queued."""
+        while (first := self._reports.get()) is not None:
+            batch = [first]
+            end = False
+            while len(batch) < 256:
+                try:
+                    item = self._reports.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    end = True
+                    break
+                batch.append(item)
+            head = pb.AgentReport()
+            head.CopyFrom(batch[0])
+            head.agent_id = self.agent_id
+            head.more.extend(batch[1:])
+            self._send_report(head)
+            if end:
+                return
+
+    def _send_report(self, req: pb.AgentReport) -> None:
+        """One Report call; retried briefly, then dropped (the controller's timeout covers it)."""
+        slot = req.slot
         for attempt in range(3):
             try:
                 self._conn.call(self._conn.agents.Report, req, f"report slot {slot}")
@@ -307,10 +389,36 @@ class NodeAgent:
                     return
                 time.sleep(0.2 * (attempt + 1))
 
+    def slot_restarted(self, slot: int) -> None:
+        """A transfer process was replaced: register again so the controller knows."""
+        self._restarted.set()
+
+    def _reregister_after_restart(self) -> None:
+        req = pb.RegisterAgentRequest(
+            host=self.host,
+            slots=[pb.SlotInfo(device=d) for d in self.devices],
+            pid=os.getpid(),
+            agent_id=self.agent_id,
+            batch_execute=True,
+        )
+        self._conn.call(self._conn.agents.RegisterAgent, req, f"register agent {self.host}")
+        log.info("agent %s: registered again after a transfer process restart", self.host)
+
     def _heartbeat(self, stream: Any, stop: threading.Event) -> None:
-        """Beat while the stream lives; a controller that stops answering ends the stream."""
+        """Beat while the stream lives; a controller that stops answering ends the stream.
+        Also the lease of the transfer processes: a dead one is restarted."""
         last_ok = time.monotonic()
         while not stop.wait(self.heartbeat_interval_s) and stream.is_active():
+            for runner in list(self.slots.values()):
+                if not runner.alive():
+                    runner.submit("restart")
+            if self._restarted.is_set():
+                self._restarted.clear()
+                try:
+                    self._reregister_after_restart()
+                except RefitError as err:
+                    log.warning("agent %s: %s", self.host, err)
+                    self._restarted.set()
             try:
                 self._conn.call(
                     self._conn.agents.AgentHeartbeat,
@@ -340,6 +448,8 @@ class NodeAgent:
         for runner in self.slots.values():
             runner.close()
         self.slots.clear()
+        self._reports.put(None)
+        self._reporter.join(timeout=5.0)
         self._conn.close()
 
 

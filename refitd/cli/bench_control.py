@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refits", type=int, default=200, help="timed refits")
     parser.add_argument("--warmup", type=int, default=5, help="untimed refits first")
     parser.add_argument("--slots", type=int, default=64, help="slots (half trainer, half infer)")
+    parser.add_argument(
+        "--per-slot",
+        action="store_true",
+        help="agents without batch_execute: one ExecuteCommand and report per slot",
+    )
 
 
 def _register_tensor(rank: int, size: int) -> Any:
@@ -54,7 +59,9 @@ def _register_tensor(rank: int, size: int) -> Any:
     )
 
 
-def _peers(address: str, host: str, slots: int, ready: Any, out: Any, stop: Any) -> None:
+def _peers(
+    address: str, host: str, slots: int, batch: bool, ready: Any, out: Any, stop: Any
+) -> None:
     """Peer process: light agents (answer commands at once) and subscribing inference ranks."""
     import grpc
 
@@ -92,13 +99,27 @@ def _peers(address: str, host: str, slots: int, ready: Any, out: Any, stop: Any)
                     rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
                     agents.Report(rep, timeout=30)
                 elif which == "execute":
-                    rep.slot, rep.refit_id = cmd.execute.slot, cmd.execute.refit_id
-                    rep.kind = pb.REPORT_KIND_SOURCES_RELEASED
-                    agents.Report(rep, timeout=30)
-                    rep.kind = pb.REPORT_KIND_DONE
-                    done = time.monotonic()
-                    agents.Report(rep, timeout=30)
-                    out.put((cmd.execute.refit_id, got, done))
+                    # One command for all this agent's slots; one batched report of their
+                    # SOURCES_RELEASED, then one of their DONE (as a real agent's reporter
+                    # batches what its slots finish together).
+                    slots = list(cmd.execute.slots) or [cmd.execute.slot]
+                    for kind in (pb.REPORT_KIND_SOURCES_RELEASED, pb.REPORT_KIND_DONE):
+                        items = [
+                            pb.AgentReport(
+                                agent_id=agent_id,
+                                command_id=cmd.command_id,
+                                slot=slot,
+                                kind=kind,
+                                refit_id=cmd.execute.refit_id,
+                            )
+                            for slot in slots
+                        ]
+                        head = items[0]
+                        head.more.extend(items[1:])
+                        done = time.monotonic()
+                        agents.Report(head, timeout=30)
+                    for _ in slots:
+                        out.put((cmd.execute.refit_id, got, done))
         except grpc.RpcError:
             pass
 
@@ -110,6 +131,7 @@ def _peers(address: str, host: str, slots: int, ready: Any, out: Any, stop: Any)
                 host=host,
                 slots=[pb.SlotInfo(device=f"cpu:{a * per + i}") for i in range(per)],
                 pid=os.getpid(),
+                batch_execute=batch,
             ),
             timeout=30,
         )
@@ -202,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError(f"controller did not start: {line!r}")
         address = match.group(1)
         peers = ctx.Process(
-            target=_peers, args=(address, host, slots, ready, out, stop), daemon=True
+            target=_peers,
+            args=(address, host, slots, not args.per_slot, ready, out, stop),
+            daemon=True,
         )
         peers.start()
         if not ready.wait(60):
@@ -234,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
                 pb.RefitRequest(worker_id=wid, version=version, wait=pb.WAIT_COMMITTED),
                 timeout=60,
             )
+            if resp.state != pb.REFIT_STATE_COMMITTED:
+                raise RuntimeError(f"refit {version} ended {resp.state}: {resp.message}")
             return t0, time.monotonic(), resp.state
 
         starts, ends, totals = [], [], []
@@ -262,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
         inside = [r for r in doc["refits"] if r["state"] == "committed"][: args.refits]
         ctl_start = [r["control_start_s"] for r in inside]
         ctl_end = [r["control_end_s"] for r in inside]
+        pauses = [r.get("pause_s", 0.0) for r in inside]
         ms = 1e3
         result = {
             "bench": "control",
@@ -270,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
             "trainer_ranks": n,
             "inference_ranks": n,
             "refits": args.refits,
+            "batch_execute": not args.per_slot,
             "start_p50_ms": _pct(starts, 50) * ms,
             "start_p99_ms": _pct(starts, 99) * ms,
             "end_p50_ms": _pct(ends, 50) * ms,
@@ -277,6 +305,9 @@ def run(args: argparse.Namespace) -> int:
             "refit_p50_ms": _pct(totals, 50) * ms,
             "controller_start_p50_ms": _pct(ctl_start, 50) * ms,
             "controller_end_p50_ms": _pct(ctl_end, 50) * ms,
+            "controller_start_p99_ms": _pct(ctl_start, 99) * ms,
+            "controller_end_p99_ms": _pct(ctl_end, 99) * ms,
+            "pause_handshake_p50_ms": _pct(pauses, 50) * ms,
             "rpc_rtt_p50_ms": _pct(rtts, 50) * ms,
             "start_p50_over_rtt": _pct(starts, 50) / _pct(rtts, 50),
             "target_p50_ms": 5.0,

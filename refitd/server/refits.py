@@ -1,11 +1,33 @@
 """The refit state machine: one refit per model at a time, coalescing to the newest version.
 
 requested -> sources ready -> transferring -> landed -> committed, or failed with a reason
-(superseded for versions coalesced into a newer one). A refit starts when every rank of the
-source pool has asked for its version (a barrier with a timeout). While one runs for a
+(superseded for versions coalesced into a newer one). A refit transfers once every rank of
+the source pool has asked for its version (a barrier with a timeout). While one runs for a
 model, newer requests wait; when it ends only the newest fully-requested version runs and
 every older pending version returns SUPERSEDED. Each model has one driver thread; RPC
-threads only record requests and wait on the run they joined. Every phase has a timeout.
+threads only record requests and wait on an Event of the run they joined (no polling, no
+spurious wake-ups). Every phase has a timeout.
+
+Speed (the critical path from the last Refit to every agent started, and from the last DONE
+to committed):
+- early pause: with `early_pause` the driver prepares the plan, the communicator and the
+  PAUSE handshake as soon as the first trainer rank asks, overlapping them with the barrier.
+  Safe because nothing is written before every rank asked: a barrier that fails sends ABORT
+  (weights untouched, the pools resume the version they serve). The cost: a pool pauses for
+  the barrier skew (the time between the first and the last rank's Refit).
+- one ExecuteCommand per agent for all its slots, reports batched per agent;
+- everything the refit needs from the registry is cached per membership epoch (a change of
+  membership bumps the epoch, so the cache is never stale);
+- committed = landed in full on every destination pool and recorded in the version log (one
+  SQLite transaction); COMMIT events then go out and their acks are collected off the
+  critical path (a refused or missing COMMIT ack is logged and counted, the version stays).
+
+Version safety: weights are written in place only after every destination worker acked
+PAUSE (a worker without a subscription cannot pause, so the refit does not start). A refit
+that fails after writing is retried (`refit_retries` within `refit_retry_budget_s`) while
+the pools stay paused, but only while no trainer rank has got control back since its
+weights were read (it may be changing them: re-reading would tear the version). Otherwise
+the subscribers get INCOMPLETE: their weights must not be served.
 """
 
 from __future__ import annotations
@@ -13,7 +35,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
@@ -37,11 +58,24 @@ STATE_NAMES = {
     pb.REFIT_STATE_SUPERSEDED: "superseded",
 }
 FINAL = (pb.REFIT_STATE_COMMITTED, pb.REFIT_STATE_FAILED, pb.REFIT_STATE_SUPERSEDED)
+ATTEMPT_SHIFT = 40  # execute/abort ids: refit_id | attempt << 40 (a retry is a new attempt)
+
+
+def attempt_id(refit_id: int, attempt: int) -> int:
+    """Id of one attempt of a refit, carried by ExecuteCommand/AbortCommand.refit_id."""
+    return refit_id | attempt << ATTEMPT_SHIFT
+
+
+class _Switch(Exception):
+    """An early-started run must yield to another version whose barrier completed first."""
 
 
 @dataclass
 class RefitRun:
-    """One requested version of one model, from its first Refit call to its end."""
+    """One requested version of one model, from its first Refit call to its end.
+
+    The rank events and counters are guarded by the model's cond.
+    """
 
     refit_id: int
     model: str
@@ -49,12 +83,19 @@ class RefitRun:
     source_pool: str
     pool_size: int
     first_ask: float
+    last_ask: float = 0.0
     asked: set[int] = field(default_factory=set)
     state: int = pb.REFIT_STATE_REQUESTED
     reason: str = ""
     readers: dict[int, frozenset[int]] = field(default_factory=dict)  # rank -> slots
+    slot_ranks: dict[int, list[int]] = field(default_factory=dict)  # slot -> ranks it reads
+    unread: dict[int, int] = field(default_factory=dict)  # rank -> reader slots not released
     released: set[int] = field(default_factory=set)
-    source_waiters: int = 0  # Refit calls waiting for their sources to be read
+    rank_read: dict[int, threading.Event] = field(default_factory=dict)
+    finished: threading.Event = field(default_factory=threading.Event)
+    sources_handed_back: bool = False  # a rank whose weights were read got control back
+    handed_back: bool = False  # a rank's Refit returned before the end
+    attempt: int = 0
     started: float = 0.0
     seconds: float = 0.0
     bytes: int = 0
@@ -65,17 +106,58 @@ class RefitRun:
     def final(self) -> bool:
         return self.state in FINAL
 
-    def sources_read(self, rank: int) -> bool:
-        if self.final:
-            return True
-        if self.state < pb.REFIT_STATE_TRANSFERRING:
-            return False
-        return self.readers.get(rank, frozenset()) <= self.released
+    @property
+    def barrier_done(self) -> bool:
+        return len(self.asked) >= self.pool_size
+
+    def rank_event(self, rank: int) -> threading.Event:
+        ev = self.rank_read.get(rank)
+        if ev is None:
+            ev = self.rank_read[rank] = threading.Event()
+            if self.final or (
+                self.state >= pb.REFIT_STATE_TRANSFERRING and self.unread.get(rank, 0) == 0
+            ):
+                ev.set()
+        return ev
+
+    def start_transfer(self, readers: dict[int, frozenset[int]]) -> None:
+        """TRANSFERRING: ranks nobody reads are released at once."""
+        self.readers = readers
+        self.released = set()
+        self.slot_ranks = {}
+        for rank, slots in readers.items():
+            for slot in slots:
+                self.slot_ranks.setdefault(slot, []).append(rank)
+        self.unread = {rank: len(slots) for rank, slots in readers.items()}
+        self.state = pb.REFIT_STATE_TRANSFERRING
+        for rank, n in self.unread.items():
+            if n == 0:
+                self.rank_event(rank).set()
+
+    def release(self, slot: int) -> None:
+        if slot in self.released:
+            return
+        self.released.add(slot)
+        for rank in self.slot_ranks.get(slot, ()):
+            self.unread[rank] -= 1
+            if self.unread[rank] == 0:
+                self.rank_event(rank).set()
+
+    def any_sources_read(self) -> bool:
+        """Some rank whose weights are read by the plan has been released."""
+        return any(self.unread.get(r, 0) == 0 and self.readers.get(r) for r in self.readers) and (
+            self.state >= pb.REFIT_STATE_TRANSFERRING
+        )
+
+    def end_events(self) -> None:
+        for ev in self.rank_read.values():
+            ev.set()
+        self.finished.set()
 
 
 @dataclass
 class ModelRefits:
-    """Requests and the running refit of one model; `cond` guards both."""
+    """Requests and the running refit of one model; `cond` guards both (the driver waits)."""
 
     name: str
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -91,6 +173,30 @@ class SlotState:
     incarnation: int
     comm_epoch: int = 0
     loaded: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Membership:
+    """What a refit of (model, epoch) needs from the registry, computed once per epoch."""
+
+    model: str
+    epoch: int
+    plan: ControllerPlan
+    dest_workers: list[Worker]
+    by_agent: dict[str, list[int]]  # agent id -> its slots in the plan
+    batch_agents: frozenset[str]  # agents that take one ExecuteCommand for all their slots
+    readers: dict[int, frozenset[int]]  # source rank -> slots reading it
+    members: frozenset[str]  # destination workers and agents: losing one fails the refit
+
+
+@dataclass
+class CommitAcks:
+    """COMMIT acks collected after a commit, off the critical path."""
+
+    gather: Gather
+    gid: int
+    version: int
+    deadline: float
 
 
 class RefitCoordinator:
@@ -117,11 +223,15 @@ class RefitCoordinator:
         self._models: dict[str, ModelRefits] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._digests: dict[tuple[str, int], str] = {}
+        self._membership: dict[str, Membership] = {}
         self._slots: dict[int, SlotState] = {}
         self._comm_key: tuple | None = None
         self._comm_epoch = 0
+        self._ready: str | None = None  # digest connected and loaded on every slot of its plan
+        self._commit_acks: list[CommitAcks] = []
         self.history: list[RefitRecord] = list(reversed(db.refits(settings.history_size)))
+        self._leases = threading.Thread(target=self._watch_leases, name="refit-leases", daemon=True)
+        self._leases.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -133,6 +243,7 @@ class RefitCoordinator:
         for m in models:
             if m.driver is not None:
                 m.driver.join(timeout=5)
+        self._leases.join(timeout=5)
 
     def _model(self, name: str) -> ModelRefits:
         with self._lock:
@@ -164,6 +275,7 @@ class RefitCoordinator:
             raise precondition(f"{w.describe()} was restored after a restart; re-register it")
         if version <= 0:
             raise ControlError(ErrorKind.INVALID, f"field version must be > 0, got {version}")
+        w.last_seen = time.monotonic()  # a Refit call renews the lease like a heartbeat
         committed = self.registry.model(w.model).committed_version
         m = self._model(w.model)
         with m.cond:
@@ -187,41 +299,27 @@ class RefitCoordinator:
                     )
                     m.pending[version] = run
             run.asked.add(w.rank)
-            m.cond.notify_all()
+            run.last_ask = time.monotonic()
+            m.cond.notify()  # the driver is the only waiter on m.cond
             if wait == pb.WAIT_ACCEPTED:
+                run.handed_back = True
                 return self._response(run)
-            deadline = time.monotonic() + (timeout_s or self.settings.refit_wait_timeout_s)
-            if wait == pb.WAIT_COMMITTED:
-                done = lambda: run.final  # noqa: E731
-            else:
-                done = lambda: run.sources_read(w.rank)  # noqa: E731
-            sources_wait = wait != pb.WAIT_COMMITTED
-            run.source_waiters += sources_wait
-            try:
-                self._wait(m, run, done, deadline, timeout_s)
-            finally:
-                run.source_waiters -= sources_wait
-            return self._response(run)
-
-    def _wait(
-        self,
-        m: ModelRefits,
-        run: RefitRun,
-        done: Callable[[], bool],
-        deadline: float,
-        timeout_s: float,
-    ) -> None:
-        """Under m.cond: wait until done() or raise DEADLINE at the deadline."""
-        while not done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                waited = timeout_s or self.settings.refit_wait_timeout_s
-                raise ControlError(
-                    ErrorKind.DEADLINE,
-                    f"version {run.version} of model {run.model!r}: still "
-                    f"{STATE_NAMES[run.state]} after {waited:g}s; the refit goes on",
-                )
-            m.cond.wait(min(left, 1.0))
+            ready = run.finished if wait == pb.WAIT_COMMITTED else run.rank_event(w.rank)
+        waited = timeout_s or self.settings.refit_wait_timeout_s
+        ok = ready.wait(waited)
+        with m.cond:
+            if not run.final:
+                run.handed_back = True
+                if ok:
+                    run.sources_handed_back = True
+            response = self._response(run)
+        if not ok:
+            raise ControlError(
+                ErrorKind.DEADLINE,
+                f"version {run.version} of model {run.model!r}: still "
+                f"{STATE_NAMES[run.state]} after {waited:g}s; the refit goes on",
+            )
+        return response
 
     def _response(self, run: RefitRun) -> pb.RefitResponse:
         return pb.RefitResponse(
@@ -247,28 +345,42 @@ class RefitCoordinator:
                 self._finish(m, run, pb.REFIT_STATE_FAILED, f"internal error: {e!r}")
             with m.cond:
                 m.running = None
-                m.cond.notify_all()
 
     def _next_run(self, m: ModelRefits) -> RefitRun | None:
-        """Under m.cond: the version to run now, after timing out and superseding; or wait."""
+        """Under m.cond: the version to run now, after timing out and superseding; or wait.
+
+        The newest fully-requested version runs; with early_pause, when none is, the newest
+        requested one starts its preparation and waits for its barrier inside _execute.
+        """
         now = time.monotonic()
-        for run in list(m.pending.values()):
-            missing = sorted(set(range(run.pool_size)) - run.asked)
-            if missing and now - run.first_ask > self.settings.barrier_timeout_s:
-                del m.pending[run.version]
-                self._end(
-                    m,
-                    run,
-                    pb.REFIT_STATE_FAILED,
-                    f"ranks {missing} of pool {run.source_pool} never asked for version "
-                    f"{run.version} (barrier timeout {self.settings.barrier_timeout_s:g}s)",
-                )
-        ready = [r for r in m.pending.values() if len(r.asked) >= r.pool_size]
-        if not ready or m.running is not None:
+        self._expire_barriers(m, now)
+        ready = [r for r in m.pending.values() if r.barrier_done]
+        if ready:
+            run = max(ready, key=lambda r: r.version)
+            self._supersede_older(m, run)
+        elif self.settings.early_pause and m.pending:
+            run = max(m.pending.values(), key=lambda r: r.version)
+        else:
             deadlines = [r.first_ask + self.settings.barrier_timeout_s for r in m.pending.values()]
             m.cond.wait(max(0.0, min([now + 1.0, *deadlines]) - now) + 1e-3)
             return None
-        run = max(ready, key=lambda r: r.version)
+        del m.pending[run.version]
+        return run
+
+    def _expire_barriers(self, m: ModelRefits, now: float) -> None:
+        for run in list(m.pending.values()):
+            if not run.barrier_done and now - run.first_ask > self.settings.barrier_timeout_s:
+                del m.pending[run.version]
+                self._end(m, run, pb.REFIT_STATE_FAILED, self._barrier_reason(run))
+
+    def _barrier_reason(self, run: RefitRun) -> str:
+        missing = sorted(set(range(run.pool_size)) - run.asked)
+        return (
+            f"ranks {missing} of pool {run.source_pool} never asked for version "
+            f"{run.version} (barrier timeout {self.settings.barrier_timeout_s:g}s)"
+        )
+
+    def _supersede_older(self, m: ModelRefits, run: RefitRun) -> None:
         for older in [r for r in m.pending.values() if r.version < run.version]:
             del m.pending[older.version]
             self._end(
@@ -278,59 +390,179 @@ class RefitCoordinator:
                 f"coalesced into version {run.version} (a newer version was requested "
                 "while a refit ran)",
             )
-        del m.pending[run.version]
-        return run
+
+    def _await_barrier(self, m: ModelRefits, run: RefitRun) -> None:
+        """Wait until every source rank asked for the early-started run; raise _Switch when
+        another pending version completes its barrier first, PhaseFailed at the timeout."""
+        deadline = run.first_ask + self.settings.barrier_timeout_s
+        with m.cond:
+            while not run.barrier_done:
+                if any(r.barrier_done for r in m.pending.values()):
+                    raise _Switch()
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    raise PhaseFailed(self._barrier_reason(run))
+                m.cond.wait(left)
+            if any(r.barrier_done and r.version > run.version for r in m.pending.values()):
+                raise _Switch()
 
     def _set_state(self, m: ModelRefits, run: RefitRun, state: int) -> None:
         with m.cond:
             run.state = state
-            m.cond.notify_all()
 
     def _execute(self, run: RefitRun, m: ModelRefits) -> None:
+        """One refit: prepare, pause, (barrier), transfer, commit; retried after a failure
+        that wrote while it is safe; failures end with ABORT or INCOMPLETE to the paused."""
         run.started = time.monotonic()
         s = self.settings
         self.metrics.refits_started.labels(run.model).inc()
-        paused: list[str] = []
-        executed = False
-        plan: ControllerPlan | None = None
-        try:
-            plan, dest_workers = self._prepare(run)
-            run.readers = {
-                rank: plan.readers.get((run.source_pool, rank), frozenset())
-                for rank in range(run.pool_size)
-            }
-            self._set_state(m, run, pb.REFIT_STATE_SOURCES_READY)
-            self._connect(plan)
-            self._load(plan, run.model)
-            self._broadcast(
-                dest_workers, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, "pause", paused
-            )
-            self._set_state(m, run, pb.REFIT_STATE_TRANSFERRING)
-            executed = True
-            last_done = self._transfer(plan, run, m)
-            self._set_state(m, run, pb.REFIT_STATE_LANDED)
-            self._broadcast(
-                dest_workers, pb.EVENT_KIND_COMMIT, run, s.commit_timeout_s, "commit", []
-            )
-            run.seconds = time.monotonic() - run.started
-            epoch = self.registry.model(run.model).epoch
-            self.db.commit_version(
-                run.model, run.version, run.refit_id, run.bytes, run.seconds, epoch
-            )
-            self.registry.set_committed(run.model, run.version)
-            run.detail["control_end_s"] = time.monotonic() - last_done
-            self._finish(m, run, pb.REFIT_STATE_COMMITTED, "")
-        except (PhaseFailed, ControlError) as e:
-            reason = e.message if isinstance(e, ControlError) else str(e)
-            if plan is not None:
-                self._abort(plan, run, reason)
-            kind = pb.EVENT_KIND_INCOMPLETE if executed else pb.EVENT_KIND_ABORT
-            for wid in paused:
-                self.events.send(wid, self._event(run, kind, reason), None)
-            self._finish(m, run, pb.REFIT_STATE_FAILED, reason)
+        self._settle_commit_acks()
+        paused: set[str] = set()
+        wrote = False
+        retry_until = 0.0
+        last_error = ""
+        while True:
+            plan: ControllerPlan | None = None
+            try:
+                ms = self._membership_for(run)
+                plan = ms.plan
+                self._set_state(m, run, pb.REFIT_STATE_SOURCES_READY)
+                self._connect_and_load(ms)
+                todo = [w for w in ms.dest_workers if w.worker_id not in paused]
+                if todo:
+                    t = time.monotonic()
+                    self._broadcast(todo, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, ms, paused)
+                    run.detail["pause_s"] = time.monotonic() - t
+                if not run.barrier_done:
+                    self._await_barrier(m, run)
+                with m.cond:
+                    run.start_transfer(ms.readers)
+                wrote = True
+                last_done = self._transfer(ms, run, m)
+                self._commit(m, run, ms, last_done)
+                return
+            except _Switch:
+                self._events_to(paused, run, pb.EVENT_KIND_ABORT, "a newer version is ready")
+                with m.cond:
+                    run.state = pb.REFIT_STATE_REQUESTED
+                    m.pending[run.version] = run
+                return
+            except (PhaseFailed, ControlError) as e:
+                reason = e.message if isinstance(e, ControlError) else str(e)
+                if plan is not None:
+                    self._abort(plan, run, reason)
+                if wrote:
+                    now = time.monotonic()
+                    with m.cond:
+                        safe = not run.sources_handed_back and not run.any_sources_read()
+                    if not retry_until:
+                        retry_until = now + s.refit_retry_budget_s
+                        last_error = reason
+                    elif run.state == pb.REFIT_STATE_TRANSFERRING:
+                        last_error = reason
+                    if safe and run.attempt < s.refit_retries and now < retry_until:
+                        if run.state == pb.REFIT_STATE_TRANSFERRING:
+                            run.attempt += 1
+                            log.warning(
+                                "refit %s of %s: attempt %d failed (%s); retrying with the "
+                                "pools paused",
+                                run.version,
+                                run.model,
+                                run.attempt,
+                                reason,
+                            )
+                        else:
+                            time.sleep(0.2)  # the failed member is not back yet
+                        with m.cond:
+                            run.state = pb.REFIT_STATE_SOURCES_READY
+                        continue
+                    if run.attempt:
+                        reason = (
+                            f"{last_error} (after {run.attempt} retries: {reason})"
+                            if reason != last_error
+                            else f"{reason} (after {run.attempt} retries)"
+                        )
+                    elif not safe and s.refit_retries:
+                        reason += " (not retried: trainer ranks already had their weights back)"
+                kind = pb.EVENT_KIND_INCOMPLETE if wrote else pb.EVENT_KIND_ABORT
+                self._events_to(paused, run, kind, reason)
+                self._finish(m, run, pb.REFIT_STATE_FAILED, reason)
+                return
 
-    def _prepare(self, run: RefitRun) -> tuple[ControllerPlan, list[Worker]]:
-        """Preconditions, then the plan (cached by digest) and the destination workers."""
+    def _commit(self, m: ModelRefits, run: RefitRun, ms: Membership, last_done: float) -> None:
+        """LANDED -> version log -> COMMITTED; COMMIT events go out, acks are settled later."""
+        gone = set(w.worker_id for w in ms.dest_workers) - set(
+            self.events.subscribed(w.worker_id for w in ms.dest_workers)
+        )
+        if gone:
+            raise PhaseFailed(
+                f"destination workers {sorted(gone)} lost their subscription during the transfer"
+            )
+        run.state = pb.REFIT_STATE_LANDED
+        run.seconds = time.monotonic() - run.started
+        self.db.commit_version(
+            run.model, run.version, run.refit_id, run.bytes, run.seconds, ms.epoch
+        )
+        self.registry.set_committed(run.model, run.version)
+        g = Gather(f"commit of version {run.version}")
+        gid = self.board.add(g)
+        for w in ms.dest_workers:
+            ev = self._event(run, pb.EVENT_KIND_COMMIT)
+            ev.pool = w.pool
+            self.events.send(w.worker_id, ev, g)
+        with self._lock:
+            self._commit_acks.append(
+                CommitAcks(g, gid, run.version, time.monotonic() + self.settings.commit_timeout_s)
+            )
+        run.detail["control_end_s"] = time.monotonic() - last_done
+        self._finish(m, run, pb.REFIT_STATE_COMMITTED, "")
+
+    def _settle_commit_acks(self) -> None:
+        """Forget COMMIT ack gathers that completed or passed their deadline, logging the
+        workers that refused or never acked (the version stays committed)."""
+        now = time.monotonic()
+        with self._lock:
+            due = [a for a in self._commit_acks if a.gather.done or now >= a.deadline]
+            self._commit_acks = [a for a in self._commit_acks if a not in due]
+        for acks in due:
+            g = acks.gather
+            self.events.forget(g)
+            self.board.remove(acks.gid)
+            with g.cond:
+                failure, missing = g.failure, sorted(str(k) for k in g.pending)
+            if failure or missing:
+                log.warning(
+                    "version %s: COMMIT not acknowledged: %s",
+                    acks.version,
+                    failure or f"no ack from workers {missing}",
+                )
+
+    # ------------------------------------------------------------------ membership
+    def _membership_for(self, run: RefitRun) -> Membership:
+        """The cached Membership of the model's epoch, checked for liveness, else built."""
+        model = self.registry.model(run.model)
+        ms = self._membership.get(run.model)
+        if ms is None or ms.epoch != model.epoch:
+            ms = self._build_membership(run)
+            self._membership[run.model] = ms
+        for agent_id in ms.by_agent:
+            if not self.agents.connected(agent_id):
+                slots = ms.by_agent[agent_id]
+                raise precondition(
+                    f"slots {slots} of the plan have no connected node agent (agent {agent_id})"
+                )
+        subscribed = set(self.events.subscribed(w.worker_id for w in ms.dest_workers))
+        for w in ms.dest_workers:
+            if w.worker_id not in subscribed:
+                raise precondition(
+                    f"{w.describe()} is not subscribed: it cannot pause, so its weights cannot "
+                    "be written"
+                )
+        run.detail["digest"] = ms.plan.digest
+        return ms
+
+    def _build_membership(self, run: RefitRun) -> Membership:
+        """Preconditions, then the plan (cached by digest) and what the refit needs."""
         reg = self.registry
         with reg.lock:
             model = reg.model(run.model)
@@ -360,33 +592,37 @@ class RefitCoordinator:
             src_workers = [reg.workers[w] for _, w in sorted(src.ranks.items())]
             dest_workers = [reg.workers[w] for p in dests for _, w in sorted(p.ranks.items())]
             epoch = model.epoch
-            key = (run.model, epoch)
-            digest = self._digests.get(key)
             sources = [t for w in src_workers for t in w.specs]
             destinations = [t for w in dest_workers for t in w.specs]
-        if digest is None:
-            digest = make_digest(run.model, epoch, sources, destinations, self.plan_options)
-            self._digests = {k: v for k, v in self._digests.items() if k[0] != run.model}
-            self._digests[key] = digest
+        digest = make_digest(run.model, epoch, sources, destinations, self.plan_options)
         plan = self.plans.get(digest)
         if plan is None:
             plan = make_plan(run.model, epoch, sources, destinations, self.plan_options)
             self.plans.put(plan)
-        run.detail["digest"] = plan.digest
+        by_agent: dict[str, list[int]] = {}
+        batch: set[str] = set()
         with reg.lock:
             for slot in plan.slots:
                 owner = reg.slots.get(slot)
-                if (
-                    owner is None
-                    or owner.agent_id is None
-                    or not self.agents.connected(owner.agent_id)
-                ):
+                agent = reg.agents.get(owner.agent_id or "") if owner else None
+                if agent is None or not self.agents.connected(agent.agent_id):
                     where = f"{owner.device} of host {owner.host!r}" if owner else "?"
                     raise precondition(
                         f"slot {slot} ({where}) of the plan has no connected node agent"
                     )
-        return plan, dest_workers
+                by_agent.setdefault(agent.agent_id, []).append(slot)
+                if agent.batch_execute:
+                    batch.add(agent.agent_id)
+        readers = {
+            rank: plan.readers.get((run.source_pool, rank), frozenset())
+            for rank in range(run.pool_size)
+        }
+        members = frozenset([*(w.worker_id for w in dest_workers), *by_agent])
+        return Membership(
+            run.model, epoch, plan, dest_workers, by_agent, frozenset(batch), readers, members
+        )
 
+    # ------------------------------------------------------------------ agents
     def _slot_agents(self, plan: ControllerPlan) -> dict[str, list[int]]:
         """agent id -> its slots in the plan; resets slot state of re-registered agents."""
         out: dict[str, list[int]] = {}
@@ -396,10 +632,26 @@ class RefitCoordinator:
                 st = self._slots.get(slot)
                 if st is None or st.incarnation != agent.incarnation:
                     self._slots[slot] = SlotState(agent.incarnation)
+                    if self._ready == plan.digest:
+                        self._ready = None
                 out.setdefault(agent.agent_id, []).append(slot)
         return out
 
-    def _connect(self, plan: ControllerPlan) -> None:
+    def _connect_and_load(self, ms: Membership) -> None:
+        """Communicator and programs in place on every slot (a dict compare when they are)."""
+        if self._ready == ms.plan.digest:
+            return
+        self._connect(ms)
+        self._load(ms)
+        self._ready = ms.plan.digest
+
+    def _gather(self, what: str, ms: Membership) -> tuple[Gather, int]:
+        g = Gather(what)
+        g.watch = ms.members
+        return g, self.board.add(g)
+
+    def _connect(self, ms: Membership) -> None:
+        plan = ms.plan
         by_agent = self._slot_agents(plan)
         key = (tuple(plan.slots), tuple(self._slots[s].incarnation for s in plan.slots))
         if key == self._comm_key and all(
@@ -410,8 +662,7 @@ class RefitCoordinator:
             raise PhaseFailed("the rendezvous store is not running (rendezvous disabled)")
         self._comm_epoch += 1
         ranks = {slot: i for i, slot in enumerate(plan.slots)}
-        g = Gather("connect")
-        gid = self.board.add(g)
+        g, gid = self._gather("connect", ms)
         try:
             for agent_id, slots in by_agent.items():
                 cmd = pb.AgentCommand(
@@ -437,17 +688,16 @@ class RefitCoordinator:
             self._slots[s].loaded.clear()
         self._comm_key = key
 
-    def _load(self, plan: ControllerPlan, model: str) -> None:
+    def _load(self, ms: Membership) -> None:
+        plan = ms.plan
         todo = [s for s in plan.slots if plan.digest not in self._slots[s].loaded]
         if not todo:
             return
-        by_agent = self._slot_agents(plan)
-        g = Gather("load program")
-        gid = self.board.add(g)
+        g, gid = self._gather("load program", ms)
         try:
             with self.registry.lock:
-                memory = self._memory_index(model)
-            for agent_id, slots in by_agent.items():
+                memory = self._memory_index(ms.model)
+            for agent_id, slots in ms.by_agent.items():
                 for slot in slots:
                     if slot not in todo:
                         continue
@@ -458,7 +708,7 @@ class RefitCoordinator:
                     ]
                     cmd = pb.AgentCommand(
                         load=pb.LoadProgramCommand(
-                            model=model,
+                            model=ms.model,
                             digest=plan.digest,
                             slot=slot,
                             program=plan.program_bytes(slot),
@@ -482,6 +732,7 @@ class RefitCoordinator:
             for name, mem in w.memory.items()
         }
 
+    # ------------------------------------------------------------------ events
     def _event(self, run: RefitRun, kind: int, reason: str = "") -> pb.VersionEvent:
         return pb.VersionEvent(
             kind=kind,
@@ -491,98 +742,178 @@ class RefitCoordinator:
             refit_id=run.refit_id,
         )
 
+    def _events_to(self, worker_ids: set[str], run: RefitRun, kind: int, reason: str) -> None:
+        """Tell paused workers how the refit ended (ABORT: resume; INCOMPLETE: do not serve)."""
+        for wid in sorted(worker_ids):
+            try:
+                pool = self.registry.worker(wid).pool
+            except ControlError:
+                continue  # gone meanwhile
+            ev = self._event(run, kind, reason)
+            ev.pool = pool
+            self.events.send(wid, ev, None)
+
     def _broadcast(
         self,
         workers: list[Worker],
         kind: int,
         run: RefitRun,
         timeout_s: float,
-        what: str,
-        sent: list[str],
+        ms: Membership,
+        acked: set[str],
     ) -> None:
-        """Send an event to every subscribed destination worker (appended to `sent`) and
-        wait for their acks."""
-        g = Gather(f"{what} of version {run.version}")
-        gid = self.board.add(g)
+        """Send an event to the destination workers and wait for all their acks; those that
+        acked are added to `acked` (even when the phase fails: they did pause)."""
+        what = "pause" if kind == pb.EVENT_KIND_PAUSE else "commit"
+        g, gid = self._gather(f"{what} of version {run.version}", ms)
+        sent: list[str] = []
         try:
             for w in workers:
                 ev = self._event(run, kind)
                 ev.pool = w.pool
-                if self.events.send(w.worker_id, ev, g):
-                    sent.append(w.worker_id)
+                if not self.events.send(w.worker_id, ev, g):
+                    raise PhaseFailed(f"{w.describe()} is not subscribed: it cannot pause")
+                sent.append(w.worker_id)
             g.wait(timeout_s)
         finally:
+            with g.cond:
+                pending = set(g.pending)
+            # A worker that was sent PAUSE may pause even if it acks late: tell it the end.
+            acked.update(w for w in sent if w not in pending or g.failure is not None)
             self.events.forget(g)
             self.board.remove(gid)
 
-    def _transfer(self, plan: ControllerPlan, run: RefitRun, m: ModelRefits) -> float:
-        """ExecuteCommand to every slot; returns when all are DONE (monotonic time)."""
-        by_agent = self._slot_agents(plan)
-        g = Gather(f"transfer of version {run.version}")
-        gid = self.board.add(g)
+    # ------------------------------------------------------------------ transfer
+    def _transfer(self, ms: Membership, run: RefitRun, m: ModelRefits) -> float:
+        """ExecuteCommand to every slot (one per agent); returns when all are DONE."""
+        plan = ms.plan
+        g, gid = self._gather(f"transfer of version {run.version}", ms)
         last_done = [0.0]
+        exec_id = attempt_id(run.refit_id, run.attempt)
 
         def on_report(r: pb.AgentReport) -> None:
             if r.kind == pb.REPORT_KIND_SOURCES_RELEASED:
                 with m.cond:
-                    run.released.add(r.slot)
-                    if run.source_waiters:
-                        m.cond.notify_all()
+                    run.release(r.slot)
             elif r.kind == pb.REPORT_KIND_DONE:
                 moved = r.bytes_sent + r.bytes_received + r.bytes_local
                 run.slot_stats[r.slot] = (moved, r.seconds)
                 run.bytes += r.bytes_sent + r.bytes_local
                 last_done[0] = time.monotonic()
 
+        timeout = self.settings.transfer_timeout_s
         try:
-            for agent_id, slots in by_agent.items():
-                for slot in slots:
+            for agent_id, slots in ms.by_agent.items():
+                batched = agent_id in ms.batch_agents
+                batches = [slots] if batched else [[slot] for slot in slots]
+                for batch in batches:
                     cmd = pb.AgentCommand(
                         execute=pb.ExecuteCommand(
                             model=run.model,
                             digest=plan.digest,
-                            slot=slot,
+                            slot=batch[0],
+                            slots=batch if batched else (),
                             version=run.version,
-                            refit_id=run.refit_id,
-                            timeout_s=self.settings.transfer_timeout_s,
+                            refit_id=exec_id,
+                            timeout_s=timeout,
                         )
                     )
-                    keys = [(slot, pb.REPORT_KIND_SOURCES_RELEASED), (slot, pb.REPORT_KIND_DONE)]
+                    keys = [
+                        (slot, kind)
+                        for slot in batch
+                        for kind in (pb.REPORT_KIND_SOURCES_RELEASED, pb.REPORT_KIND_DONE)
+                    ]
                     self.agents.send(agent_id, cmd, g, keys, on_report)
-            run.detail["control_start_s"] = time.monotonic() - run.started
-            g.wait(self.settings.transfer_timeout_s)
+            sent = time.monotonic()
+            run.detail["control_start_s"] = sent - max(run.started, run.last_ask)
+            g.wait(timeout)
         finally:
             self.agents.forget(g)
             self.board.remove(gid)
         return last_done[0] or time.monotonic()
 
     def _abort(self, plan: ControllerPlan, run: RefitRun, reason: str) -> None:
-        """AbortCommand to every connected agent of the plan; their comm is rebuilt next time."""
+        """AbortCommand (this attempt's id) to every connected agent of the plan; the
+        communicator is rebuilt and programs reloaded before the next execute."""
         try:
             by_agent = self._slot_agents(plan)
         except KeyError:
             by_agent = {}
         for agent_id in by_agent:
             try:
-                cmd = pb.AgentCommand(abort=pb.AbortCommand(refit_id=run.refit_id, reason=reason))
+                cmd = pb.AgentCommand(
+                    abort=pb.AbortCommand(
+                        refit_id=attempt_id(run.refit_id, run.attempt), reason=reason
+                    )
+                )
                 self.agents.send(agent_id, cmd, None)
             except PhaseFailed:
                 pass
         self._comm_key = None
+        self._ready = None
+
+    # ------------------------------------------------------------------ leases
+    def _watch_leases(self) -> None:
+        """Expire workers and agents silent for heartbeat_timeout_s; settle COMMIT acks."""
+        s = self.settings
+        period = min(s.heartbeat_interval_s, s.heartbeat_timeout_s / 4, 0.5)
+        while not self._stop.wait(period):
+            try:
+                self._expire(time.monotonic() - s.heartbeat_timeout_s)
+                self._settle_commit_acks()
+            except Exception:
+                log.exception("lease watcher")
+
+    def _expire(self, cutoff: float) -> None:
+        timeout = self.settings.heartbeat_timeout_s
+        reg = self.registry
+        with reg.lock:
+            workers = [w for w in reg.workers.values() if w.live and w.last_seen < cutoff]
+            agents = [a for a in reg.agents.values() if a.last_seen and a.last_seen < cutoff]
+        # An open Subscribe stream is a lease of its own (gRPC keepalive watches it).
+        streaming = set(self.events.subscribed(w.worker_id for w in workers))
+        workers = [w for w in workers if w.worker_id not in streaming]
+        agents = [a for a in agents if self.agents.connected(a.agent_id)]
+        for w in workers:
+            reason = f"{w.describe()} missed its heartbeats for {timeout:g}s (lease expired)"
+            log.warning("%s; unregistering it", reason)
+            try:
+                reg.unregister_worker(w.worker_id)
+            except ControlError:
+                continue
+            self.board.member_gone(w.worker_id, reason)
+        for a in agents:
+            reason = (
+                f"agent {a.agent_id} on host {a.host!r} missed its heartbeats for {timeout:g}s "
+                "(lease expired)"
+            )
+            log.warning("%s", reason)
+            self.agents.drop(a.agent_id, reason)
 
     # ------------------------------------------------------------------ endings
     def _finish(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
+        """Final state: waiters wake first, then the history row and metrics are written."""
         with m.cond:
-            self._end(m, run, state, reason)
+            if run.final:
+                return
+            self._set_final(run, state, reason)
+        self._record(run, state, reason)
 
     def _end(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
         """Record a final state (caller holds the model's cond) and wake its waiters."""
         if run.final:
             return
+        self._set_final(run, state, reason)
+        self._record(run, state, reason)
+
+    def _set_final(self, run: RefitRun, state: int, reason: str) -> None:
         if run.started and not run.seconds:
             run.seconds = time.monotonic() - run.started
         run.state = state
         run.reason = reason
+        run.end_events()
+
+    def _record(self, run: RefitRun, state: int, reason: str) -> None:
         record = RefitRecord(
             refit_id=run.refit_id,
             model=run.model,
@@ -625,4 +956,3 @@ class RefitCoordinator:
             log.warning("refit %s of %s failed: %s", run.version, run.model, reason)
         else:
             mt.refits_superseded.labels(run.model).inc()
-        m.cond.notify_all()

@@ -87,6 +87,7 @@ class Agent:
     last_seen: float
     incarnation: int
     connected: bool = False  # its Commands stream is open
+    batch_execute: bool = False  # takes one ExecuteCommand for all its slots
 
 
 class Registry:
@@ -176,7 +177,11 @@ class Registry:
                     a.slot_ids = [s for s in a.slot_ids if s not in ids]
             self._incarnations += 1
             now = time.monotonic()
+            old = self.agents.get(agent_id)
             agent = Agent(agent_id, host, pid, ids, time.time(), now, self._incarnations)
+            if old is not None:  # re-registration on an open stream (a slot restarted)
+                agent.connected = old.connected
+                agent.batch_execute = old.batch_execute
             self.agents[agent_id] = agent
             self.db.save_agent(agent_id, host, pid)
             for m in self.models.values():

@@ -3,7 +3,9 @@
 EventHub: one Subscribe stream per worker (version events, acked with Ack).
 AgentHub: one Commands stream per agent (commands, answered with Report).
 Gather: a phase of a refit waiting for a set of answers (acks or reports), failing on the
-first bad answer, on a member leaving, or on its timeout. Nothing here blocks without one.
+first bad answer, on a member leaving (one it waits for, or any member of the refit it
+watches), or on its timeout. Nothing here blocks without one. The answer paths (Ack, Report)
+are a dict pop and a set discard under short locks; waiters are woken once per phase.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Gather:
     what: str
     pending: set = field(default_factory=set)
     members: dict = field(default_factory=dict)  # key -> member id (agent or worker)
+    watch: frozenset[str] = frozenset()  # members whose loss fails it even when answered
     failure: str | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -77,7 +80,13 @@ class Gather:
 
     def involves(self, member: str) -> bool:
         with self.cond:
+            if member in self.watch:
+                return True
             return any(self.members.get(k) == member for k in self.pending)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending or self.failure is not None
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -229,6 +238,12 @@ class AgentHub:
         with self._lock:
             return agent_id in self._streams
 
+    def drop(self, agent_id: str, reason: str) -> bool:
+        """End an agent's stream (its lease expired); True when it had one."""
+        with self._lock:
+            s = self._streams.get(agent_id)
+        return s is not None and self.close(s, reason)
+
     def send(
         self,
         agent_id: str,
@@ -256,15 +271,23 @@ class AgentHub:
             for cid in [c for c, (g, _) in self._waiting.items() if g is gather]:
                 del self._waiting[cid]
 
-    def report(self, r: pb.AgentReport) -> None:
-        with self._lock:
-            entry = self._waiting.get(r.command_id)
-        if entry is None:
-            return  # answer to a command of an ended phase
-        gather, on_report = entry
-        if r.kind == pb.REPORT_KIND_FAILED:
-            gather.fail(f"slot {r.slot} on agent {r.agent_id}: {r.message or 'failed'}")
-            return
-        if on_report is not None:
-            on_report(r)
-        gather.complete((r.slot, r.kind))
+    def report(self, r: pb.AgentReport, slots: Iterable[int] | None = None) -> None:
+        """Route a report (and the batched ones in r.more) to the gather of its command.
+
+        `slots`: the slots the reporting agent serves; batched reports for others are dropped.
+        """
+        allowed = None if slots is None else set(slots)
+        for item in (r, *r.more):
+            if allowed is not None and item.slot not in allowed:
+                continue
+            with self._lock:
+                entry = self._waiting.get(item.command_id)
+            if entry is None:
+                continue  # answer to a command of an ended phase
+            gather, on_report = entry
+            if item.kind == pb.REPORT_KIND_FAILED:
+                gather.fail(f"slot {item.slot} on agent {r.agent_id}: {item.message or 'failed'}")
+                continue
+            if on_report is not None:
+                on_report(item)
+            gather.complete((item.slot, item.kind))
