@@ -37,7 +37,7 @@ def choose_replicas(
         col = np.zeros(n, dtype=np.int64)
         if r == 1:
             remote = ch.cand[:, 0] != ch.dst
-            np.add.at(load, ch.cand[remote, 0], ch.nbytes[remote])
+            load += np.bincount(ch.cand[remote, 0], weights=ch.nbytes[remote], minlength=n_slots)
         else:
             hit = ch.cand == ch.dst[:, None]
             local = hit.any(axis=1)

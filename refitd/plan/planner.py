@@ -685,6 +685,7 @@ class Plan:
         self._n_src = sources_count
         self._slot_of = slot_of_tensor
         slots = np.unique(slot_of_tensor)
+        self._dense = np.searchsorted(slots, slot_of_tensor)
         s_slot = slot_of_tensor[table.src]
         d_slot = slot_of_tensor[table.dst]
         local = s_slot == d_slot
@@ -695,15 +696,19 @@ class Plan:
         self._local = table.take(lidx)
         local_bytes = int(nb[local].sum())
         relay = table.feed >= 0
-        direct = self._messages(table, nb, ~local & ~relay, slots, None)
-        relays = self._messages(table, nb, ~local & relay, slots, direct)
+        any_relay = bool(relay.any())
+        direct = self._messages(table, nb, ~local & ~relay, slots, None, any_relay)
+        relays = self._messages(table, nb, ~local & relay, slots, direct, False)
         n_direct = direct.copies.src.size
-        self._remote = _CopyTable(
-            *(
-                np.concatenate([getattr(direct.copies, f), getattr(relays.copies, f)])
-                for f in _CopyTable.__slots__
+        if any_relay:
+            self._remote = _CopyTable(
+                *(
+                    np.concatenate([getattr(direct.copies, f), getattr(relays.copies, f)])
+                    for f in _CopyTable.__slots__
+                )
             )
-        )
+        else:
+            self._remote = direct.copies
         ms = np.concatenate([direct.start, relays.start + n_direct])
         me = np.concatenate([direct.end, relays.end + n_direct])
         m_round = np.concatenate([direct.round, relays.round])
@@ -716,13 +721,12 @@ class Plan:
         self._m_src, self._m_dst = m_src[m_order], m_dst[m_order]
         self._m_bytes = m_bytes[m_order]
         rnb = np.concatenate([direct.copy_bytes, relays.copy_bytes])
-        rs = slot_of_tensor[self._remote.src]
-        rd = slot_of_tensor[self._remote.dst]
         remote_bytes = int(rnb.sum())
-        send = np.bincount(np.searchsorted(slots, rs), weights=rnb, minlength=slots.size)
-        recv = np.bincount(np.searchsorted(slots, rd), weights=rnb, minlength=slots.size)
+        dense = self._dense
+        send = np.bincount(dense[self._remote.src], weights=rnb, minlength=slots.size)
+        recv = np.bincount(dense[self._remote.dst], weights=rnb, minlength=slots.size)
         is_source = np.zeros(slots.size, dtype=bool)
-        is_source[np.searchsorted(slots, slot_of_tensor[:sources_count])] = True
+        is_source[dense[:sources_count]] = True
         n_src_slots = int(is_source.sum())
         src_send = send[is_source]
         ideal = float(src_send.sum()) / n_src_slots if n_src_slots else 0.0
@@ -754,6 +758,7 @@ class Plan:
         mask: np.ndarray,
         slots: np.ndarray,
         feeds: _Messages | None,
+        need_rounds: bool,
     ) -> _Messages:
         """Split, sort and bucket the selected remote copies; rounds per message.
 
@@ -795,8 +800,8 @@ class Plan:
         k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
         if feeds is None:
             p_round = bk.assign_rounds(
-                np.searchsorted(slots, p_src),
-                np.searchsorted(slots, p_dst),
+                self._dense[t.src[pair_first]],
+                self._dense[t.dst[pair_first]],
                 p_msgs,
                 slots.size,
                 cfg.fanout,
@@ -807,8 +812,13 @@ class Plan:
             after = feeds.pair_last_round(p_src, p_dst) + 1
             m_round = bk.successive_rounds(np.maximum(m_need, after[mp]), mp, k)
         csum = np.r_[0, np.cumsum(rnb)]
-        round_of_copy = np.zeros(table.src.size, np.int64)
-        np.maximum.at(round_of_copy, t.cid, np.repeat(m_round, me - ms))
+        round_of_copy = np.zeros(table.src.size if need_rounds else 0, np.int64)
+        if need_rounds:  # the last round carrying each copy (its pieces may be several)
+            piece_round = np.repeat(m_round, me - ms)
+            o = np.argsort(t.cid, kind="stable")
+            cid = t.cid[o]
+            first = np.r_[0, np.flatnonzero(np.diff(cid)) + 1]
+            round_of_copy[cid[first]] = np.maximum.reduceat(piece_round[o], first)
         return _Messages(
             t, rnb, ms, me, m_round, p_src[mp], p_dst[mp], csum[me] - csum[ms], round_of_copy
         )
