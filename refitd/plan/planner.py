@@ -122,6 +122,22 @@ class _Side:
         return self.order[self.start[c] : self.start[c] + self.count[c]]
 
 
+def _sort_by(*keys: np.ndarray) -> np.ndarray:
+    """Stable order by several non-negative integer keys, the first most significant: one
+    argsort of a combined key when it fits in int64, else lexsort."""
+    combined = np.zeros(keys[0].size, np.int64)
+    span = 1
+    for k in reversed(keys):
+        if not k.size:
+            return np.zeros(0, np.int64)
+        lo, hi = int(k.min()), int(k.max())
+        if lo < 0 or span * (hi + 1) >= 2**62:
+            return np.lexsort(keys[::-1])
+        combined += k * span
+        span *= hi + 1
+    return np.argsort(combined, kind="stable")
+
+
 def _side(table: SpecTable, base: int) -> _Side:
     canon, geo, slot = table.columns()
     return _Side(table.specs, base, table.canonical_ids, canon, geo, table.geos, slot)
@@ -131,7 +147,7 @@ def _group(side: _Side) -> None:
     """Sort by (canonical, geometry, slot) and give canonicals with the same geometry
     sequence the same pattern id (hashed, then verified exactly)."""
     nc = len(side.names)
-    side.order = np.lexsort((side.slot, side.geo, side.canon))
+    side.order = _sort_by(side.canon, side.geo, side.slot)
     side.count = np.bincount(side.canon, minlength=nc)
     side.start = np.cumsum(side.count) - side.count
     if nc == 0:
@@ -715,7 +731,7 @@ class Plan:
         m_src = np.concatenate([direct.src, relays.src])
         m_dst = np.concatenate([direct.dst, relays.dst])
         m_bytes = np.concatenate([direct.nbytes, relays.nbytes])
-        m_order = np.lexsort((m_dst, m_src, m_round))
+        m_order = _sort_by(m_round, m_src, m_dst)
         self._m_start, self._m_end = ms[m_order], me[m_order]
         self._m_round = m_round[m_order]
         self._m_src, self._m_dst = m_src[m_order], m_dst[m_order]
@@ -778,10 +794,10 @@ class Plan:
             shape[:, 0] = len0
             rnb = bk.segment_nbytes(table.wire[rows], shape, table.ndim[rows], table.esize[rows])
         if feeds is None:
-            order = np.lexsort((table.dst[rows], rd, rs))
+            order = _sort_by(rs, rd, table.dst[rows])
         else:
             need = feeds.round_of_copy[table.feed[rows]] + 1
-            order = np.lexsort((table.dst[rows], need, rd, rs))
+            order = _sort_by(rs, rd, need, table.dst[rows])
             need = need[order]
         t = table.take(rows[order])
         if step is not None:

@@ -9,6 +9,7 @@ or a moved registration rebuilds the table. `SpecTable.from_specs` is the one-sh
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from array import array
 from collections.abc import Iterable
@@ -19,8 +20,12 @@ import numpy as np
 
 from refitd.plan.layout import Box, TensorSpec
 
-_GEO_FIELDS = attrgetter("pool", "global_shape", "dtype", "storage", "local_shape")
 _BOXES = attrgetter("boxes")
+_GSHAPE = attrgetter("global_shape")
+_LSHAPE = attrgetter("local_shape")
+_POOL = attrgetter("pool")
+_DTYPE = attrgetter("dtype")
+_STORAGE = attrgetter("storage")
 _CANON = attrgetter("canonical")
 _SLOT = attrgetter("slot")
 _RANK = attrgetter("rank")
@@ -63,11 +68,11 @@ class SpecTable:
     _canon_ids: dict[str, int] = field(default_factory=dict)
     _geo_ids: dict[Geo, int] = field(default_factory=dict)
     _name_ids: dict[str, int] = field(default_factory=dict)
-    _canon: array = field(default_factory=lambda: array("q"))
-    _geo: array = field(default_factory=lambda: array("q"))
-    _slot: array = field(default_factory=lambda: array("q"))
-    _rank: array = field(default_factory=lambda: array("q"))
-    _name: array = field(default_factory=lambda: array("q"))
+    _canon: array = field(default_factory=lambda: array("i"))
+    _geo: array = field(default_factory=lambda: array("i"))
+    _slot: array = field(default_factory=lambda: array("i"))
+    _rank: array = field(default_factory=lambda: array("i"))
+    _name: array = field(default_factory=lambda: array("i"))
 
     @classmethod
     def from_specs(cls, specs: Iterable[TensorSpec]) -> SpecTable:
@@ -89,7 +94,29 @@ class SpecTable:
         new = specs if isinstance(specs, list) else list(specs)
         if not new:
             return
-        keys = list(zip(map(_GEO_FIELDS, new), map(id, map(_BOXES, new)), strict=True))
+        # ~10^5 short-lived tuples: without this, allocation-triggered collections walk
+        # every live object (the specs) again and again
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._add(new)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _add(self, new: list[TensorSpec]) -> None:
+        # shape tuples and box tuples shared between specs are keyed by identity first
+        keys = list(
+            zip(
+                map(id, map(_BOXES, new)),
+                map(id, map(_GSHAPE, new)),
+                map(id, map(_LSHAPE, new)),
+                map(_POOL, new),
+                map(_DTYPE, new),
+                map(_STORAGE, new),
+                strict=True,
+            )
+        )
         fast: dict[tuple, TensorSpec | int] = dict(zip(keys, new, strict=True))
         for k, s in fast.items():
             assert isinstance(s, TensorSpec)
@@ -106,11 +133,11 @@ class SpecTable:
         self.specs.extend(new)
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(canonical id, geometry id, slot) per spec, as int64 arrays (no copy)."""
+        """(canonical id, geometry id, slot) per spec, as int64 arrays."""
         return (
-            np.frombuffer(self._canon, dtype=np.int64),
-            np.frombuffer(self._geo, dtype=np.int64),
-            np.frombuffer(self._slot, dtype=np.int64),
+            np.frombuffer(self._canon, dtype=np.int32).astype(np.int64),
+            np.frombuffer(self._geo, dtype=np.int32).astype(np.int64),
+            np.frombuffer(self._slot, dtype=np.int32).astype(np.int64),
         )
 
     def digest_into(self, h: hashlib._Hash) -> None:
