@@ -130,3 +130,9 @@ def test_bench_plan_small(capsys):
     # every destination rank holds a full dp replica share: 4 ranks x (model / tp 2) ... total
     assert out["total_bytes"] >= 2 * preset("llama3-8b").nbytes()
     assert out["send_imbalance"] >= 1.0 and out["copies"] > 0
+    assert out["relay_bytes"] == 0 and out["plan_from_table_s"] > 0
+    assert main([*argv, "--relay"]) == 0
+    relay = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert relay["relay"] and relay["total_bytes"] == out["total_bytes"]
+    assert relay["source_max_send_bytes"] <= out["source_max_send_bytes"]
+    assert relay["max_send_bytes"] >= relay["source_max_send_bytes"]
