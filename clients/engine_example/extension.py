@@ -9,6 +9,7 @@ around every update, so the weights are written in place while nothing reads the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,8 @@ from refitd.client import InferenceClient
 
 class RefitdWorker:
     """One inference worker's link to refitd: registration and the pause/resume hooks."""
+
+    subscribe_timeout_s = 30.0
 
     def __init__(
         self,
@@ -39,7 +42,10 @@ class RefitdWorker:
     def register(self, tensors: torch.nn.Module | dict[str, Any]) -> str:
         """Register the weights (a module, or name -> tensor / Placed) and follow events."""
         self.client.register(tensors)
-        self.client.on_update(lambda event: None)
+        hello = threading.Event()
+        self.client.on_update(lambda event: hello.set() if event.kind == "hello" else None)
+        if not hello.wait(self.subscribe_timeout_s):  # refits need this worker subscribed
+            raise TimeoutError(f"no subscription to refitd within {self.subscribe_timeout_s} s")
         return self.client.worker_id
 
     @property

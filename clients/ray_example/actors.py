@@ -8,6 +8,7 @@ has the inference actor check what landed against weights regenerated from (seed
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import ray
@@ -65,7 +66,10 @@ class InferenceActor:
         self.client = InferenceClient(controller, model, "infer", rank=0, pool_size=1,
                                       device=device)  # fmt: skip
         self.client.register({n: Placed(t) for n, t in self.tensors.items()})
-        self.client.on_update(lambda event: None)
+        hello = threading.Event()
+        self.client.on_update(lambda event: hello.set() if event.kind == "hello" else None)
+        if not hello.wait(30):  # a refit needs every inference worker subscribed
+            raise TimeoutError("inference actor: no subscription to refitd within 30 s")
 
     def mismatches(self, version: int) -> list[str]:
         want = weights(self.seed, version)

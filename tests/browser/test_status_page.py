@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def test_status_page_shows_models_versions_and_last_refit(daemon: Daemon) -> Non
     try:
         trainer.register(src)
         infer.register({"w": Placed(dst["w"])})
-        infer.on_update(lambda event: None)
+        hello = threading.Event()
+        infer.on_update(lambda event: hello.set() if event.kind == "hello" else None)
+        assert hello.wait(30), "no subscription"
         for v in (1, 2):
             assert trainer.refit(v, wait="committed", timeout=60).state == "committed"
         assert torch.equal(dst["w"], src["w"])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
+
+from refitd.client import InferenceClient
 
 
 @dataclass(frozen=True)
@@ -54,3 +57,13 @@ class TinyGpt:
             n: torch.randn(shape, generator=g).to(dtype)
             for n, (shape, dtype) in self.shapes().items()
         }
+
+
+def subscribed(client: InferenceClient, timeout_s: float = 30.0) -> InferenceClient:
+    """Follow the pool's events and return once the subscription is live (HELLO seen): a
+    refit needs every inference worker subscribed so it can pause."""
+    hello = threading.Event()
+    client.on_update(lambda event: hello.set() if event.kind == "hello" else None)
+    if not hello.wait(timeout_s):
+        raise TimeoutError(f"no HELLO from the controller within {timeout_s} s")
+    return client

@@ -9,6 +9,7 @@ import queue
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _adapter_models import subscribed
 from _dtensor_workers import FSDP, PARAMS, global_weights, trainer_rank
 
 from clients.dtensor_adapter import canonical_dtensor_name, dtensor_tensors
@@ -60,6 +61,7 @@ def test_dtensor_trainer_refits_another_layout_bit_for_bit(daemon: Daemon) -> No
     try:
         for r in range(2):
             infer[r].register(dst[r])
+            subscribed(infer[r])
         for p in procs:
             p.start()
         for version, step in ((1, "v1"), (2, "v2")):

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp
+from _adapter_models import subscribed
 from _hf_models import DSV3, LLAMA, config, megatron_weights, model, trainer_rank
 
 from clients.hf_names import apply_name_map, hf_checkpoint_tensors, name_map_for
@@ -83,7 +84,7 @@ def test_megatron_trainer_refits_hf_models_to_identical_logits(daemon: Daemon) -
         for k, m in served.items():
             c = InferenceClient(daemon.address, k, "infer", rank=0, pool_size=1, device="cpu:0")
             register_hf(c, m, name_map_for(config(k)))
-            c.on_update(lambda event: None)
+            subscribed(c)
             clients[k] = c
         for p in procs:
             p.start()

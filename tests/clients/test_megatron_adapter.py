@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from _adapter_models import TinyGpt
+from _adapter_models import TinyGpt, subscribed
 
 from clients.megatron_adapter import ParallelState, megatron_tensors, register_megatron
 from clients.megatron_adapter.toy import build_rank_module
@@ -124,6 +124,7 @@ def test_megatron_trainer_refits_an_inference_pool_bit_for_bit(daemon: Daemon) -
         for r in range(4):
             register_megatron(trainers[r], modules[r], _state(r))
         infer.register({n: Placed(t) for n, t in dst.items()})
+        subscribed(infer)
         assert _refit_all(trainers, 1) == ["committed"] * 4
         bad = [n for n, w in weights.items() if not torch.equal(dst[n], w)]
         assert bad == []
