@@ -175,8 +175,12 @@ def _from_dtensor(name: str, dt: Any, coords: MegatronCoords, where: str) -> Loc
     if coord is None:
         raise PlanError(f"{where}: this process is not part of the DTensor's mesh")
     layout = dtensor_layout(tuple(dt.shape), tuple(mesh.shape), tuple(coord), placements, where)
-    with torch.no_grad():
-        local = dt.to_local()
+    # The DTensor's own local tensor: optimizer steps write to it in place, so its storage is
+    # the one to move into shared memory (to_local() can hand back an alias of it).
+    local = getattr(dt, "_local_tensor", None)
+    if local is None:
+        with torch.no_grad():
+            local = dt.to_local()
     return _checked(name, canonical_name(name, coords), local, tuple(dt.shape), layout, where)
 
 
