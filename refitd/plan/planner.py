@@ -39,7 +39,7 @@ from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, TensorSpec
 from refitd.plan.names import Link, NameMap, resolve_links
 from refitd.plan.program import Copy, Message, SlotProgram
 from refitd.plan.relay import RelayCandidates, choose_relays
-from refitd.plan.table import Geo, SpecTable
+from refitd.plan.table import Geo, SpecTable, paused_gc
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, RAW, dtype_size
 
 __all__ = [
@@ -516,9 +516,10 @@ def build_plan(
     config: PlanConfig,
 ) -> Plan:
     """The whole-cluster plan; raises PlanError on inconsistent registrations."""
-    return build_plan_from_table(
-        model, epoch, SpecTable.from_specs(sources), SpecTable.from_specs(destinations), config
-    )
+    with paused_gc():
+        return _build(
+            model, epoch, SpecTable.from_specs(sources), SpecTable.from_specs(destinations), config
+        )
 
 
 def build_plan_from_table(
@@ -526,6 +527,13 @@ def build_plan_from_table(
 ) -> Plan:
     """build_plan from registrations already in columns (e.g. kept by the controller as
     workers register); the tables must not change while the plan is in use."""
+    with paused_gc():
+        return _build(model, epoch, sources, destinations, config)
+
+
+def _build(
+    model: str, epoch: int, sources: SpecTable, destinations: SpecTable, config: PlanConfig
+) -> Plan:
     digest = _fingerprint(model, epoch, sources, destinations, config)
     src = _side(sources, 0)
     dst = _side(destinations, len(sources))

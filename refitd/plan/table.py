@@ -12,7 +12,8 @@ from __future__ import annotations
 import gc
 import hashlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -46,6 +47,20 @@ class Geo:
     @property
     def cover(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
         return tuple(sorted((b.offset, b.shape) for b in self.boxes if all(b.shape)))
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Suspend cyclic garbage collection for a burst of allocations (reference counting
+    still frees everything): with ~10^5 live specs, every allocation-triggered collection
+    walks them all again. The previous state is restored."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _intern(values: list, ids: dict, order: list) -> Iterable[int]:
@@ -96,13 +111,8 @@ class SpecTable:
             return
         # ~10^5 short-lived tuples: without this, allocation-triggered collections walk
         # every live object (the specs) again and again
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with paused_gc():
             self._add(new)
-        finally:
-            if was_enabled:
-                gc.enable()
 
     def _add(self, new: list[TensorSpec]) -> None:
         # shape tuples and box tuples shared between specs are keyed by identity first
