@@ -53,7 +53,7 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     cand = np.flatnonzero(remote & c.eligible & ~is_source_slot[c.dst])
     if cand.size < 2:
         return feed
-    order = np.lexsort((cand, c.group[cand]))
+    order = np.argsort(c.group[cand], kind="stable")
     cand = cand[order]
     g = c.group[cand]
     first = np.r_[True, g[1:] != g[:-1]]

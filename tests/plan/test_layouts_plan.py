@@ -181,9 +181,10 @@ def test_experts(ep_s, etp_s, etp_d, grouped):
     mesh_s=st.sampled_from([(2, 3), (3, 1), (4, 2)]),
     pl_s=st.sampled_from(["00", "01", "0R", "R1", "11"]),
     mesh_d=st.sampled_from([(2, 2), (5, 1)]),
-    pl_d=st.sampled_from(["00", "10", "R0"]),
+    pl_d=st.sampled_from(["00", "10", "R0", "RR", "0R"]),
+    relay=st.booleans(),
 )
-def test_dtensor_uneven_two_dims(n0, n1, mesh_s, pl_s, mesh_d, pl_d):
+def test_dtensor_uneven_two_dims(n0, n1, mesh_s, pl_s, mesh_d, pl_d, relay):
     shape = (n0, n1)
 
     def side(pool, mesh, code, base):
@@ -209,7 +210,9 @@ def test_dtensor_uneven_two_dims(n0, n1, mesh_s, pl_s, mesh_d, pl_d):
                 )
         return out
 
-    run_and_check(side("train", mesh_s, pl_s, 0), side("inf", mesh_d, pl_d, 50))
+    run_and_check(
+        side("train", mesh_s, pl_s, 0), side("inf", mesh_d, pl_d, 50), PlanConfig(relay=relay)
+    )
 
 
 def test_torch_chunk_semantics_and_explicit_chunks():
@@ -244,6 +247,8 @@ def test_two_destination_pools_and_buffer_fp32():
     plan = run_and_check(src, dst)
     # replicas spread: all four source slots send something
     assert sum(1 for b in plan.send_bytes().values() if b) == 4
+    relayed = run_and_check(src, dst, PlanConfig(relay=True, bucket_bytes=32))
+    assert relayed.stats.source_max_send_bytes <= plan.stats.source_max_send_bytes
 
 
 def test_name_map_fused_qkv_and_gated_fc1():

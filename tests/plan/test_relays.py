@@ -152,3 +152,31 @@ def test_relay_off_by_default_and_digest():
     # a trainer rank is released once its sources are read: relays don't count
     for r in range(2):
         assert relayed.source_slots_of("train", r) == [r]
+
+
+def test_spec_table_incremental_equals_lists():
+    """A controller adding each worker's specs as it registers gets the plan (digest,
+    stats, programs) of the one-shot list path; any registration change moves the digest."""
+    from refitd.plan.planner import build_plan, build_plan_from_table, plan_digest
+    from refitd.plan.table import SpecTable
+
+    src = tp_side("train", 2, 2, 2, (24, 4), 0, 0) + tp_side("train", 2, 2, 1, (8,), 0, 0, "b")
+    dst = tp_side("inf", 3, 2, 1, (24, 4), 0, 10) + tp_side("inf", 1, 6, 1, (8,), 0, 10, "b")
+    cfg = PlanConfig(bucket_bytes=64, relay=True)
+    ts, td = SpecTable(), SpecTable()
+    for rank in range(4):
+        ts.add([s for s in src if s.rank == rank])
+    for rank in range(6):
+        td.add(s for s in dst if s.rank == rank)
+    # same specs, registration order per worker
+    src_o = [s for r in range(4) for s in src if s.rank == r]
+    dst_o = [s for r in range(6) for s in dst if s.rank == r]
+    a = build_plan("m", 1, src_o, dst_o, cfg)
+    b = build_plan_from_table("m", 1, ts, td, cfg)
+    assert a.digest == b.digest == plan_digest("m", 1, ts, td, cfg)
+    assert a.stats == b.stats
+    for slot in a.slots():
+        assert a.program(slot) == b.program(slot)
+    renamed = [*dst_o[:-1], mspec("inf", 5, 15, "c", (8,), canonical="b")]
+    assert plan_digest("m", 1, ts, td, cfg) != plan_digest("m", 1, src_o, renamed, cfg)
+    assert len(ts) == len(src) and len(td.geos) < len(dst)
