@@ -79,15 +79,13 @@ class SpecTable:
     specs: list[TensorSpec] = field(default_factory=list)
     canonicals: list[str] = field(default_factory=list)
     geos: list[Geo] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
     _canon_ids: dict[str, int] = field(default_factory=dict)
     _geo_ids: dict[Geo, int] = field(default_factory=dict)
-    _name_ids: dict[str, int] = field(default_factory=dict)
     _canon: array = field(default_factory=lambda: array("i"))
     _geo: array = field(default_factory=lambda: array("i"))
     _slot: array = field(default_factory=lambda: array("i"))
     _rank: array = field(default_factory=lambda: array("i"))
-    _name: array = field(default_factory=lambda: array("i"))
+    _names_hash: hashlib.blake2b = field(default_factory=lambda: hashlib.blake2b(digest_size=32))
 
     @classmethod
     def from_specs(cls, specs: Iterable[TensorSpec]) -> SpecTable:
@@ -135,11 +133,15 @@ class SpecTable:
             if gid == len(self.geos):
                 self.geos.append(g)
             fast[k] = gid
-        self._geo.extend(map(fast.__getitem__, keys))
-        self._canon.extend(_intern(list(map(_CANON, new)), self._canon_ids, self.canonicals))
-        self._name.extend(_intern(list(map(_NAME, new)), self._name_ids, self.names))
-        self._slot.extend(map(_SLOT, new))
-        self._rank.extend(map(_RANK, new))
+        self._geo.fromlist(list(map(fast.__getitem__, keys)))
+        self._canon.fromlist(
+            list(_intern(list(map(_CANON, new)), self._canon_ids, self.canonicals))
+        )
+        self._slot.fromlist(list(map(_SLOT, new)))
+        self._rank.fromlist(list(map(_RANK, new)))
+        # local names only matter for identity: hashed as they come, in order
+        self._names_hash.update("\0".join(map(_NAME, new)).encode())
+        self._names_hash.update(b"\0")
         self.specs.extend(new)
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -155,6 +157,6 @@ class SpecTable:
         part of each geometry)."""
         h.update(repr(self.geos).encode())
         h.update("\0".join(self.canonicals).encode())
-        h.update("\0".join(self.names).encode())
-        for col in (self._canon, self._geo, self._slot, self._rank, self._name):
+        h.update(self._names_hash.digest())
+        for col in (self._canon, self._geo, self._slot, self._rank):
             h.update(memoryview(col).cast("B"))
