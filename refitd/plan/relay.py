@@ -27,6 +27,7 @@ from refitd.plan.balance import Choices, choose_replicas
 # over each block's few direct replicas cannot spread bytes perfectly.
 _CAPACITY_SHARE = 0.98
 _SEARCH_STEPS = 48
+_TINY_SHARE = 1e-4
 
 
 @dataclass(slots=True)
@@ -50,7 +51,10 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     load = np.bincount(c.src[remote], weights=c.nbytes[remote], minlength=n_slots)
     # a slot that also holds source tensors neither relays nor is relayed to: its send
     # link is a trainer link
-    cand = np.flatnonzero(remote & c.eligible & ~is_source_slot[c.dst])
+    # copies under 1/10^4 of the mean source send move the level by nothing measurable
+    # but would cost a water-filling run each (e.g. norms replicated on every slot)
+    tiny = c.nbytes < _TINY_SHARE * load[load > 0].mean() if load.any() else c.nbytes < 0
+    cand = np.flatnonzero(remote & c.eligible & ~is_source_slot[c.dst] & ~tiny)
     if cand.size < 2:
         return feed
     order = np.argsort(c.group[cand], kind="stable")
