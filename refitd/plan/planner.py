@@ -6,6 +6,9 @@ busiest source slot sends as little as possible, and packs copies per (source sl
 destination slot) into bounded messages with rounds. It works on columns: specs are
 reduced to geometry ids, canonical tensors with the same geometry sequence form a pattern
 whose intersections are computed once, and copies stay NumPy arrays until `program(slot)`.
+build_plan tabulates the TensorSpec lists first (table.SpecTable, the Python-bound part);
+a controller that keeps one SpecTable per side as workers register calls
+build_plan_from_table and skips it. Cyclic GC is paused while planning.
 
 Relays (PlanConfig.relay, off by default until every executor honours the rule below): a
 destination slot that received a block may forward it to another destination replica of
