@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed refits first")
     parser.add_argument("--slots", type=int, default=64, help="slots (half trainer, half infer)")
     parser.add_argument(
+        "--no-early-pause",
+        action="store_true",
+        help="controller pauses destination pools only after the barrier (early_pause off)",
+    )
+    parser.add_argument(
         "--per-slot",
         action="store_true",
         help="agents without batch_execute: one ExecuteCommand and report per slot",
@@ -210,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             data,
             "--log-level",
             "warning",
+            *(["--no-early-pause"] if args.no_early_pause else []),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -298,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             "inference_ranks": n,
             "refits": args.refits,
             "batch_execute": not args.per_slot,
+            "early_pause": not args.no_early_pause,
             "start_p50_ms": _pct(starts, 50) * ms,
             "start_p99_ms": _pct(starts, 99) * ms,
             "end_p50_ms": _pct(ends, 50) * ms,

@@ -93,8 +93,7 @@ class RefitRun:
     released: set[int] = field(default_factory=set)
     rank_read: dict[int, threading.Event] = field(default_factory=dict)
     finished: threading.Event = field(default_factory=threading.Event)
-    sources_handed_back: bool = False  # a rank whose weights were read got control back
-    handed_back: bool = False  # a rank's Refit returned before the end
+    handed_back: bool = False  # a rank's Refit returned before the end: its weights may change
     attempt: int = 0
     started: float = 0.0
     seconds: float = 0.0
@@ -143,11 +142,12 @@ class RefitRun:
             if self.unread[rank] == 0:
                 self.rank_event(rank).set()
 
-    def any_sources_read(self) -> bool:
-        """Some rank whose weights are read by the plan has been released."""
-        return any(self.unread.get(r, 0) == 0 and self.readers.get(r) for r in self.readers) and (
-            self.state >= pb.REFIT_STATE_TRANSFERRING
-        )
+    def reset_sources(self) -> None:
+        """Before a retry re-reads the sources: no rank counts as read any more."""
+        for ev in self.rank_read.values():
+            ev.clear()
+        self.unread = {}
+        self.released = set()
 
     def end_events(self) -> None:
         for ev in self.rank_read.values():
@@ -187,6 +187,24 @@ class Membership:
     batch_agents: frozenset[str]  # agents that take one ExecuteCommand for all their slots
     readers: dict[int, frozenset[int]]  # source rank -> slots reading it
     members: frozenset[str]  # destination workers and agents: losing one fails the refit
+
+
+@dataclass
+class RetryBudget:
+    """Retries of one refit after failures that may have written."""
+
+    first_error: str = ""
+    until: float = 0.0
+    safe: bool = True
+
+    def explain(self, run: RefitRun, reason: str, retries: int) -> str:
+        if run.attempt:
+            if reason == self.first_error:
+                return f"{reason} (after {run.attempt} retries)"
+            return f"{self.first_error} (after {run.attempt} retries: {reason})"
+        if not self.safe and retries:
+            return f"{reason} (not retried: trainer ranks already had their weights back)"
+        return reason
 
 
 @dataclass
@@ -306,13 +324,17 @@ class RefitCoordinator:
                 return self._response(run)
             ready = run.finished if wait == pb.WAIT_COMMITTED else run.rank_event(w.rank)
         waited = timeout_s or self.settings.refit_wait_timeout_s
-        ok = ready.wait(waited)
-        with m.cond:
-            if not run.final:
-                run.handed_back = True
-                if ok:
-                    run.sources_handed_back = True
-            response = self._response(run)
+        deadline = time.monotonic() + waited
+        while True:
+            ok = ready.wait(max(0.0, deadline - time.monotonic()))
+            with m.cond:
+                # A retry clears the rank events (under m.cond) before re-reading sources:
+                # a waiter woken just before that goes back to waiting.
+                if ready.is_set() or run.final or not ok:
+                    if not run.final:
+                        run.handed_back = True
+                    response = self._response(run)
+                    break
         if not ok:
             raise ControlError(
                 ErrorKind.DEADLINE,
@@ -419,8 +441,7 @@ class RefitCoordinator:
         self._settle_commit_acks()
         paused: set[str] = set()
         wrote = False
-        retry_until = 0.0
-        last_error = ""
+        retry = RetryBudget()
         while True:
             plan: ControllerPlan | None = None
             try:
@@ -447,47 +468,60 @@ class RefitCoordinator:
                     run.state = pb.REFIT_STATE_REQUESTED
                     m.pending[run.version] = run
                 return
-            except (PhaseFailed, ControlError) as e:
-                reason = e.message if isinstance(e, ControlError) else str(e)
+            except Exception as e:  # every failure ends with ABORT or INCOMPLETE to the paused
+                if isinstance(e, ControlError):
+                    reason = e.message
+                elif isinstance(e, PhaseFailed):
+                    reason = str(e)
+                else:
+                    log.exception("refit %s of %s: internal error", run.version, run.model)
+                    reason = f"internal error: {e!r}"
                 if plan is not None:
                     self._abort(plan, run, reason)
                 if wrote:
-                    now = time.monotonic()
-                    with m.cond:
-                        safe = not run.sources_handed_back and not run.any_sources_read()
-                    if not retry_until:
-                        retry_until = now + s.refit_retry_budget_s
-                        last_error = reason
-                    elif run.state == pb.REFIT_STATE_TRANSFERRING:
-                        last_error = reason
-                    if safe and run.attempt < s.refit_retries and now < retry_until:
-                        if run.state == pb.REFIT_STATE_TRANSFERRING:
-                            run.attempt += 1
-                            log.warning(
-                                "refit %s of %s: attempt %d failed (%s); retrying with the "
-                                "pools paused",
-                                run.version,
-                                run.model,
-                                run.attempt,
-                                reason,
-                            )
-                        else:
-                            time.sleep(0.2)  # the failed member is not back yet
-                        with m.cond:
-                            run.state = pb.REFIT_STATE_SOURCES_READY
+                    if retry.first_error == "":
+                        retry.first_error = reason
+                        retry.until = time.monotonic() + s.refit_retry_budget_s
+                    if self._retry(m, run, retry, reason):
                         continue
-                    if run.attempt:
-                        reason = (
-                            f"{last_error} (after {run.attempt} retries: {reason})"
-                            if reason != last_error
-                            else f"{reason} (after {run.attempt} retries)"
-                        )
-                    elif not safe and s.refit_retries:
-                        reason += " (not retried: trainer ranks already had their weights back)"
+                    reason = retry.explain(run, reason, s.refit_retries)
                 kind = pb.EVENT_KIND_INCOMPLETE if wrote else pb.EVENT_KIND_ABORT
                 self._events_to(paused, run, kind, reason)
                 self._finish(m, run, pb.REFIT_STATE_FAILED, reason)
                 return
+
+    def _retry(self, m: ModelRefits, run: RefitRun, retry: RetryBudget, reason: str) -> bool:
+        """After a failure that may have written: go again (pools stay paused) when it is
+        safe (no trainer rank got control back: the sources are unchanged) and within the
+        budget. A failure before the transfer of a retry (the lost member is not back yet)
+        waits a little and does not count as an attempt."""
+        transferring = run.state == pb.REFIT_STATE_TRANSFERRING
+        with m.cond:
+            retry.safe = not run.handed_back
+            go = (
+                retry.safe
+                and time.monotonic() < retry.until
+                and (run.attempt < self.settings.refit_retries or not transferring)
+                and (run.attempt > 0 or transferring)
+            )
+            if go:
+                run.reset_sources()
+                run.state = pb.REFIT_STATE_SOURCES_READY
+        if not go:
+            return False
+        if transferring:
+            run.attempt += 1
+            run.detail["retries"] = run.attempt
+            log.warning(
+                "refit %s of %s: attempt %d failed (%s); retrying with the pools paused",
+                run.version,
+                run.model,
+                run.attempt,
+                reason,
+            )
+        else:
+            time.sleep(0.2)
+        return True
 
     def _commit(self, m: ModelRefits, run: RefitRun, ms: Membership, last_done: float) -> None:
         """LANDED -> version log -> COMMITTED; COMMIT events go out, acks are settled later."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.controller import Controller
 
-from .conftest import Cluster, make_cluster
+from .conftest import Cluster, controller_settings, make_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +27,10 @@ def test_refit_commits_and_subscriber_sees_versions_in_order(cluster: Cluster) -
     for v in (1, 2):
         out = cluster.refit(v)
         assert all(r.state == pb.REFIT_STATE_COMMITTED for r in out), out
+    # Committed = landed and logged; COMMIT events reach subscribers right after.
+    deadline = time.monotonic() + 5
+    while len(cluster.subscribers[0].events) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
     kinds = cluster.subscribers[0].kinds()
     assert kinds == [
         (pb.EVENT_KIND_HELLO, 0),
@@ -89,17 +94,19 @@ def test_failed_transfer_keeps_last_version(controller: Controller, stub: pbg.Re
         cl.agent.fail_execute[bad_slot] = "recv from slot 0 timed out"
         out = cl.refit(2)
         assert all(r.state == pb.REFIT_STATE_FAILED for r in out), out
-        assert f"slot {bad_slot} on agent {cl.agent.agent_id}: recv from slot 0 timed out" in (
-            out[0].message
+        # Trainer ranks wait for the commit (sources unchanged): retried twice, pool paused.
+        assert out[0].message == (
+            f"slot {bad_slot} on agent {cl.agent.agent_id}: recv from slot 0 timed out "
+            "(after 2 retries)"
         )
         assert status(stub, cl.model)["models"][0]["committed_version"] == 1
-        assert "abort" in cl.agent.kinds()
-        last = cl.subscribers[0].events[-1]
-        assert last.kind == pb.EVENT_KIND_INCOMPLETE and last.version == 2
-        # The next refit reconnects (abort drops the communicator) and commits.
+        assert cl.agent.kinds().count("abort") == 3
+        v2 = [e.kind for e in cl.subscribers[0].events if e.version == 2]
+        assert v2 == [pb.EVENT_KIND_PAUSE, pb.EVENT_KIND_INCOMPLETE]  # paused until the end
+        # Each attempt reconnects (an abort drops the communicator); so does the next refit.
         del cl.agent.fail_execute[bad_slot]
         assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cl.refit(3))
-        assert cl.agent.kinds().count("connect") == 2
+        assert cl.agent.kinds().count("connect") == 4  # v1, the 2 retries of v2, v3
     finally:
         cl.stop()
 
@@ -153,7 +160,9 @@ def test_newer_requests_coalesce_to_newest(controller: Controller, stub: pbg.Ref
         cl.agent.silent.discard(slot)
         for t in threads:
             t.join(30)
-        assert all(r.state == pb.REFIT_STATE_FAILED for r in results[1])
+        # v1's transfer timed out, its retry (pool still paused) committed once the slot
+        # answered again; meanwhile v2 and v3 were requested: v3 runs, v2 is coalesced.
+        assert all(r.state == pb.REFIT_STATE_COMMITTED for r in results[1]), results[1]
         assert all(r.state == pb.REFIT_STATE_SUPERSEDED for r in results[2])
         assert "coalesced into version 3" in results[2][0].message
         assert all(r.state == pb.REFIT_STATE_COMMITTED for r in results[3])
@@ -162,8 +171,12 @@ def test_newer_requests_coalesce_to_newest(controller: Controller, stub: pbg.Ref
         cl.stop()
 
 
-def test_agent_gone_fails_running_refit(controller: Controller, stub: pbg.RefitStub) -> None:
-    cl = make_cluster(controller, stub)
+def test_agent_gone_fails_running_refit(tmp_path: Path) -> None:
+    """The agent leaves mid-transfer: the refit fails at once, retries wait for it within
+    the retry budget (pool paused), then the subscriber is told INCOMPLETE."""
+    c = Controller(controller_settings(tmp_path, refit_retry_budget_s=1.0)).start()
+    ch = grpc.insecure_channel(c.grpc_address)
+    cl = make_cluster(c, pbg.RefitStub(ch))
     try:
         cl.agent.silent.add(cl.agent.slot_ids[1])
         t0 = time.monotonic()
@@ -171,8 +184,13 @@ def test_agent_gone_fails_running_refit(controller: Controller, stub: pbg.RefitS
         timer.start()
         out = cl.refit(1)
         assert all(r.state == pb.REFIT_STATE_FAILED for r in out)
-        assert f"agent {cl.agent.agent_id} on host {cl.host!r} disconnected" in out[0].message
-        assert time.monotonic() - t0 < 2.5  # well before the 3 s transfer timeout
+        gone = f"agent {cl.agent.agent_id} on host {cl.host!r} disconnected"
+        assert out[0].message.startswith(gone + " (after 1 retries: "), out[0].message
+        assert "have no connected node agent" in out[0].message
+        assert time.monotonic() - t0 < 2.9  # before the 3 s transfer timeout: 0.5 + 1 s budget
+        assert cl.subscribers[0].events[-1].kind == pb.EVENT_KIND_INCOMPLETE
     finally:
         for s in cl.subscribers:
             s.stop()
+        ch.close()
+        c.stop()
