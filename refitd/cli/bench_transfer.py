@@ -16,6 +16,8 @@ import dataclasses
 import datetime
 import json
 import math
+import signal
+import sys
 import time
 from collections import defaultdict
 
@@ -126,6 +128,8 @@ def _block(g: torch.Tensor, s: TensorSpec) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> int:
+    # a SIGTERM (e.g. from `timeout`) unwinds through `finally`, so shared memory is unlinked
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     n_tensors = max(1, round(args.bytes / args.tensor_bytes))
     rows = max(64, args.bytes // n_tensors // (COLS * 2) // 64 * 64)
     src, dst, shapes = _specs(args, n_tensors, rows)
@@ -142,22 +146,22 @@ def run(args: argparse.Namespace) -> int:
         by_name: dict[str, list[int]] = defaultdict(list)
         for i, s in enumerate(src):
             by_name[s.name].append(i)
+        mem = {}
+        tensors = [torch.empty(0)] * len(src)
+        # each tensor goes to shared memory as soon as it exists: peak memory stays one tensor
         for k, name in enumerate(shapes):
             g = _pattern(k, shapes[name])
             for i in by_name[name]:
-                while len(tensors) <= i:
-                    tensors.append(torch.empty(0))
                 tensors[i] = _block(g, src[i]).clone()
+                mem |= arena.register({f"t{i}": tensors[i]})
         for j, d in enumerate(dst):
+            i = len(src) + j
+            dtype = torch.uint8 if d.storage == MXFP8 else torch.bfloat16
+            tensors.append(torch.zeros(d.local_shape, dtype=dtype))
+            mem |= arena.register({f"t{i}": tensors[i]})
             if d.storage == MXFP8:
-                tensors.append(torch.zeros(d.local_shape, dtype=torch.uint8))
-                scales[len(src) + j] = torch.zeros(
-                    mxfp8_scale_shape(d.local_shape), dtype=torch.uint8
-                )
-            else:
-                tensors.append(torch.zeros(d.local_shape, dtype=torch.bfloat16))
-        mem = arena.register({f"t{i}": t for i, t in enumerate(tensors)})
-        smem = arena.register({f"s{i}": t for i, t in scales.items()})
+                scales[i] = torch.zeros(mxfp8_scale_shape(d.local_shape), dtype=torch.uint8)
+        smem = arena.register({f"s{i}": t for i, t in scales.items()}) if scales else {}
         for i in scales:
             mem[f"t{i}"] = dataclasses.replace(mem[f"t{i}"], scales=smem[f"s{i}"])
 
