@@ -777,6 +777,8 @@ class Plan:
         )
         self._send_load = send
         self._all_slots = slots
+        self._readers: dict[tuple[str, int], list[int]] | None = None
+        self._by_slot: tuple[np.ndarray, ...] | None = None
 
     def _messages(
         self,
@@ -880,41 +882,63 @@ class Plan:
         return self._all_slots.tolist()
 
     def source_slots_of(self, pool: str, rank: int) -> list[int]:
-        """Slots that read the tensors of source worker (pool, rank)."""
-        src = self._remote.src.tolist() + self._local.src.tolist()
-        used = {i for i in src}
-        return sorted(
-            {
-                self.tensors[i].slot
-                for i in used
-                if self.tensors[i].pool == pool and self.tensors[i].rank == rank
-            }
-        )
+        """Slots that read the tensors of source worker (pool, rank); relays, which read
+        destination tensors, don't count. Computed for all workers on the first call."""
+        if self._readers is None:
+            used = np.unique(np.concatenate([self._remote.src, self._local.src]))
+            used = used[used < self._n_src]
+            readers: dict[tuple[str, int], set[int]] = {}
+            for i, slot in zip(used.tolist(), self._slot_of[used].tolist(), strict=True):
+                t = self.tensors[i]
+                readers.setdefault((t.pool, t.rank), set()).add(slot)
+            self._readers = {k: sorted(v) for k, v in readers.items()}
+        return list(self._readers.get((pool, rank), []))
 
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""
         return {int(s): int(b) for s, b in zip(self._all_slots, self._send_load, strict=True)}
 
     def _copies(self, t: _CopyTable, lo: int, hi: int) -> tuple[Copy, ...]:
-        out = []
-        for i in range(lo, hi):
-            nd = int(t.ndim[i])
-            out.append(
-                Copy(
-                    int(t.src[i]),
-                    tuple(t.src_loc[i, :nd].tolist()),
-                    int(t.dst[i]),
-                    tuple(t.dst_loc[i, :nd].tolist()),
-                    tuple(t.shape[i, :nd].tolist()),
-                    WIRE_NAMES[int(t.wire[i])],
+        if hi <= lo:
+            return ()
+        nds = t.ndim[lo:hi].tolist()
+        if min(nds) == max(nds):  # one rank for all (the common case): bulk conversion
+            nd = nds[0]
+            cut = slice(0, nd)
+            return tuple(
+                Copy(s, tuple(so), d, tuple(do), tuple(sh), WIRE_NAMES[w])
+                for s, so, d, do, sh, w in zip(
+                    t.src[lo:hi].tolist(),
+                    t.src_loc[lo:hi, cut].tolist(),
+                    t.dst[lo:hi].tolist(),
+                    t.dst_loc[lo:hi, cut].tolist(),
+                    t.shape[lo:hi, cut].tolist(),
+                    t.wire[lo:hi].tolist(),
+                    strict=True,
                 )
             )
-        return tuple(out)
+        return tuple(
+            Copy(s, tuple(so[:nd]), d, tuple(do[:nd]), tuple(sh[:nd]), WIRE_NAMES[w])
+            for s, so, d, do, sh, w, nd in zip(
+                t.src[lo:hi].tolist(),
+                t.src_loc[lo:hi].tolist(),
+                t.dst[lo:hi].tolist(),
+                t.dst_loc[lo:hi].tolist(),
+                t.shape[lo:hi].tolist(),
+                t.wire[lo:hi].tolist(),
+                nds,
+                strict=True,
+            )
+        )
 
     def program(self, slot: int) -> SlotProgram:
         """What the transfer process of `slot` executes, messages ordered by (round, id)."""
+        with paused_gc():
+            return self._program(slot)
 
-        def msgs(mask: np.ndarray) -> tuple[Message, ...]:
+    def _program(self, slot: int) -> SlotProgram:
+
+        def msgs(ids: np.ndarray) -> tuple[Message, ...]:
             return tuple(
                 Message(
                     id=int(m),
@@ -924,11 +948,21 @@ class Plan:
                     copies=self._copies(self._remote, int(self._m_start[m]), int(self._m_end[m])),
                     nbytes=int(self._m_bytes[m]),
                 )
-                for m in np.flatnonzero(mask).tolist()
+                for m in ids.tolist()
             )
 
-        sends = msgs(self._m_src == slot)
-        recvs = msgs(self._m_dst == slot)
+        if self._by_slot is None:  # message ids per sending / receiving slot, in order
+            by_src = np.argsort(self._m_src, kind="stable")
+            by_dst = np.argsort(self._m_dst, kind="stable")
+            self._by_slot = (by_src, self._m_src[by_src], by_dst, self._m_dst[by_dst])
+        by_src, src_sorted, by_dst, dst_sorted = self._by_slot
+
+        def of(order: np.ndarray, keys: np.ndarray) -> np.ndarray:
+            lo, hi = np.searchsorted(keys, [slot, slot + 1])
+            return order[lo:hi]
+
+        sends = msgs(of(by_src, src_sorted))
+        recvs = msgs(of(by_dst, dst_sorted))
         lmask = np.flatnonzero(self._slot_of[self._local.src] == slot)
         local = self._copies(self._local.take(lmask), 0, lmask.size)
         used: set[int] = set()
