@@ -5,12 +5,15 @@ the source slot feeding a block sends one copy per replica, so the source slots 
 most layers (uneven PP stages) or the embedding set the pace. With relays a copy may instead
 be read from a destination replica that received the same block directly from a source
 (depth 1: a relay never forwards a relayed block), so source slots shed bytes onto the
-otherwise idle send links of the destination slots. Slots that also hold source tensors
-(collocated layouts) take no part: their send links are the trainer's.
+otherwise idle send links of the destination slots. In collocated layouts a destination
+slot is also a source slot: it relays only within what keeps it at the common level (its
+local copies leave it room), and a plan whose busiest source slot would send more than
+without relays keeps no relays.
 
 Policy: the source slots are levelled down to a common send level T, the smallest level at
 which the destination slots can absorb the shed bytes without sending more than a source
-slot does (their relay sends stay at most the resulting ideal source send); every block
+slot does (their relay sends stay at most the resulting ideal source send, or T for a slot
+that is also a source); every block
 keeps at least one direct copy (from its least loaded source); relay senders are chosen
 among a block's direct replicas by the same water-filling as source replicas.
 """
@@ -54,7 +57,7 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     # copies under 1/10^4 of the mean source send move the level by nothing measurable
     # but would cost a water-filling run each (e.g. norms replicated on every slot)
     tiny = c.nbytes < _TINY_SHARE * load[load > 0].mean() if load.any() else c.nbytes < 0
-    cand = np.flatnonzero(remote & c.eligible & ~is_source_slot[c.dst] & ~tiny)
+    cand = np.flatnonzero(remote & c.eligible & ~tiny)
     if cand.size < 2:
         return feed
     order = np.argsort(c.group[cand], kind="stable")
@@ -74,7 +77,7 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     weight = c.nbytes[cand].astype(np.float64)
     level = 0.0
     for step in range(2):
-        keeper = _keepers(c, cand, gcount, gstart, weight, n_slots)
+        keeper = _keepers(c, cand, gcount, gstart, weight, load)
         conv_mask = multi & ~keeper
         conv = cand[conv_mask]
         conv_bytes = np.bincount(c.src[conv], weights=c.nbytes[conv], minlength=n_slots)
@@ -128,9 +131,11 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
         batches.append(Choices(cand=c.dst[mat], nbytes=c.nbytes[sel[pick]], dst=c.dst[sel[pick]]))
         members.append(mat)
         rows.append(sel[pick])
-    cols, _ = choose_replicas(batches, n_slots, shed_load)
+    cols, after = choose_replicas(batches, n_slots, shed_load)
     for mat, idx, col in zip(members, rows, cols, strict=True):
         feed[idx] = mat[np.arange(idx.size), col]
+    if after[is_source_slot].max(initial=0) > load[is_source_slot].max(initial=0):
+        feed[:] = -1  # relay senders that also send as sources could not absorb it
     return feed
 
 
@@ -140,11 +145,11 @@ def _keepers(
     gcount: np.ndarray,
     gstart: np.ndarray,
     weight: np.ndarray,
-    n_slots: int,
+    load: np.ndarray,
 ) -> np.ndarray:
     """Mask over cand (grouped): the member of each group that stays direct, chosen by
     water-filling each group's expected relay bytes (its members' weights less one
-    member's share) over its members' destination slots."""
+    member's share) over its members' destination slots, on top of their own sends."""
     keeper = np.zeros(cand.size, dtype=bool)
     batches: list[Choices] = []
     groups: list[np.ndarray] = []
@@ -154,7 +159,7 @@ def _keepers(
         nbytes = np.rint(weight[pos].sum(axis=1) * (r - 1) / r).astype(np.int64)
         batches.append(Choices(cand=c.dst[cand[pos]], nbytes=nbytes, dst=np.full(gs.size, -1)))
         groups.append(gs)
-    cols, _ = choose_replicas(batches, n_slots)
+    cols, _ = choose_replicas(batches, load.size, load)
     for gs, col in zip(groups, cols, strict=True):
         keeper[gstart[gs] + col] = True
     return keeper
