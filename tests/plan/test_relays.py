@@ -26,6 +26,9 @@ def check_relay_rule(plan: Plan, n_src: int) -> int:
     relays = 0
     for slot in plan.slots():
         p = plan.program(slot)
+        # one message per peer and round, both ways
+        assert len({(m.round, m.dst_slot) for m in p.sends}) == len(p.sends)
+        assert len({(m.round, m.src_slot) for m in p.recvs}) == len(p.recvs)
         for m in p.sends:
             for c in m.copies:
                 if c.src_tensor < n_src:
