@@ -6,6 +6,12 @@ writes the weights in place. On COMMIT it calls `resume(version)` and acks: the 
 serves the new version. On ABORT (weights untouched) it calls `resume(served_version)`. On
 INCOMPLETE (the refit failed after writing in place) it calls `incomplete(version, reason)`
 and the weights must not be served: `served_version` becomes None until the next COMMIT.
+
+A rank that registers without weights (a restart) is caught up by the controller: PAUSE and
+COMMIT of the committed version arrive without the trainer refitting, copied from another
+inference replica that serves it (when one covers this rank's shards; otherwise the rank
+gets the next version). Re-registering after a controller restart tells the controller the
+version already served, so nothing is copied again.
 """
 
 from __future__ import annotations
@@ -141,6 +147,9 @@ class InferenceClient(WorkerClient):
         )
         self._listener.start()
         return self._listener
+
+    def _held_version(self) -> int:
+        return self.served_version or 0 if self.state == "serving" else 0
 
     def _handle(self, raw: pb.VersionEvent) -> VersionEvent | None:
         if raw.event_id and raw.event_id <= self._last_event:

@@ -133,7 +133,7 @@ class WorkerClient:
             log.info("%s: registered again after storage moved: %s", self._who(), moved)
             return moved
 
-    def _send_registration(self) -> Registration:
+    def _send_registration(self, held_version: int = 0) -> Registration:
         req = pb.RegisterWorkerRequest(
             model=self.model,
             pool=self.pool,
@@ -145,6 +145,7 @@ class WorkerClient:
             pid=os.getpid(),
             tensors=[self._tensor_pb(t) for t in self._tensors],
             worker_id=self._registration.worker_id if self._registration else "",
+            held_version=held_version,
         )
         resp = self._conn.call(self._conn.refit.RegisterWorker, req, f"register {self._who()}")
         self._registration = Registration(
@@ -173,10 +174,15 @@ class WorkerClient:
         )
 
     def reregister(self) -> Registration:
-        """Send the current registration again (after the controller forgot this worker)."""
+        """Send the current registration again (after the controller forgot this worker),
+        with the version its memory holds (so the controller does not send it again)."""
         with self._lock:
             self._registration = None
-            return self._send_registration()
+            return self._send_registration(self._held_version())
+
+    def _held_version(self) -> int:
+        """Committed version the registered memory holds intact (0: none or unknown)."""
+        return 0
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat_loop(self) -> None:

@@ -164,6 +164,7 @@ class ModelRefits:
     pending: dict[int, RefitRun] = field(default_factory=dict)
     running: RefitRun | None = None
     driver: threading.Thread | None = None
+    catch_up: bool = False  # a destination rank lacks the committed version
 
 
 @dataclass
@@ -247,6 +248,7 @@ class RefitCoordinator:
         self._comm_epoch = 0
         self._ready: str | None = None  # digest connected and loaded on every slot of its plan
         self._commit_acks: list[CommitAcks] = []
+        self._catch_up_tried: set[tuple[str, float, int]] = set()  # (worker, registered, v)
         self.history: list[RefitRecord] = list(reversed(db.refits(settings.history_size)))
         self._leases = threading.Thread(target=self._watch_leases, name="refit-leases", daemon=True)
         self._leases.start()
@@ -357,9 +359,18 @@ class RefitCoordinator:
         while not self._stop.is_set():
             with m.cond:
                 run = self._next_run(m)
-                if run is None:
-                    continue
+                catch_up = run is None and m.catch_up and not m.pending
+                if catch_up:
+                    m.catch_up = False
                 m.running = run
+            if catch_up:
+                try:
+                    self._catch_up(m)
+                except Exception:
+                    log.exception("catch-up of model %s", m.name)
+                continue
+            if run is None:
+                continue
             try:
                 self._execute(run, m)
             except Exception as e:  # a bug must fail the refit, never kill the driver
@@ -383,8 +394,11 @@ class RefitCoordinator:
         elif self.settings.early_pause and m.pending:
             run = max(m.pending.values(), key=lambda r: r.version)
         else:
-            deadlines = [r.first_ask + self.settings.barrier_timeout_s for r in m.pending.values()]
-            m.cond.wait(max(0.0, min([now + 1.0, *deadlines]) - now) + 1e-3)
+            if not m.catch_up:
+                deadlines = [
+                    r.first_ask + self.settings.barrier_timeout_s for r in m.pending.values()
+                ]
+                m.cond.wait(max(0.0, min([now + 1.0, *deadlines]) - now) + 1e-3)
             return None
         del m.pending[run.version]
         return run
@@ -441,6 +455,7 @@ class RefitCoordinator:
         self._settle_commit_acks()
         paused: set[str] = set()
         wrote = False
+        ms_written: Membership | None = None
         retry = RetryBudget()
         while True:
             plan: ControllerPlan | None = None
@@ -459,6 +474,7 @@ class RefitCoordinator:
                 with m.cond:
                     run.start_transfer(ms.readers)
                 wrote = True
+                ms_written = ms
                 last_done = self._transfer(ms, run, m)
                 self._commit(m, run, ms, last_done)
                 return
@@ -486,6 +502,9 @@ class RefitCoordinator:
                         continue
                     reason = retry.explain(run, reason, s.refit_retries)
                 kind = pb.EVENT_KIND_INCOMPLETE if wrote else pb.EVENT_KIND_ABORT
+                if wrote and ms_written is not None:
+                    for w in ms_written.dest_workers:
+                        w.holds = 0  # torn: it cannot be the source of a catch-up
                 self._events_to(paused, run, kind, reason)
                 self._finish(m, run, pb.REFIT_STATE_FAILED, reason)
                 return
@@ -538,6 +557,8 @@ class RefitCoordinator:
             run.model, run.version, run.refit_id, run.bytes, run.seconds, ms.epoch
         )
         self.registry.set_committed(run.model, run.version)
+        for w in ms.dest_workers:
+            w.holds = run.version
         g = Gather(f"commit of version {run.version}")
         gid = self.board.add(g)
         for w in ms.dest_workers:
@@ -886,6 +907,119 @@ class RefitCoordinator:
         self._comm_key = None
         self._ready = None
 
+    # ------------------------------------------------------------------ catch-up
+    def _behind(self, model: str) -> tuple[int, list[Worker], list[Worker]]:
+        """(committed version, subscribed destination ranks that lack it and were not tried
+        yet, live destination ranks that hold it)."""
+        reg = self.registry
+        with reg.lock:
+            mdl = reg.models.get(model)
+            if mdl is None or mdl.committed_version <= 0:
+                return 0, [], []
+            v = mdl.committed_version
+            dests = [
+                reg.workers[wid]
+                for p in mdl.destination_pools()
+                for wid in p.ranks.values()
+                if wid in reg.workers and reg.workers[wid].live
+            ]
+        subscribed = set(self.events.subscribed(w.worker_id for w in dests))
+        behind = [
+            w
+            for w in dests
+            if w.holds != v
+            and w.worker_id in subscribed
+            and (w.worker_id, w.registered_at, v) not in self._catch_up_tried
+        ]
+        holders = [w for w in dests if w.holds == v]
+        return v, behind, holders
+
+    def _find_catch_ups(self) -> None:
+        with self.registry.lock:
+            names = list(self.registry.models)
+        for name in names:
+            if self._behind(name)[1]:
+                m = self._model(name)
+                with m.cond:
+                    if not m.catch_up:
+                        m.catch_up = True
+                        m.cond.notify()
+
+    def _catch_up(self, m: ModelRefits) -> None:
+        """Copy the committed version into destination ranks that registered without it (a
+        restarted inference instance), from inference replicas that serve it: the trainer's
+        memory has moved on. PAUSE and COMMIT go to the caught-up ranks only; the replicas
+        read from keep serving (they are only read). Without a replica that covers the
+        ranks (e.g. a single-replica pool), they get the next version instead."""
+        version, behind, holders = self._behind(m.name)
+        if not behind:
+            return
+        for w in behind:
+            self._catch_up_tried.add((w.worker_id, w.registered_at, version))
+        who = ", ".join(w.describe() for w in behind)
+        sources = [w for w in holders if all(t.storage == "plain" for t in w.specs)]
+        if not sources:
+            log.info("%s: no replica holds version %s; caught up by the next refit", who, version)
+            return
+        model = self.registry.model(m.name)
+        src_specs = [t for w in sources for t in w.specs]
+        dst_specs = [t for w in behind for t in w.specs]
+        try:
+            plan = make_plan(m.name, model.epoch, src_specs, dst_specs, self.plan_options)
+        except ControlError as e:
+            log.info("%s: catch-up to version %s impossible (%s); next refit", who, version, e)
+            return
+        by_agent: dict[str, list[int]] = {}
+        batch: set[str] = set()
+        with self.registry.lock:
+            for slot in plan.slots:
+                owner = self.registry.slots.get(slot)
+                agent = self.registry.agents.get(owner.agent_id or "") if owner else None
+                if agent is None or not self.agents.connected(agent.agent_id):
+                    log.info("%s: catch-up waits: slot %s has no connected agent", who, slot)
+                    return
+                by_agent.setdefault(agent.agent_id, []).append(slot)
+                if agent.batch_execute:
+                    batch.add(agent.agent_id)
+        ms = Membership(
+            m.name,
+            model.epoch,
+            plan,
+            behind,
+            by_agent,
+            frozenset(batch),
+            {},
+            frozenset([*(w.worker_id for w in behind), *by_agent]),
+        )
+        refit_id = self.db.start_refit(m.name, version, "requested")
+        run = RefitRun(refit_id, m.name, version, "", 0, time.monotonic())
+        run.started = run.first_ask
+        run.detail["catch_up"] = [w.worker_id for w in behind]
+        paused: set[str] = set()
+        wrote = False
+        try:
+            self._connect_and_load(ms)
+            self._broadcast(
+                behind, pb.EVENT_KIND_PAUSE, run, self.settings.pause_timeout_s, ms, paused
+            )
+            with m.cond:
+                run.start_transfer({})
+            wrote = True
+            self._transfer(ms, run, m)
+            for w in behind:
+                w.holds = version
+                ev = self._event(run, pb.EVENT_KIND_COMMIT)
+                ev.pool = w.pool
+                self.events.send(w.worker_id, ev, None)
+            log.info("%s caught up to version %s from %d replica ranks", who, version, len(sources))
+            self._finish(m, run, pb.REFIT_STATE_COMMITTED, "")
+        except Exception as e:
+            reason = str(e.message if isinstance(e, ControlError) else e)
+            self._abort(plan, run, reason)
+            kind = pb.EVENT_KIND_INCOMPLETE if wrote else pb.EVENT_KIND_ABORT
+            self._events_to(paused, run, kind, f"catch-up to version {version} failed: {reason}")
+            self._finish(m, run, pb.REFIT_STATE_FAILED, f"catch-up: {reason}")
+
     # ------------------------------------------------------------------ leases
     def _watch_leases(self) -> None:
         """Expire workers and agents silent for heartbeat_timeout_s; settle COMMIT acks."""
@@ -895,6 +1029,7 @@ class RefitCoordinator:
             try:
                 self._expire(time.monotonic() - s.heartbeat_timeout_s)
                 self._settle_commit_acks()
+                self._find_catch_ups()
             except Exception:
                 log.exception("lease watcher")
 

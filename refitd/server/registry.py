@@ -38,6 +38,7 @@ class Worker:
     registered_at: float
     last_seen: float
     live: bool = True  # False: restored from the database, not re-registered yet
+    holds: int = 0  # committed version its registered memory holds (destinations; 0: none)
 
     def describe(self) -> str:
         return f"worker {self.worker_id} (rank {self.rank} of pool {self.pool!r})"
@@ -273,6 +274,9 @@ class Registry:
             registered_at=time.time(),
             last_seen=now,
             live=live,
+            holds=req.held_version
+            if 0 < req.held_version == model.committed_version and role == "destination"
+            else 0,
         )
         self.models[req.model] = model
         pool.ranks[req.rank] = worker_id

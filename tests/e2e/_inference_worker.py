@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("address")
     p.add_argument("model")
     p.add_argument("--device", default="cpu:1")
+    p.add_argument("--pool", default="infer")
     p.add_argument("--gate", default="")
     args = p.parse_args()
     gen = WeightGenerator(SEED)
@@ -50,7 +51,7 @@ def main() -> None:
     client = InferenceClient(
         args.address,
         args.model,
-        "infer",
+        args.pool,
         rank=0,
         pool_size=1,
         device=args.device,

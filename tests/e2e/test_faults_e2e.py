@@ -48,9 +48,12 @@ FAST = [
 class Worker:
     """An inference worker process and the lines it prints."""
 
-    def __init__(self, address: str, model: str, gate: Path) -> None:
+    def __init__(
+        self, address: str, model: str, gate: Path, pool: str = "infer", device: str = "cpu:1"
+    ) -> None:
+        args = [address, model, "--gate", str(gate), "--pool", pool, "--device", device]
         self.proc = subprocess.Popen(
-            [sys.executable, WORKER, address, model, "--gate", str(gate)],
+            [sys.executable, WORKER, *args],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -90,7 +93,7 @@ def wait_subscribed(address: str, model: str, timeout_s: float = 30.0) -> None:
             if m["name"] == model and ranks and all(r["subscribed"] for r in ranks):
                 return
         time.sleep(0.05)
-    raise AssertionError(f"inference rank of {model} never subscribed")
+    raise AssertionError(f"inference ranks of {model} never subscribed")
 
 
 class Trainer:
@@ -321,3 +324,45 @@ def test_lease_of_a_silent_worker_expires(agent_daemon) -> None:
             time.sleep(0.1)
         assert m["epoch"] > resp.epoch
         assert time.monotonic() - t0 > 4.0  # not long before its 5 s lease
+
+
+def test_restarted_inference_rank_catches_up_from_a_replica(tmp_path: Path) -> None:
+    """Two inference replicas (pools on cpu:1 and cpu:2). One is killed and restarted after
+    the trainer has moved on (its memory holds the next step): the controller copies the
+    committed version from the other replica, so it serves v1 without a refit."""
+    d = Daemon(cpu_slots=3, extra_args=FAST)
+    d.start()
+    a = b = a2 = None
+    trainer = None
+    try:
+        for v in (1, 2):
+            (tmp_path / str(v)).touch()
+        a = Worker(d.address, "catch-up", tmp_path, "infer-a", "cpu:1")
+        b = Worker(d.address, "catch-up", tmp_path, "infer-b", "cpu:2")
+        trainer = Trainer(d.address, "catch-up")
+        a.expect("ready")
+        b.expect("ready")
+        wait_subscribed(d.address, "catch-up")
+        assert (r := trainer.refit(1))[0] == "committed", r
+        assert a.expect("commit 1") == "commit 1 ok"
+        assert b.expect("commit 1") == "commit 1 ok"
+        a.kill()
+        for s in trainer.shards:  # the next training step: the trainer no longer holds v1
+            trainer.gen.fill(trainer.src[s.name], s, 2)
+        a2 = Worker(d.address, "catch-up", tmp_path, "infer-a", "cpu:1")
+        assert a2.expect("ready") == "ready 1"
+        assert a2.expect("paused 1", timeout_s=30) == "paused 1"
+        assert a2.expect("commit 1", timeout_s=30) == "commit 1 ok"
+        doc = status(d.address)
+        caught = [r for r in doc["refits"] if r.get("catch_up")]
+        assert caught and caught[0]["state"] == "committed" and caught[0]["version"] == 1
+        assert (r := trainer.refit(2))[0] == "committed", r
+        assert a2.expect("commit 2") == "commit 2 ok"
+        assert b.expect("commit 2") == "commit 2 ok"
+    finally:
+        if trainer is not None:
+            trainer.client.close()
+        for x in (a, b, a2):
+            if x is not None and x.proc.poll() is None:
+                x.kill()
+        d.stop()
