@@ -89,13 +89,13 @@ class NcclTransport(Transport):
                 raise TransportError(f"nccl op tag {op.tag}: buffer is not on a CUDA device")
         what = ", ".join(f"{'send' if o.send else 'recv'} tag {o.tag} rank {o.peer}" for o in ops)
         try:
-            pg._start_coalescing(self._device)
+            _coalescing(pg, "_start_coalescing", self._device)
             for op in ops:
                 if op.send:
                     pg.send([op.tensor], op.peer, 0)
                 else:
                     pg.recv([op.tensor], op.peer, 0)
-            work = pg._end_coalescing(self._device)
+            work = _coalescing(pg, "_end_coalescing", self._device)
         except Exception as e:
             raise TransportError(f"nccl batch ({what}): {e}") from e
         shared = _NcclWork(work, f"nccl batch ({what})", self._device)
@@ -107,3 +107,16 @@ class NcclTransport(Transport):
                 self._pg.abort()
         self._pg = None
         self._info = None
+
+
+def _coalescing(pg: object, method: str, device: torch.device) -> object:
+    """Call a coalescing hook of a NCCL backend.
+
+    A bare ProcessGroupNCCL backend takes no device (torch 2.11); the ProcessGroup wrapper of
+    some releases takes one.
+    """
+    fn = getattr(pg, method)
+    try:
+        return fn()
+    except TypeError:
+        return fn(device)
