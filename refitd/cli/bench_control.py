@@ -4,7 +4,9 @@ A real controller (`refitd serve` child process, gRPC on loopback) with 64 regis
 (8 agents x 8 slots), a trainer pool of 32 ranks and an inference pool of 32 subscribed
 ranks. The agents are light threads in a peer process that answer every command at once
 without moving bytes: this bench measures the controller's overhead only. Per refit:
-start = last trainer Refit call -> every slot has received its ExecuteCommand;
+start = last trainer Refit call -> every slot has received its ExecuteCommand (all ranks at
+once by default; --skew-ms lets the last rank ask later, as ranks finishing their step at
+different times do, so the barrier and the PAUSE handshake are off the critical path);
 end = last DONE report sent -> the version committed (first Refit(WAIT_COMMITTED) return).
 The reference measured in the same run is one unary gRPC round trip to the controller.
 Prints one JSON line.
@@ -35,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refits", type=int, default=200, help="timed refits")
     parser.add_argument("--warmup", type=int, default=5, help="untimed refits first")
     parser.add_argument("--slots", type=int, default=64, help="slots (half trainer, half infer)")
+    parser.add_argument(
+        "--skew-ms",
+        type=float,
+        default=0.0,
+        help="the last trainer rank asks this long after the others (0: all at once, the "
+        "worst case: the barrier's 32 RPCs and the PAUSE handshake share the CPU)",
+    )
     parser.add_argument(
         "--no-early-pause",
         action="store_true",
@@ -269,9 +278,16 @@ def run(args: argparse.Namespace) -> int:
             return t0, time.monotonic(), resp.state
 
         starts, ends, totals = [], [], []
+        marks: list[tuple[int, float, float]] = []
         for i in range(args.warmup + args.refits):
             version = i + 1
-            res = list(pool.map(lambda w, v=version: call(w, v), trainers))
+            if args.skew_ms > 0:  # the last rank asks after the others (barrier skew)
+                futs = [pool.submit(call, w, version) for w in trainers[:-1]]
+                time.sleep(args.skew_ms / 1e3)
+                futs.append(pool.submit(call, trainers[-1], version))
+                res = [f.result() for f in futs]
+            else:
+                res = list(pool.map(lambda w, v=version: call(w, v), trainers))
             if any(s != pb.REFIT_STATE_COMMITTED for _, _, s in res):
                 raise RuntimeError(f"refit {version} did not commit: {res}")
             got, done = [], []
@@ -282,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
             t_last_call = max(t0 for t0, _, _ in res)
             t_commit = min(t1 for _, t1, _ in res)
             if i >= args.warmup:
+                marks.append((version, t_last_call, max(got)))
                 starts.append(max(got) - t_last_call)
                 ends.append(t_commit - max(done))
                 totals.append(max(t1 for _, t1, _ in res) - t_last_call)
@@ -295,6 +312,11 @@ def run(args: argparse.Namespace) -> int:
         ctl_start = [r["control_start_s"] for r in inside]
         ctl_end = [r["control_end_s"] for r in inside]
         pauses = [r.get("pause_s", 0.0) for r in inside]
+        by_version = {r["version"]: r for r in inside}
+        # CLOCK_MONOTONIC is shared by the processes of one host: split the start into the
+        # last Refit's way in, the controller, and the ExecuteCommands' way out.
+        ask_in = [by_version[v]["last_ask_at"] - t for v, t, _ in marks if v in by_version]
+        cmd_out = [g - by_version[v]["executes_sent_at"] for v, _, g in marks if v in by_version]
         ms = 1e3
         result = {
             "bench": "control",
@@ -305,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
             "refits": args.refits,
             "batch_execute": not args.per_slot,
             "early_pause": not args.no_early_pause,
+            "skew_ms": args.skew_ms,
             "start_p50_ms": _pct(starts, 50) * ms,
             "start_p99_ms": _pct(starts, 99) * ms,
             "end_p50_ms": _pct(ends, 50) * ms,
@@ -315,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
             "controller_start_p99_ms": _pct(ctl_start, 99) * ms,
             "controller_end_p99_ms": _pct(ctl_end, 99) * ms,
             "pause_handshake_p50_ms": _pct(pauses, 50) * ms,
+            "last_refit_call_to_controller_p50_ms": _pct(ask_in, 50) * ms,
+            "execute_to_agents_p50_ms": _pct(cmd_out, 50) * ms,
             "rpc_rtt_p50_ms": _pct(rtts, 50) * ms,
             "start_p50_over_rtt": _pct(starts, 50) / _pct(rtts, 50),
             "target_p50_ms": 5.0,

@@ -881,6 +881,8 @@ class RefitCoordinator:
                     self.agents.send(agent_id, cmd, g, keys, on_report)
             sent = time.monotonic()
             run.detail["control_start_s"] = sent - max(run.started, run.last_ask)
+            run.detail["last_ask_at"] = run.last_ask  # monotonic: for benchmarks on this host
+            run.detail["executes_sent_at"] = sent
             g.wait(timeout)
         finally:
             self.agents.forget(g)
