@@ -12,10 +12,19 @@ from the source tensor, and received straight into the destination when the dest
 block is contiguous, plain and of the source dtype (zero-copy). Other chunks are packed and
 unpacked through staging buffers from a pool of bounded total size. While chunk k is on the
 wire, k+1 is being packed (poster thread) and k-1 unpacked (receiver thread).
+
+Relays (program.py): a copy whose source is a destination tensor of this slot forwards
+what an earlier round delivered. Before packing (or zero-copy sending) a chunk of a message
+with relay copies, the poster waits until the receiver has completed (waited and unpacked)
+every receive of a smaller round; ordinary chunks never wait. Local relay copies run after
+every receive completed. Sources are released once every chunk and local copy reading a
+source tensor is done: relays don't hold the trainer.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 import queue
 import threading
@@ -104,7 +113,12 @@ class MessageStat:
 
 @dataclass
 class ExecReport:
-    """What one refit of one slot did: bytes and seconds per message, and totals."""
+    """What one refit of one slot did: bytes and seconds per message, and totals.
+
+    phases: seconds of the refit's phases (check_start_s: storage check and thread start;
+    local_s: local copies from sources; messages_s: waiting for the messages after that),
+    so fixed per-refit overhead is visible next to the bytes.
+    """
 
     slot: int
     seconds: float = 0.0
@@ -115,6 +129,7 @@ class ExecReport:
     recv_bytes: int = 0
     staging_peak_bytes: int = 0
     messages: list[MessageStat] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -127,6 +142,7 @@ class ExecReport:
             "recv_bytes": self.recv_bytes,
             "staging_peak_bytes": self.staging_peak_bytes,
             "messages": [vars(m) for m in self.messages],
+            "phases": dict(self.phases),
         }
 
 
@@ -303,6 +319,7 @@ class Executor:
         self.slot_ranks = slot_ranks
         self.config = config or ExecutorConfig()
         self._tensors: dict[int, ResolvedTensor] = {}
+        self._index_list = sorted(self._indices())
         self._validate()
         self.device = device or self._guess_device()
         self.send_chunks = self._chunks(program.sends)
@@ -316,6 +333,25 @@ class Executor:
         self.pool = StagingPool(self.config.staging_bytes, self.config.wire_chunk, self.device)
         self._zc_send = {id(c): self._zero_copy_send(c) for c in self.send_chunks}
         self._zc_recv = {id(c): self._zero_copy_recv(c) for c in self.recv_chunks}
+        # relays: a copy reading a destination tensor of this slot (see the module docstring)
+        self._dest_tensors = frozenset(
+            [c.dst_tensor for m in program.recvs for c in m.copies]
+            + [c.dst_tensor for c in program.local]
+        )
+        recv_rounds = sorted(c.message.round for c in self.recv_chunks)
+        self._relay_wait: dict[int, int] = {}  # send chunk -> receives to complete first
+        self._reads_source: dict[int, bool] = {}
+        for m_chunks in self._by_message(self.send_chunks):
+            m = m_chunks[0].message
+            if any(self._is_relay(c) for c in m.copies):
+                n = bisect.bisect_left(recv_rounds, m.round)
+                for ch in m_chunks:
+                    self._relay_wait[id(ch)] = n
+            for ch in m_chunks:
+                self._reads_source[id(ch)] = any(not self._is_relay(p.copy) for p in ch.pieces)
+        self._source_chunks = sum(self._reads_source.values())
+        self._local_direct = self._local_plan([c for c in program.local if not self._is_relay(c)])
+        self._local_relay = self._local_plan([c for c in program.local if self._is_relay(c)])
 
     # ------------------------------------------------------------------ preparation
     def _indices(self) -> set[int]:
@@ -368,6 +404,38 @@ class Executor:
         out: list[Chunk] = []
         for m in messages:
             out += chunk_message(m, self._src_dtype, self.config.wire_chunk)
+        return out
+
+    @staticmethod
+    def _by_message(chunks: list[Chunk]) -> list[list[Chunk]]:
+        out: dict[int, list[Chunk]] = {}
+        for ch in chunks:
+            out.setdefault(ch.message.id, []).append(ch)
+        return list(out.values())
+
+    def _is_relay(self, c: Copy) -> bool:
+        return c.src_tensor in self._dest_tensors
+
+    def _local_plan(self, copies: list[Copy]) -> list[tuple[Callable[[], None], int]]:
+        """Each local copy as a ready-to-run call with its byte count: views are cut once
+        here, not per refit (the storage check before every run guards their validity)."""
+        out: list[tuple[Callable[[], None], int]] = []
+        for c in copies:
+            nbytes = math.prod(c.shape) * dtype_size(self._src_dtype(c))
+            src, dst = self._tensors[c.src_tensor], self._tensors[c.dst_tensor]
+            if dst.storage == PLAIN:
+                out.append(
+                    (functools.partial(self._dst_block(c).copy_, self._src_block(c)), nbytes)
+                )
+            else:
+                out.append(
+                    (
+                        functools.partial(
+                            copy_block, src, c.src_offset, dst, c.dst_offset, c.shape
+                        ),
+                        nbytes,
+                    )
+                )
         return out
 
     def _src_block(self, c: Copy) -> torch.Tensor:
@@ -469,24 +537,45 @@ class Executor:
         abort: threading.Event | None = None,
     ) -> ExecReport:
         """One refit of this slot; raises ExecutionError (or StorageMovedError) on failure."""
-        self.resolver.check(self._indices())
-        abort = abort or threading.Event()
         t0 = time.monotonic()
+        self.resolver.check(self._index_list)
+        abort = abort or threading.Event()
         deadline = t0 + timeout_s
         report = ExecReport(slot=self.program.slot)
-        if (self.send_chunks or self.recv_chunks) and self.transport is None:
+        phases = report.phases
+        has_messages = bool(self.send_chunks or self.recv_chunks)
+        if has_messages and self.transport is None:
             raise ExecutionError(f"slot {self.program.slot}: program has messages but no transport")
         errors: list[BaseException] = []
-        sends_left = [len(self.send_chunks)]
+        sends_left = [self._source_chunks]
         released = threading.Event()
         lock = threading.Lock()
+        progress = threading.Condition(lock)
+        recvs_done = [0]  # receive chunks completed (waited and unpacked), in posting order
         stats: dict[tuple[str, int], MessageStat] = {}
         started: dict[tuple[str, int], float] = {}
+        is_cuda = self.device.type == "cuda"
 
         def fail(e: BaseException) -> None:
             with lock:
                 errors.append(e)
+                progress.notify_all()
             abort.set()
+
+        def wait_recvs(n: int, what: str) -> None:
+            """Block until the first n posted receive chunks are complete."""
+            with progress:
+                while recvs_done[0] < n:
+                    if abort.is_set():
+                        raise ExecutionError(f"{what}: aborted")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ExecutionError(
+                            f"{what}: timed out waiting for {n - recvs_done[0]} earlier receives"
+                        )
+                    progress.wait(min(left, 0.1))
+            if is_cuda:  # unpacks are queued on the stream: make them visible before reading
+                torch.cuda.current_stream(self.device).synchronize()
 
         def stat(direction: str, ch: Chunk, zc: bool) -> MessageStat:
             key = (direction, ch.message.id)
@@ -508,8 +597,11 @@ class Executor:
             with lock:
                 sends_left[0] -= n
                 done = sends_left[0] == 0 and local_done.is_set()
-            if done and not released.is_set():
-                released.set()
+                if done and released.is_set():
+                    done = False
+                if done:
+                    released.set()
+            if done:
                 report.sources_released_s = time.monotonic() - t0
                 if on_sources_released is not None:
                     on_sources_released()
@@ -544,13 +636,17 @@ class Executor:
                         )
                         posted.append((ch, buf, zc is None, False))
                     for ch in sends:
+                        need = self._relay_wait.get(id(ch))
+                        if need is not None:
+                            wait_recvs(need, describe(ch, "send"))
                         zc = self._zc_send[id(ch)]
                         if zc is None:
                             buf = self.pool.acquire("send", deadline, abort, describe(ch, "send"))
                             self._pack(ch, buf)
                             if buf.is_cuda:
                                 torch.cuda.current_stream(buf.device).synchronize()
-                            source_done()
+                            if self._reads_source[id(ch)]:
+                                source_done()
                         else:
                             buf = zc
                         ops.append(
@@ -586,7 +682,7 @@ class Executor:
                     stats[key].seconds = time.monotonic() - started[key]
                     if item.staged:
                         self.pool.release("send", item.buf)
-                    else:
+                    elif self._reads_source[id(item.chunk)]:
                         source_done()
                     with lock:
                         report.sent_bytes += item.chunk.nbytes
@@ -613,37 +709,51 @@ class Executor:
                         self.pool.release("recv", item.buf)
                     key = ("recv", item.chunk.message.id)
                     stats[key].seconds = time.monotonic() - started[key]
-                    with lock:
+                    with progress:
                         report.recv_bytes += item.chunk.nbytes
+                        recvs_done[0] += 1
+                        progress.notify_all()
             except BaseException as e:
                 fail(e)
                 while recv_q.get() is not None:
                     pass
 
-        threads = [
-            threading.Thread(target=f, name=f"refitd-{f.__name__}", daemon=True)
-            for f in (poster, send_waiter, receiver)
-        ]
-        for t in threads:
-            t.start()
-        try:
-            tl = time.monotonic()
-            for c in self.program.local:
-                copy_block(
-                    self._tensors[c.src_tensor],
-                    c.src_offset,
-                    self._tensors[c.dst_tensor],
-                    c.dst_offset,
-                    c.shape,
-                )
-                report.local_bytes += math.prod(c.shape) * dtype_size(self._src_dtype(c))
-            report.local_seconds = time.monotonic() - tl
-        except BaseException as e:
-            fail(ExecutionError(f"slot {self.program.slot}: local copy failed: {e}"))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # local copies are async on the GPU
+        threads: list[threading.Thread] = []
+        if has_messages:
+            threads = [
+                threading.Thread(target=f, name=f"refitd-{f.__name__}", daemon=True)
+                for f in (poster, send_waiter, receiver)
+            ]
+            for t in threads:
+                t.start()
+        tl = time.monotonic()
+        phases["check_start_s"] = tl - t0
+
+        def run_local(calls: list[tuple[Callable[[], None], int]], what: str) -> None:
+            try:
+                for call, nbytes in calls:
+                    call()
+                    report.local_bytes += nbytes
+                if is_cuda and calls:  # local copies are async on the GPU
+                    torch.cuda.current_stream(self.device).synchronize()
+            except BaseException as e:
+                fail(ExecutionError(f"slot {self.program.slot}: {what} failed: {e}"))
+
+        run_local(self._local_direct, "local copy")
+        report.local_seconds = time.monotonic() - tl
+        phases["local_s"] = report.local_seconds
         local_done.set()
         source_done(0)
+        if self._local_relay and not errors:
+            try:
+                wait_recvs(len(self.recv_chunks), f"slot {self.program.slot}: local relay copies")
+            except BaseException as e:
+                fail(e)
+            else:
+                tr = time.monotonic()
+                run_local(self._local_relay, "local relay copy")
+                report.local_seconds += time.monotonic() - tr
+        tj = time.monotonic()
         for t in threads:
             t.join(max(deadline - time.monotonic(), 0) + 1.0)
         if any(t.is_alive() for t in threads):
@@ -656,9 +766,11 @@ class Executor:
                 )
         if errors:
             raise errors[0]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        report.seconds = time.monotonic() - t0
+        if is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        t1 = time.monotonic()
+        phases["messages_s"] = t1 - tj
+        report.seconds = t1 - t0
         report.staging_peak_bytes = self.pool.peak_bytes
         report.messages = sorted(stats.values(), key=lambda s: (s.direction, s.id))
         return report

@@ -83,3 +83,44 @@ def fill_sources(src: list[TensorSpec], globals_: dict[str, torch.Tensor]) -> li
 
 def expected(d: TensorSpec, globals_: dict[str, torch.Tensor]) -> torch.Tensor:
     return shard(globals_[d.name], d).to(getattr(torch, d.dtype))
+
+
+def local_from_global(s: TensorSpec, g: torch.Tensor) -> torch.Tensor:
+    """The local tensor of spec `s` (every box) cut from global tensor `g`, in s.dtype."""
+    out = torch.zeros(s.local_shape, dtype=getattr(torch, s.dtype))
+    for b in s.boxes:
+        dst = tuple(slice(o, o + n) for o, n in zip(b.local_offset, b.shape, strict=True))
+        src = tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape, strict=True))
+        out[dst] = g[src].to(out.dtype)
+    return out
+
+
+def megatron_side(
+    pool: str,
+    tp: int,
+    dp: int,
+    model: list[tuple[str, tuple[int, ...], int]],
+    slots: list[int],
+    stride: int = 1,
+) -> list[TensorSpec]:
+    """Specs of (name, global shape, TP dim) tensors over dp replicas of TP=tp (rank d*tp+t
+    on slots[rank]), through the planner's Megatron layout helpers."""
+    from refitd.plan.layouts import make_spec, megatron_layout
+
+    return [
+        make_spec(
+            model="m",
+            pool=pool,
+            rank=d * tp + t,
+            slot=slots[d * tp + t],
+            name=name,
+            global_shape=shape,
+            dtype="bfloat16",
+            layout=megatron_layout(
+                shape, tp_rank=t, tp_size=tp, partition_dim=dim, partition_stride=stride
+            ),
+        )
+        for name, shape, dim in model
+        for d in range(dp)
+        for t in range(tp)
+    ]

@@ -13,7 +13,6 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refitd.agent.direct_plan import direct_programs
 from refitd.agent.executor import (
     DirectResolver,
     ExecReport,
@@ -24,6 +23,7 @@ from refitd.agent.executor import (
     flat_range_views,
 )
 from refitd.agent.segments import ResolvedTensor
+from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Copy, Message
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
@@ -60,6 +60,11 @@ def test_chunks_split_large_segments_and_group_small_ones() -> None:
         chunk_message(Message(1, 0, 0, 1, copies, 5), lambda c: "bfloat16", 64)
 
 
+def _programs(src, dst, bucket_bytes=64 << 20):
+    plan = build_plan("m", 1, src, dst, PlanConfig(bucket_bytes, allow_dtype_cast=True))
+    return {slot: plan.program(slot) for slot in plan.slots()}
+
+
 def _resolvers(specs_by_slot, tensors):
     return {
         slot: DirectResolver(
@@ -82,7 +87,7 @@ def test_local_copies_cast_and_release_sources() -> None:
     src, dst = make_model(2, 3, [0, 0], [0, 0, 0], {"row": "float32"})
     g = globals_for(1)
     tensors = _tensors(src, dst, g)
-    (program,) = direct_programs(src, dst).values()
+    (program,) = _programs(src, dst).values()
     released = []
     ex = Executor(program, _resolvers({0: program}, tensors)[0], LocalTransport())
     report = ex.run(10.0, lambda: released.append(True))
@@ -125,7 +130,7 @@ def test_gloo_refit_zero_copy_and_staged_within_staging_cap() -> None:
     src, dst = make_model(2, 3, [0, 1], [1, 0, 1], {"qkv": "float32"})
     g = globals_for(2)
     tensors = _tensors(src, dst, g)
-    programs = direct_programs(src, dst, bucket_bytes=1024)
+    programs = _programs(src, dst, bucket_bytes=1024)
     config = ExecutorConfig(staging_bytes=4 * 256, wire_chunk=256)
     results = _run_ranks(programs, _resolvers(programs, tensors), config, 2)
     for r, res in results.items():
@@ -143,7 +148,7 @@ def test_gloo_refit_zero_copy_and_staged_within_staging_cap() -> None:
 def test_moved_storage_is_refused_before_any_byte_moves() -> None:
     src, dst = make_model(1, 1, [0], [0])
     tensors = _tensors(src, dst, globals_for(3))
-    (program,) = direct_programs(src, dst).values()
+    (program,) = _programs(src, dst).values()
     resolver = _resolvers({0: program}, tensors)[0]
     with torch.no_grad():
         tensors[len(src)].set_(torch.zeros_like(tensors[len(src)]))

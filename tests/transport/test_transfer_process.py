@@ -8,10 +8,18 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _transport_layouts import expected, fill_sources, globals_for, make_model
+from _transport_layouts import (
+    expected,
+    fill_sources,
+    global_tensor,
+    globals_for,
+    local_from_global,
+    make_model,
+    megatron_side,
+)
 
-from refitd.agent.direct_plan import direct_programs
 from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
+from refitd.plan.planner import PlanConfig, build_plan
 from refitd.transport.memory import SharedTensorArena, StorageMovedError
 
 pytestmark = pytest.mark.slow
@@ -71,11 +79,11 @@ def test_refit_between_layouts_then_moved_storage_then_absent_peer(procs) -> Non
         objs = list(tensors)
         mem = arena.register({f"t{i}": t for i, t in enumerate(tensors)})
         assert all(o is t for o, t in zip(objs, tensors, strict=True))
-        programs = direct_programs(src, dst, digest="p1", bucket_bytes=2048)
+        plan = build_plan("m", 1, src, dst, PlanConfig(bucket_bytes=2048, allow_dtype_cast=True))
         for h in handles:
-            p = programs[h.slot]
+            p = plan.program(h.slot)
             h.load(
-                "p1",
+                plan.digest,
                 p.to_bytes(),
                 {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
                 staging_bytes=2048,
@@ -85,7 +93,7 @@ def test_refit_between_layouts_then_moved_storage_then_absent_peer(procs) -> Non
             g = globals_for(seed)
             for t, v in zip(tensors, fill_sources(src, g), strict=False):
                 t.copy_(v)
-            reports = _refit(handles, "p1")
+            reports = _refit(handles, plan.digest)
             assert all(isinstance(r, dict) for r in reports), reports
             for i, d in enumerate(dst):
                 assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
@@ -99,7 +107,7 @@ def test_refit_between_layouts_then_moved_storage_then_absent_peer(procs) -> Non
             tensors[moved].set_(torch.zeros_like(tensors[moved]))
         assert arena.check_unmoved() == [f"t{moved}"]
         t0 = time.monotonic()
-        reports = _refit(handles, "p1", timeout=3.0)
+        reports = _refit(handles, plan.digest, timeout=3.0)
         assert isinstance(reports[0], StorageMovedError) and f"t{moved}" in str(reports[0])
         assert all(isinstance(r, Exception) for r in reports[1:])  # peers time out, no hang
         assert time.monotonic() - t0 < 20
@@ -111,3 +119,62 @@ def test_refit_between_layouts_then_moved_storage_then_absent_peer(procs) -> Non
     errors = _connect(handles, store, epoch=2, world=SLOTS + 1, timeout=3.0)
     assert len(errors) == SLOTS
     assert time.monotonic() - t0 < 20
+
+
+# (name, global shape, TP dim): dim 0 splits are contiguous (zero-copy), dim 1 are staged
+RELAY_MODEL = [("w", (96, 40), 0), ("r", (30, 64), 1), ("b", (72,), 0)]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # one source slot feeds four destination replicas on slots 1, 2: they relay remotely
+        ("remote", [("train", 1, 1, [0]), ("a", 2, 1, [1, 2]), ("b", 2, 2, [2, 1, 1, 2])]),
+        # two replicas on slot 2: one receives, the other is filled by local relay copies
+        ("local", [("train", 2, 1, [0, 1]), ("a", 1, 2, [2, 2])]),
+    ],
+)
+def test_relay_plans_bit_for_bit(procs, case) -> None:
+    handles, store = procs
+    kind, sides = case
+    assert _connect(handles, store, epoch=10 + len(kind), world=SLOTS) == []
+    (src_pool, tp, dp, slots), *dst_sides = sides
+    src = megatron_side(src_pool, tp, dp, RELAY_MODEL, slots)
+    dst = [
+        s
+        for pool, tp, dp, slots in dst_sides
+        for s in megatron_side(pool, tp, dp, RELAY_MODEL, slots)
+    ]
+    plan = build_plan("m", 1, src, dst, PlanConfig(bucket_bytes=1024, relay=True))
+    programs = {h.slot: plan.program(h.slot) for h in handles}
+    local_relays = sum(c.src_tensor >= len(src) for p in programs.values() for c in p.local)
+    if kind == "remote":
+        assert plan.stats.relay_copies > 0
+    else:
+        assert local_relays > 0
+    arena = SharedTensorArena(prefix="refitd-test")
+    try:
+        tensors = [torch.zeros(s.local_shape, dtype=torch.bfloat16) for s in (*src, *dst)]
+        mem = arena.register({f"t{i}": t for i, t in enumerate(tensors)})
+        for h in handles:
+            p = programs[h.slot]
+            h.load(
+                plan.digest,
+                p.to_bytes(),
+                {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
+                staging_bytes=1024,
+                wire_chunk=256,
+            )
+        for seed in (21, 22):  # new weights each refit: a stale relay would show
+            g = {name: global_tensor(name, shape, seed) for name, shape, _ in RELAY_MODEL}
+            for i, s in enumerate(src):
+                tensors[i].copy_(local_from_global(s, g[s.name]))
+            reports = _refit(handles, plan.digest)
+            assert all(isinstance(r, dict) for r in reports), reports
+            for j, d in enumerate(dst):
+                got = tensors[len(src) + j]
+                assert torch.equal(got, local_from_global(d, g[d.name])), (d.pool, d.rank, d.name)
+        staged = sum(m["staged_chunks"] for r in reports for m in r["messages"])
+        assert staged > 0 and all(r["staging_peak_bytes"] <= 1024 for r in reports)
+    finally:
+        arena.close()
