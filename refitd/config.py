@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     sender_quantization: bool = Field(
         False, description="quantize on the sender (MXFP8/FP8 on the wire) for quantized storage"
     )
+    relay: bool = Field(
+        True, description="destination replicas forward blocks they received (fewer source sends)"
+    )
     # --- timeouts (seconds), one per refit phase
     barrier_timeout_s: float = Field(60.0, gt=0, description="all trainer ranks ask for v")
     connect_timeout_s: float = Field(60.0, gt=0, description="communicator (re)connect")

@@ -25,6 +25,7 @@ class PlanOptions:
 
     bucket_bytes: int
     sender_quantization: bool = False
+    relay: bool = True
 
 
 @dataclass
@@ -50,7 +51,9 @@ class ControllerPlan:
 
 def _planner_config(options: PlanOptions) -> PlanConfig:
     return PlanConfig(
-        bucket_bytes=options.bucket_bytes, sender_quantization=options.sender_quantization
+        bucket_bytes=options.bucket_bytes,
+        sender_quantization=options.sender_quantization,
+        relay=options.relay,
     )
 
 

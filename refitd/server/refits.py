@@ -238,7 +238,9 @@ class RefitCoordinator:
         self.events = EventHub(self.board)
         self.agents = AgentHub(self.board)
         self.plans = PlanCache(settings.plan_cache_size)
-        self.plan_options = PlanOptions(settings.bucket_bytes, settings.sender_quantization)
+        self.plan_options = PlanOptions(
+            settings.bucket_bytes, settings.sender_quantization, settings.relay
+        )
         self._models: dict[str, ModelRefits] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
