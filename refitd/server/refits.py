@@ -190,6 +190,21 @@ class Membership:
     members: frozenset[str]  # destination workers and agents: losing one fails the refit
 
 
+class DataPlaneTurn:
+    """This driver's turn on the shared refit communicator (acquired at construction);
+    release() is idempotent so every exit path can call it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        lock.acquire()
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._lock.release()
+
+
 @dataclass
 class RetryBudget:
     """Retries of one refit after failures that may have written."""
@@ -249,6 +264,9 @@ class RefitCoordinator:
         self._comm_key: tuple | None = None
         self._comm_epoch = 0
         self._ready: str | None = None  # digest connected and loaded on every slot of its plan
+        # The refit communicator is one for all models: refits (and catch-ups) of different
+        # models take turns on it rather than reconnecting it under each other.
+        self._data_plane = threading.Lock()
         self._commit_acks: list[CommitAcks] = []
         self._catch_up_tried: set[tuple[str, float, int]] = set()  # (worker, registered, v)
         self.history: list[RefitRecord] = list(reversed(db.refits(settings.history_size)))
@@ -461,6 +479,7 @@ class RefitCoordinator:
         retry = RetryBudget()
         while True:
             plan: ControllerPlan | None = None
+            turn = DataPlaneTurn(self._data_plane)
             try:
                 ms = self._membership_for(run)
                 plan = ms.plan
@@ -478,15 +497,18 @@ class RefitCoordinator:
                 wrote = True
                 ms_written = ms
                 last_done = self._transfer(ms, run, m)
+                turn.release()
                 self._commit(m, run, ms, last_done)
                 return
             except _Switch:
+                turn.release()
                 self._events_to(paused, run, pb.EVENT_KIND_ABORT, "a newer version is ready")
                 with m.cond:
                     run.state = pb.REFIT_STATE_REQUESTED
                     m.pending[run.version] = run
                 return
             except Exception as e:  # every failure ends with ABORT or INCOMPLETE to the paused
+                turn.release()
                 if isinstance(e, ControlError):
                     reason = e.message
                 elif isinstance(e, PhaseFailed):
@@ -1001,6 +1023,7 @@ class RefitCoordinator:
         run.detail["catch_up"] = [w.worker_id for w in behind]
         paused: set[str] = set()
         wrote = False
+        turn = DataPlaneTurn(self._data_plane)
         try:
             self._connect_and_load(ms)
             self._broadcast(
@@ -1015,9 +1038,11 @@ class RefitCoordinator:
                 ev = self._event(run, pb.EVENT_KIND_COMMIT)
                 ev.pool = w.pool
                 self.events.send(w.worker_id, ev, None)
+            turn.release()
             log.info("%s caught up to version %s from %d replica ranks", who, version, len(sources))
             self._finish(m, run, pb.REFIT_STATE_COMMITTED, "")
         except Exception as e:
+            turn.release()
             reason = str(e.message if isinstance(e, ControlError) else e)
             self._abort(plan, run, reason)
             kind = pb.EVENT_KIND_INCOMPLETE if wrote else pb.EVENT_KIND_ABORT
