@@ -583,6 +583,9 @@ class RefitCoordinator:
         self.registry.set_committed(run.model, run.version)
         for w in ms.dest_workers:
             w.holds = run.version
+        run.detail["control_end_s"] = time.monotonic() - last_done
+        with m.cond:
+            self._set_final(run, pb.REFIT_STATE_COMMITTED, "")
         g = Gather(f"commit of version {run.version}")
         gid = self.board.add(g)
         for w in ms.dest_workers:
@@ -593,8 +596,7 @@ class RefitCoordinator:
             self._commit_acks.append(
                 CommitAcks(g, gid, run.version, time.monotonic() + self.settings.commit_timeout_s)
             )
-        run.detail["control_end_s"] = time.monotonic() - last_done
-        self._finish(m, run, pb.REFIT_STATE_COMMITTED, "")
+        self._record(run, pb.REFIT_STATE_COMMITTED, "")
 
     def _settle_commit_acks(self) -> None:
         """Forget COMMIT ack gathers that completed or passed their deadline, logging the
