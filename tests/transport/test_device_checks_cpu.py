@@ -1,0 +1,32 @@
+"""The GPU bench's refit path (refitd.agent.gpu_checks.ipc_refit) run on the CPU: trainer and
+inference processes with shared memory instead of CUDA IPC, a real transfer process, plain
+and persistent quantized destinations (data + scales registered together)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from refitd.agent.gpu_checks import ipc_refit
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("storage", ["plain", "mxfp8", "fp8_block"])
+def test_ipc_refit_on_cpu_shared_memory(storage: str) -> None:
+    out = ipc_refit(6 << 20, device="cpu", storage=storage, refits=2, timeout_s=60.0)
+    assert out["verified"] is True, out
+    assert out["data_ptrs_unchanged"] is True, out
+    assert out["cpu_reference_spot_check"] is True, out
+    assert out["bytes"] > 0 and out["seconds"] > 0 and out["snapshot_copy_s"] > 0
+
+
+def test_bench_gpu_imports_without_grpc_pydantic_fastapi() -> None:
+    blocked = "import sys\nfor m in ('grpc', 'pydantic', 'fastapi', 'pydantic_settings'):\n"
+    blocked += "    sys.modules[m] = None\n"
+    code = blocked + "from refitd.cli.main import main\nraise SystemExit(main(['bench', 'gpu', '--help']))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--gib" in r.stdout
