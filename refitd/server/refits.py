@@ -491,7 +491,18 @@ class RefitCoordinator:
                     self._broadcast(todo, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, ms, paused)
                     run.detail["pause_s"] = time.monotonic() - t
                 if not run.barrier_done:
+                    # Other models may use the communicator while this one waits for its
+                    # ranks; it is checked (a dict compare) or rebuilt after the barrier.
+                    turn.release()
                     self._await_barrier(m, run)
+                    turn = DataPlaneTurn(self._data_plane)
+                    ms = self._membership_for(run)
+                    self._connect_and_load(ms)
+                    todo = [w for w in ms.dest_workers if w.worker_id not in paused]
+                    if todo:  # registered during the barrier: they pause too
+                        self._broadcast(
+                            todo, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, ms, paused
+                        )
                 with m.cond:
                     run.start_transfer(ms.readers)
                 wrote = True
