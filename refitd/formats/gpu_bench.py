@@ -165,9 +165,38 @@ def _format(v: object) -> str:
     return f"{v:.1f}" if isinstance(v, float) else str(v)
 
 
-def main() -> int:
-    rows = bench_quantizers()
-    print(f"device: {torch.cuda.get_device_name()}")
+def summarize(rows: list[dict]) -> dict:
+    """The best bit-identical config per format (its variant bit-identical on every shape
+    class), its GB/s and ratio to the copy, and whether every check was bit-identical."""
+
+    def variant_ok(fmt: str, fast: bool) -> bool:
+        prefix = f"check {fmt} fast={fast} "
+        return all(r["bit_identical"] for r in rows if r["name"].startswith(prefix))
+
+    best = {}
+    for fmt in ("mxfp8", "fp8_block"):
+        ok = [
+            r
+            for r in rows
+            if r["name"].startswith(fmt + " ")
+            and r["bit_identical"]
+            and variant_ok(fmt, "'fast': True" in r["name"])
+        ]
+        if ok:
+            best[fmt] = max(ok, key=lambda r: r["gbps"])
+    checks = [r["bit_identical"] for r in rows if r["bit_identical"] is not None]
+    return {
+        "bench": "quantizers",
+        "device": torch.cuda.get_device_name(),
+        "copy_gbps": next(r["gbps"] for r in rows if r["name"].startswith("copy_")),
+        **{f"{fmt}_gbps": r["gbps"] for fmt, r in best.items()},
+        **{f"{fmt}_ratio": r["ratio"] for fmt, r in best.items()},
+        **{f"{fmt}_config": r["name"].split(" ", 1)[1] for fmt, r in best.items()},
+        "bit_identical": all(checks),
+    }
+
+
+def print_rows(rows: list[dict]) -> None:
     print(f"{'name':58} {'shape':16} {'GB/s':>8} {'copy':>8} {'ratio':>6} bit_identical")
     for r in rows:
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
@@ -177,33 +206,12 @@ def main() -> int:
             f"{r['bit_identical']}"
         )
 
-    def variant_ok(fmt: str, fast: bool) -> bool:
-        prefix = f"check {fmt} fast={fast} "
-        return all(r["bit_identical"] for r in rows if r["name"].startswith(prefix))
 
-    best = {
-        fmt: max(
-            (
-                r
-                for r in rows
-                if r["name"].startswith(fmt + " ")
-                and r["bit_identical"]
-                and variant_ok(fmt, "'fast': True" in r["name"])
-            ),
-            key=lambda r: r["gbps"],
-        )
-        for fmt in ("mxfp8", "fp8_block")
-    }
-    checks = [r["bit_identical"] for r in rows if r["bit_identical"] is not None]
-    summary = {
-        "bench": "quantizers",
-        "device": torch.cuda.get_device_name(),
-        "copy_gbps": next(r["gbps"] for r in rows if r["name"].startswith("copy_")),
-        **{f"{fmt}_gbps": r["gbps"] for fmt, r in best.items()},
-        **{f"{fmt}_ratio": r["ratio"] for fmt, r in best.items()},
-        **{f"{fmt}_config": r["name"].split(" ", 1)[1] for fmt, r in best.items()},
-        "bit_identical": all(checks),
-    }
+def main() -> int:
+    rows = bench_quantizers()
+    print(f"device: {torch.cuda.get_device_name()}")
+    print_rows(rows)
+    summary = summarize(rows)
     print(json.dumps(summary))
     return 0 if summary["bit_identical"] else 1
 

@@ -1,0 +1,188 @@
+"""`refitd bench gpu`: the GPU data plane in one call, a table and one JSON line.
+
+(a) ipc: trainer and inference processes on the device, a BF16 model registered through
+    CUDA IPC handles, a real transfer process and executor; median of --refits refits,
+    GB/s (bytes read + written), ratio to a device memcpy measured in the same run (target
+    >= 0.6), trainer held time over a device-local snapshot copy (target <= 1.5);
+(b) quant: receiver-side MXFP8 and block-FP8 refits into persistent destination buffers
+    (data + scales through CUDA IPC): addresses unchanged across refits, bytes equal to
+    refitd.formats' quantizer of the expected tensor (and to the CPU torch reference on a
+    slice);
+(c) nccl: the NCCL transport through the executor, one rank sending to itself;
+(d) kernels: Triton quantizers vs the torch reference and the copy bandwidth.
+
+Imports torch, numpy, msgpack (and triton for (d)) only: no grpc, pydantic or fastapi.
+`--device cpu` runs (a) and (b) on CPU shared memory (a dry run of the same code path).
+
+    refitd bench gpu [--gib 8] [--quant-gib 1] [--refits 5] [--only ipc,quant,nccl,kernels]
+    PYTHONPATH=. python3 -m refitd.cli.bench_gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+PARTS = ("ipc", "quant", "nccl", "kernels")
+HELD_TARGET = 1.5
+IPC_RATIO_TARGET = 0.6
+QUANT_RATIO_TARGET = 0.7
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gib", type=float, default=8.0, help="BF16 model of the IPC refit")
+    parser.add_argument(
+        "--quant-gib", type=float, default=1.0, help="BF16 model of the MXFP8/FP8 refits"
+    )
+    parser.add_argument("--nccl-gib", type=float, default=2.0, help="bytes of the NCCL check")
+    parser.add_argument("--refits", type=int, default=5, help="timed refits (median)")
+    parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a dry run")
+    parser.add_argument(
+        "--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}"
+    )
+    parser.add_argument("--timeout", type=float, default=300.0)
+
+
+def _gib(x: float) -> int:
+    return int(x * (1 << 30))
+
+
+def _attempt(fn: Callable[[], dict]) -> dict:
+    t0 = time.monotonic()
+    try:
+        out = fn()
+    except Exception as e:  # report every part even if one fails
+        out = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
+    out["wall_s"] = round(time.monotonic() - t0, 2)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from refitd.agent import gpu_checks
+
+    parts = [p for p in args.only.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"--only: unknown parts {unknown}; known: {PARTS}")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print(json.dumps({"bench": "gpu", "error": "no CUDA device (use --device cpu)"}))
+        return 2
+    if not cuda:
+        parts = [p for p in parts if p in ("ipc", "quant")]
+    out: dict = {
+        "bench": "gpu",
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+    }
+    if "ipc" in parts:
+        out["ipc"] = _attempt(
+            lambda: gpu_checks.ipc_refit(
+                _gib(args.gib), args.device, "plain", args.refits, args.timeout
+            )
+        )
+    if "quant" in parts:
+        for storage in ("mxfp8", "fp8_block"):
+            out[f"ipc_{storage}"] = _attempt(
+                lambda s=storage: gpu_checks.ipc_refit(
+                    _gib(args.quant_gib), args.device, s, max(2, args.refits), args.timeout
+                )
+            )
+    if "nccl" in parts:
+        out["nccl"] = _attempt(lambda: gpu_checks.nccl_self_transfer(_gib(args.nccl_gib)))
+    if "kernels" in parts:
+        out["kernels"] = _attempt(lambda: _kernels())
+    ok = _print_table(out)
+    out["ok"] = ok
+    print(json.dumps(out, default=str))
+    return 0 if ok else 1
+
+
+def _kernels() -> dict:
+    from refitd.formats import gpu_bench
+
+    rows = gpu_bench.bench_quantizers()
+    return {"summary": gpu_bench.summarize(rows), "rows": rows}
+
+
+def _print_table(out: dict) -> bool:
+    """Human table of every part; True when every part ran and every check held."""
+    ok = True
+    print(f"refitd bench gpu on {out['device']} (torch {out['torch']})")
+    print(f"{'part':22} {'GB':>7} {'ms':>9} {'GB/s':>8} {'ref':>8} {'ratio':>6}  checks")
+    for key in ("ipc", "ipc_mxfp8", "ipc_fp8_block", "nccl"):
+        r = out.get(key)
+        if r is None:
+            continue
+        if "error" in r:
+            ok = False
+            print(f"{key:22} ERROR {r['error']}")
+            continue
+        checks = {
+            k: r[k]
+            for k in ("verified", "data_ptrs_unchanged", "cpu_reference_spot_check")
+            if k in r
+        }
+        ok = ok and all(checks.values())
+        gbps = r.get("gbps_rw", r.get("gbps"))
+        ref = r.get("ref_memcpy_gbps_rw", r.get("ref_d2d_gbps"))
+        print(
+            f"{key:22} {r['bytes'] / 1e9:7.2f} {r['seconds'] * 1e3:9.3f} {gbps:8.1f} "
+            f"{ref:8.1f} {r['ratio']:6.3f}  {checks}"
+        )
+        if "trainer_held_s" in r:
+            print(
+                f"{'':22} trainer held {r['trainer_held_s'] * 1e3:.3f} ms, snapshot copy "
+                f"{r['snapshot_copy_s'] * 1e3:.3f} ms: {r['held_over_snapshot']}x "
+                f"(target <= {HELD_TARGET}); phases {r['phases']}"
+            )
+    if "ipc" in out and "ratio" in out["ipc"]:
+        r = out["ipc"]
+        out["ipc"]["targets_met"] = (
+            r["ratio"] >= IPC_RATIO_TARGET and r["held_over_snapshot"] <= HELD_TARGET
+        )
+    k = out.get("kernels")
+    if k is not None:
+        if "error" in k:
+            ok = False
+            print(f"{'kernels':22} ERROR {k['error']}")
+        else:
+            from refitd.formats import gpu_bench
+
+            gpu_bench.print_rows(k["rows"])
+            s = k["summary"]
+            ok = ok and s["bit_identical"]
+            for fmt in ("mxfp8", "fp8_block"):
+                if f"{fmt}_ratio" in s:
+                    s[f"{fmt}_target_met"] = s[f"{fmt}_ratio"] >= QUANT_RATIO_TARGET
+            rows = k.pop("rows")  # the JSON line keeps the timed rows and failed checks
+            k["timed"] = [
+                {
+                    "name": r["name"],
+                    "gbps": r["gbps"],
+                    "ratio": r["ratio"],
+                    "bit": r["bit_identical"],
+                }
+                for r in rows
+                if r["gbps"] is not None
+            ]
+            k["failed_checks"] = [
+                f"{r['name']} {r['shape']}" for r in rows if r["bit_identical"] is False
+            ]
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m refitd.cli.bench_gpu", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
