@@ -36,7 +36,13 @@ from refitd.agent.segments import ResolvedTensor
 from refitd.plan.layout import PLAIN
 from refitd.plan.program import SlotProgram
 from refitd.transport.base import ConnectInfo, Transport, TransportError, create_transport
-from refitd.transport.memory import MemoryHandle, MemoryMapper, StorageMovedError, check_all_live
+from refitd.transport.memory import (
+    MemoryHandle,
+    MemoryMapper,
+    StorageMovedError,
+    check_all_live,
+    shared_buffer,
+)
 
 
 class TransferProcessError(RuntimeError):
@@ -200,8 +206,8 @@ class _TransferState:
             dev = torch.device(cmd.get("device", "cpu"))
             a = self.probe_bufs.get(("m", 0))
             if a is None or a.numel() != n or a.device != dev:
-                a = self.probe_bufs[("m", 0)] = torch.ones(n, dtype=torch.uint8, device=dev)
-                self.probe_bufs[("m", 1)] = torch.ones(n, dtype=torch.uint8, device=dev)
+                a = self.probe_bufs[("m", 0)] = _probe_buffer(n, dev)
+                self.probe_bufs[("m", 1)] = _probe_buffer(n, dev)
             b = self.probe_bufs[("m", 1)]
             if cmd.get("prepare"):
                 return {}
@@ -219,7 +225,7 @@ class _TransferState:
         for kind, peer, n, _ in want:
             buf = self.probe_bufs.get((kind, peer))
             if buf is None or buf.numel() != n:
-                self.probe_bufs[(kind, peer)] = torch.ones(n, dtype=torch.uint8)
+                self.probe_bufs[(kind, peer)] = _probe_buffer(n, torch.device("cpu"))
         if cmd.get("prepare"):
             return {}
         t0 = time.monotonic()
@@ -247,6 +253,13 @@ class _TransferState:
             self.transport.close()
         self.loaded.clear()
         self.mapper.close()
+
+
+def _probe_buffer(n: int, dev: torch.device) -> torch.Tensor:
+    """A probe buffer of ones; on the CPU in shared memory pages, like worker tensors."""
+    if dev.type == "cpu":
+        return shared_buffer(n).fill_(1)
+    return torch.ones(n, dtype=torch.uint8, device=dev)
 
 
 def _error(rid: int, e: BaseException) -> dict:

@@ -418,6 +418,12 @@ class MemoryMapper:
         self._cuda.clear()
 
 
+def shared_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor over an anonymous shared mapping: the same kind of pages (shmem)
+    as registered worker tensors, so a benchmark reference measured on it is fair."""
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
