@@ -17,6 +17,7 @@ from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.controller import Controller
 
 from .conftest import controller_settings, make_cluster
+from .test_refit_states import last_event
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,9 @@ def test_silent_agent_is_dropped_and_fails_the_refit(short_leases: Controller) -
             "(lease expired)" in out[0].message
         ), out[0].message
         assert elapsed < 5.0  # the lease, not the 10 s transfer timeout
-        assert cl.subscribers[0].events[-1].kind == pb.EVENT_KIND_INCOMPLETE
+        assert (
+            last_event(cl.subscribers[0], pb.EVENT_KIND_INCOMPLETE).kind == pb.EVENT_KIND_INCOMPLETE
+        )
     finally:
         cl.stop()
         ch.close()

@@ -15,8 +15,19 @@ from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.controller import Controller
 
 from .conftest import Cluster, controller_settings, make_cluster
+from .peers import Subscriber
 
 pytestmark = pytest.mark.slow
+
+
+def last_event(sub: Subscriber, kind: int, timeout_s: float = 5.0) -> pb.VersionEvent:
+    """The subscriber's last event once it is of `kind` (events trail the Refit answer)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sub.events and sub.events[-1].kind == kind:
+            break
+        time.sleep(0.01)
+    return sub.events[-1]
 
 
 def status(stub: pbg.RefitStub, model: str) -> dict:
@@ -101,6 +112,7 @@ def test_failed_transfer_keeps_last_version(controller: Controller, stub: pbg.Re
         )
         assert status(stub, cl.model)["models"][0]["committed_version"] == 1
         assert cl.agent.kinds().count("abort") == 3
+        last_event(cl.subscribers[0], pb.EVENT_KIND_INCOMPLETE)
         v2 = [e.kind for e in cl.subscribers[0].events if e.version == 2]
         assert v2 == [pb.EVENT_KIND_PAUSE, pb.EVENT_KIND_INCOMPLETE]  # paused until the end
         # Each attempt reconnects (an abort drops the communicator); so does the next refit.
@@ -130,7 +142,7 @@ def test_refused_pause_aborts_untouched_pool(controller: Controller, stub: pbg.R
         out = cl.refit(1)
         assert all(r.state == pb.REFIT_STATE_FAILED for r in out)
         assert "refused pause of version 1: engine busy" in out[0].message
-        assert cl.subscribers[0].events[-1].kind == pb.EVENT_KIND_ABORT
+        assert last_event(cl.subscribers[0], pb.EVENT_KIND_ABORT).kind == pb.EVENT_KIND_ABORT
         assert "execute" not in cl.agent.kinds()
         cl.subscribers[0].refuse = ""
         cl.subscribers[0].moved = ["w"]
@@ -188,7 +200,9 @@ def test_agent_gone_fails_running_refit(tmp_path: Path) -> None:
         assert out[0].message.startswith(gone + " (after 1 retries: "), out[0].message
         assert "have no connected node agent" in out[0].message
         assert time.monotonic() - t0 < 2.9  # before the 3 s transfer timeout: 0.5 + 1 s budget
-        assert cl.subscribers[0].events[-1].kind == pb.EVENT_KIND_INCOMPLETE
+        assert (
+            last_event(cl.subscribers[0], pb.EVENT_KIND_INCOMPLETE).kind == pb.EVENT_KIND_INCOMPLETE
+        )
     finally:
         for s in cl.subscribers:
             s.stop()
