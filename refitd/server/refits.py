@@ -481,6 +481,12 @@ class RefitCoordinator:
             plan: ControllerPlan | None = None
             turn = DataPlaneTurn(self._data_plane)
             try:
+                if not run.barrier_done and not self._source_pool_complete(run):
+                    # Early pause needs the whole source pool registered; ranks still
+                    # registering ask within the barrier timeout, so wait for them first.
+                    turn.release()
+                    self._await_barrier(m, run)
+                    turn = DataPlaneTurn(self._data_plane)
                 ms = self._membership_for(run)
                 plan = ms.plan
                 self._set_state(m, run, pb.REFIT_STATE_SOURCES_READY)
@@ -630,6 +636,11 @@ class RefitCoordinator:
                 )
 
     # ------------------------------------------------------------------ membership
+    def _source_pool_complete(self, run: RefitRun) -> bool:
+        with self.registry.lock:
+            pool = self.registry.model(run.model).pools.get(run.source_pool)
+            return pool is not None and pool.complete
+
     def _membership_for(self, run: RefitRun) -> Membership:
         """The cached Membership of the model's epoch, checked for liveness, else built."""
         model = self.registry.model(run.model)
