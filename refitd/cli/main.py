@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "control": ("refitd.cli.bench_control", "control-plane overhead of cached-plan refits"),
     "fuzz": ("refitd.cli.bench_fuzz", "bad-input fuzzing of a live controller (gRPC and HTTP)"),
     "gpu": ("refitd.cli.bench_gpu", "GPU data plane: CUDA IPC, quantizers, NCCL"),
+    "faults": ("refitd.cli.bench_faults", "kill -9 each member at each refit phase (recovery)"),
 }
 
 

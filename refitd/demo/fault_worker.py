@@ -1,0 +1,145 @@
+"""A trainer or inference rank as its own process, driven by stdin lines, for the fault suite.
+
+`python -m refitd.demo.fault_worker trainer|inference ADDRESS MODEL RANK DEVICE MB`
+
+Trainer: on "step <v>" it fills its TP shard with version v and refits (wait committed),
+then prints "refit <v> <state> <seconds> <message>". Inference: prints "ready <version>",
+"paused <v>", "commit <v> ok|mismatch", "abort <v> ok|mismatch" (the version it resumes
+serving, checked bit for bit) and "incomplete <v>". Any line may come at any time; the
+harness reads them on a thread. Both exit on "stop" or when stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+import torch
+
+from refitd.client import InferenceClient, MegatronCoords, Placed, RefitError, TrainerClient
+from refitd.demo.gpt import GptConfig, ParallelLayout, WeightGenerator, rank_shards
+
+SEED = 77
+TP = 2
+TRAINER_POOL = "trainer"
+INFERENCE_POOL = "infer"
+
+
+def model_config(mb: float) -> GptConfig:
+    """The suite's model: 2 layers of about `mb` MB of BF16 weights."""
+    return GptConfig.for_megabytes(mb, layers=2)
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line.replace("\n", " ") + "\n")
+    sys.stdout.flush()
+
+
+def _register(client: TrainerClient | InferenceClient, tensors: dict, coords: object) -> object:
+    """Register, waiting out a controller or agent that is not back yet (60 s at most)."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            return client.register(tensors, coords)  # type: ignore[arg-type]
+        except RefitError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def trainer(args: argparse.Namespace) -> None:
+    layout = ParallelLayout(tp=TP)
+    cfg = model_config(args.mb)
+    gen = WeightGenerator(SEED)
+    shards = rank_shards(cfg, layout, args.rank)
+    tensors: dict[str, torch.Tensor] = {}
+    for s in shards:
+        p = torch.nn.Parameter(torch.zeros(s.local_shape, dtype=torch.bfloat16), False)
+        if s.partition_dim >= 0:
+            p.tensor_model_parallel = True  # type: ignore[attr-defined]
+            p.partition_dim = s.partition_dim  # type: ignore[attr-defined]
+            p.partition_stride = s.partition_stride  # type: ignore[attr-defined]
+        tensors[s.name] = p
+    client = TrainerClient(
+        args.address, args.model, TRAINER_POOL, args.rank, TP, args.device, rpc_timeout_s=5.0
+    )
+    _register(client, tensors, MegatronCoords(tp_rank=args.rank, tp_size=TP))
+    say(f"ready {client.registration.current_version}")
+    for line in sys.stdin:
+        words = line.split()
+        if not words or words[0] == "stop":
+            break
+        version = int(words[1])
+        with torch.no_grad():
+            for s in shards:
+                gen.fill(tensors[s.name], s, version)
+        t0 = time.monotonic()
+        try:
+            r = client.refit(version, wait="committed", timeout=args.refit_timeout)
+            say(f"refit {version} {r.state} {time.monotonic() - t0:.3f} {r.message}")
+        except RefitError as err:
+            say(f"refit {version} failed {time.monotonic() - t0:.3f} {err}")
+    client.close()
+
+
+def inference(args: argparse.Namespace) -> None:
+    layout = ParallelLayout(tp=TP)
+    cfg = model_config(args.mb)
+    gen = WeightGenerator(SEED)
+    shards = rank_shards(cfg, layout, args.rank)
+    dst = {s.name: torch.zeros(s.local_shape, dtype=torch.bfloat16) for s in shards}
+    placed = {s.name: Placed(dst[s.name], s.global_shape, s.boxes, canonical=s.canonical)
+              for s in shards}  # fmt: skip
+
+    def check(version: int) -> str:
+        bad = [m for s in shards if (m := gen.mismatch(dst[s.name], s, version))]
+        return "ok" if not bad else "mismatch " + bad[0]
+
+    client = InferenceClient(
+        args.address,
+        args.model,
+        INFERENCE_POOL,
+        args.rank,
+        TP,
+        args.device,
+        pause=lambda v: say(f"paused {v}"),
+        incomplete=lambda v, reason: say(f"incomplete {v} {reason}"),
+        rpc_timeout_s=5.0,
+    )
+    reg = _register(client, placed, None)
+
+    def on_event(event: object) -> None:
+        kind, version = event.kind, event.version  # type: ignore[attr-defined]
+        if kind == "commit":
+            say(f"commit {version} {check(version)}")
+        elif kind == "abort":
+            served = client.served_version
+            say(f"abort {version} " + (check(served) if served else "ok"))
+
+    client.on_update(on_event)
+    say(f"ready {reg.current_version}")  # type: ignore[attr-defined]
+    for line in sys.stdin:
+        if line.strip() == "stop":
+            break
+    client.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["trainer", "inference"])
+    p.add_argument("address")
+    p.add_argument("model")
+    p.add_argument("rank", type=int)
+    p.add_argument("device")
+    p.add_argument("mb", type=float)
+    p.add_argument("--refit-timeout", type=float, default=20.0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    threading.current_thread().name = f"{args.role}-{args.rank}"
+    (trainer if args.role == "trainer" else inference)(args)
+
+
+if __name__ == "__main__":
+    main()
