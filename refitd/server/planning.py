@@ -1,22 +1,28 @@
 """The controller's view of a plan, the adapter to refitd.plan.planner, and the plan cache.
 
-The controller needs from a plan only: its digest, the SlotProgram of every slot (shipped
-to agents), the bytes it moves, and which slots read each source rank's tensors (so a
-trainer rank's Refit can return once its weights have been read). `make_plan` and
-`make_digest` are the only places that call the planner.
+The controller needs from a plan only: its digest, its slots, the program of a slot when
+that slot's LoadProgramCommand is sent, the bytes it moves, and which slots read each
+source rank's tensors (so a trainer rank's Refit can return once its weights have been
+read). Registrations reach the planner as SpecTables kept per model (`ModelTables`, updated
+as workers register), so a plan starts from ready integer columns; a slot's program is
+built and serialized only when it is first needed (`ControllerPlan.load_payload`). This
+module is the only place that calls the planner.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
-from refitd.plan.planner import PlanConfig, build_plan, plan_digest
-from refitd.plan.program import SlotProgram
+from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
+from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
+
+SpecKey = tuple[str, int, str]  # (pool, rank, tensor name): where a memory handle is found
 
 
 @dataclass(frozen=True)
@@ -28,25 +34,93 @@ class PlanOptions:
     relay: bool = True
 
 
+@dataclass(frozen=True)
+class LoadPayload:
+    """What a LoadProgramCommand carries for one slot: the serialized SlotProgram and, per
+    program tensor index, the key of the registration whose memory handle goes with it."""
+
+    program: bytes
+    tensors: tuple[tuple[int, SpecKey], ...]
+
+
 @dataclass
 class ControllerPlan:
-    """A built plan as the controller uses it."""
+    """A built plan as the controller uses it; slot programs are built on demand, once."""
 
     digest: str
-    programs: dict[int, SlotProgram]
+    slots: list[int]
     total_bytes: int
     readers: dict[tuple[str, int], frozenset[int]]  # (source pool, rank) -> slots reading it
-    encoded: dict[int, bytes] = field(default_factory=dict)  # slot -> program bytes, memoized
+    plan: Plan
+    _payloads: dict[int, LoadPayload] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    @property
-    def slots(self) -> list[int]:
-        return sorted(self.programs)
+    def load_payload(self, slot: int) -> LoadPayload:
+        """The slot's program, built and serialized on the first call (memoized: a slot is
+        loaded again when its agent restarts). Thread-safe."""
+        with self._lock:
+            payload = self._payloads.get(slot)
+        if payload is not None:
+            return payload
+        prog = self.plan.program(slot)
+        payload = LoadPayload(
+            prog.to_bytes(), tuple((i, spec.key) for i, spec in prog.tensors.items())
+        )
+        with self._lock:
+            return self._payloads.setdefault(slot, payload)
 
     def program_bytes(self, slot: int) -> bytes:
-        data = self.encoded.get(slot)
-        if data is None:
-            data = self.encoded[slot] = self.programs[slot].to_bytes()
-        return data
+        return self.load_payload(slot).program
+
+    @property
+    def built_programs(self) -> int:
+        with self._lock:
+            return len(self._payloads)
+
+
+class ModelTables:
+    """One model's registrations as SpecTables, one per side, kept in step with the registry.
+
+    Registrations are appended as workers register (`add`); a removal or a replaced rank
+    marks the tables stale, and the next `snapshot` rebuilds them from the registry's
+    workers. A table handed to a plan build is not appended to while the build runs (an
+    add then marks the tables stale instead). Callers hold the registry lock for add,
+    invalidate and snapshot.
+    """
+
+    def __init__(self) -> None:
+        self.sources = SpecTable()
+        self.destinations = SpecTable()
+        self.stale = False
+        self.in_use = 0  # plan builds running on the current tables
+        self.rebuilds = 0
+
+    def add(self, role: str, specs: Sequence[TensorSpec]) -> None:
+        if self.stale:
+            return
+        if self.in_use:
+            self.stale = True
+            return
+        (self.sources if role == "source" else self.destinations).add(list(specs))
+
+    def invalidate(self) -> None:
+        self.stale = True
+
+    def snapshot(
+        self, current: Callable[[], tuple[list[TensorSpec], list[TensorSpec]]]
+    ) -> tuple[SpecTable, SpecTable]:
+        """The tables (rebuilt from `current()` when stale), marked in use until `release`."""
+        if self.stale:
+            sources, destinations = current()
+            self.sources = SpecTable.from_specs(sources)
+            self.destinations = SpecTable.from_specs(destinations)
+            self.stale = False
+            self.rebuilds += 1
+        self.in_use += 1
+        return self.sources, self.destinations
+
+    def release(self) -> None:
+        self.in_use -= 1
 
 
 def _planner_config(options: PlanOptions) -> PlanConfig:
@@ -57,11 +131,15 @@ def _planner_config(options: PlanOptions) -> PlanConfig:
     )
 
 
+def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:
+    return specs if isinstance(specs, SpecTable) else SpecTable.from_specs(specs)
+
+
 def make_digest(
     model: str,
     epoch: int,
-    sources: list[TensorSpec],
-    destinations: list[TensorSpec],
+    sources: Sequence[TensorSpec] | SpecTable,
+    destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
 ) -> str:
     """Plan digest of (model, epoch, layouts, config): the plan cache key."""
@@ -71,22 +149,24 @@ def make_digest(
 def make_plan(
     model: str,
     epoch: int,
-    sources: list[TensorSpec],
-    destinations: list[TensorSpec],
+    sources: Sequence[TensorSpec] | SpecTable,
+    destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
 ) -> ControllerPlan:
-    """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION."""
+    """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION.
+    No slot program is built here (see ControllerPlan.load_payload)."""
+    src, dst = _table(sources), _table(destinations)
     try:
-        plan = build_plan(model, epoch, sources, destinations, _planner_config(options))
+        plan = build_plan_from_table(model, epoch, src, dst, _planner_config(options))
     except PlanError as e:
         raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
-    programs = {slot: plan.program(slot) for slot in plan.slots()}
-    ranks = {(t.pool, t.rank) for t in sources}
+    ranks = {(t.pool, t.rank) for t in src.specs}
     return ControllerPlan(
         digest=plan.digest,
-        programs=programs,
+        slots=plan.slots(),
         total_bytes=plan.stats.total_bytes,
         readers={(pool, rank): frozenset(plan.source_slots_of(pool, rank)) for pool, rank in ranks},
+        plan=plan,
     )
 
 

@@ -695,13 +695,22 @@ class RefitCoordinator:
             src_workers = [reg.workers[w] for _, w in sorted(src.ranks.items())]
             dest_workers = [reg.workers[w] for p in dests for _, w in sorted(p.ranks.items())]
             epoch = model.epoch
-            sources = [t for w in src_workers for t in w.specs]
-            destinations = [t for w in dest_workers for t in w.specs]
-        digest = make_digest(run.model, epoch, sources, destinations, self.plan_options)
-        plan = self.plans.get(digest)
-        if plan is None:
-            plan = make_plan(run.model, epoch, sources, destinations, self.plan_options)
-            self.plans.put(plan)
+            tables = model.tables
+            sources, destinations = tables.snapshot(
+                lambda: (
+                    [t for w in src_workers for t in w.specs],
+                    [t for w in dest_workers for t in w.specs],
+                )
+            )
+        try:
+            digest = make_digest(run.model, epoch, sources, destinations, self.plan_options)
+            plan = self.plans.get(digest)
+            if plan is None:
+                plan = make_plan(run.model, epoch, sources, destinations, self.plan_options)
+                self.plans.put(plan)
+        finally:
+            with reg.lock:
+                tables.release()
         by_agent: dict[str, list[int]] = {}
         batch: set[str] = set()
         with reg.lock:
@@ -804,17 +813,17 @@ class RefitCoordinator:
                 for slot in slots:
                     if slot not in todo:
                         continue
-                    prog = plan.programs[slot]
+                    payload = plan.load_payload(slot)
                     handles = [
-                        pb.TensorHandle(index=i, memory=memory.get(spec.key, b""))
-                        for i, spec in prog.tensors.items()
+                        pb.TensorHandle(index=i, memory=memory.get(key, b""))
+                        for i, key in payload.tensors
                     ]
                     cmd = pb.AgentCommand(
                         load=pb.LoadProgramCommand(
                             model=ms.model,
                             digest=plan.digest,
                             slot=slot,
-                            program=plan.program_bytes(slot),
+                            program=payload.program,
                             handles=handles,
                         )
                     )

@@ -16,6 +16,7 @@ from refitd._proto import refitd_pb2 as pb
 from refitd.plan.layout import TensorSpec
 from refitd.server.database import StateDB
 from refitd.server.errors import invalid, not_found, precondition
+from refitd.server.planning import ModelTables
 from refitd.server.validation import check_device, check_worker_header, specs_from_request
 
 
@@ -62,6 +63,7 @@ class Model:
     epoch: int = 0
     committed_version: int = 0
     pools: dict[str, Pool] = field(default_factory=dict)
+    tables: ModelTables = field(default_factory=ModelTables)  # its specs, planner columns
 
     def source_pool(self) -> Pool | None:
         return next((p for p in self.pools.values() if p.role == "source"), None)
@@ -281,6 +283,10 @@ class Registry:
         self.models[req.model] = model
         pool.ranks[req.rank] = worker_id
         self.workers[worker_id] = worker
+        if old_id is None:
+            model.tables.add(role, worker.specs)
+        else:
+            model.tables.invalidate()
         if live:
             self.db.save_worker(
                 worker_id, req.model, req.pool, req.rank, req.SerializeToString(), slot
@@ -326,6 +332,7 @@ class Registry:
             pool.ranks.pop(w.rank, None)
             if not pool.ranks:
                 del model.pools[w.pool]
+            model.tables.invalidate()
             self.db.delete_worker(worker_id)
             self._bump(model)
             return w

@@ -1,0 +1,387 @@
+"""`refitd bench load`: a controller under cluster-scale registrations, 1000 small refits.
+
+In this process: a real controller (`Controller`, gRPC on loopback) and its embedded node
+agent with real transfer processes, as `refitd serve` runs them. A spawned peer process
+registers `--workers` workers of a large model (default kimi-k2: trainer tp=8,pp=8,ep=32,
+inference pools tp=8,ep=32) through the real gRPC API, on slots of light agent threads:
+their memory handles are metadata only (never mapped, no slot executes them; the light
+agents only keep their command streams open). The controller then plans that model
+through its own path (per-model SpecTables, build_plan_from_table, programs on demand).
+Meanwhile a small real model (the demo GPT: tp=2,pp=2 trainer, two inference pools, on
+the embedded agent's 4 CPU slots) runs `--refits` consecutive refits, each checked bit for
+bit by the inference ranks. Reported: controller RSS at the start and the end of the refit
+loop, p50/p99 control latency as in `bench control` (start: Refit of the last rank -> all
+ExecuteCommands sent; end: last DONE -> committed), registration and plan times; the plan
+from the tables is compared with a plan from TensorSpec lists built in the same run.
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+SLOTS_PER_AGENT = 64
+META_HOST = "bench-meta-host"
+META_MODEL = "meta"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--refits", type=int, default=1000, help="timed refits of the small model")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed refits first")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1024,
+        help="metadata-only workers of the large model: 3/4 trainer ranks, the rest in two "
+        "inference pools",
+    )
+    parser.add_argument("--preset", default="kimi-k2", help="large model preset")
+    parser.add_argument("--trainer-layout", default="tp=8,pp=8,ep=32")
+    parser.add_argument("--inference-layout", default="tp=8,ep=32")
+    parser.add_argument("--model-mb", type=float, default=2.0, help="size of the small model")
+    parser.add_argument(
+        "--program-threads", type=int, default=4, help="threads for the parallel program build"
+    )
+
+
+def _worlds(workers: int) -> tuple[int, int]:
+    """(trainer world, inference world per pool): 3/4 + two pools of 1/8."""
+    pool = max(1, workers // 8)
+    return workers - 2 * pool, pool
+
+
+def _registration(spec: Any, memory: bytes) -> Any:
+    from refitd._proto import refitd_pb2 as pb
+
+    return pb.TensorRegistration(
+        name=spec.name,
+        canonical=spec.canonical,
+        global_shape=spec.global_shape,
+        dtype=spec.dtype,
+        local_shape=spec.local_shape,
+        boxes=[
+            pb.Box(offset=b.offset, shape=b.shape, local_offset=b.local_offset) for b in spec.boxes
+        ],
+        memory=memory,
+    )
+
+
+def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None:
+    """Peer process: light agents for every metadata slot, then every metadata worker
+    registered through gRPC (4 client threads); reports ("registered", seconds)."""
+    import grpc
+
+    from refitd._proto import refitd_pb2 as pb
+    from refitd._proto import refitd_pb2_grpc as pbg
+    from refitd.plan.presets import Parallel, build_specs, preset
+
+    try:
+        ch = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_send_message_length", 256 << 20)],
+        )
+        agents = pbg.AgentControlStub(ch)
+        refit = pbg.RefitStub(ch)
+        workers = args["workers"]
+        streams = []
+
+        def drain(agent_id: str, stream: Any, slots: list[int]) -> None:
+            """Light agent: answer connect/load/execute at once, move no bytes."""
+            try:
+                for cmd in stream:
+                    which = cmd.WhichOneof("command")
+                    rep = pb.AgentReport(agent_id=agent_id, command_id=cmd.command_id)
+                    if which == "connect":
+                        for s in slots:
+                            rep.slot, rep.kind = s, pb.REPORT_KIND_CONNECTED
+                            agents.Report(rep, timeout=30)
+                    elif which == "load":
+                        rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
+                        agents.Report(rep, timeout=30)
+            except grpc.RpcError:
+                pass
+
+        n_agents = -(-workers // SLOTS_PER_AGENT)
+        agent_ids: list[str] = []
+        for a in range(n_agents):
+            devices = [
+                f"cpu:{i}"
+                for i in range(a * SLOTS_PER_AGENT, min(workers, (a + 1) * SLOTS_PER_AGENT))
+            ]
+            resp = agents.RegisterAgent(
+                pb.RegisterAgentRequest(
+                    host=META_HOST,
+                    slots=[pb.SlotInfo(device=d) for d in devices],
+                    pid=os.getpid(),
+                    batch_execute=True,
+                ),
+                timeout=60,
+            )
+            agent_ids.append(resp.agent_id)
+            s = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
+            streams.append(s)
+            threading.Thread(
+                target=drain, args=(resp.agent_id, s, list(resp.slot_ids)), daemon=True
+            ).start()
+        registered: list[str] = []  # appended by the registering threads
+
+        def heartbeats() -> None:
+            """Keep the leases: every agent and registered worker heartbeats each second."""
+            while not stop.is_set():
+                t_round = time.monotonic()
+                for aid in agent_ids:
+                    agents.AgentHeartbeat(pb.AgentHeartbeatRequest(agent_id=aid), timeout=30)
+                for wid in list(registered):
+                    refit.Heartbeat(pb.HeartbeatRequest(worker_id=wid), timeout=30)
+                stop.wait(max(0.0, 1.0 - (time.monotonic() - t_round)))
+
+        beat = threading.Thread(target=heartbeats, daemon=True)
+        beat.start()
+        time.sleep(0.5)  # agent streams open
+        p = preset(args["preset"])
+        t_world, i_world = _worlds(workers)
+        sides = [
+            ("trainer", pb.ROLE_SOURCE, Parallel.parse(args["trainer_layout"], t_world), 0),
+            ("infer-0", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world),
+            ("infer-1", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world + i_world),
+        ]  # fmt: skip
+        requests = []
+        n_specs = 0
+        for pool, role, par, base in sides:
+            by_rank: dict[int, list[Any]] = {}
+            for spec in build_specs(p, par, META_MODEL, pool, base):
+                by_rank.setdefault(spec.rank, []).append(spec)
+            for rank, specs in sorted(by_rank.items()):
+                n_specs += len(specs)
+                requests.append(
+                    pb.RegisterWorkerRequest(
+                        model=META_MODEL,
+                        pool=pool,
+                        role=role,
+                        rank=rank,
+                        pool_size=par.world,
+                        host=META_HOST,
+                        device=f"cpu:{base + rank}",
+                        pid=os.getpid(),
+                        tensors=[
+                            _registration(s, f"meta:{pool}:{rank}:{i}".encode())
+                            for i, s in enumerate(specs)
+                        ],
+                    )
+                )
+
+        def register(req: Any) -> None:
+            registered.append(refit.RegisterWorker(req, timeout=300).worker_id)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(register, requests))
+        out.put(("registered", time.perf_counter() - t0, len(requests), n_specs, n_agents))
+        stop.wait()
+        beat.join(30)
+        for s in streams:
+            s.cancel()
+    except Exception as e:  # reported to the bench, which fails with it
+        out.put(("error", repr(e)))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
+    """Plan the metadata model on the controller's path, timed: tables snapshot ->
+    digest -> build_plan_from_table; then every slot's program (serial, then in threads on
+    a second plan); and the reference: the same plan from TensorSpec lists."""
+    from refitd.server.planning import make_digest, make_plan
+
+    reg, opts = ctl.registry, ctl.refits.plan_options
+    with reg.lock:
+        model = reg.model(META_MODEL)
+        workers = [reg.workers[w] for p in model.pools.values() for w in p.ranks.values()]
+        src = [t for w in workers if w.role == "source" for t in w.specs]
+        dst = [t for w in workers if w.role == "destination" for t in w.specs]
+        epoch = model.epoch
+        t0 = time.perf_counter()
+        s_tab, d_tab = model.tables.snapshot(lambda: (src, dst))
+        t_snap = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        make_digest(META_MODEL, epoch, s_tab, d_tab, opts)
+        t_digest = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plan = make_plan(META_MODEL, epoch, s_tab, d_tab, opts)
+        t_plan = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plan.load_payload(plan.slots[0])
+        t_first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for s in plan.slots:
+            plan.load_payload(s)
+        t_all = time.perf_counter() - t0 + t_first
+        again = make_plan(META_MODEL, epoch, s_tab, d_tab, opts)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(again.load_payload, again.slots))
+        t_threads = time.perf_counter() - t0
+        program_mb = sum(len(plan.program_bytes(s)) for s in plan.slots) / 1e6
+    finally:
+        with reg.lock:
+            model.tables.release()
+    t0 = time.perf_counter()
+    make_plan(META_MODEL, epoch, src, dst, opts)
+    t_lists = time.perf_counter() - t0
+    return {
+        "meta_specs_source": len(src),
+        "meta_specs_destination": len(dst),
+        "meta_slots": len(plan.slots),
+        "meta_table_rebuilds": model.tables.rebuilds,
+        "meta_snapshot_s": t_snap,
+        "meta_digest_s": t_digest,
+        "meta_plan_s": t_plan,
+        "meta_plan_from_lists_s": t_lists,
+        "meta_plan_lists_over_tables": t_lists / t_plan if t_plan else 0.0,
+        "meta_first_program_s": t_first,
+        "meta_all_programs_s": t_all,
+        f"meta_all_programs_{threads}_threads_s": t_threads,
+        "meta_program_mb": program_mb,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import psutil
+
+    from refitd.agent.node import run_node_agent
+    from refitd.config import Settings
+    from refitd.demo.gpt import GptConfig
+    from refitd.demo.run import DEMO_SLOTS, Demo
+    from refitd.server.controller import Controller
+
+    me = psutil.Process()
+    data = tempfile.mkdtemp(prefix="refitd-bench-load-")
+    settings = Settings(
+        grpc_port=0,
+        http_port=0,
+        data_dir=data,
+        cpu_slots=DEMO_SLOTS,
+        log_level="warning",
+        history_size=max(50, args.refits + args.warmup),
+    )
+    ctl = Controller(settings).start()
+    stop = threading.Event()
+    agent = threading.Thread(
+        target=run_node_agent,
+        args=(ctl.grpc_address, socket.gethostname(), settings.local_devices(), settings, stop),
+        name="local-agent",
+        daemon=True,
+    )
+    agent.start()
+    ctx = mp.get_context("spawn")
+    out, peer_stop = ctx.Queue(), ctx.Event()
+    rss_idle = me.memory_info().rss
+    peers = ctx.Process(
+        target=_meta_peers,
+        args=(
+            ctl.grpc_address,
+            {
+                "workers": args.workers,
+                "preset": args.preset,
+                "trainer_layout": args.trainer_layout,
+                "inference_layout": args.inference_layout,
+            },
+            out,
+            peer_stop,
+        ),
+        daemon=True,
+    )
+    demo: Demo | None = None
+    try:
+        peers.start()
+        t0 = time.perf_counter()
+        msg = out.get(timeout=1800)
+        if msg[0] == "error":
+            raise RuntimeError(f"metadata peers failed: {msg[1]}")
+        _, register_s, n_workers, n_specs, n_agents = msg
+        wall_register_s = time.perf_counter() - t0
+        rss_registered = me.memory_info().rss
+        plan_stats = _plan_meta(ctl, args.program_threads)
+        rss_planned = me.memory_info().rss
+        demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
+        demo.start()
+        for v in range(1, args.warmup + 1):
+            demo.refit(v)
+        rss_start = me.memory_info().rss
+        starts, ends, secs = [], [], []
+        t_loop = time.perf_counter()
+        for v in range(args.warmup + 1, args.warmup + args.refits + 1):
+            demo.refit(v)
+        loop_s = time.perf_counter() - t_loop
+        rss_end = me.memory_info().rss
+        for r in ctl.refits.history:
+            d = r.to_json()
+            if d.get("model") != "demo-gpt" or d.get("state") != "committed":
+                continue
+            if d.get("version", 0) <= args.warmup:
+                continue
+            det = r.detail
+            if "control_start_s" in det and "control_end_s" in det:
+                starts.append(float(det["control_start_s"]))
+                ends.append(float(det["control_end_s"]))
+                secs.append(r.seconds)
+        ms = 1e3
+        result = {
+            "bench": "load",
+            "meta_model": f"{args.preset} trainer {args.trainer_layout} + 2 pools {args.inference_layout}",
+            "meta_workers": n_workers,
+            "meta_agents": n_agents,
+            "meta_worlds": list(_worlds(args.workers)),
+            "meta_specs": n_specs,
+            "meta_register_s": register_s,
+            "meta_register_wall_s": wall_register_s,
+            **plan_stats,
+            "small_model_mb": GptConfig.for_megabytes(args.model_mb).nbytes / 1e6,
+            "refits": args.refits,
+            "refits_recorded": len(starts),
+            "refit_loop_s": loop_s,
+            "refit_p50_ms": _pct(secs, 50) * ms if secs else None,
+            "control_start_p50_ms": _pct(starts, 50) * ms if starts else None,
+            "control_start_p99_ms": _pct(starts, 99) * ms if starts else None,
+            "control_end_p50_ms": _pct(ends, 50) * ms if ends else None,
+            "control_end_p99_ms": _pct(ends, 99) * ms if ends else None,
+            "rss_idle_mb": rss_idle / 1e6,
+            "rss_registered_mb": rss_registered / 1e6,
+            "rss_planned_mb": rss_planned / 1e6,
+            "rss_loop_start_mb": rss_start / 1e6,
+            "rss_loop_end_mb": rss_end / 1e6,
+            "rss_growth": rss_end / rss_start - 1.0,
+            "target_rss_growth": 0.05,
+            "target_control_p99_ms": 20.0,
+            "note": "controller and embedded agent in the bench process (RSS is that process; "
+            "transfer processes, workers and metadata peers are children); metadata workers "
+            "are registered through gRPC with handles that are never mapped, their slots "
+            "belong to light agent threads that execute nothing; the small model moves real "
+            f"bytes through real transfer processes, verified bit for bit; {os.cpu_count()} "
+            "cores",
+        }
+        print(json.dumps(result), flush=True)
+        return 0
+    finally:
+        if demo is not None:
+            demo.close()
+        peer_stop.set()
+        peers.join(10)
+        if peers.is_alive():
+            peers.kill()
+        stop.set()
+        agent.join(10)
+        ctl.stop()

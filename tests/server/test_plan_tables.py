@@ -1,0 +1,95 @@
+"""The controller's per-model SpecTables follow registrations; `refitd bench load` runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from refitd._proto import refitd_pb2 as pb
+from refitd.server.controller import Controller
+
+from .conftest import Cluster, register
+
+pytestmark = pytest.mark.slow
+
+
+def _kept(c: Controller, model: str) -> tuple[set, set]:
+    """(source, destination) specs of the model's kept tables, rebuilt if stale."""
+    reg = c.registry
+    with reg.lock:
+        m = reg.model(model)
+        workers = [reg.workers[w] for p in m.pools.values() for w in p.ranks.values()]
+        src, dst = m.tables.snapshot(
+            lambda: (
+                [t for w in workers if w.role == "source" for t in w.specs],
+                [t for w in workers if w.role == "destination" for t in w.specs],
+            )
+        )
+        m.tables.release()
+        return set(src.specs), set(dst.specs)
+
+
+def _registered(c: Controller, model: str) -> tuple[set, set]:
+    with c.registry.lock:
+        ws = [w for w in c.registry.workers.values() if w.model == model]
+        return (
+            {t for w in ws if w.role == "source" for t in w.specs},
+            {t for w in ws if w.role == "destination" for t in w.specs},
+        )
+
+
+def test_tables_follow_registrations(controller: Controller, cluster: Cluster) -> None:
+    tables = controller.registry.model(cluster.model).tables
+    assert not tables.stale and _kept(controller, cluster.model) == _registered(
+        controller, cluster.model
+    )
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(1))
+    plan = controller.refits._membership[cluster.model].plan
+    assert plan.built_programs == len(plan.slots) == 3  # built as they were loaded
+
+    # a replaced rank cannot be removed from the columns: the tables are rebuilt
+    resp = register(
+        cluster.stub, cluster.model, "trainer", pb.ROLE_SOURCE, 0, 2, cluster.host, "cpu:0"
+    )
+    cluster.trainers[0] = resp.worker_id
+    assert tables.stale
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(2))
+    assert not tables.stale and tables.rebuilds == 1
+    assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+
+    # a new rank of a new pool is appended
+    register(cluster.stub, cluster.model, "extra", pb.ROLE_DESTINATION, 0, 1, cluster.host, "cpu:0")
+    assert not tables.stale
+    assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+    cluster.stub.UnregisterWorker(
+        pb.UnregisterWorkerRequest(worker_id=_extra_id(controller, cluster.model)), timeout=10
+    )
+    assert tables.stale
+    assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+
+
+def _extra_id(c: Controller, model: str) -> str:
+    with c.registry.lock:
+        return c.registry.model(model).pools["extra"].ranks[0]
+
+
+@pytest.mark.timeout(120)
+def test_bench_load_tiny() -> None:
+    """Metadata workers through gRPC, real refits of the small model, one JSON line."""
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "refitd.cli.main", "bench", "load",
+            "--workers", "32", "--refits", "10", "--warmup", "1", "--preset", "llama3-8b",
+            "--trainer-layout", "tp=2,pp=2", "--inference-layout", "tp=2",
+        ],
+        capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["meta_workers"] == 32 and doc["meta_slots"] == 32
+    assert doc["refits_recorded"] == 10
+    assert doc["meta_table_rebuilds"] == 0  # planned from the tables kept at registration
+    assert doc["control_start_p99_ms"] > 0 and doc["rss_loop_end_mb"] > 0
