@@ -51,6 +51,8 @@ class Pool:
     role: str
     size: int
     ranks: dict[int, str] = field(default_factory=dict)  # rank -> worker_id
+    # canonical -> (global shape, first rank registering it); None: rebuild after a removal
+    shapes: dict[str, tuple[tuple[int, ...], int]] | None = None
 
     @property
     def complete(self) -> bool:
@@ -213,14 +215,21 @@ class Registry:
         """Validate and register a worker; re-registering (model, pool, rank) replaces it."""
         check_worker_header(req)
         slot = self.slot_for(req.host, req.device)
+        specs = specs_from_request(req, slot.slot_id)  # the costly part, outside the lock
         with self.lock:
-            return self._insert_worker(req, "", slot.slot_id, live=True)
+            return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs)
 
     def _insert_worker(
-        self, req: pb.RegisterWorkerRequest, worker_id: str, slot: int, live: bool
+        self,
+        req: pb.RegisterWorkerRequest,
+        worker_id: str,
+        slot: int,
+        live: bool,
+        specs: list[TensorSpec] | None = None,
     ) -> Worker:
         role = check_worker_header(req)
-        specs = specs_from_request(req, slot)
+        if specs is None:
+            specs = specs_from_request(req, slot)
         model = self.models.get(req.model) or Model(req.model)
         pool = model.pools.get(req.pool)
         if pool is not None and pool.role != role:
@@ -285,8 +294,12 @@ class Registry:
         self.workers[worker_id] = worker
         if old_id is None:
             model.tables.add(role, worker.specs)
+            if pool.shapes is not None:
+                for t in worker.specs:
+                    pool.shapes.setdefault(t.canonical, (t.global_shape, req.rank))
         else:
             model.tables.invalidate()
+            pool.shapes = None
         if live:
             self.db.save_worker(
                 worker_id, req.model, req.pool, req.rank, req.SerializeToString(), slot
@@ -301,12 +314,12 @@ class Registry:
         pool = model.pools.get(req.pool)
         if pool is None:
             return
-        known: dict[str, tuple[tuple[int, ...], int]] = {}
-        for rank, wid in pool.ranks.items():
-            if rank == req.rank or wid not in self.workers:
-                continue
-            for s in self.workers[wid].specs:
-                known.setdefault(s.canonical, (s.global_shape, rank))
+        if req.rank in pool.ranks:  # a replaced rank: its own shapes don't count
+            known = self._pool_shapes(pool, skip=req.rank)
+        else:
+            if pool.shapes is None:
+                pool.shapes = self._pool_shapes(pool)
+            known = pool.shapes
         for s in specs:
             if s.canonical in known and known[s.canonical][0] != s.global_shape:
                 shape, rank = known[s.canonical]
@@ -315,6 +328,17 @@ class Registry:
                     f"{list(s.global_shape)} disagrees with {list(shape)} registered by rank "
                     f"{rank} for {s.canonical!r}"
                 )
+
+    def _pool_shapes(
+        self, pool: Pool, skip: int | None = None
+    ) -> dict[str, tuple[tuple[int, ...], int]]:
+        known: dict[str, tuple[tuple[int, ...], int]] = {}
+        for rank, wid in pool.ranks.items():
+            if rank == skip or wid not in self.workers:
+                continue
+            for s in self.workers[wid].specs:
+                known.setdefault(s.canonical, (s.global_shape, rank))
+        return known
 
     def worker(self, worker_id: str) -> Worker:
         with self.lock:
@@ -330,6 +354,7 @@ class Registry:
             model = self.models[w.model]
             pool = model.pools[w.pool]
             pool.ranks.pop(w.rank, None)
+            pool.shapes = None
             if not pool.ranks:
                 del model.pools[w.pool]
             model.tables.invalidate()
