@@ -126,6 +126,10 @@ class InferenceClient(WorkerClient):
                     self._try_reregister()
                 else:
                     log.info("%s: subscription interrupted: %s", self._who(), err.details())
+            except RefitError as err:  # not registered (yet): try again, never end the loop
+                if self._closed.is_set():
+                    return
+                log.info("%s: subscription waits: %s", self._who(), err)
             finally:
                 self._stream = None
             backoff.wait(self._closed)

@@ -177,7 +177,8 @@ class WorkerClient:
         """Send the current registration again (after the controller forgot this worker),
         with the version its memory holds (so the controller does not send it again)."""
         with self._lock:
-            self._registration = None
+            # The registration (and worker_id) stays readable meanwhile: the subscription
+            # and Refit threads use it, and the controller takes the id back.
             return self._send_registration(self._held_version())
 
     def _held_version(self) -> int:

@@ -277,8 +277,11 @@ class FaultSuite:
         self.mb = mb
         self.say = say
         self.cluster: Cluster | None = None
+        self.healthy = False  # the last run ended with a committed refit on every rank
 
     def ensure(self) -> Cluster:
+        if self.cluster is not None and self.healthy:
+            return self.cluster
         if self.cluster is not None:
             _, ok = self.cluster.refit(timeout_s=20)
             if ok:
@@ -299,6 +302,7 @@ class FaultSuite:
 
     def run(self, role: str, phase: str) -> RunResult:
         c = self.ensure()
+        self.healthy = False
         res = RunResult(role, phase)
         before = c.model_status() or {}
         committed0 = before.get("committed_version", 0)
@@ -327,6 +331,7 @@ class FaultSuite:
         except RuntimeError as err:
             res.notes.append(str(err))
         v_next, ok = c.refit(max(1.0, RECOVERY_DEADLINE_S - (time.monotonic() - restart)))
+        self.healthy = ok
         if ok:
             res.recovery_s = time.monotonic() - restart
         else:

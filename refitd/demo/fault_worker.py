@@ -4,9 +4,10 @@
 
 Trainer: on "step <v>" it fills its TP shard with version v and refits (wait committed),
 then prints "refit <v> <state> <seconds> <message>". Inference: prints "ready <version>",
-"paused <v>", "commit <v> ok|mismatch", "abort <v> ok|mismatch" (the version it resumes
-serving, checked bit for bit) and "incomplete <v>". Any line may come at any time; the
-harness reads them on a thread. Both exit on "stop" or when stdin closes.
+"paused <v> ok|mismatch" (the version served until the pause, checked before its ack:
+nothing may have written it while it was served), "commit <v> ok|mismatch", "abort <v>
+ok|mismatch" (the version it resumes serving) and "incomplete <v>"; every check is bit for
+bit. The harness reads the lines on a thread. Both exit on "stop" or when stdin closes.
 """
 
 from __future__ import annotations
@@ -97,6 +98,13 @@ def inference(args: argparse.Namespace) -> None:
         bad = [m for s in shards if (m := gen.mismatch(dst[s.name], s, version))]
         return "ok" if not bad else "mismatch " + bad[0]
 
+    served = [0]  # the version being served (0: not serving: new, paused or incomplete)
+
+    def paused(version: int) -> None:
+        # Checked before the PAUSE ack: nothing may have written it while it was served.
+        say(f"paused {version} " + (check(served[0]) if served[0] else "ok"))
+        served[0] = 0
+
     client = InferenceClient(
         args.address,
         args.model,
@@ -104,7 +112,7 @@ def inference(args: argparse.Namespace) -> None:
         args.rank,
         TP,
         args.device,
-        pause=lambda v: say(f"paused {v}"),
+        pause=paused,
         incomplete=lambda v, reason: say(f"incomplete {v} {reason}"),
         rpc_timeout_s=5.0,
     )
@@ -113,10 +121,13 @@ def inference(args: argparse.Namespace) -> None:
     def on_event(event: object) -> None:
         kind, version = event.kind, event.version  # type: ignore[attr-defined]
         if kind == "commit":
+            served[0] = version
             say(f"commit {version} {check(version)}")
         elif kind == "abort":
-            served = client.served_version
-            say(f"abort {version} " + (check(served) if served else "ok"))
+            served[0] = client.served_version or 0
+            say(f"abort {version} " + (check(served[0]) if served[0] else "ok"))
+        elif kind == "incomplete":
+            served[0] = 0
 
     client.on_update(on_event)
     say(f"ready {reg.current_version}")  # type: ignore[attr-defined]

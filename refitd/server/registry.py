@@ -363,8 +363,15 @@ class Registry:
             return w
 
     def touch_worker(self, worker_id: str) -> Worker:
+        """Renew a worker's lease. A worker restored from the database (not re-registered
+        since a controller restart) gets NOT_FOUND: that tells its client to register again
+        (with its worker_id and held version), which makes it live."""
         with self.lock:
             w = self.worker(worker_id)
+            if not w.live:
+                raise not_found(
+                    f"{w.describe()} was restored after a controller restart; register again"
+                )
             w.last_seen = time.monotonic()
             return w
 

@@ -137,7 +137,9 @@ class EventHub:
     def __init__(self, board: GatherBoard) -> None:
         self._lock = threading.Lock()
         self._streams: dict[str, Stream[pb.VersionEvent]] = {}
-        self._event_ids = itertools.count(1)
+        # Ids go on rising across controller restarts (microseconds since the epoch at
+        # start): a client drops events whose id is not above the last one it handled.
+        self._event_ids = itertools.count(time.time_ns() // 1000)
         self._waiting: dict[int, tuple[Gather, str]] = {}  # event id -> (gather, worker id)
         self.board = board
 
