@@ -116,8 +116,9 @@ class ExecReport:
     """What one refit of one slot did: bytes and seconds per message, and totals.
 
     phases: seconds of the refit's phases (check_start_s: storage check and thread start;
-    local_s: local copies from sources; messages_s: waiting for the messages after that),
-    so fixed per-refit overhead is visible next to the bytes.
+    local_s: local copies from sources; messages_s: waiting for the messages after that;
+    with messages, pack_s / unpack_s / recv_wait_s summed over chunks), so fixed per-refit
+    overhead and the staging cost are visible next to the bytes.
     """
 
     slot: int
@@ -555,6 +556,7 @@ class Executor:
         stats: dict[tuple[str, int], MessageStat] = {}
         started: dict[tuple[str, int], float] = {}
         is_cuda = self.device.type == "cuda"
+        busy = {"pack_s": 0.0, "unpack_s": 0.0, "recv_wait_s": 0.0}  # summed per thread
 
         def fail(e: BaseException) -> None:
             with lock:
@@ -642,7 +644,9 @@ class Executor:
                         zc = self._zc_send[id(ch)]
                         if zc is None:
                             buf = self.pool.acquire("send", deadline, abort, describe(ch, "send"))
+                            tp = time.monotonic()
                             self._pack(ch, buf)
+                            busy["pack_s"] += time.monotonic() - tp
                             if buf.is_cuda:
                                 torch.cuda.current_stream(buf.device).synchronize()
                             if self._reads_source[id(ch)]:
@@ -695,13 +699,17 @@ class Executor:
             partial: dict[Copy, torch.Tensor] = {}
             try:
                 while (item := recv_q.get()) is not None:
+                    tw = time.monotonic()
                     try:
                         item.work.wait(deadline - time.monotonic())
                     except Exception as e:
                         raise ExecutionError(f"{describe(item.chunk, 'recv')}: {e}") from e
+                    tu = time.monotonic()
+                    busy["recv_wait_s"] += tu - tw
                     if item.staged:
                         try:
                             self._unpack(item.chunk, item.buf, partial)
+                            busy["unpack_s"] += time.monotonic() - tu
                         except Exception as e:
                             raise ExecutionError(
                                 f"{describe(item.chunk, 'recv')}: unpack failed: {e}"
@@ -770,6 +778,8 @@ class Executor:
             torch.cuda.current_stream(self.device).synchronize()
         t1 = time.monotonic()
         phases["messages_s"] = t1 - tj
+        if has_messages:
+            phases.update(busy)
         report.seconds = t1 - t0
         report.staging_peak_bytes = self.pool.peak_bytes
         report.messages = sorted(stats.values(), key=lambda s: (s.direction, s.id))

@@ -345,6 +345,7 @@ def _memcpy_seconds(handle, nbytes: int, device: str, timeout_s: float) -> float
         )
         probe = handle.probe(timeout_s, memcpy=chunk, repeat=repeat, device=dev)
         times.append(probe.result(timeout_s)["seconds"])
+    handle.probe(timeout_s, release=True).result(timeout_s)
     return statistics.median(times) * nbytes / (chunk * repeat)
 
 

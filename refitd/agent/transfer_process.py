@@ -200,10 +200,17 @@ class _TransferState:
     def probe(self, cmd: dict) -> dict:
         """Raw reference for benchmarks, in seconds: per peer one large contiguous buffer
         sent (or received) `repeat` times ({"sends"/"recvs": {rank: [nbytes, repeat]}}), or
-        one large memcpy ({"memcpy": nbytes, "repeat": n}). "prepare" only allocates."""
+        one large memcpy ({"memcpy": nbytes, "repeat": n}). "prepare" only allocates (and
+        drops other buffers); buffers live until {"release": True}, so freeing them is never
+        timed."""
+        if cmd.get("release"):
+            self.probe_bufs.clear()
+            return {}
         if "memcpy" in cmd:
             n, repeat = cmd["memcpy"], cmd.get("repeat", 1)
             dev = torch.device(cmd.get("device", "cpu"))
+            if cmd.get("prepare"):
+                self.probe_bufs = {k: v for k, v in self.probe_bufs.items() if k[0] == "m"}
             a = self.probe_bufs.get(("m", 0))
             if a is None or a.numel() != n or a.device != dev:
                 a = self.probe_bufs[("m", 0)] = _probe_buffer(n, dev)
@@ -211,7 +218,6 @@ class _TransferState:
             b = self.probe_bufs[("m", 1)]
             if cmd.get("prepare"):
                 return {}
-            self.probe_bufs.clear()
             t0 = time.monotonic()
             for _ in range(repeat):
                 b.copy_(a)
@@ -222,6 +228,9 @@ class _TransferState:
             raise TransportError("probe needs a connected transport")
         want = [("s", int(p), n, r) for p, (n, r) in cmd["sends"].items()]
         want += [("r", int(p), n, r) for p, (n, r) in cmd["recvs"].items()]
+        if cmd.get("prepare"):
+            keep = {(kind, peer) for kind, peer, _, _ in want}
+            self.probe_bufs = {k: v for k, v in self.probe_bufs.items() if k in keep}
         for kind, peer, n, _ in want:
             buf = self.probe_bufs.get((kind, peer))
             if buf is None or buf.numel() != n:
@@ -242,7 +251,6 @@ class _TransferState:
                     works.append(self.transport.irecv(buf, peer, tag))
         for w in works:
             w.wait(cmd["timeout_s"] - (time.monotonic() - t0))
-        self.probe_bufs.clear()
         return {"seconds": time.monotonic() - t0}
 
     def close(self) -> None:

@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dst", type=parse_layout, default=None, help="tp=N (default: slots)")
     parser.add_argument("--staging", type=parse_bytes, default=parse_bytes("256MiB"))
     parser.add_argument("--bucket", type=parse_bytes, default=parse_bytes("64MiB"))
+    parser.add_argument(
+        "--wire-chunk", type=parse_bytes, default=None, help="executor chunk (default: its own)"
+    )
     parser.add_argument("--tensor-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
     parser.add_argument("--ref-chunk", type=parse_bytes, default=parse_bytes("512MiB"))
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -212,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
                 prog.to_bytes(),
                 {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
                 staging_bytes=args.staging,
+                wire_chunk=args.wire_chunk,
             )
 
         def refit(refit_id: int) -> tuple[float, list[dict]]:
@@ -254,6 +258,10 @@ def run(args: argparse.Namespace) -> int:
             "staged_chunks": sum(m["staged_chunks"] for r in reports for m in r["messages"]),
             "wire_over_bf16": round(plan.stats.remote_bytes / max(1, model_bytes), 4),
             "relay_bytes": plan.stats.relay_bytes,
+            "phases_max": {
+                k: round(max(r["phases"].get(k, 0.0) for r in reports), 4)
+                for k in reports[0]["phases"]
+            },
             "slots": len(slots),
             "verified": ok,
         }
@@ -281,7 +289,9 @@ def _reference(args, handles, plan, rank_of, reports) -> float:
         pend = [h.probe(args.timeout, **size) for h, size in zip(handles, sizes, strict=True)]
         for p in pend:
             p.result(args.timeout)
-        return time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        _release(args, handles)
+        return seconds
     pair: dict[tuple[int, int], int] = defaultdict(int)
     for r in reports:
         for m in r["messages"]:
@@ -303,7 +313,15 @@ def _reference(args, handles, plan, rank_of, reports) -> float:
     started = [h.probe(args.timeout, sends=sends, recvs=recvs) for h, sends, recvs in pend]
     for p in started:
         p.result(args.timeout)
-    return time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    _release(args, handles)
+    return seconds
+
+
+def _release(args, handles) -> None:
+    """Free the reference buffers (after the clock stopped)."""
+    for h in handles:
+        h.probe(args.timeout, release=True).result(args.timeout)
 
 
 def _mxfp8_context(
