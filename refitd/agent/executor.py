@@ -726,10 +726,18 @@ class Executor:
                 while recv_q.get() is not None:
                     pass
 
+        def on_device(f: Callable[[], None]) -> Callable[[], None]:
+            def body() -> None:
+                if is_cuda:  # the CUDA current device is per thread
+                    torch.cuda.set_device(self.device)
+                f()
+
+            return body
+
         threads: list[threading.Thread] = []
         if has_messages:
             threads = [
-                threading.Thread(target=f, name=f"refitd-{f.__name__}", daemon=True)
+                threading.Thread(target=on_device(f), name=f"refitd-{f.__name__}", daemon=True)
                 for f in (poster, send_waiter, receiver)
             ]
             for t in threads:
