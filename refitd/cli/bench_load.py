@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 SLOTS_PER_AGENT = 64
+log = logging.getLogger("refitd.bench.load")
 META_HOST = "bench-meta-host"
 META_MODEL = "meta"
 
@@ -49,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inference-layout", default="tp=8,ep=32")
     parser.add_argument("--model-mb", type=float, default=2.0, help="size of the small model")
     parser.add_argument(
-        "--program-threads", type=int, default=4, help="threads for the parallel program build"
+        "--program-threads",
+        type=int,
+        default=0,
+        help="also time every program built by this many threads on a second plan (0: no)",
     )
 
 
@@ -135,13 +140,20 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
         registered: list[str] = []  # appended by the registering threads
 
         def heartbeats() -> None:
-            """Keep the leases: every agent and registered worker heartbeats each second."""
+            """Keep the leases: every agent and registered worker heartbeats each second
+            (the calls of a round in flight together; a refused one is not retried)."""
             while not stop.is_set():
                 t_round = time.monotonic()
-                for aid in agent_ids:
-                    agents.AgentHeartbeat(pb.AgentHeartbeatRequest(agent_id=aid), timeout=30)
-                for wid in list(registered):
-                    refit.Heartbeat(pb.HeartbeatRequest(worker_id=wid), timeout=30)
+                calls = [
+                    agents.AgentHeartbeat.future(pb.AgentHeartbeatRequest(agent_id=a), timeout=30)
+                    for a in agent_ids
+                ] + [
+                    refit.Heartbeat.future(pb.HeartbeatRequest(worker_id=w), timeout=30)
+                    for w in list(registered)
+                ]
+                for c in calls:
+                    if c.exception() is not None:
+                        out.put(("lost", str(c.exception().details())))
                 stop.wait(max(0.0, 1.0 - (time.monotonic() - t_round)))
 
         beat = threading.Thread(target=heartbeats, daemon=True)
@@ -222,6 +234,7 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         t0 = time.perf_counter()
         plan = make_plan(META_MODEL, epoch, s_tab, d_tab, opts)
         t_plan = time.perf_counter() - t0
+        log.warning("bench load: plan from tables %.2f s", t_plan)
         t0 = time.perf_counter()
         plan.load_payload(plan.slots[0])
         t_first = time.perf_counter() - t0
@@ -229,11 +242,15 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         for s in plan.slots:
             plan.load_payload(s)
         t_all = time.perf_counter() - t0 + t_first
-        again = make_plan(META_MODEL, epoch, s_tab, d_tab, opts)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(again.load_payload, again.slots))
-        t_threads = time.perf_counter() - t0
+        log.warning("bench load: %d programs %.2f s", len(plan.slots), t_all)
+        t_threads = 0.0
+        if threads > 1:
+            again = make_plan(META_MODEL, epoch, s_tab, d_tab, opts)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(again.load_payload, again.slots))
+            t_threads = time.perf_counter() - t0
+            del again
         program_mb = sum(len(plan.program_bytes(s)) for s in plan.slots) / 1e6
     finally:
         with reg.lock:
@@ -267,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
     from refitd.demo.run import DEMO_SLOTS, Demo
     from refitd.server.controller import Controller
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     me = psutil.Process()
     data = tempfile.mkdtemp(prefix="refitd-bench-load-")
     settings = Settings(
@@ -309,24 +327,33 @@ def run(args: argparse.Namespace) -> int:
         peers.start()
         t0 = time.perf_counter()
         msg = out.get(timeout=1800)
-        if msg[0] == "error":
-            raise RuntimeError(f"metadata peers failed: {msg[1]}")
+        if msg[0] != "registered":
+            raise RuntimeError(f"metadata peers failed: {msg[0]}: {msg[1]}")
         _, register_s, n_workers, n_specs, n_agents = msg
         wall_register_s = time.perf_counter() - t0
         rss_registered = me.memory_info().rss
+        log.warning("bench load: registered")
         plan_stats = _plan_meta(ctl, args.program_threads)
         rss_planned = me.memory_info().rss
+        log.warning("bench load: planned")
         demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
         demo.start()
         for v in range(1, args.warmup + 1):
             demo.refit(v)
         rss_start = me.memory_info().rss
+        log.warning("bench load: refit loop starts")
         starts, ends, secs = [], [], []
         t_loop = time.perf_counter()
         for v in range(args.warmup + 1, args.warmup + args.refits + 1):
             demo.refit(v)
         loop_s = time.perf_counter() - t_loop
         rss_end = me.memory_info().rss
+        lost = []  # refused heartbeats: a metadata worker's lease expired
+        while not out.empty():
+            lost.append(out.get())
+        with ctl.registry.lock:
+            meta_alive = len(ctl.registry.model(META_MODEL).pools)
+            meta_live = sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
         for r in ctl.refits.history:
             d = r.to_json()
             if d.get("model") != "demo-gpt" or d.get("state") != "committed":
@@ -343,6 +370,9 @@ def run(args: argparse.Namespace) -> int:
             "bench": "load",
             "meta_model": f"{args.preset} trainer {args.trainer_layout} + 2 pools {args.inference_layout}",
             "meta_workers": n_workers,
+            "meta_workers_registered_at_end": meta_live,
+            "meta_pools_at_end": meta_alive,
+            "meta_heartbeats_refused": len(lost),
             "meta_agents": n_agents,
             "meta_worlds": list(_worlds(args.workers)),
             "meta_specs": n_specs,
