@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(
         f"{'case':22} {'runs':>4} {'hit':>4} {'hangs':>5} {'torn':>4} {'lost':>4} "
-        f"{'recov med s':>11} {'recov max s':>11}",
+        f"{'back med s':>10} {'recov med s':>11} {'recov max s':>11}",
         flush=True,
     )
     try:
@@ -67,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
                 if args.verbose or r.hangs or r.torn or r.lost or r.recovery_s is None:
                     print(
                         f"  {role}:{phase} run {i + 1}: hit={r.hit} hangs={r.hangs} "
-                        f"torn={r.torn} lost={r.lost} recovery_s={r.recovery_s} {r.notes}",
+                        f"torn={r.torn} lost={r.lost} back_s={r.back_s} recovery_s={r.recovery_s} "
+                        f"{r.notes}",
                         file=sys.stderr,
                     )
             rec = [r.recovery_s for r in results if r.recovery_s is not None]
+            back = [r.back_s for r in results if r.back_s is not None]
             rows.append(
                 {
                     "case": f"{role}:{phase}",
@@ -79,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
                     "hangs": sum(r.hangs for r in results),
                     "torn": sum(r.torn for r in results),
                     "lost": sum(r.lost for r in results),
+                    "back_median_s": statistics.median(back) if back else None,
                     "recovery_median_s": statistics.median(rec) if rec else None,
                     "recovery_max_s": max(rec) if rec else None,
                     "recovered": len(rec),
@@ -115,6 +118,7 @@ def _print_row(row: dict) -> None:
 
     print(
         f"{row['case']:22} {row['runs']:>4} {row['hit']:>4} {row['hangs']:>5} {row['torn']:>4} "
-        f"{row['lost']:>4} {sec(row['recovery_median_s']):>11} {sec(row['recovery_max_s']):>11}",
+        f"{row['lost']:>4} {sec(row['back_median_s']):>10} {sec(row['recovery_median_s']):>11} "
+        f"{sec(row['recovery_max_s']):>11}",
         flush=True,
     )

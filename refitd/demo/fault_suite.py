@@ -124,7 +124,8 @@ class RunResult:
     hangs: int = 0
     torn: int = 0
     lost: int = 0
-    recovery_s: float | None = None
+    recovery_s: float | None = None  # restart -> next committed refit on every rank
+    back_s: float | None = None  # restart -> the member registered (connected) again
     notes: list[str] = field(default_factory=list)
 
 
@@ -278,6 +279,7 @@ class FaultSuite:
         self.say = say
         self.cluster: Cluster | None = None
         self.healthy = False  # the last run ended with a committed refit on every rank
+        self.killed_at = 0.0
 
     def ensure(self) -> Cluster:
         if self.cluster is not None and self.healthy:
@@ -322,12 +324,16 @@ class FaultSuite:
         res.hangs += sum(1 for s in states.values() if s is None)
         if res.hangs:
             res.notes.append(f"v{v} hung: {states}")
-        restart = time.monotonic()
+        # The agent restarts a transfer process at once: time it from the kill.
+        restart = self.killed_at if role == "transfer" else time.monotonic()
         self._restart(c, role, victim)
         if role == "controller":
             res.lost += self._check_persisted(c, committed0, res)
         try:
+            if role == "agent":
+                c.wait_for("agent slots back", lambda: c.slots_connected() == 2, 60)
             c.wait_for("members back", c.ranks_ready, RECOVERY_DEADLINE_S)
+            res.back_s = time.monotonic() - restart
         except RuntimeError as err:
             res.notes.append(str(err))
         v_next, ok = c.refit(max(1.0, RECOVERY_DEADLINE_S - (time.monotonic() - restart)))
@@ -351,6 +357,7 @@ class FaultSuite:
                 "controller": c.controller}.get(role)  # fmt: skip
 
     def _kill(self, c: Cluster, role: str, victim: Child | None) -> None:
+        self.killed_at = time.monotonic()
         if role == "transfer":
             procs = c.transfer_processes()
             if procs:
