@@ -98,6 +98,7 @@ class DirectResolver:
 class ExecutorConfig:
     staging_bytes: int = DEFAULT_STAGING_BYTES
     wire_chunk: int = WIRE_CHUNK
+    staged_chunk: int | None = None  # chunk of segments that go through staging
 
 
 @dataclass
@@ -175,11 +176,21 @@ class Chunk:
 
 
 def chunk_message(
-    m: Message, src_dtype: Callable[[Copy], str], wire_chunk: int = WIRE_CHUNK
+    m: Message,
+    src_dtype: Callable[[Copy], str],
+    wire_chunk: int = WIRE_CHUNK,
+    staged_chunk: int | None = None,
+    lands_direct: Callable[[Copy], bool] | None = None,
 ) -> list[Chunk]:
-    """Cut a message into chunks; both ends compute the same list from the program."""
-    if wire_chunk % 16:
-        raise ValueError("wire_chunk must be a multiple of 16")
+    """Cut a message into chunks; both ends compute the same list from the program.
+
+    A segment that lands straight in its destination (lands_direct, decided from the specs)
+    is cut at wire_chunk; other segments, and groups of small segments, at staged_chunk
+    (default wire_chunk): a small staged chunk is still in cache when it is unpacked.
+    """
+    staged_chunk = staged_chunk or wire_chunk
+    if wire_chunk % 16 or staged_chunk % 16:
+        raise ValueError("wire_chunk and staged_chunk must be multiples of 16")
     chunks: list[Chunk] = []
     group: list[Piece] = []
     group_start = 0
@@ -196,13 +207,14 @@ def chunk_message(
         dt = src_dtype(c)
         total = segment_nbytes(c.wire, c.shape, dt)
         payload = math.prod(c.shape) * dtype_size(dt) if c.wire == RAW else total
-        if total > wire_chunk:
+        size = wire_chunk if lands_direct is None or lands_direct(c) else staged_chunk
+        if total > size:
             flush()
-            for s in range(0, payload, wire_chunk):
-                n = min(wire_chunk, payload - s)
+            for s in range(0, payload, size):
+                n = min(size, payload - s)
                 chunks.append(Chunk(m, len(chunks), n, (Piece(c, s, n, 0, payload == n),)))
         else:
-            if group and off + total - group_start > wire_chunk:
+            if group and off + total - group_start > staged_chunk:
                 flush()
             if not group:
                 group_start = off
@@ -331,9 +343,12 @@ class Executor:
         for c in self.recv_chunks:
             steps.setdefault(c.key, ([], []))[1].append(c)
         self._steps = [steps[k] for k in sorted(steps)]
-        self.pool = StagingPool(self.config.staging_bytes, self.config.wire_chunk, self.device)
         self._zc_send = {id(c): self._zero_copy_send(c) for c in self.send_chunks}
         self._zc_recv = {id(c): self._zero_copy_recv(c) for c in self.recv_chunks}
+        staged = [c.nbytes for c in self.send_chunks if self._zc_send[id(c)] is None]
+        staged += [c.nbytes for c in self.recv_chunks if self._zc_recv[id(c)] is None]
+        buf_bytes = -(-max(staged, default=16) // 16) * 16
+        self.pool = StagingPool(self.config.staging_bytes, buf_bytes, self.device)
         # relays: a copy reading a destination tensor of this slot (see the module docstring)
         self._dest_tensors = frozenset(
             [c.dst_tensor for m in program.recvs for c in m.copies]
@@ -404,8 +419,28 @@ class Executor:
     def _chunks(self, messages: Iterable[Message]) -> list[Chunk]:
         out: list[Chunk] = []
         for m in messages:
-            out += chunk_message(m, self._src_dtype, self.config.wire_chunk)
+            out += chunk_message(
+                m,
+                self._src_dtype,
+                self.config.wire_chunk,
+                self.config.staged_chunk,
+                self._lands_direct,
+            )
         return out
+
+    def _lands_direct(self, c: Copy) -> bool:
+        """Whether the plan says this copy can be received in place: raw wire into a plain
+        destination of the source dtype whose block is contiguous (from the specs only, so
+        sender and receiver agree)."""
+        if c.wire != RAW:
+            return False
+        d = self.program.tensors.get(c.dst_tensor)
+        if d is None or d.storage != PLAIN or d.dtype != self._src_dtype(c):
+            return False
+        dims = [(n, f) for n, f in zip(c.shape, d.local_shape, strict=True)]
+        while dims and dims[0][0] == 1:
+            dims.pop(0)
+        return all(n == f for n, f in dims[1:])
 
     @staticmethod
     def _by_message(chunks: list[Chunk]) -> list[list[Chunk]]:

@@ -135,6 +135,7 @@ class _TransferState:
         config = ExecutorConfig(
             staging_bytes=cmd.get("staging_bytes") or DEFAULT_STAGING_BYTES,
             wire_chunk=cmd.get("wire_chunk") or WIRE_CHUNK,
+            staged_chunk=cmd.get("staged_chunk"),
         )
         self.loaded[cmd["digest"]] = _Loaded(program, resolver, config)
         return {}
@@ -443,10 +444,12 @@ class TransferProcessHandle:
         staging_bytes: int | None = None,
         timeout_s: float = 60.0,
         wire_chunk: int | None = None,
+        staged_chunk: int | None = None,
     ) -> None:
         """Cache a slot program and the memory handles of its tensors under `digest`.
 
-        wire_chunk must be the same on every slot of a plan (default executor.WIRE_CHUNK).
+        wire_chunk and staged_chunk must be the same on every slot of a plan (defaults:
+        executor.ExecutorConfig's).
         """
         self.request(
             "load",
@@ -455,6 +458,7 @@ class TransferProcessHandle:
             handles=handles,
             staging_bytes=staging_bytes,
             wire_chunk=wire_chunk,
+            staged_chunk=staged_chunk,
         ).result(timeout_s)
 
     def unload(self, digest: str, timeout_s: float = 30.0) -> bool:

@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wire-chunk", type=parse_bytes, default=None, help="executor chunk (default: its own)"
     )
+    parser.add_argument(
+        "--staged-chunk",
+        type=parse_bytes,
+        default=None,
+        help="chunk of staged segments (default: the executor's)",
+    )
     parser.add_argument("--tensor-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
     parser.add_argument("--ref-chunk", type=parse_bytes, default=parse_bytes("512MiB"))
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -216,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
                 {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
                 staging_bytes=args.staging,
                 wire_chunk=args.wire_chunk,
+                staged_chunk=args.staged_chunk,
             )
 
         def refit(refit_id: int) -> tuple[float, list[dict]]:

@@ -56,6 +56,11 @@ def test_chunks_split_large_segments_and_group_small_ones() -> None:
     chunks = chunk_message(m, lambda c: "bfloat16", wire_chunk=64)
     assert [c.nbytes for c in chunks] == [52, 64, 64, 64, 8, 20]
     assert [len(c.pieces) for c in chunks] == [2, 1, 1, 1, 1, 1]
+    # segments that are staged on landing are cut finer; direct ones keep wire_chunk
+    staged = chunk_message(m, lambda c: "bfloat16", 64, 32, lambda c: c is not big)
+    assert [c.nbytes for c in staged] == [20, 20, 32, 32, 32, 32, 32, 32, 8, 20]
+    direct = chunk_message(m, lambda c: "bfloat16", 64, 32, lambda c: True)
+    assert [c.nbytes for c in direct] == [20, 20, 64, 64, 64, 8, 20]
     with pytest.raises(ExecutionError, match="plan says"):
         chunk_message(Message(1, 0, 0, 1, copies, 5), lambda c: "bfloat16", 64)
 
