@@ -140,21 +140,24 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
         registered: list[str] = []  # appended by the registering threads
 
         def heartbeats() -> None:
-            """Keep the leases: every agent and registered worker heartbeats each second
-            (the calls of a round in flight together; a refused one is not retried)."""
+            """Keep the leases: every agent and registered worker heartbeats once a second,
+            spread over the second in 20 groups (as independent workers' timers are); the
+            calls of a group are in flight together; a refused one is reported."""
+            groups = 20
             while not stop.is_set():
                 t_round = time.monotonic()
                 calls = [
-                    agents.AgentHeartbeat.future(pb.AgentHeartbeatRequest(agent_id=a), timeout=30)
-                    for a in agent_ids
-                ] + [
-                    refit.Heartbeat.future(pb.HeartbeatRequest(worker_id=w), timeout=30)
-                    for w in list(registered)
+                    (agents.AgentHeartbeat, pb.AgentHeartbeatRequest(agent_id=a)) for a in agent_ids
                 ]
-                for c in calls:
-                    if c.exception() is not None:
-                        out.put(("lost", str(c.exception().details())))
-                stop.wait(max(0.0, 1.0 - (time.monotonic() - t_round)))
+                calls += [
+                    (refit.Heartbeat, pb.HeartbeatRequest(worker_id=w)) for w in list(registered)
+                ]
+                for g in range(groups):
+                    futures = [f.future(req, timeout=30) for f, req in calls[g::groups]]
+                    for c in futures:
+                        if c.exception() is not None:
+                            out.put(("lost", str(c.exception().details())))
+                    stop.wait(max(0.0, t_round + (g + 1) / groups - time.monotonic()))
 
         beat = threading.Thread(target=heartbeats, daemon=True)
         beat.start()
