@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(
         f"{'case':22} {'runs':>4} {'hit':>4} {'hangs':>5} {'torn':>4} {'lost':>4} "
-        f"{'back med s':>10} {'recov med s':>11} {'recov max s':>11}",
+        f"{'unrec':>5} {'back med s':>10} {'recov med s':>11} {'recov max s':>11}",
         flush=True,
     )
     try:
@@ -118,7 +118,7 @@ def _print_row(row: dict) -> None:
 
     print(
         f"{row['case']:22} {row['runs']:>4} {row['hit']:>4} {row['hangs']:>5} {row['torn']:>4} "
-        f"{row['lost']:>4} {sec(row['back_median_s']):>10} {sec(row['recovery_median_s']):>11} "
+        f"{row['lost']:>4} {row['runs'] - row['recovered']:>5} {sec(row['back_median_s']):>10} {sec(row['recovery_median_s']):>11} "
         f"{sec(row['recovery_max_s']):>11}",
         flush=True,
     )

@@ -81,6 +81,10 @@ class ControllerConnection:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.enable_retries", 0),
+                # Reconnect soon after a controller restart (the default backoff grows to
+                # minutes; workers and agents re-register only once they are connected).
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000),
             ],
         )
         self.refit = pb_grpc.RefitStub(self.channel)

@@ -326,10 +326,10 @@ class FaultSuite:
             res.notes.append(f"v{v} hung: {states}")
         # The agent restarts a transfer process at once: time it from the kill.
         restart = self.killed_at if role == "transfer" else time.monotonic()
-        self._restart(c, role, victim)
-        if role == "controller":
-            res.lost += self._check_persisted(c, committed0, res)
         try:
+            self._restart(c, role, victim)
+            if role == "controller":
+                res.lost += self._check_persisted(c, committed0, res)
             if role == "agent":
                 c.wait_for("agent slots back", lambda: c.slots_connected() == 2, 60)
             c.wait_for("members back", c.ranks_ready, RECOVERY_DEADLINE_S)
@@ -341,7 +341,6 @@ class FaultSuite:
         if ok:
             res.recovery_s = time.monotonic() - restart
         else:
-            res.hangs += 1
             res.notes.append("no committed refit after the restart")
         after = c.model_status() or {}
         if after.get("committed_version", 0) < committed0 or (ok and v_next <= committed0):
@@ -391,6 +390,8 @@ class FaultSuite:
             return  # the agent restarts its transfer process itself
         assert victim is not None
         victim.start()
+        if role in ("trainer", "inference") and victim.expect("ready", 60) is None:
+            raise RuntimeError(f"fault suite: restarted {victim.name} never registered")
         if role == "controller":
             c.wait_for("controller up", lambda: c.status() is not None, 60)
 
