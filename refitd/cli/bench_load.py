@@ -139,10 +139,14 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
             ).start()
         registered: list[str] = []  # appended by the registering threads
 
+        def refused(call: Any) -> None:
+            if call.exception() is not None:
+                out.put(("lost", str(call.exception().details())))
+
         def heartbeats() -> None:
             """Keep the leases: every agent and registered worker heartbeats once a second,
-            spread over the second in 20 groups (as independent workers' timers are); the
-            calls of a group are in flight together; a refused one is reported."""
+            spread over the second in 20 groups (as independent workers' timers are); a refused
+            one is reported."""
             groups = 20
             while not stop.is_set():
                 t_round = time.monotonic()
@@ -152,11 +156,9 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
                 calls += [
                     (refit.Heartbeat, pb.HeartbeatRequest(worker_id=w)) for w in list(registered)
                 ]
-                for g in range(groups):
-                    futures = [f.future(req, timeout=30) for f, req in calls[g::groups]]
-                    for c in futures:
-                        if c.exception() is not None:
-                            out.put(("lost", str(c.exception().details())))
+                for g in range(groups):  # sent without waiting for the answers
+                    for f, req in calls[g::groups]:
+                        f.future(req, timeout=30).add_done_callback(refused)
                     stop.wait(max(0.0, t_round + (g + 1) / groups - time.monotonic()))
 
         beat = threading.Thread(target=heartbeats, daemon=True)
