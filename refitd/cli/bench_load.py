@@ -139,27 +139,23 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
             ).start()
         registered: list[str] = []  # appended by the registering threads
 
-        def refused(call: Any) -> None:
-            if call.exception() is not None:
-                out.put(("lost", str(call.exception().details())))
-
         def heartbeats() -> None:
             """Keep the leases: every agent and registered worker heartbeats once a second,
-            spread over the second in 20 groups (as independent workers' timers are); a refused
-            one is reported."""
-            groups = 20
+            the calls of a round in flight together (spreading them over the second lost
+            leases under the registration load on 2 cores); a refused one is reported."""
             while not stop.is_set():
                 t_round = time.monotonic()
                 calls = [
-                    (agents.AgentHeartbeat, pb.AgentHeartbeatRequest(agent_id=a)) for a in agent_ids
+                    agents.AgentHeartbeat.future(pb.AgentHeartbeatRequest(agent_id=a), timeout=30)
+                    for a in agent_ids
+                ] + [
+                    refit.Heartbeat.future(pb.HeartbeatRequest(worker_id=w), timeout=30)
+                    for w in list(registered)
                 ]
-                calls += [
-                    (refit.Heartbeat, pb.HeartbeatRequest(worker_id=w)) for w in list(registered)
-                ]
-                for g in range(groups):  # sent without waiting for the answers
-                    for f, req in calls[g::groups]:
-                        f.future(req, timeout=30).add_done_callback(refused)
-                    stop.wait(max(0.0, t_round + (g + 1) / groups - time.monotonic()))
+                for c in calls:
+                    if c.exception() is not None:
+                        out.put(("lost", str(c.exception().details())))
+                stop.wait(max(0.0, 1.0 - (time.monotonic() - t_round)))
 
         beat = threading.Thread(target=heartbeats, daemon=True)
         beat.start()
