@@ -211,7 +211,11 @@ class AgentControlServicer(pbg.AgentControlServicer):
             if self.c.refits.agents.close(
                 stream, f"agent {agent.agent_id} on host {agent.host!r} disconnected"
             ):
-                agent.connected = False
+                # A re-registration on this stream (a transfer process restarted) replaced
+                # the registry's Agent: mark the current one, or its slots stay claimed.
+                with self.c.registry.lock:
+                    current = self.c.registry.agents.get(agent.agent_id, agent)
+                    agent.connected = current.connected = False
             self.c.refresh_gauges()
 
     @_translated
