@@ -26,7 +26,9 @@ def test_ipc_refit_on_cpu_shared_memory(storage: str) -> None:
 def test_bench_gpu_imports_without_grpc_pydantic_fastapi() -> None:
     blocked = "import sys\nfor m in ('grpc', 'pydantic', 'fastapi', 'pydantic_settings'):\n"
     blocked += "    sys.modules[m] = None\n"
-    code = blocked + "from refitd.cli.main import main\nraise SystemExit(main(['bench', 'gpu', '--help']))"
+    # everything `run` imports, then the CLI's parser
+    code = blocked + "import refitd.agent.gpu_checks, refitd.formats.gpu_bench\n"
+    code += "from refitd.cli.main import main\nraise SystemExit(main(['bench', 'gpu', '--help']))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "--gib" in r.stdout
