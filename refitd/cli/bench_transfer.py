@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ref-chunk", type=parse_bytes, default=parse_bytes("512MiB"))
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
-        "--repeat", type=int, default=3, help="timed refits, each followed by a reference run"
+        "--repeat", type=int, default=5, help="timed refits, each followed by a reference run"
     )
     parser.add_argument("--relay", action="store_true", help="plan with relays")
 
