@@ -16,9 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from refitd.client import Placed
+from refitd.client.tensors import dtensor_placement
 from refitd.client.worker import Registration, WorkerClient
-from refitd.plan.errors import PlanError
-from refitd.plan.layouts import Replicate, Shard, dtensor_layout
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -66,39 +65,9 @@ def register_dtensor_module(client: WorkerClient, module: torch.nn.Module) -> Re
 
 
 def _from_dtensor(name: str, canonical: str, dt: torch.Tensor) -> Placed | None:
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-
-    mesh = dt.device_mesh
-    coord = mesh.get_coordinate()
-    where = f"tensor {name!r} (mesh {tuple(mesh.shape)}, coordinate {coord})"
-    if coord is None:
-        raise PlanError(f"{where}: this process is not part of the DTensor's device mesh")
-    placements: list[Shard | Replicate] = []
-    for p in dt.placements:
-        # _StridedShard (FSDP2 over a TP-sharded dim) subclasses Shard but interleaves.
-        if type(p) is TorchShard:
-            placements.append(Shard(p.dim))
-        elif isinstance(p, TorchReplicate):
-            placements.append(Replicate())
-        else:
-            raise PlanError(
-                f"{where}: placement {p} is not supported (Shard and Replicate are); "
-                "a Partial tensor must be reduced before registration"
-            )
-    layout = dtensor_layout(tuple(dt.shape), tuple(mesh.shape), tuple(coord), placements, where)
-    # The DTensor's own local tensor object: in-place updates (optimizer steps) write to
-    # it, and registration must move *its* storage. to_local() may return an alias (for a
-    # Parameter it does), whose storage move the DTensor would never see.
-    local = getattr(dt, "_local_tensor", None)
-    if local is None:
-        with torch.no_grad():
-            local = dt.to_local()
-    if tuple(local.shape) != layout.local_shape:
-        raise PlanError(
-            f"{where}: local shard has shape {tuple(local.shape)}, its placements "
-            f"{dt.placements} describe {layout.local_shape}"
-        )
+    coord = dt.device_mesh.get_coordinate()
+    where = f"tensor {name!r} (mesh {tuple(dt.device_mesh.shape)}, coordinate {coord})"
+    local, layout = dtensor_placement(dt, where)
     if local.numel() == 0:
         return None
     return Placed(local, tuple(dt.shape), layout.boxes, canonical=canonical)

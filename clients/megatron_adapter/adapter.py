@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from refitd.client import Placed
+from refitd.client import MegatronCoords, Placed
+from refitd.client.tensors import megatron_placement
 from refitd.client.worker import Registration, WorkerClient
 from refitd.plan.errors import PlanError
-from refitd.plan.layouts import check_layout, megatron_layout
+from refitd.plan.layouts import check_layout
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _GROUPED_EXPERT = re.compile(r"^(?P<head>.*\.experts\..*\.(?:weight|bias))(?P<k>\d+)$")
@@ -168,39 +169,14 @@ def canonical_megatron_name(
 
 
 def _placed(t: torch.Tensor, canonical: str, state: ParallelState, where: str) -> Placed:
-    expert = getattr(t, "allreduce", True) is False
-    rank, size = (state.etp_rank, state.etp_size) if expert else (state.tp_rank, state.tp_size)
-    sharded = bool(getattr(t, "tensor_model_parallel", False)) and size > 1
-    gshape = list(t.shape)
-    dim: int | None = None
-    stride = 1
-    sizes: list[int] | None = None
-    if sharded:
-        dim = int(getattr(t, "partition_dim", -1))
-        if not 0 <= dim < t.dim():
-            raise PlanError(
-                f"{where}: partition_dim {dim} out of range for local shape {tuple(t.shape)}"
-            )
-        stride = int(getattr(t, "partition_stride", 1))
-        local_sizes = getattr(t, "partition_sizes", None)
-        if local_sizes is not None:
-            if sum(local_sizes) != t.shape[dim]:
-                raise PlanError(
-                    f"{where}: partition_sizes {list(local_sizes)} sum to {sum(local_sizes)}, "
-                    f"the local dim {dim} has {t.shape[dim]}"
-                )
-            sizes = [int(s) * size for s in local_sizes]
-        gshape[dim] *= size
-    layout = megatron_layout(
-        gshape,
-        tp_rank=rank,
-        tp_size=size,
-        partition_dim=dim,
-        partition_stride=stride,
-        partition_sizes=sizes,
-        label=where,
+    coords = MegatronCoords(
+        tp_rank=state.tp_rank,
+        tp_size=state.tp_size,
+        etp_rank=state.etp_rank,
+        etp_size=state.etp_size,
     )
-    check_layout(tuple(gshape), layout, where)
+    gshape, layout = megatron_placement(t, coords, where)
+    check_layout(gshape, layout, where)
     # The parameter itself: registration moves its storage in place, so the module keeps
     # training on the registered memory.
-    return Placed(t, tuple(gshape), layout.boxes, canonical=canonical)
+    return Placed(t, gshape, layout.boxes, canonical=canonical)

@@ -130,17 +130,40 @@ def _one(name: str, value: Any, coords: MegatronCoords, label: str) -> LocalTens
         return _from_dtensor(name, value, coords, where)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: expected a tensor, DTensor or Placed, got {type(value)}")
-    t = value
-    expert = getattr(value, "allreduce", True) is False
+    gshape, layout = megatron_placement(value, coords, where)
+    return _checked(name, canonical_name(name, coords), value, gshape, layout, where)
+
+
+def megatron_placement(
+    t: torch.Tensor, coords: MegatronCoords, where: str
+) -> tuple[tuple[int, ...], Layout]:
+    """Global shape and layout of a local tensor from the attributes Megatron sets on it.
+
+    `tensor_model_parallel`, `partition_dim`, `partition_stride` and the local
+    `partition_sizes`; `allreduce = False` marks an expert parameter, split over expert-TP.
+    A tensor without them (or with a parallel size of 1) is a whole replica.
+    """
+    expert = getattr(t, "allreduce", True) is False
     rank, size = (coords.etp_rank, coords.etp_size) if expert else (coords.tp_rank, coords.tp_size)
-    tp = bool(getattr(value, "tensor_model_parallel", False)) and size > 1
-    dim = getattr(value, "partition_dim", -1) if tp else None
-    stride = int(getattr(value, "partition_stride", 1)) if tp else 1
-    sizes = getattr(value, "partition_sizes", None) if tp else None
     gshape = list(t.shape)
-    if dim is not None:
+    dim: int | None = None
+    stride = 1
+    sizes: list[int] | None = None
+    if bool(getattr(t, "tensor_model_parallel", False)) and size > 1:
+        dim = int(getattr(t, "partition_dim", -1))
         if not 0 <= dim < t.dim():
-            raise PlanError(f"{where}: partition_dim {dim} out of range for shape {tuple(t.shape)}")
+            raise PlanError(
+                f"{where}: partition_dim {dim} out of range for local shape {tuple(t.shape)}"
+            )
+        stride = int(getattr(t, "partition_stride", 1))
+        local_sizes = getattr(t, "partition_sizes", None)
+        if local_sizes is not None:
+            if sum(local_sizes) != t.shape[dim]:
+                raise PlanError(
+                    f"{where}: partition_sizes {list(local_sizes)} sum to {sum(local_sizes)}, "
+                    f"the local dim {dim} has {t.shape[dim]}"
+                )
+            sizes = [int(x) * size for x in local_sizes]
         gshape[dim] *= size
     layout = megatron_layout(
         gshape,
@@ -148,10 +171,10 @@ def _one(name: str, value: Any, coords: MegatronCoords, label: str) -> LocalTens
         tp_size=size,
         partition_dim=dim,
         partition_stride=stride,
-        partition_sizes=None if sizes is None else [s * size for s in sizes],
+        partition_sizes=sizes,
         label=where,
     )
-    return _checked(name, canonical_name(name, coords), value, tuple(gshape), layout, where)
+    return tuple(gshape), layout
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -159,29 +182,46 @@ def _is_dtensor(value: Any) -> bool:
 
 
 def _from_dtensor(name: str, dt: Any, coords: MegatronCoords, where: str) -> LocalTensor:
+    local, layout = dtensor_placement(dt, where)
+    return _checked(name, canonical_name(name, coords), local, tuple(dt.shape), layout, where)
+
+
+def dtensor_placement(dt: Any, where: str) -> tuple[torch.Tensor, Layout]:
+    """The local shard of a DTensor and its layout (mesh coordinate and placements).
+
+    The local tensor is the DTensor's own: optimizer steps write to it in place, so its
+    storage is the one registration moves (to_local() can hand back an alias of it).
+    """
     from torch.distributed.tensor import Replicate as TorchReplicate
     from torch.distributed.tensor import Shard as TorchShard
 
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise PlanError(f"{where}: this process is not part of the DTensor's device mesh")
     placements: list[Shard | Replicate] = []
     for p in dt.placements:
-        if isinstance(p, TorchShard):
+        # _StridedShard (FSDP2 over a TP-sharded dim) subclasses Shard but interleaves.
+        if type(p) is TorchShard:
             placements.append(Shard(p.dim))
         elif isinstance(p, TorchReplicate):
             placements.append(Replicate())
         else:
-            raise PlanError(f"{where}: DTensor placement {p} is not supported (Shard/Replicate)")
-    mesh = dt.device_mesh
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise PlanError(f"{where}: this process is not part of the DTensor's mesh")
+            raise PlanError(
+                f"{where}: placement {p} is not supported (Shard and Replicate are); "
+                "a Partial tensor must be reduced before registration"
+            )
     layout = dtensor_layout(tuple(dt.shape), tuple(mesh.shape), tuple(coord), placements, where)
-    # The DTensor's own local tensor: optimizer steps write to it in place, so its storage is
-    # the one to move into shared memory (to_local() can hand back an alias of it).
     local = getattr(dt, "_local_tensor", None)
     if local is None:
         with torch.no_grad():
             local = dt.to_local()
-    return _checked(name, canonical_name(name, coords), local, tuple(dt.shape), layout, where)
+    if tuple(local.shape) != layout.local_shape:
+        raise PlanError(
+            f"{where}: local shard has shape {tuple(local.shape)}, its placements "
+            f"{dt.placements} describe {layout.local_shape}"
+        )
+    return local, layout
 
 
 def _checked(
