@@ -38,7 +38,6 @@ import torch
 from refitd.agent.segments import (
     ResolvedTensor,
     block,
-    copy_block,
     decode_segment,
     encode_segment,
     is_plain_raw,
@@ -458,19 +457,19 @@ class Executor:
         out: list[tuple[Callable[[], None], int]] = []
         for c in copies:
             nbytes = math.prod(c.shape) * dtype_size(self._src_dtype(c))
-            src, dst = self._tensors[c.src_tensor], self._tensors[c.dst_tensor]
+            dst = self._tensors[c.dst_tensor]
             if dst.storage == PLAIN:
                 out.append(
                     (functools.partial(self._dst_block(c).copy_, self._src_block(c)), nbytes)
                 )
-            else:
+            else:  # quantized storage: the destination region (views) is cut once too
+                from refitd import formats
+
+                region = formats.dest_region(
+                    dst.storage, dst.data, dst.scales, c.dst_offset, c.shape, name=dst.name
+                )
                 out.append(
-                    (
-                        functools.partial(
-                            copy_block, src, c.src_offset, dst, c.dst_offset, c.shape
-                        ),
-                        nbytes,
-                    )
+                    (functools.partial(formats.copy_region, self._src_block(c), region), nbytes)
                 )
         return out
 

@@ -75,19 +75,3 @@ def decode_segment(
     region = f.dest_region(dst.storage, dst.data, dst.scales, offset, shape)
     name = str(src_dtype).removeprefix("torch.")
     f.decode_segment(wire, seg, shape, name, region)
-
-
-def copy_block(
-    src: ResolvedTensor,
-    src_offset: tuple[int, ...],
-    dst: ResolvedTensor,
-    dst_offset: tuple[int, ...],
-    shape: tuple[int, ...],
-) -> None:
-    """A local copy (same slot), casting or quantizing for the destination's storage."""
-    s = block(src.data, src_offset, shape)
-    if dst.storage == PLAIN:
-        block(dst.data, dst_offset, shape).copy_(s)
-        return
-    f = _formats()
-    f.copy_region(s, f.dest_region(dst.storage, dst.data, dst.scales, dst_offset, shape))
