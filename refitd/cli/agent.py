@@ -7,11 +7,9 @@ controller restarts.
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 import socket
-import threading
 
+from refitd.cli.daemon_process import start_daemon_process
 from refitd.config import add_settings_arguments, settings_from_args
 
 AGENT_FIELDS = [
@@ -47,12 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from refitd.agent.node import run_node_agent
 
     settings = settings_from_args(args)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = start_daemon_process(settings)
     host = args.hostname or socket.gethostname()
     devices = settings.local_devices()
     print(f"refitd agent {host}: slots {','.join(devices)} -> controller {settings.controller}")

@@ -7,11 +7,10 @@ other agent; its transfer processes are child processes. Runs until SIGINT/SIGTE
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 import socket
 import threading
 
+from refitd.cli.daemon_process import start_daemon_process
 from refitd.config import add_settings_arguments, settings_from_args
 
 
@@ -28,12 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from refitd.server.controller import Controller
 
     settings = settings_from_args(args)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = start_daemon_process(settings)
     controller = Controller(settings).start()
     agent_thread = None
     devices = settings.local_devices()
