@@ -28,6 +28,7 @@ from refitd.formats.fp8 import (
     check_buffer,
     check_float,
     e4m3_values,
+    quantize_into,
     to_e4m3_codes,
 )
 from refitd.plan.wire import FP8_TILE, fp8_block_scale_shape
@@ -75,20 +76,15 @@ def fp8_block_quantize_into(x: torch.Tensor, data: torch.Tensor, scales: torch.T
     data: uint8 of x.shape; scales: float32 of fp8_block_scale_shape(x.shape). CUDA tensors
     use the Triton kernel when triton is installed (bit-identical to this reference).
     """
-    check_float(x, "fp8_block quantize")
-    check_buffer(data, torch.uint8, tuple(x.shape), "fp8_block data")
-    check_buffer(scales, torch.float32, fp8_block_scale_shape(tuple(x.shape)), "fp8_block scales")
-    if x.numel() == 0:
-        return
-    if x.is_cuda:
-        from refitd.formats import triton_kernels
-
-        if triton_kernels.available():
-            triton_kernels.fp8_block_quantize_into(x, data, scales)
-            return
-    codes, scale = _reference_codes(x)
-    data.copy_(codes)
-    scales.copy_(scale)
+    quantize_into(
+        "fp8_block",
+        x,
+        data,
+        scales,
+        torch.float32,
+        fp8_block_scale_shape(tuple(x.shape)),
+        _reference_codes,
+    )
 
 
 def fp8_block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from refitd.formats.fp8 import (
     check_buffer,
     check_float,
     e4m3_values,
+    quantize_into,
     to_e4m3_codes,
 )
 from refitd.plan.wire import MXFP8_BLOCK, mxfp8_scale_shape
@@ -68,20 +69,9 @@ def mxfp8_quantize_into(x: torch.Tensor, data: torch.Tensor, scales: torch.Tenso
     data: uint8 of x.shape; scales: uint8 of mxfp8_scale_shape(x.shape). CUDA tensors use
     the Triton kernel when triton is installed (bit-identical to this reference).
     """
-    check_float(x, "mxfp8 quantize")
-    check_buffer(data, torch.uint8, tuple(x.shape), "mxfp8 data")
-    check_buffer(scales, torch.uint8, mxfp8_scale_shape(tuple(x.shape)), "mxfp8 scales")
-    if x.numel() == 0:
-        return
-    if x.is_cuda:
-        from refitd.formats import triton_kernels
-
-        if triton_kernels.available():
-            triton_kernels.mxfp8_quantize_into(x, data, scales)
-            return
-    codes, scale_bytes = _reference_codes(x)
-    data.copy_(codes)
-    scales.copy_(scale_bytes)
+    quantize_into(
+        "mxfp8", x, data, scales, torch.uint8, mxfp8_scale_shape(tuple(x.shape)), _reference_codes
+    )
 
 
 def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
