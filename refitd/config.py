@@ -101,7 +101,12 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, description="worker/agent heartbeat period")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="lease: dead after this silence")
     # --- controller internals
-    grpc_workers: int = Field(256, ge=8, description="gRPC thread pool (streams hold a thread)")
+    grpc_workers: int = Field(
+        2048,
+        ge=8,
+        description="gRPC thread pool, started on demand: every open stream (a subscribed "
+        "inference rank, a node agent) holds one, so keep it above their count plus 64",
+    )
     max_message_bytes: int = Field(256 * MiB, gt=0, description="gRPC max message size")
     plan_cache_size: int = Field(16, ge=1, description="plans kept (LRU, keyed by digest)")
     history_size: int = Field(50, ge=1, description="last refits shown in status")

@@ -19,6 +19,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -80,7 +81,7 @@ def _registration(spec: Any, memory: bytes) -> Any:
     )
 
 
-def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None:
+def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) -> None:
     """Peer process: light agents for every metadata slot, then every metadata worker
     registered through gRPC (4 client threads); reports ("registered", seconds)."""
     import grpc
@@ -89,6 +90,16 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
     from refitd._proto import refitd_pb2_grpc as pbg
     from refitd.plan.presets import Parallel, build_specs, preset
 
+    # The bench closes (or sends on) its end of the pipe to stop this process: unlike a
+    # multiprocessing Event, that never blocks the bench when this process is gone.
+    stop = threading.Event()
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            peer_stop.recv()
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
     try:
         ch = grpc.insecure_channel(
             address,
@@ -137,25 +148,40 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
             threading.Thread(
                 target=drain, args=(resp.agent_id, s, list(resp.slot_ids)), daemon=True
             ).start()
-        registered: list[str] = []  # appended by the registering threads
+        registered: list[str] = []  # trainer ranks, appended by the registering threads
+        subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
 
         def heartbeats() -> None:
-            """Keep the leases: every agent and registered worker heartbeats once a second,
-            the calls of a round in flight together (spreading them over the second lost
-            leases under the registration load on 2 cores); a refused one is reported."""
-            while not stop.is_set():
-                t_round = time.monotonic()
-                calls = [
-                    agents.AgentHeartbeat.future(pb.AgentHeartbeatRequest(agent_id=a), timeout=30)
-                    for a in agent_ids
-                ] + [
-                    refit.Heartbeat.future(pb.HeartbeatRequest(worker_id=w), timeout=30)
-                    for w in list(registered)
-                ]
-                for c in calls:
-                    if c.exception() is not None:
-                        out.put(("lost", str(c.exception().details())))
-                stop.wait(max(0.0, 1.0 - (time.monotonic() - t_round)))
+            """Keep the leases as the client library does: agents and trainer ranks
+            heartbeat once a second each, at their own phase (spread over the second, as
+            independent processes do); inference ranks hold a subscription instead. A
+            refused heartbeat is reported."""
+            tick = 0.01
+            done = 0
+            t0 = time.monotonic()
+
+            def check(call: Any) -> None:
+                if call.exception() is not None:
+                    out.put(("lost", str(call.exception().details())))
+
+            while not stop.wait(max(0.0, t0 + (done + 1) * tick - time.monotonic())):
+                done += 1
+                members = [("agent", a) for a in agent_ids] + [("worker", w) for w in registered]
+                per_tick = len(members) * tick
+                first = int((done - 1) * per_tick) % max(1, len(members))
+                count = int(done * per_tick) - int((done - 1) * per_tick)
+                for i in range(count):
+                    kind, member = members[(first + i) % len(members)]
+                    call = (
+                        agents.AgentHeartbeat.future(
+                            pb.AgentHeartbeatRequest(agent_id=member), timeout=30
+                        )
+                        if kind == "agent"
+                        else refit.Heartbeat.future(
+                            pb.HeartbeatRequest(worker_id=member), timeout=30
+                        )
+                    )
+                    call.add_done_callback(check)
 
         beat = threading.Thread(target=heartbeats, daemon=True)
         beat.start()
@@ -193,7 +219,11 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
                 )
 
         def register(req: Any) -> None:
-            registered.append(refit.RegisterWorker(req, timeout=300).worker_id)
+            worker_id = refit.RegisterWorker(req, timeout=300).worker_id
+            if req.role == pb.ROLE_SOURCE:
+                registered.append(worker_id)
+            else:
+                subscriptions.append(refit.Subscribe(pb.SubscribeRequest(worker_id=worker_id)))
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(4) as ex:
@@ -201,7 +231,7 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, stop: Any) -> None
         out.put(("registered", time.perf_counter() - t0, len(requests), n_specs, n_agents))
         stop.wait()
         beat.join(30)
-        for s in streams:
+        for s in streams + subscriptions:
             s.cancel()
     except Exception as e:  # reported to the bench, which fails with it
         out.put(("error", repr(e)))
@@ -306,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
     )
     agent.start()
     ctx = mp.get_context("spawn")
-    out, peer_stop = ctx.Queue(), ctx.Event()
+    out = ctx.Queue()
+    peer_stop, bench_stop = ctx.Pipe(duplex=False)
     rss_idle = me.memory_info().rss
     peers = ctx.Process(
         target=_meta_peers,
@@ -327,16 +358,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         peers.start()
         t0 = time.perf_counter()
-        msg = out.get(timeout=1800)
+        lost = []  # refused heartbeats: a metadata worker's lease expired
+        while (msg := out.get(timeout=1800))[0] == "lost":
+            lost.append(msg)
         if msg[0] != "registered":
             raise RuntimeError(f"metadata peers failed: {msg[0]}: {msg[1]}")
         _, register_s, n_workers, n_specs, n_agents = msg
         wall_register_s = time.perf_counter() - t0
         rss_registered = me.memory_info().rss
         log.warning("bench load: registered")
-        plan_stats = _plan_meta(ctl, args.program_threads)
-        rss_planned = me.memory_info().rss
-        log.warning("bench load: planned")
         demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
         demo.start()
         for v in range(1, args.warmup + 1):
@@ -349,12 +379,16 @@ def run(args: argparse.Namespace) -> int:
             demo.refit(v)
         loop_s = time.perf_counter() - t_loop
         rss_end = me.memory_info().rss
-        lost = []  # refused heartbeats: a metadata worker's lease expired
         while not out.empty():
             lost.append(out.get())
         with ctl.registry.lock:
             meta_alive = len(ctl.registry.model(META_MODEL).pools)
             meta_live = sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
+        # After the loop: building all 1024 programs is minutes of Python in this process,
+        # which would hold up the leases of the metadata workers during the loop.
+        plan_stats = _plan_meta(ctl, args.program_threads)
+        rss_planned = me.memory_info().rss
+        log.warning("bench load: planned")
         for r in ctl.refits.history:
             d = r.to_json()
             if d.get("model") != "demo-gpt" or d.get("state") != "committed":
@@ -374,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
             "meta_workers_registered_at_end": meta_live,
             "meta_pools_at_end": meta_alive,
             "meta_heartbeats_refused": len(lost),
+            "meta_heartbeats_refused_first": [m[1] for m in lost[:3]],
             "meta_agents": n_agents,
             "meta_worlds": list(_worlds(args.workers)),
             "meta_specs": n_specs,
@@ -409,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if demo is not None:
             demo.close()
-        peer_stop.set()
+        bench_stop.send(None)
         peers.join(10)
         if peers.is_alive():
             peers.kill()

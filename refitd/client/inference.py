@@ -98,7 +98,9 @@ class InferenceClient(WorkerClient):
         self.committed_version: int = 0
         self.state = "new"
         self._last_event = 0
+        self._paused_in = 0  # refit id of the PAUSE being honoured
         self._stream: grpc.Future | None = None
+        self._streaming = threading.Event()  # the subscription is open (and holds the lease)
         self._listener: threading.Thread | None = None
 
     def subscribe(self) -> Iterator[VersionEvent]:
@@ -116,6 +118,7 @@ class InferenceClient(WorkerClient):
                 self._stream = stream
                 for raw in stream:
                     backoff.reset()
+                    self._streaming.set()
                     event = self._handle(raw)
                     if event is not None:
                         yield event
@@ -133,6 +136,7 @@ class InferenceClient(WorkerClient):
                     return
                 log.info("%s: subscription waits: %s", self._who(), err)
             finally:
+                self._streaming.clear()
                 self._stream = None
             backoff.wait(self._closed)
 
@@ -156,6 +160,12 @@ class InferenceClient(WorkerClient):
 
     def _held_version(self) -> int:
         return self.served_version or 0 if self.state == "serving" else 0
+
+    def _lease_by_stream(self) -> bool:
+        return self._streaming.is_set()
+
+    def _paused_refit_id(self) -> int:
+        return self._paused_in if self.state == "paused" else 0
 
     def _handle(self, raw: pb.VersionEvent) -> VersionEvent | None:
         if raw.event_id and raw.event_id <= self._last_event:

@@ -198,6 +198,8 @@ class WorkerClient:
             interval = self._registration.heartbeat_interval_s if self._registration else 1.0
             if self._closed.wait(interval):
                 return
+            if self._lease_by_stream():
+                continue
             try:
                 self._conn.call(
                     self._conn.refit.Heartbeat,
@@ -214,6 +216,11 @@ class WorkerClient:
                 else:
                     log.debug("%s: %s", self._who(), err)
                     backoff.wait(self._closed)
+
+    def _lease_by_stream(self) -> bool:
+        """True while an open server stream keeps this worker's lease (no heartbeat needed:
+        the controller counts the stream, and gRPC keepalive watches the connection)."""
+        return False
 
     def _try_reregister(self) -> None:
         try:

@@ -145,6 +145,10 @@ class RefitServicer(pbg.RefitServicer):
                 raise invalid(
                     f"field worker_id: {w.describe()} is a source; only destination ranks subscribe"
                 )
+            if not w.live:  # its client registers again (it heartbeats only while unsubscribed)
+                raise not_found(
+                    f"{w.describe()} was restored after a controller restart; register again"
+                )
         except ControlError as e:
             context.abort(GRPC_CODES[e.kind], e.message)
         stream = self.c.refits.events.open(w.worker_id)
@@ -156,7 +160,9 @@ class RefitServicer(pbg.RefitServicer):
                 pool=w.pool,
                 version=self.c.registry.model(w.model).committed_version,
             )
+            self.c.refits.settle_paused([w.worker_id])  # queued behind HELLO, ids above it
             yield hello
+            context.add_callback(stream.wake)  # the client went away: end at once
             yield from stream.items(lambda: context.is_active() and not self.c.stopping)
         finally:
             self.c.refits.events.close(stream, f"{w.describe()} closed its subscription")
@@ -207,6 +213,7 @@ class AgentControlServicer(pbg.AgentControlServicer):
         agent.connected = True
         self.c.refresh_gauges()
         try:
+            context.add_callback(stream.wake)
             yield from stream.items(lambda: context.is_active() and not self.c.stopping)
         finally:
             if self.c.refits.agents.close(

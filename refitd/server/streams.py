@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 from refitd._proto import refitd_pb2 as pb
 
 T = TypeVar("T")
-POLL_S = 0.5
+POLL_S = 2.0  # a stream rechecks its RPC this often; a terminated RPC wakes it at once
 
 
 class PhaseFailed(Exception):
@@ -43,15 +43,22 @@ class Stream(Generic[T]):
         self.closed.set()
         self._queue.put(None)
 
+    def wake(self) -> None:
+        """Make `items` recheck `alive()` now (its RPC terminated)."""
+        self._queue.put(None)
+
     def items(self, alive: Callable[[], bool]) -> Iterator[T]:
-        """Yield queued items until closed or `alive()` turns false (client gone)."""
+        """Yield queued items until closed or `alive()` turns false (client gone); idle
+        streams wake every POLL_S only, so thousands of them cost little."""
         while not self.closed.is_set() and alive():
             try:
                 item = self._queue.get(timeout=POLL_S)
             except queue.Empty:
                 continue
             if item is None:
-                return
+                if self.closed.is_set() or not alive():
+                    return
+                continue
             yield item
 
 
