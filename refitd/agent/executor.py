@@ -605,6 +605,12 @@ class Executor:
             src = src.to(torch_dtype(d.dtype))
         return self._summer.tensor(src)
 
+    def _source_sums(self, ch: Chunk, sums: _Sums) -> None:
+        """Sender checksums of the raw copies that start in ch (encoded ones: _pack)."""
+        for p in ch.pieces:
+            if p.seg_start == 0 and p.copy.wire == RAW:
+                sums[(ch.message.id, p.copy)] = self._source_sum(p.copy)
+
     def _landed(self, ch: Chunk, sums: _Sums) -> None:
         """Read back the destination blocks of the plain raw copies that ch completes."""
         for p in ch.pieces:
@@ -769,11 +775,9 @@ class Executor:
                         need = self._relay_wait.get(id(ch))
                         if need is not None:
                             wait_recvs(need, describe(ch, "send"))
-                        if send_sums is not None:
-                            for p in ch.pieces:
-                                if p.seg_start == 0 and p.copy.wire == RAW:
-                                    send_sums[(ch.message.id, p.copy)] = self._source_sum(p.copy)
                         zc = self._zc_send[id(ch)]
+                        if zc is None and send_sums is not None:
+                            self._source_sums(ch, send_sums)
                         if zc is None:
                             buf = self.pool.acquire("send", deadline, abort, describe(ch, "send"))
                             tp = time.monotonic()
@@ -818,8 +822,11 @@ class Executor:
                     stats[key].seconds = time.monotonic() - started[key]
                     if item.staged:
                         self.pool.release("send", item.buf)
-                    elif self._reads_source[id(item.chunk)]:
-                        source_done()
+                    else:
+                        if send_sums is not None:  # zero-copy: overlaps the next sends
+                            self._source_sums(item.chunk, send_sums)
+                        if self._reads_source[id(item.chunk)]:
+                            source_done()
                     with lock:
                         report.sent_bytes += item.chunk.nbytes
             except BaseException as e:
