@@ -63,10 +63,10 @@ class Checksummer:
         nw = n // 4
         total = torch.zeros((), dtype=torch.int64, device=flat.device)
         words = flat[: nw * 4].view(torch.int32)
-        if n % 4:
+        if n % 4:  # the zero-padded tail word, at position nw
             tail = torch.zeros(4, dtype=torch.uint8, device=flat.device)
             tail[: n % 4] = flat[nw * 4 :]
-            words = torch.cat([words, tail.view(torch.int32)])
+            total += tail.view(torch.int32).to(torch.int64)[0] * _signed(2 * A * nw + 1)
         block = self._block(flat.device)
         for b0 in range(0, words.numel(), block):
             x = words[b0 : b0 + block].to(torch.int64)
