@@ -116,7 +116,7 @@ class TensorRegistration(_message.Message):
     def __init__(self, name: _Optional[str] = ..., canonical: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., local_shape: _Optional[_Iterable[int]] = ..., boxes: _Optional[_Iterable[_Union[Box, _Mapping]]] = ..., storage: _Optional[str] = ..., memory: _Optional[bytes] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("model", "pool", "role", "rank", "pool_size", "host", "device", "pid", "tensors", "worker_id", "held_version")
+    __slots__ = ("model", "pool", "role", "rank", "pool_size", "host", "device", "pid", "tensors", "worker_id", "held_version", "paused_refit_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class RegisterWorkerRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HELD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     pool: str
     role: Role
@@ -139,7 +140,8 @@ class RegisterWorkerRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorRegistration]
     worker_id: str
     held_version: int
-    def __init__(self, model: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., pool_size: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRegistration, _Mapping]]] = ..., worker_id: _Optional[str] = ..., held_version: _Optional[int] = ...) -> None: ...
+    paused_refit_id: int
+    def __init__(self, model: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., pool_size: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRegistration, _Mapping]]] = ..., worker_id: _Optional[str] = ..., held_version: _Optional[int] = ..., paused_refit_id: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "epoch", "current_version", "slot", "heartbeat_interval_s")

@@ -29,8 +29,10 @@ import grpc
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.client.connection import Backoff, ControllerConnection, RefitError, security_for
+from refitd.transport.memory import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
+REAP_INTERVAL_S = 60.0  # orphaned shared memory of killed workers is unlinked this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +251,18 @@ class NodeAgent:
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
         self._reporter.start()
         self._restarted = threading.Event()
+        self._reaped_at = 0.0
+
+    def reap_shared_memory(self, every_s: float = REAP_INTERVAL_S) -> None:
+        """Unlink shared memory left by workers that died without closing (kill -9)."""
+        if time.monotonic() - self._reaped_at < every_s:
+            return
+        self._reaped_at = time.monotonic()
+        removed = reap_orphaned_segments()
+        if removed:
+            log.info(
+                "agent %s: unlinked %d orphaned shared-memory segments", self.host, len(removed)
+            )
 
     # ------------------------------------------------------------------ main loop
     def run(self, stop: threading.Event) -> None:
@@ -418,6 +432,7 @@ class NodeAgent:
         Also the lease of the transfer processes: a dead one is restarted."""
         last_ok = time.monotonic()
         while not stop.wait(self.heartbeat_interval_s) and stream.is_active():
+            self.reap_shared_memory()
             for runner in list(self.slots.values()):
                 if not runner.alive():
                     runner.submit("restart")

@@ -11,7 +11,9 @@ A rank that registers without weights (a restart) is caught up by the controller
 COMMIT of the committed version arrive without the trainer refitting, copied from another
 inference replica that serves it (when one covers this rank's shards; otherwise the rank
 gets the next version). Re-registering after a controller restart tells the controller the
-version already served, so nothing is copied again.
+version already served, so nothing is copied again, or the refit whose PAUSE the rank is
+still in: the controller then says how that refit ended (COMMIT, ABORT or INCOMPLETE), so a
+rank paused by a controller that died mid-refit is never left paused without an answer.
 """
 
 from __future__ import annotations
@@ -172,7 +174,17 @@ class InferenceClient(WorkerClient):
             if event.kind == "hello":
                 self.committed_version = event.version
             elif event.kind == "pause":
+                if self.state == "paused" and self._paused_in != event.refit_id:
+                    # Never told how the earlier refit ended: it may have written.
+                    log.warning(
+                        "%s: paused again without an answer for refit %s: the weights "
+                        "are untrusted until the next commit",
+                        self._who(),
+                        self._paused_in,
+                    )
+                    self.served_version = None
                 self.state = "paused"
+                self._paused_in = event.refit_id
                 if self._pause:
                     self._pause(event.version)
                 moved = self.moved_tensors()

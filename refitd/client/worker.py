@@ -133,7 +133,7 @@ class WorkerClient:
             log.info("%s: registered again after storage moved: %s", self._who(), moved)
             return moved
 
-    def _send_registration(self, held_version: int = 0) -> Registration:
+    def _send_registration(self, held_version: int = 0, paused_refit_id: int = 0) -> Registration:
         req = pb.RegisterWorkerRequest(
             model=self.model,
             pool=self.pool,
@@ -146,6 +146,7 @@ class WorkerClient:
             tensors=[self._tensor_pb(t) for t in self._tensors],
             worker_id=self._registration.worker_id if self._registration else "",
             held_version=held_version,
+            paused_refit_id=paused_refit_id,
         )
         resp = self._conn.call(self._conn.refit.RegisterWorker, req, f"register {self._who()}")
         self._registration = Registration(
@@ -179,10 +180,15 @@ class WorkerClient:
         with self._lock:
             # The registration (and worker_id) stays readable meanwhile: the subscription
             # and Refit threads use it, and the controller takes the id back.
-            return self._send_registration(self._held_version())
+            return self._send_registration(self._held_version(), self._paused_refit_id())
 
     def _held_version(self) -> int:
         """Committed version the registered memory holds intact (0: none or unknown)."""
+        return 0
+
+    def _paused_refit_id(self) -> int:
+        """Refit whose PAUSE this worker is still in (0: none): after a controller restart
+        the controller tells it how that refit ended."""
         return 0
 
     # ------------------------------------------------------------------ liveness

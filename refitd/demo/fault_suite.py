@@ -5,7 +5,9 @@ transfer process, node agent or controller) at one phase of a refit (before it, 
 transfer, during the commit), waits for every surviving trainer call to end (a call past its
 timeout plus a margin is a hang), restarts the member and times the next committed refit.
 Inference ranks check every version they serve bit for bit (a mismatch is a torn version);
-a controller restart must keep the committed version, its version log and the pools.
+a rank paused by a refit must be told how it ended (commit, abort or incomplete) before it
+is paused again (an untold pause: a rank left paused without an answer); a controller
+restart must keep the committed version, its version log and the pools.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class RunResult:
     hangs: int = 0
     torn: int = 0
     lost: int = 0
+    untold: int = 0  # pauses never answered with commit, abort or incomplete
     recovery_s: float | None = None  # restart -> next committed refit on every rank
     back_s: float | None = None  # restart -> the member registered (connected) again
     notes: list[str] = field(default_factory=list)
@@ -142,6 +145,8 @@ class Cluster:
         self.address = f"127.0.0.1:{self.grpc_port}"
         self.version = 0
         self.mismatches: list[str] = []
+        self.untold: list[str] = []
+        self.open_pause: dict[str, int] = {}  # inference child -> version it is paused in
         self._lock = threading.Lock()
         self.controller: Child | None = None
         self.agent: Child | None = None
@@ -151,9 +156,20 @@ class Cluster:
         self._stub = pbg.RefitStub(self._channel)
 
     def _on_line(self, name: str, line: str) -> None:
-        if "mismatch" in line:
-            with self._lock:
+        word, _, rest = line.partition(" ")
+        with self._lock:
+            if "mismatch" in line:
                 self.mismatches.append(f"{name}: {line}")
+            if word == "paused":
+                old = self.open_pause.get(name)
+                if old is not None:
+                    self.untold.append(
+                        f"{name}: paused for {rest.split()[0]} while still "
+                        f"paused for {old} (never told how it ended)"
+                    )
+                self.open_pause[name] = int(rest.split()[0])
+            elif word in ("commit", "abort", "incomplete", "ready"):
+                self.open_pause.pop(name, None)
 
     def _child(self, name: str, cmd: list[str]) -> Child:
         return Child(name, cmd, self.dir / f"{name}.log", self._on_line)
@@ -309,6 +325,7 @@ class FaultSuite:
         before = c.model_status() or {}
         committed0 = before.get("committed_version", 0)
         torn0 = len(c.mismatches)
+        untold0 = len(c.untold)
         victim = self._victim(c, role)
         survivors = [t for t in c.trainers if t is not victim]
         v = c.version + 1
@@ -349,6 +366,9 @@ class FaultSuite:
         res.torn = len(c.mismatches) - torn0
         if res.torn:
             res.notes.extend(c.mismatches[torn0:])
+        res.untold = len(c.untold) - untold0
+        if res.untold:
+            res.notes.extend(c.untold[untold0:])
         return res
 
     def _victim(self, c: Cluster, role: str) -> Child | None:

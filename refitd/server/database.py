@@ -72,6 +72,18 @@ class RefitRecord:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class RefitOutcome:
+    """How one refit ended (or that it still runs), as the database knows it."""
+
+    refit_id: int
+    model: str
+    version: int
+    state: str  # a refits.state value; "committed" when its version is logged under it
+    reason: str
+    wrote: bool  # weights may have been written in place
+
+
 class StateDB:
     """SQLite state of one controller (path: data_dir/refitd.sqlite3)."""
 
@@ -176,6 +188,53 @@ class StateDB:
             "INSERT INTO refits(model, version, state, reason, started_at, bytes, seconds, "
             "detail) VALUES (?,?,?,?,?,?,?,?)",
             (model, version, state, "", time.time(), 0, 0.0, "{}"),
+        )
+
+    def mark_refit(self, refit_id: int, state: str) -> None:
+        """Record a refit's state while it runs ("transferring": writes may begin), so a
+        controller that dies mid-refit knows after its restart whether weights were written."""
+        self._write("UPDATE refits SET state=? WHERE refit_id=?", (state, refit_id))
+
+    def interrupt_unfinished(self, reason: str) -> list[int]:
+        """At start-up: refits a previous controller left running end as failed (detail
+        `wrote`: whether they had begun writing), or committed when their version made it
+        into the version log; returns the ids of the failed ones."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT r.refit_id, r.state, r.detail, v.refit_id FROM refits r LEFT JOIN "
+                "versions v ON v.model = r.model AND v.version = r.version "
+                "WHERE r.state NOT IN ('committed', 'failed', 'superseded')"
+            ).fetchall()
+            failed = []
+            for refit_id, state, detail, logged in rows:
+                doc = {**json.loads(detail), "wrote": state == "transferring"}
+                if logged == refit_id:
+                    end, why = "committed", ""
+                else:
+                    end, why = "failed", f"{reason} (it was {state})"
+                    failed.append(refit_id)
+                self._db.execute(
+                    "UPDATE refits SET state=?, reason=?, ended_at=?, detail=? WHERE refit_id=?",
+                    (end, why, time.time(), json.dumps(doc), refit_id),
+                )
+        return failed
+
+    def refit_outcome(self, refit_id: int) -> RefitOutcome | None:
+        """How a refit ended, for a rank it paused: committed when its version is in the
+        version log under this refit, else its state and whether it began writing."""
+        rows = self._read(
+            "SELECT r.model, r.version, r.state, r.reason, r.detail, v.refit_id FROM refits r "
+            "LEFT JOIN versions v ON v.model = r.model AND v.version = r.version "
+            "WHERE r.refit_id=?",
+            (refit_id,),
+        )
+        if not rows:
+            return None
+        model, version, state, reason, detail, logged = rows[0]
+        if logged == refit_id:
+            state = "committed"
+        return RefitOutcome(
+            refit_id, model, version, state, reason, bool(json.loads(detail).get("wrote"))
         )
 
     def end_refit(self, record: RefitRecord) -> None:

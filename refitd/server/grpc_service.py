@@ -16,7 +16,7 @@ import grpc
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
-from refitd.server.errors import ControlError, ErrorKind, invalid
+from refitd.server.errors import ControlError, ErrorKind, invalid, not_found
 from refitd.server.status import status_document
 from refitd.server.validation import (
     check_ack,
@@ -106,6 +106,7 @@ class RefitServicer(pbg.RefitServicer):
         w = self.c.registry.register_worker(request)
         model = self.c.registry.model(w.model)
         self.c.refresh_gauges()
+        self.c.refits.settle_paused([w.worker_id])  # when its stream is open already
         return pb.RegisterWorkerResponse(
             worker_id=w.worker_id,
             epoch=model.epoch,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
@@ -274,6 +275,8 @@ class RefitCoordinator:
         self._data_plane = threading.Lock()
         self._commit_acks: list[CommitAcks] = []
         self._catch_up_tried: set[tuple[str, float, int]] = set()  # (worker, registered, v)
+        for refit_id in db.interrupt_unfinished("the controller restarted during the refit"):
+            log.warning("refit %s was interrupted by a controller restart: failed", refit_id)
         self.history: list[RefitRecord] = list(reversed(db.refits(settings.history_size)))
         self._leases = threading.Thread(target=self._watch_leases, name="refit-leases", daemon=True)
         self._leases.start()
@@ -514,6 +517,7 @@ class RefitCoordinator:
                         self._broadcast(
                             todo, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, ms, paused
                         )
+                self._mark_writing(run)
                 with m.cond:
                     run.start_transfer(ms.readers)
                 wrote = True
@@ -588,6 +592,13 @@ class RefitCoordinator:
             time.sleep(0.2)
         return True
 
+    def _mark_writing(self, run: RefitRun) -> None:
+        """Persisted before the first write: a controller restarted mid-refit then knows the
+        ranks it paused may hold torn weights (INCOMPLETE) rather than untouched ones."""
+        if not run.detail.get("wrote"):
+            run.detail["wrote"] = True
+            self.db.mark_refit(run.refit_id, "transferring")
+
     def _commit(self, m: ModelRefits, run: RefitRun, ms: Membership, last_done: float) -> None:
         """LANDED -> version log -> COMMITTED; COMMIT events go out, acks are settled later."""
         gone = set(w.worker_id for w in ms.dest_workers) - set(
@@ -611,6 +622,8 @@ class RefitCoordinator:
         g = Gather(f"commit of version {run.version}")
         gid = self.board.add(g)
         for w in ms.dest_workers:
+            if w.paused_in == run.refit_id:
+                w.paused_in = 0
             ev = self._event(run, pb.EVENT_KIND_COMMIT)
             ev.pool = w.pool
             self.events.send(w.worker_id, ev, g)
@@ -863,11 +876,13 @@ class RefitCoordinator:
         """Tell paused workers how the refit ended (ABORT: resume; INCOMPLETE: do not serve)."""
         for wid in sorted(worker_ids):
             try:
-                pool = self.registry.worker(wid).pool
+                w = self.registry.worker(wid)
             except ControlError:
                 continue  # gone meanwhile
+            if w.paused_in == run.refit_id:
+                w.paused_in = 0  # told here: settle_paused has nothing left to say
             ev = self._event(run, kind, reason)
-            ev.pool = pool
+            ev.pool = w.pool
             self.events.send(wid, ev, None)
 
     def _broadcast(
@@ -882,6 +897,8 @@ class RefitCoordinator:
         """Send an event to the destination workers and wait for all their acks; those that
         acked are added to `acked` (even when the phase fails: they did pause)."""
         what = "pause" if kind == pb.EVENT_KIND_PAUSE else "commit"
+        if kind == pb.EVENT_KIND_PAUSE:  # an earlier refit's answer goes first on the stream
+            self.settle_paused([w.worker_id for w in workers])
         g, gid = self._gather(f"{what} of version {run.version}", ms)
         sent: list[str] = []
         try:
@@ -1079,6 +1096,7 @@ class RefitCoordinator:
             self._broadcast(
                 behind, pb.EVENT_KIND_PAUSE, run, self.settings.pause_timeout_s, ms, paused
             )
+            self._mark_writing(run)
             with m.cond:
                 run.start_transfer({})
             wrote = True
@@ -1099,6 +1117,46 @@ class RefitCoordinator:
             self._events_to(paused, run, kind, f"catch-up to version {version} failed: {reason}")
             self._finish(m, run, pb.REFIT_STATE_FAILED, f"catch-up: {reason}")
 
+    # ------------------------------------------------------------------ paused re-registrations
+    def settle_paused(self, worker_ids: Iterable[str] | None = None) -> None:
+        """Tell subscribed ranks that re-registered while paused by a refit that has ended
+        (a controller restart, or a lease lost mid-refit) how it ended: COMMIT when its
+        version landed, ABORT when nothing was written, INCOMPLETE when weights may be torn
+        (or the refit is unknown). Refits still running here are settled when they end."""
+        reg = self.registry
+        with reg.lock:
+            pool = reg.workers.values() if worker_ids is None else map(reg.workers.get, worker_ids)
+            waiting = [w for w in pool if w is not None and w.live and w.paused_in]
+        if not waiting:
+            return
+        subscribed = set(self.events.subscribed(w.worker_id for w in waiting))
+        for w in waiting:
+            rid = w.paused_in
+            if w.worker_id not in subscribed:
+                continue
+            outcome = self.db.refit_outcome(rid)
+            if outcome is not None and outcome.state not in ("committed", "failed", "superseded"):
+                continue  # still running: it tells its paused ranks itself
+            ev = pb.VersionEvent(model=w.model, pool=w.pool, refit_id=rid)
+            if outcome is None:
+                ev.kind = pb.EVENT_KIND_INCOMPLETE
+                ev.reason = f"refit {rid} is unknown here: weights written during it are untrusted"
+            elif outcome.state == "committed":
+                ev.kind, ev.version = pb.EVENT_KIND_COMMIT, outcome.version
+                w.holds = outcome.version  # landed in full; a catch-up follows if it is older
+            else:
+                ev.version = outcome.version
+                ev.kind = pb.EVENT_KIND_INCOMPLETE if outcome.wrote else pb.EVENT_KIND_ABORT
+                ev.reason = f"refit {rid} of version {outcome.version} failed: {outcome.reason}"
+            w.paused_in = 0
+            log.warning(
+                "%s re-registered paused by refit %s: sent %s",
+                w.describe(),
+                rid,
+                pb.EventKind.Name(ev.kind),
+            )
+            self.events.send(w.worker_id, ev, None)
+
     # ------------------------------------------------------------------ leases
     def _watch_leases(self) -> None:
         """Expire workers and agents silent for heartbeat_timeout_s; settle COMMIT acks."""
@@ -1108,6 +1166,7 @@ class RefitCoordinator:
             try:
                 self._expire(time.monotonic() - s.heartbeat_timeout_s)
                 self._settle_commit_acks()
+                self.settle_paused()
                 self._find_catch_ups()
             except Exception:
                 log.exception("lease watcher")

@@ -40,6 +40,7 @@ class Worker:
     last_seen: float
     live: bool = True  # False: restored from the database, not re-registered yet
     holds: int = 0  # committed version its registered memory holds (destinations; 0: none)
+    paused_in: int = 0  # refit whose PAUSE it re-registered in, not yet told the outcome
 
     def describe(self) -> str:
         return f"worker {self.worker_id} (rank {self.rank} of pool {self.pool!r})"
@@ -288,6 +289,7 @@ class Registry:
             holds=req.held_version
             if 0 < req.held_version == model.committed_version and role == "destination"
             else 0,
+            paused_in=req.paused_refit_id if live and role == "destination" else 0,
         )
         self.models[req.model] = model
         pool.ranks[req.rank] = worker_id

@@ -183,6 +183,11 @@ def check_worker_header(req: pb.RegisterWorkerRequest) -> str:
     if req.pid < 0:
         raise invalid(f"field pid of {who} must be >= 0, got {req.pid}")
     check_optional_id(req.worker_id, f"field worker_id of {who}")
+    for name in ("held_version", "paused_refit_id"):
+        if getattr(req, name) < 0:
+            raise invalid(f"field {name} of {who} must be >= 0, got {getattr(req, name)}")
+    if req.paused_refit_id and req.role != pb.ROLE_DESTINATION:
+        raise invalid(f"field paused_refit_id of {who}: only destination ranks pause")
     if not req.tensors:
         raise invalid(f"rank {req.rank} of pool {req.pool!r} registers no tensors")
     if len(req.tensors) > MAX_TENSORS:

@@ -8,11 +8,16 @@ Transfer side: `MemoryMapper.map_handle` turns a handle back into a tensor over 
 Every arena owns a small state segment with one word per registered storage. The worker
 marks a word stale when it finds that storage moved (`check_unmoved`) or when it closes, and
 the transfer side refuses stale handles, so moved storage is never read or written stale.
+
+A worker killed with -9 cannot unlink its segments (POSIX shared memory outlives its
+creator), so the creator holds a shared flock on each segment for its lifetime and
+`reap_orphaned_segments` (run by node agents and new arenas) unlinks the ones nobody holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
@@ -145,20 +150,74 @@ class _Segment:
                 f"shared memory segment {name!r} is gone (worker exited or closed its arena); "
                 "the worker must register its tensors again"
             ) from None
+        self._owner_fd: int | None = None
         try:
             if create:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # "my creator lives": released when it dies
                 os.ftruncate(fd, size)
             else:
                 size = os.fstat(fd).st_size
             self.size = size
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if create:
+            self._owner_fd = fd
+        else:
             os.close(fd)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8) if size else torch.empty(0)
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_orphaned_segments(prefix: str = "refitd", shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink this user's `prefix-*-PID-HEX` segments whose creator is gone: no process holds
+    the creator's flock (it dies with the process, in any PID namespace) and PID is not a
+    live process here. Mappings that still use a segment keep it until they unmap."""
+    removed: list[str] = []
+    uid = os.getuid()
+    try:
+        entries = list(os.scandir(shm_dir))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        head, _, tail = entry.name.rpartition("-")
+        _, _, pid = head.rpartition("-")
+        if not entry.name.startswith(prefix + "-") or len(tail) != 12 or not pid.isdigit():
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != uid or _pid_alive(int(pid)):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its creator (or a fork of it) still holds it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+            removed.append(entry.name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _new_segment_name(prefix: str) -> str:
@@ -222,6 +281,7 @@ class SharedTensorArena:
 
     def _state_segment(self) -> _Segment:
         if self._state is None:
+            reap_orphaned_segments()  # a new worker on a host clears what killed ones left
             self._state = _Segment(
                 _new_segment_name(self.prefix + "-state"), self.max_tensors * STATE_WORD, True
             )

@@ -3,7 +3,7 @@
 Each case kills a real process (trainer rank, transfer process, node agent, controller) at
 a refit phase and checks the suite's outcome: the kill landed in that phase, no surviving
 call hung past its timeout, every served version was bit for bit, nothing was lost across
-a controller restart, and a refit committed after the restart (its time is the bench's
+a controller restart, every paused rank was told how its refit ended, and a refit committed after the restart (its time is the bench's
 business: `refitd bench faults`, target under 10 s).
 """
 
@@ -34,6 +34,7 @@ def suite() -> Iterator[FaultSuite]:
         ("transfer", "transfer"),
         ("inference", "commit"),
         ("agent", "before"),
+        ("controller", "transfer"),
         ("controller", "commit"),
     ],
 )
@@ -42,6 +43,7 @@ def test_kill_member_at_phase(suite: FaultSuite, role: str, phase: str) -> None:
     assert r.hit, f"the kill missed the {phase} phase: {r.notes}"
     assert r.hangs == 0, r.notes
     assert r.torn == 0, r.notes
+    assert r.untold == 0, r.notes
     assert r.lost == 0, r.notes
     assert r.recovery_s is not None, r.notes
     assert suite.cluster is not None and not suite.cluster.mismatches
