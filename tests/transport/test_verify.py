@@ -172,6 +172,8 @@ def test_verified_refit_agrees_and_a_stale_sender_checksum_is_named() -> None:
     missing = dict(landed2)
     del missing[mid]
     assert f"message {mid}: no receiver checksum" in str(compare_checksums(plan, sent2, missing))
+    n = plan.stats.messages
+    assert compare_checksums(plan, {}, {}) == f"checksums of {n} of {n} messages were not reported"
 
 
 def _aliased_specs(dst_slot: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
