@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     refit_retry_budget_s: float = Field(
         30.0, ge=0, description="time after a failed attempt within which retries may start"
     )
+    verify_checksums: bool = Field(
+        False,
+        description="verify landed versions: per-message checksums of sources and of what "
+        "landed, compared by the controller (a mismatch fails the attempt)",
+    )
     # --- liveness
     heartbeat_interval_s: float = Field(1.0, gt=0, description="worker/agent heartbeat period")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="lease: dead after this silence")

@@ -347,7 +347,7 @@ class LoadProgramCommand(_message.Message):
     def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., program: _Optional[bytes] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
 
 class ExecuteCommand(_message.Message):
-    __slots__ = ("model", "digest", "slot", "version", "refit_id", "timeout_s", "slots")
+    __slots__ = ("model", "digest", "slot", "version", "refit_id", "timeout_s", "slots", "verify")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class ExecuteCommand(_message.Message):
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     model: str
     digest: str
     slot: int
@@ -362,7 +363,8 @@ class ExecuteCommand(_message.Message):
     refit_id: int
     timeout_s: float
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    verify: bool
+    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., slots: _Optional[_Iterable[int]] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class AbortCommand(_message.Message):
     __slots__ = ("refit_id", "reason")
@@ -387,7 +389,7 @@ class AgentCommand(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., connect: _Optional[_Union[ConnectCommand, _Mapping]] = ..., load: _Optional[_Union[LoadProgramCommand, _Mapping]] = ..., execute: _Optional[_Union[ExecuteCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ...) -> None: ...
 
 class AgentReport(_message.Message):
-    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more")
+    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more", "checksums")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +401,7 @@ class AgentReport(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     slot: int
     command_id: int
@@ -410,7 +413,18 @@ class AgentReport(_message.Message):
     seconds: float
     message: str
     more: _containers.RepeatedCompositeFieldContainer[AgentReport]
-    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ...) -> None: ...
+    checksums: _containers.RepeatedCompositeFieldContainer[MessageChecksum]
+    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[MessageChecksum, _Mapping]]] = ...) -> None: ...
+
+class MessageChecksum(_message.Message):
+    __slots__ = ("message_id", "sent", "checksum")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    message_id: int
+    sent: bool
+    checksum: int
+    def __init__(self, message_id: _Optional[int] = ..., sent: _Optional[bool] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class AgentReportResponse(_message.Message):
     __slots__ = ()

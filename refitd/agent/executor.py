@@ -19,6 +19,14 @@ with relay copies, the poster waits until the receiver has completed (waited and
 every receive of a smaller round; ordinary chunks never wait. Local relay copies run after
 every receive completed. Sources are released once every chunk and local copy reading a
 source tensor is done: relays don't hold the trainer.
+
+Verification (run(verify=True), see checksums.py): the sender checksums each copy's source
+block before the sources are released, the receiver reads each copy's destination block back
+once it landed; both combine a message's copies in order into one checksum per message id,
+returned in ExecReport.checksums for the controller to compare. A copy that the receiver
+decodes (quantized wire or storage) is checked on its wire segment instead (sender after
+encode, receiver before decode). Local copies are compared here (ExecutionError on a
+mismatch); those into quantized storage are not checked.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Protocol
 
 import torch
 
+from refitd.agent.checksums import Checksummer, combine
 from refitd.agent.segments import (
     ResolvedTensor,
     block,
@@ -51,6 +60,9 @@ from refitd.transport.memory import StorageMovedError, torch_dtype
 WIRE_CHUNK = 32 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 TAG_CHUNK_BITS = 12
+
+
+_Sums = dict[tuple[int, Copy], torch.Tensor]  # (message id, copy) -> 0-d int64 checksum
 
 
 class ExecutionError(RuntimeError):
@@ -131,6 +143,8 @@ class ExecReport:
     staging_peak_bytes: int = 0
     messages: list[MessageStat] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    # with verify: {"send": {message id: checksum}, "recv": {...}} (unsigned 64-bit)
+    checksums: dict[str, dict[int, int]] | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -144,6 +158,7 @@ class ExecReport:
             "staging_peak_bytes": self.staging_peak_bytes,
             "messages": [vars(m) for m in self.messages],
             "phases": dict(self.phases),
+            "checksums": self.checksums,
         }
 
 
@@ -365,8 +380,11 @@ class Executor:
             for ch in m_chunks:
                 self._reads_source[id(ch)] = any(not self._is_relay(p.copy) for p in ch.pieces)
         self._source_chunks = sum(self._reads_source.values())
-        self._local_direct = self._local_plan([c for c in program.local if not self._is_relay(c)])
-        self._local_relay = self._local_plan([c for c in program.local if self._is_relay(c)])
+        self._local_direct_copies = [c for c in program.local if not self._is_relay(c)]
+        self._local_relay_copies = [c for c in program.local if self._is_relay(c)]
+        self._local_direct = self._local_plan(self._local_direct_copies)
+        self._local_relay = self._local_plan(self._local_relay_copies)
+        self._summer = Checksummer()
 
     # ------------------------------------------------------------------ preparation
     def _indices(self) -> set[int]:
@@ -518,7 +536,8 @@ class Executor:
         return None
 
     # ------------------------------------------------------------------ pack / unpack
-    def _pack(self, ch: Chunk, buf: torch.Tensor) -> None:
+    def _pack(self, ch: Chunk, buf: torch.Tensor, sums: _Sums | None = None) -> None:
+        """Pack a chunk; with `sums`, checksum encoded segments (raw ones: _source_sum)."""
         for p in ch.pieces:
             c = p.copy
             src = self._src_block(c)
@@ -529,15 +548,27 @@ class Executor:
                     buf[pos : pos + n].view(v.dtype).view(v.shape).copy_(v)
                     pos += n
             elif p.whole:
-                encode_segment(c.wire, src, buf[p.chunk_offset : p.chunk_offset + p.nbytes])
+                seg = buf[p.chunk_offset : p.chunk_offset + p.nbytes]
+                encode_segment(c.wire, src, seg)
+                if sums is not None:
+                    sums[(ch.message.id, c)] = self._summer.tensor(seg)
             else:
                 # A quantized segment larger than a chunk is encoded whole, then sliced.
                 full = segment_nbytes(c.wire, c.shape, self._src_dtype(c))
                 scratch = torch.empty(full, dtype=torch.uint8, device=buf.device)
                 encode_segment(c.wire, src, scratch)
                 buf[: p.nbytes].copy_(scratch[p.seg_start : p.seg_start + p.nbytes])
+                if sums is not None and p.seg_start == 0:
+                    sums[(ch.message.id, c)] = self._summer.tensor(scratch)
 
-    def _unpack(self, ch: Chunk, buf: torch.Tensor, partial: dict[Copy, torch.Tensor]) -> None:
+    def _unpack(
+        self,
+        ch: Chunk,
+        buf: torch.Tensor,
+        partial: dict[Copy, torch.Tensor],
+        sums: _Sums | None = None,
+    ) -> None:
+        """Unpack a chunk; with `sums`, checksum the segments it decodes (see _landed)."""
         for p in ch.pieces:
             c = p.copy
             dst = self._tensors[c.dst_tensor]
@@ -559,7 +590,70 @@ class Executor:
                 if p.seg_start + p.nbytes < full:
                     continue
                 seg = partial.pop(c)
+            if sums is not None:  # a raw segment without its alignment padding
+                n = math.prod(c.shape) * dtype_size(self._src_dtype(c)) if c.wire == RAW else None
+                sums[(ch.message.id, c)] = self._summer.tensor(seg[:n])
             decode_segment(c.wire, seg, c.shape, src_dtype, dst, c.dst_offset)
+
+    # ------------------------------------------------------------------ verification
+    def _source_sum(self, c: Copy) -> torch.Tensor:
+        """Sender checksum of a raw copy: its source block as a plain destination will hold
+        it (cast to the destination dtype when it differs), else as the raw segment."""
+        src = self._src_block(c)
+        d = self.program.tensors[c.dst_tensor]
+        if d.storage == PLAIN and torch_dtype(d.dtype) != src.dtype:
+            src = src.to(torch_dtype(d.dtype))
+        return self._summer.tensor(src)
+
+    def _source_sums(self, ch: Chunk, sums: _Sums) -> None:
+        """Sender checksums of the raw copies that start in ch (encoded ones: _pack)."""
+        for p in ch.pieces:
+            if p.seg_start == 0 and p.copy.wire == RAW:
+                sums[(ch.message.id, p.copy)] = self._source_sum(p.copy)
+
+    def _landed(self, ch: Chunk, sums: _Sums) -> None:
+        """Read back the destination blocks of the plain raw copies that ch completes."""
+        for p in ch.pieces:
+            c = p.copy
+            if not is_plain_raw(c.wire, self._tensors[c.dst_tensor]):
+                continue  # checked on its segment in _unpack
+            if p.seg_start + p.nbytes == math.prod(c.shape) * dtype_size(self._src_dtype(c)):
+                sums[(ch.message.id, c)] = self._summer.tensor(self._dst_block(c))
+
+    def _message_sums(self, messages: Iterable[Message], sums: _Sums) -> dict[int, int]:
+        """One checksum per message: its copies' checksums combined in order."""
+        keys = [(m.id, c) for m in messages for c in m.copies]
+        missing = [k for k in keys if k not in sums]
+        if missing:
+            mid, c = missing[0]
+            raise ExecutionError(
+                f"slot {self.program.slot}: message {mid}: no checksum for the copy of tensor "
+                f"{c.src_tensor} -> {c.dst_tensor} ({len(missing)} copies missing)"
+            )
+        values = iter(torch.stack([sums[k] for k in keys]).tolist() if keys else [])
+        return {m.id: combine(next(values) for _ in m.copies) for m in messages}
+
+    def _check_local(self, copies: list[Copy]) -> None:
+        """Compare each local copy's destination block with its source (plain storage)."""
+        plain = [c for c in copies if self._tensors[c.dst_tensor].storage == PLAIN]
+        if not plain:
+            return
+        pairs = [(self._source_sum(c), self._summer.tensor(self._dst_block(c))) for c in plain]
+        values = torch.stack([torch.stack(pair) for pair in pairs]).tolist()
+        bad = [c for c, (a, b) in zip(plain, values, strict=True) if a != b]
+        if bad:
+            raise ExecutionError(
+                f"slot {self.program.slot}: checksum mismatch of {len(bad)} local copies: "
+                + "; ".join(
+                    f"{self._describe_tensor(c.src_tensor)} at {c.src_offset} -> "
+                    f"{self._describe_tensor(c.dst_tensor)} at {c.dst_offset} {c.shape}"
+                    for c in bad[:8]
+                )
+            )
+
+    def _describe_tensor(self, index: int) -> str:
+        s = self.program.tensors[index]
+        return f"{s.name!r} (pool {s.pool}, rank {s.rank})"
 
     # ------------------------------------------------------------------ run
     def _peer(self, slot: int) -> int:
@@ -570,8 +664,10 @@ class Executor:
         timeout_s: float,
         on_sources_released: Callable[[], None] | None = None,
         abort: threading.Event | None = None,
+        verify: bool = False,
     ) -> ExecReport:
-        """One refit of this slot; raises ExecutionError (or StorageMovedError) on failure."""
+        """One refit of this slot; raises ExecutionError (or StorageMovedError) on failure.
+        With verify, fills report.checksums and checks local copies (module docstring)."""
         t0 = time.monotonic()
         self.resolver.check(self._index_list)
         abort = abort or threading.Event()
@@ -591,6 +687,8 @@ class Executor:
         started: dict[tuple[str, int], float] = {}
         is_cuda = self.device.type == "cuda"
         busy = {"pack_s": 0.0, "unpack_s": 0.0, "recv_wait_s": 0.0}  # summed per thread
+        send_sums: _Sums | None = {} if verify else None
+        recv_sums: _Sums | None = {} if verify else None
 
         def fail(e: BaseException) -> None:
             with lock:
@@ -638,6 +736,8 @@ class Executor:
                 if done:
                     released.set()
             if done:
+                if verify and is_cuda:  # source checksums are queued on the stream
+                    torch.cuda.current_stream(self.device).synchronize()
                 report.sources_released_s = time.monotonic() - t0
                 if on_sources_released is not None:
                     on_sources_released()
@@ -676,10 +776,12 @@ class Executor:
                         if need is not None:
                             wait_recvs(need, describe(ch, "send"))
                         zc = self._zc_send[id(ch)]
+                        if zc is None and send_sums is not None:
+                            self._source_sums(ch, send_sums)
                         if zc is None:
                             buf = self.pool.acquire("send", deadline, abort, describe(ch, "send"))
                             tp = time.monotonic()
-                            self._pack(ch, buf)
+                            self._pack(ch, buf, send_sums)
                             busy["pack_s"] += time.monotonic() - tp
                             if buf.is_cuda:
                                 torch.cuda.current_stream(buf.device).synchronize()
@@ -720,8 +822,11 @@ class Executor:
                     stats[key].seconds = time.monotonic() - started[key]
                     if item.staged:
                         self.pool.release("send", item.buf)
-                    elif self._reads_source[id(item.chunk)]:
-                        source_done()
+                    else:
+                        if send_sums is not None:  # zero-copy: overlaps the next sends
+                            self._source_sums(item.chunk, send_sums)
+                        if self._reads_source[id(item.chunk)]:
+                            source_done()
                     with lock:
                         report.sent_bytes += item.chunk.nbytes
             except BaseException as e:
@@ -742,13 +847,15 @@ class Executor:
                     busy["recv_wait_s"] += tu - tw
                     if item.staged:
                         try:
-                            self._unpack(item.chunk, item.buf, partial)
+                            self._unpack(item.chunk, item.buf, partial, recv_sums)
                             busy["unpack_s"] += time.monotonic() - tu
                         except Exception as e:
                             raise ExecutionError(
                                 f"{describe(item.chunk, 'recv')}: unpack failed: {e}"
                             ) from e
                         self.pool.release("recv", item.buf)
+                    if recv_sums is not None:
+                        self._landed(item.chunk, recv_sums)
                     key = ("recv", item.chunk.message.id)
                     stats[key].seconds = time.monotonic() - started[key]
                     with progress:
@@ -779,17 +886,23 @@ class Executor:
         tl = time.monotonic()
         phases["check_start_s"] = tl - t0
 
-        def run_local(calls: list[tuple[Callable[[], None], int]], what: str) -> None:
+        def run_local(
+            calls: list[tuple[Callable[[], None], int]], copies: list[Copy], what: str
+        ) -> None:
             try:
                 for call, nbytes in calls:
                     call()
                     report.local_bytes += nbytes
+                if verify:
+                    self._check_local(copies)
                 if is_cuda and calls:  # local copies are async on the GPU
                     torch.cuda.current_stream(self.device).synchronize()
+            except ExecutionError as e:
+                fail(e)
             except BaseException as e:
                 fail(ExecutionError(f"slot {self.program.slot}: {what} failed: {e}"))
 
-        run_local(self._local_direct, "local copy")
+        run_local(self._local_direct, self._local_direct_copies, "local copy")
         report.local_seconds = time.monotonic() - tl
         phases["local_s"] = report.local_seconds
         local_done.set()
@@ -801,7 +914,7 @@ class Executor:
                 fail(e)
             else:
                 tr = time.monotonic()
-                run_local(self._local_relay, "local relay copy")
+                run_local(self._local_relay, self._local_relay_copies, "local relay copy")
                 report.local_seconds += time.monotonic() - tr
         tj = time.monotonic()
         for t in threads:
@@ -822,6 +935,13 @@ class Executor:
         phases["messages_s"] = t1 - tj
         if has_messages:
             phases.update(busy)
+        if send_sums is not None and recv_sums is not None:
+            report.checksums = {
+                "send": self._message_sums(self.program.sends, send_sums),
+                "recv": self._message_sums(self.program.recvs, recv_sums),
+            }
+            phases["checksums_s"] = time.monotonic() - t1
+            t1 = time.monotonic()
         report.seconds = t1 - t0
         report.staging_peak_bytes = self.pool.peak_bytes
         report.messages = sorted(stats.values(), key=lambda s: (s.direction, s.id))

@@ -71,6 +71,7 @@ class Outcome:
     bytes_local: int = 0
     seconds: float = 0.0
     message: str = ""
+    checksums: tuple[pb.MessageChecksum, ...] = ()
 
 
 class SlotRunner:
@@ -209,13 +210,20 @@ class SlotRunner:
             refit_id=c.refit_id,
             timeout_s=c.timeout_s or self.options.transfer_timeout_s,
             on_sources_released=released,
+            verify=c.verify,
         )
+        sums = result.get("checksums") or {}
         return Outcome(
             pb.REPORT_KIND_DONE,
             bytes_sent=int(result["sent_bytes"]),
             bytes_received=int(result["recv_bytes"]),
             bytes_local=int(result["local_bytes"]),
             seconds=float(result["seconds"]),
+            checksums=tuple(
+                pb.MessageChecksum(message_id=int(mid), sent=side == "send", checksum=h)
+                for side in ("send", "recv")
+                for mid, h in sums.get(side, {}).items()
+            ),
         )
 
 
@@ -365,6 +373,7 @@ class NodeAgent:
                 bytes_local=outcome.bytes_local,
                 seconds=outcome.seconds,
                 message=outcome.message,
+                checksums=outcome.checksums,
             )
         )
 

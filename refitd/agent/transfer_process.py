@@ -184,7 +184,7 @@ class _TransferState:
         def body() -> None:
             try:
                 report: ExecReport = self.executor(cmd["digest"]).run(
-                    cmd["timeout_s"], released, self.abort
+                    cmd["timeout_s"], released, self.abort, verify=bool(cmd.get("verify"))
                 )
                 out = report.to_dict()
                 out.update(version=cmd.get("version"), refit_id=cmd.get("refit_id"))
@@ -464,9 +464,16 @@ class TransferProcessHandle:
     def unload(self, digest: str, timeout_s: float = 30.0) -> bool:
         return bool(self.request("unload", digest=digest).result(timeout_s)["unloaded"])
 
-    def start_execute(self, digest: str, version: int, refit_id: int, timeout_s: float) -> Pending:
+    def start_execute(
+        self, digest: str, version: int, refit_id: int, timeout_s: float, verify: bool = False
+    ) -> Pending:
         return self.request(
-            "execute", digest=digest, version=version, refit_id=refit_id, timeout_s=timeout_s
+            "execute",
+            digest=digest,
+            version=version,
+            refit_id=refit_id,
+            timeout_s=timeout_s,
+            verify=verify,
         )
 
     def execute(
@@ -476,9 +483,11 @@ class TransferProcessHandle:
         refit_id: int,
         timeout_s: float,
         on_sources_released: Callable[[], None] | None = None,
+        verify: bool = False,
     ) -> dict:
-        """Run one refit of a loaded plan; returns the ExecReport as a dict."""
-        p = self.start_execute(digest, version, refit_id, timeout_s)
+        """Run one refit of a loaded plan; returns the ExecReport as a dict (with verify,
+        its "checksums")."""
+        p = self.start_execute(digest, version, refit_id, timeout_s, verify)
         return wait_execute(p, timeout_s, on_sources_released)
 
     def abort(self, timeout_s: float = 10.0, refit_id: int = 0) -> None:

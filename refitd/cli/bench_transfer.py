@@ -8,7 +8,9 @@ bit. The reference is measured in the same run between the same processes, on bu
 shared memory pages like the workers' tensors: for gloo, each (source, destination) pair
 sends its bytes as one large contiguous buffer (repeated when it exceeds --ref-chunk), all
 pairs at once; for local, each slot memcpys its bytes. --repeat timed refits alternate with
-reference runs and the medians are compared (the machine may be shared).
+reference runs and the medians are compared (the machine may be shared). With --verify, each
+round also runs a verified refit (per-message checksums, compared as the controller does):
+verify_ratio is the verified over the unverified throughput (medians).
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeat", type=int, default=5, help="timed refits, each followed by a reference run"
     )
     parser.add_argument("--relay", action="store_true", help="plan with relays")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="also time verified refits (checksums of sources and landed bytes)",
+    )
 
 
 def _pattern(k: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -225,9 +232,12 @@ def run(args: argparse.Namespace) -> int:
                 staged_chunk=args.staged_chunk,
             )
 
-        def refit(refit_id: int) -> tuple[float, list[dict]]:
+        def refit(refit_id: int, verify: bool = False) -> tuple[float, list[dict]]:
             t0 = time.monotonic()
-            pend = [h.start_execute(plan.digest, refit_id, refit_id, args.timeout) for h in handles]
+            pend = [
+                h.start_execute(plan.digest, refit_id, refit_id, args.timeout, verify)
+                for h in handles
+            ]
             reports = [wait_execute(p, args.timeout) for p in pend]
             return time.monotonic() - t0, reports
 
@@ -236,15 +246,21 @@ def run(args: argparse.Namespace) -> int:
         # the machine hits both alike
         runs: list[float] = []
         refs: list[float] = []
+        verified: list[float] = []
+        mismatch: str | None = None
         for k in range(max(1, args.repeat)):
-            seconds, reports = refit(2 + k)
+            seconds, reports = refit(2 + 2 * k)
             runs.append(seconds)
             refs.append(_reference(args, handles, plan, rank_of, reports))
+            if args.verify:
+                vseconds, vreports = refit(3 + 2 * k, verify=True)
+                verified.append(vseconds)
+                mismatch = mismatch or _compare_checksums(plan, handles, vreports)
         seconds, ref_seconds = statistics.median(runs), statistics.median(refs)
         wire_bytes = sum(r["sent_bytes"] for r in reports)
         local_bytes = sum(r["local_bytes"] for r in reports)
         moved = wire_bytes if args.transport == "gloo" else local_bytes
-        ok = _verify(args, src, dst, shapes, tensors, scales)
+        ok = _verify(args, src, dst, shapes, tensors, scales) and mismatch is None
         out = {
             "bench": "transfer",
             "transport": args.transport,
@@ -275,6 +291,17 @@ def run(args: argparse.Namespace) -> int:
             "slots": len(slots),
             "verified": ok,
         }
+        if args.verify:
+            vs = statistics.median(verified)
+            out |= {
+                "verify_seconds_all": [round(x, 4) for x in verified],
+                "verify_gbps": round(moved / vs / 1e9, 3),
+                "verify_ratio": round(seconds / vs, 3),
+                "checksums_s_max": round(
+                    max(r["phases"].get("checksums_s", 0.0) for r in vreports), 4
+                ),
+                "checksum_mismatch": mismatch,
+            }
         if args.wire == "mxfp8":
             out |= _mxfp8_context(tensors[0], model_bytes, args.src_slots, ref_seconds, seconds)
         print(json.dumps(out))
@@ -283,6 +310,17 @@ def run(args: argparse.Namespace) -> int:
         for h in handles:
             h.close()
         arena.close()
+
+
+def _compare_checksums(plan, handles, reports) -> str | None:
+    """The controller's comparison of a verified refit's per-message checksums."""
+    from refitd.server.refits import compare_checksums
+
+    sent, landed = {}, {}
+    for h, r in zip(handles, reports, strict=True):
+        sent |= {i: (h.slot, c) for i, c in r["checksums"]["send"].items()}
+        landed |= {i: (h.slot, c) for i, c in r["checksums"]["recv"].items()}
+    return compare_checksums(plan, sent, landed)
 
 
 def _reference(args, handles, plan, rank_of, reports) -> float:

@@ -28,6 +28,10 @@ that fails after writing is retried (`refit_retries` within `refit_retry_budget_
 the pools stay paused, but only while no trainer rank has got control back since its
 weights were read (it may be changing them: re-reading would tear the version). Otherwise
 the subscribers get INCOMPLETE: their weights must not be served.
+
+Verification (`verify_checksums`): every slot reports a checksum per message it sent (over
+its sources) and received (read back from what landed); a mismatch fails the attempt like
+any transfer failure (retried or INCOMPLETE). The controller compares integers only.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
+from refitd.plan.planner import Plan
 from refitd.server.database import RefitRecord, StateDB
 from refitd.server.errors import ControlError, ErrorKind, precondition
 from refitd.server.metrics import ControllerMetrics
@@ -919,6 +924,9 @@ class RefitCoordinator:
         g, gid = self._gather(f"transfer of version {run.version}", ms)
         last_done = [0.0]
         exec_id = attempt_id(run.refit_id, run.attempt)
+        verify = self.settings.verify_checksums
+        # sender side? -> message id -> (reporting slot, checksum)
+        sums: dict[bool, dict[int, tuple[int, int]]] = {True: {}, False: {}}
 
         def on_report(r: pb.AgentReport) -> None:
             if r.kind == pb.REPORT_KIND_SOURCES_RELEASED:
@@ -928,6 +936,8 @@ class RefitCoordinator:
                 moved = r.bytes_sent + r.bytes_received + r.bytes_local
                 run.slot_stats[r.slot] = (moved, r.seconds)
                 run.bytes += r.bytes_sent + r.bytes_local
+                for c in r.checksums:
+                    sums[c.sent][c.message_id] = (r.slot, c.checksum)
                 last_done[0] = time.monotonic()
 
         timeout = self.settings.transfer_timeout_s
@@ -945,6 +955,7 @@ class RefitCoordinator:
                             version=run.version,
                             refit_id=exec_id,
                             timeout_s=timeout,
+                            verify=verify,
                         )
                     )
                     keys = [
@@ -961,6 +972,12 @@ class RefitCoordinator:
         finally:
             self.agents.forget(g)
             self.board.remove(gid)
+        if verify:
+            t = time.monotonic()
+            mismatch = compare_checksums(plan.plan, sums[True], sums[False])
+            if mismatch:
+                raise PhaseFailed(f"transfer of version {run.version}: {mismatch}")
+            run.detail.update(verified=True, verify_check_s=time.monotonic() - t)
         return last_done[0] or time.monotonic()
 
     def _abort(self, plan: ControllerPlan, run: RefitRun, reason: str) -> None:
@@ -1246,3 +1263,45 @@ class RefitCoordinator:
             log.warning("refit %s of %s failed: %s", run.version, run.model, reason)
         else:
             mt.refits_superseded.labels(run.model).inc()
+
+
+def compare_checksums(
+    plan: Plan, sent: dict[int, tuple[int, int]], landed: dict[int, tuple[int, int]]
+) -> str | None:
+    """None when every message's sender and receiver checksums (id -> (slot, checksum))
+    agree; else why not, naming the messages, slots and destination tensors (pool, rank,
+    name) involved (the first 4 messages)."""
+    ids = sent.keys() | landed.keys()
+    bad = sorted(i for i in ids if i not in sent or i not in landed or sent[i][1] != landed[i][1])
+    if not bad:
+        if len(ids) != plan.stats.messages:  # e.g. an agent that does not verify
+            return (
+                f"checksums of {plan.stats.messages - len(ids)} of {plan.stats.messages} "
+                "messages were not reported"
+            )
+        return None
+    lines = []
+    for mid in bad[:4]:
+        if mid not in sent or mid not in landed:
+            side = "sender" if mid not in sent else "receiver"
+            slot = (landed.get(mid) or sent[mid])[0]
+            lines.append(f"message {mid}: no {side} checksum (other end: slot {slot})")
+            continue
+        (src_slot, a), (dst_slot, b) = sent[mid], landed[mid]
+        program = plan.program(dst_slot)
+        tensors = sorted(
+            {
+                (s.pool, s.rank, s.name)
+                for m in program.recvs
+                if m.id == mid
+                for s in (program.tensors[c.dst_tensor] for c in m.copies)
+            }
+        )
+        names = ", ".join(f"({p!r}, {r}, {n!r})" for p, r, n in tensors[:8])
+        more = f" and {len(tensors) - 8} more" if len(tensors) > 8 else ""
+        lines.append(
+            f"message {mid} from slot {src_slot} to slot {dst_slot}: sent {a:#018x} != "
+            f"landed {b:#018x}; destination tensors (pool, rank, name): {names}{more}"
+        )
+    extra = f" (and {len(bad) - 4} more messages)" if len(bad) > 4 else ""
+    return f"checksum mismatch in {len(bad)} messages{extra}: " + "; ".join(lines)
