@@ -12,6 +12,11 @@ COMMIT of the committed version arrive without the trainer refitting, copied fro
 inference replica that serves it (when one covers this rank's shards; otherwise the rank
 gets the next version). Re-registering after a controller restart tells the controller the
 version already served, so nothing is copied again.
+
+With `staged=True` (the same on every rank of the pool) the refit lands in staging buffers
+of the node agent while the engine keeps serving; PAUSE comes only once every byte has
+landed, and the pause lasts for the copy from staging into the weights, then COMMIT. It
+costs a second copy of this rank's weights on its device.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class InferenceClient(WorkerClient):
         incomplete: Callable[[int, str], None] | None = None,
         rpc_timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
+        staged: bool = False,
     ) -> None:
         super().__init__(
             controller,
@@ -89,6 +95,7 @@ class InferenceClient(WorkerClient):
             rpc_timeout_s,
             connect_timeout_s,
         )
+        self.staged = staged
         self._pause = pause
         self._resume = resume
         self._incomplete = incomplete
