@@ -192,6 +192,7 @@ class SlotRunner:
             staging_bytes=self.options.staging_bytes,
             timeout_s=self.options.load_timeout_s,
             staged=[h.index for h in c.handles if h.staged],
+            model=c.model,
         )
         return Outcome(pb.REPORT_KIND_LOADED, seconds=time.perf_counter() - start)
 

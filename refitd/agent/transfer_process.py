@@ -117,6 +117,7 @@ class _Loaded:
     config: ExecutorConfig
     executor: Executor | None = None
     source: tuple[bytes, dict[int, bytes]] = (b"", {})  # program and handles as loaded
+    model: str = ""
     filled: int | None = None  # refit id whose execute filled the staging buffers in full
 
 
@@ -166,7 +167,12 @@ class _TransferState:
         program = SlotProgram.from_bytes(cmd["program"])
         if program.digest != cmd["digest"]:
             raise ExecutionError(f"program digest {program.digest!r} != {cmd['digest']!r}")
-        staged = frozenset(int(i) for i in cmd.get("staged") or ())
+        # The program lists tensors of other slots too; only this slot's are staged here.
+        staged = frozenset(
+            i
+            for i in map(int, cmd.get("staged") or ())
+            if i in program.tensors and program.tensors[i].slot == program.slot
+        )
         raw = {int(i): b for i, b in cmd["handles"].items()}
         old = self.loaded.get(cmd["digest"])
         if (
@@ -178,6 +184,13 @@ class _TransferState:
             # filled staging is what a retried apply copies).
             old.executor = None
             return {}
+        model = cmd.get("model") or ""
+        if staged:
+            # A newer plan of the model (a new membership epoch: the old digest never runs
+            # again) replaces the staging buffers of the older ones, which are freed first.
+            for digest, entry in list(self.loaded.items()):
+                if entry.model == model and entry.resolver.staged:
+                    del self.loaded[digest]
         handles = {i: MemoryHandle.from_bytes(b) for i, b in raw.items()}
         storages = {i: s.storage for i, s in program.tensors.items()}
         resolver = MappedResolver(self.mapper, handles, storages, staged)
@@ -188,7 +201,7 @@ class _TransferState:
             staged_chunk=cmd.get("staged_chunk"),
         )
         self.loaded[cmd["digest"]] = _Loaded(
-            program, resolver, config, source=(cmd["program"], raw)
+            program, resolver, config, source=(cmd["program"], raw), model=model
         )
         return {}
 
@@ -528,12 +541,14 @@ class TransferProcessHandle:
         wire_chunk: int | None = None,
         staged_chunk: int | None = None,
         staged: list[int] | None = None,
+        model: str = "",
     ) -> None:
         """Cache a slot program and the memory handles of its tensors under `digest`.
 
         wire_chunk and staged_chunk must be the same on every slot of a plan (defaults:
         executor.ExecutorConfig's). `staged`: plan tensor indices written into staging
-        buffers (allocated here) and copied in place by `apply`.
+        buffers (allocated here; those of the model's older plans are freed) and copied
+        in place by `apply`.
         """
         self.request(
             "load",
@@ -544,6 +559,7 @@ class TransferProcessHandle:
             wire_chunk=wire_chunk,
             staged_chunk=staged_chunk,
             staged=staged or [],
+            model=model,
         ).result(timeout_s)
 
     def apply(self, digest: str, refit_id: int, timeout_s: float) -> dict:
