@@ -116,7 +116,7 @@ class TensorRegistration(_message.Message):
     def __init__(self, name: _Optional[str] = ..., canonical: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., local_shape: _Optional[_Iterable[int]] = ..., boxes: _Optional[_Iterable[_Union[Box, _Mapping]]] = ..., storage: _Optional[str] = ..., memory: _Optional[bytes] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("model", "pool", "role", "rank", "pool_size", "host", "device", "pid", "tensors", "worker_id", "held_version", "paused_refit_id")
+    __slots__ = ("model", "pool", "role", "rank", "pool_size", "host", "device", "pid", "tensors", "worker_id", "held_version", "paused_refit_id", "staged")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class RegisterWorkerRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HELD_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_REFIT_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     model: str
     pool: str
     role: Role
@@ -141,7 +142,8 @@ class RegisterWorkerRequest(_message.Message):
     worker_id: str
     held_version: int
     paused_refit_id: int
-    def __init__(self, model: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., pool_size: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRegistration, _Mapping]]] = ..., worker_id: _Optional[str] = ..., held_version: _Optional[int] = ..., paused_refit_id: _Optional[int] = ...) -> None: ...
+    staged: bool
+    def __init__(self, model: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., pool_size: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRegistration, _Mapping]]] = ..., worker_id: _Optional[str] = ..., held_version: _Optional[int] = ..., paused_refit_id: _Optional[int] = ..., staged: _Optional[bool] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "epoch", "current_version", "slot", "heartbeat_interval_s")
@@ -325,12 +327,14 @@ class ConnectCommand(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., world_size: _Optional[int] = ..., comm_rank: _Optional[_Mapping[int, int]] = ..., transport: _Optional[str] = ..., timeout_s: _Optional[float] = ..., store_token: _Optional[str] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
-    __slots__ = ("index", "memory")
+    __slots__ = ("index", "memory", "staged")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     index: int
     memory: bytes
-    def __init__(self, index: _Optional[int] = ..., memory: _Optional[bytes] = ...) -> None: ...
+    staged: bool
+    def __init__(self, index: _Optional[int] = ..., memory: _Optional[bytes] = ..., staged: _Optional[bool] = ...) -> None: ...
 
 class LoadProgramCommand(_message.Message):
     __slots__ = ("model", "digest", "slot", "program", "handles")
@@ -374,19 +378,37 @@ class AbortCommand(_message.Message):
     reason: str
     def __init__(self, refit_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ApplyCommand(_message.Message):
+    __slots__ = ("model", "digest", "slots", "version", "refit_id", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REFIT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    digest: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    version: int
+    refit_id: int
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class AgentCommand(_message.Message):
-    __slots__ = ("command_id", "connect", "load", "execute", "abort")
+    __slots__ = ("command_id", "connect", "load", "execute", "abort", "apply")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECT_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    APPLY_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     connect: ConnectCommand
     load: LoadProgramCommand
     execute: ExecuteCommand
     abort: AbortCommand
-    def __init__(self, command_id: _Optional[int] = ..., connect: _Optional[_Union[ConnectCommand, _Mapping]] = ..., load: _Optional[_Union[LoadProgramCommand, _Mapping]] = ..., execute: _Optional[_Union[ExecuteCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ...) -> None: ...
+    apply: ApplyCommand
+    def __init__(self, command_id: _Optional[int] = ..., connect: _Optional[_Union[ConnectCommand, _Mapping]] = ..., load: _Optional[_Union[LoadProgramCommand, _Mapping]] = ..., execute: _Optional[_Union[ExecuteCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ..., apply: _Optional[_Union[ApplyCommand, _Mapping]] = ...) -> None: ...
 
 class AgentReport(_message.Message):
     __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more", "checksums")

@@ -3,7 +3,8 @@
 It registers its slots (AgentControl.RegisterAgent), opens the Commands stream and relays
 each command to the transfer process of the slot it names (one process per slot, spawned
 through refitd.agent.transfer_process.TransferProcessHandle), reporting CONNECTED, LOADED,
-SOURCES_RELEASED, DONE or FAILED with bytes and seconds. Commands of one slot run in order on
+SOURCES_RELEASED, DONE or FAILED with bytes and seconds (an ApplyCommand, which copies a
+staged pool's staging buffers in place, answers DONE too). Commands of one slot run in order on
 that slot's thread; different slots run at the same time (they talk to each other). One
 ExecuteCommand names all the agent's slots of a refit (`slots`), and reports go out batched
 (whatever is queued when the reporter thread is free goes in one Report call). Abort goes
@@ -193,8 +194,23 @@ class SlotRunner:
             handles={h.index: h.memory for h in c.handles},
             staging_bytes=self.options.staging_bytes,
             timeout_s=self.options.load_timeout_s,
+            staged=[h.index for h in c.handles if h.staged],
+            model=c.model,
         )
         return Outcome(pb.REPORT_KIND_LOADED, seconds=time.perf_counter() - start)
+
+    def _apply(self, cmd: pb.AgentCommand) -> Outcome:
+        c = cmd.apply
+        result = self.process.apply(
+            digest=c.digest,
+            refit_id=c.refit_id,
+            timeout_s=c.timeout_s or self.options.transfer_timeout_s,
+        )
+        return Outcome(
+            pb.REPORT_KIND_DONE,
+            bytes_local=int(result["bytes"]),
+            seconds=float(result["seconds"]),
+        )
 
     def _execute(self, cmd: pb.AgentCommand) -> Outcome:
         c = cmd.execute
@@ -343,6 +359,8 @@ class NodeAgent:
             targets = list(cmd.execute.slots) or [cmd.execute.slot]
         elif which == "load":
             targets = [cmd.load.slot]
+        elif which == "apply":
+            targets = list(cmd.apply.slots)
         else:
             log.warning("agent %s: unknown command %r", self.host, which)
             return

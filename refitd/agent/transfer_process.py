@@ -3,8 +3,9 @@
 The process holds the slot's rank of the refit communicator, maps worker memory, and keeps
 programs, mappings and prepared executors cached per plan digest, so a cached-plan refit is
 one `execute` command. Commands (dicts with an "op" and a request id "rid"):
-connect, load, unload, execute (emits an intermediate "sources_released" event), abort,
-probe (raw link/memcpy reference for benchmarks), close. Every reply carries the rid it
+connect, load, unload, execute (emits an intermediate "sources_released" event), apply
+(staged tensors: staging -> live), abort, probe (raw link/memcpy reference for
+benchmarks), close. Every reply carries the rid it
 answers; errors come back as {"ok": False, "kind", "error"} and are raised in the parent.
 
 `TransferProcessHandle` is the parent side: one method per command, each with a timeout.
@@ -51,14 +52,48 @@ class TransferProcessError(RuntimeError):
 
 @dataclass
 class MappedResolver:
-    """Plan tensor index -> worker memory mapped in this process (via a shared MemoryMapper)."""
+    """Plan tensor index -> worker memory mapped in this process (via a shared MemoryMapper).
+
+    Staged tensors (a staged pool's destinations) resolve to staging buffers this process
+    owns, so the executor and relays write and forward them unchanged; `apply` copies them
+    into the live memory. They are allocated by `stage` (at program load) as copies of the
+    live tensors, so regions a refit does not write keep their live values.
+    """
 
     mapper: MemoryMapper
     handles: dict[int, MemoryHandle]
     storages: dict[int, str]
+    staged: frozenset[int] = frozenset()
     _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
+    _staging: dict[int, ResolvedTensor] = field(default_factory=dict)
 
     def resolve(self, index: int) -> ResolvedTensor:
+        if index in self.staged:
+            return self._staging[index]
+        return self.live(index)
+
+    def stage(self) -> None:
+        """Allocate the staging buffers: same shape, dtype, storage and device as live."""
+        for i in sorted(self.staged):
+            t = self.live(i)
+            scales = None if t.scales is None else t.scales.clone()
+            self._staging[i] = ResolvedTensor(t.name, t.data.clone(), scales, t.storage)
+
+    def apply(self) -> int:
+        """Copy every staging buffer into its live tensor; returns the bytes copied."""
+        self.check(self.staged)
+        n = 0
+        for i in sorted(self.staged):
+            live, st = self.live(i), self._staging[i]
+            live.data.copy_(st.data)
+            n += st.data.numel() * st.data.element_size()
+            if live.scales is not None and st.scales is not None:
+                live.scales.copy_(st.scales)
+                n += st.scales.numel() * st.scales.element_size()
+        return n
+
+    def live(self, index: int) -> ResolvedTensor:
+        """The worker memory of plan tensor `index`, mapped on first use."""
         t = self._cache.get(index)
         if t is None:
             h = self.handles.get(index)
@@ -81,6 +116,9 @@ class _Loaded:
     resolver: MappedResolver
     config: ExecutorConfig
     executor: Executor | None = None
+    source: tuple[bytes, dict[int, bytes]] = (b"", {})  # program and handles as loaded
+    model: str = ""
+    filled: int | None = None  # refit id whose execute filled the staging buffers in full
 
 
 class _TransferState:
@@ -129,16 +167,66 @@ class _TransferState:
         program = SlotProgram.from_bytes(cmd["program"])
         if program.digest != cmd["digest"]:
             raise ExecutionError(f"program digest {program.digest!r} != {cmd['digest']!r}")
-        handles = {int(i): MemoryHandle.from_bytes(b) for i, b in cmd["handles"].items()}
+        # The program lists tensors of other slots too; only this slot's are staged here.
+        staged = frozenset(
+            i
+            for i in map(int, cmd.get("staged") or ())
+            if i in program.tensors and program.tensors[i].slot == program.slot
+        )
+        raw = {int(i): b for i, b in cmd["handles"].items()}
+        old = self.loaded.get(cmd["digest"])
+        if (
+            old is not None
+            and old.source == (cmd["program"], raw)
+            and old.resolver.staged == staged
+        ):
+            # Reloaded after a reconnect: keep the mappings and the staging buffers (a
+            # filled staging is what a retried apply copies).
+            old.executor = None
+            return {}
+        model = cmd.get("model") or ""
+        if staged:
+            # A newer plan of the model (a new membership epoch: the old digest never runs
+            # again) replaces the staging buffers of the older ones, which are freed first.
+            for digest, entry in list(self.loaded.items()):
+                if entry.model == model and entry.resolver.staged:
+                    del self.loaded[digest]
+        handles = {i: MemoryHandle.from_bytes(b) for i, b in raw.items()}
         storages = {i: s.storage for i, s in program.tensors.items()}
-        resolver = MappedResolver(self.mapper, handles, storages)
+        resolver = MappedResolver(self.mapper, handles, storages, staged)
+        resolver.stage()
         config = ExecutorConfig(
             staging_bytes=cmd.get("staging_bytes") or DEFAULT_STAGING_BYTES,
             wire_chunk=cmd.get("wire_chunk") or WIRE_CHUNK,
             staged_chunk=cmd.get("staged_chunk"),
         )
-        self.loaded[cmd["digest"]] = _Loaded(program, resolver, config)
+        self.loaded[cmd["digest"]] = _Loaded(
+            program, resolver, config, source=(cmd["program"], raw), model=model
+        )
         return {}
+
+    def apply(self, cmd: dict) -> dict:
+        """Copy the staging buffers of a loaded plan into live memory (a staged pool is
+        paused); only when they hold, in full, what the execute of cmd["refit_id"] wrote."""
+        entry = self.loaded.get(cmd["digest"])
+        if entry is None:
+            raise ExecutionError(
+                f"plan {cmd['digest']!r} is not loaded in this transfer process: its staging "
+                "buffers are gone"
+            )
+        if self.busy.is_set():
+            raise ExecutionError("cannot apply while a refit is running on this slot")
+        if entry.filled != cmd["refit_id"]:
+            raise ExecutionError(
+                f"staging buffers hold refit {entry.filled}, not refit {cmd['refit_id']}: "
+                "nothing applied"
+            )
+        t0 = time.monotonic()
+        n = entry.resolver.apply()
+        for dev in {entry.resolver.resolve(i).data.device for i in entry.resolver.staged}:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        return {"bytes": n, "seconds": time.monotonic() - t0}
 
     def executor(self, digest: str) -> Executor:
         entry = self.loaded.get(digest)
@@ -181,11 +269,17 @@ class _TransferState:
         def released() -> None:
             self.reply({"rid": rid, "event": "sources_released", "t": time.time()})
 
+        entry = self.loaded.get(cmd["digest"])
+        if entry is not None:
+            entry.filled = None  # the staging is being overwritten
+
         def body() -> None:
             try:
                 report: ExecReport = self.executor(cmd["digest"]).run(
                     cmd["timeout_s"], released, self.abort, verify=bool(cmd.get("verify"))
                 )
+                if entry is not None and not self.abort.is_set():
+                    entry.filled = cmd.get("refit_id")
                 out = report.to_dict()
                 out.update(version=cmd.get("version"), refit_id=cmd.get("refit_id"))
                 reply = {"rid": rid, "ok": True, "report": out}
@@ -290,6 +384,7 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None) -> No
         "load": state.load,
         "unload": lambda c: {"unloaded": state.loaded.pop(c["digest"], None) is not None},
         "probe": state.probe,
+        "apply": state.apply,
         "ping": lambda c: {"slot": slot},
     }
     while True:
@@ -445,11 +540,15 @@ class TransferProcessHandle:
         timeout_s: float = 60.0,
         wire_chunk: int | None = None,
         staged_chunk: int | None = None,
+        staged: list[int] | None = None,
+        model: str = "",
     ) -> None:
         """Cache a slot program and the memory handles of its tensors under `digest`.
 
         wire_chunk and staged_chunk must be the same on every slot of a plan (defaults:
-        executor.ExecutorConfig's).
+        executor.ExecutorConfig's). `staged`: plan tensor indices written into staging
+        buffers (allocated here; those of the model's older plans are freed) and copied
+        in place by `apply`.
         """
         self.request(
             "load",
@@ -459,7 +558,14 @@ class TransferProcessHandle:
             staging_bytes=staging_bytes,
             wire_chunk=wire_chunk,
             staged_chunk=staged_chunk,
+            staged=staged or [],
+            model=model,
         ).result(timeout_s)
+
+    def apply(self, digest: str, refit_id: int, timeout_s: float) -> dict:
+        """Copy the staged tensors of `digest` in place ({"bytes", "seconds"}); refused
+        unless the last execute of that plan was refit_id's and completed."""
+        return self.request("apply", digest=digest, refit_id=refit_id).result(timeout_s)
 
     def unload(self, digest: str, timeout_s: float = 30.0) -> bool:
         return bool(self.request("unload", digest=digest).result(timeout_s)["unloaded"])

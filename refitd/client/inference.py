@@ -14,6 +14,11 @@ gets the next version). Re-registering after a controller restart tells the cont
 version already served, so nothing is copied again, or the refit whose PAUSE the rank is
 still in: the controller then says how that refit ended (COMMIT, ABORT or INCOMPLETE), so a
 rank paused by a controller that died mid-refit is never left paused without an answer.
+
+With `staged=True` (the same on every rank of the pool) the refit lands in staging buffers
+of the node agent while the engine keeps serving; PAUSE comes only once every byte has
+landed, and the pause lasts for the copy from staging into the weights, then COMMIT. It
+costs a second copy of this rank's weights on its device.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class InferenceClient(WorkerClient):
         incomplete: Callable[[int, str], None] | None = None,
         rpc_timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
+        staged: bool = False,
     ) -> None:
         super().__init__(
             controller,
@@ -91,6 +97,7 @@ class InferenceClient(WorkerClient):
             rpc_timeout_s,
             connect_timeout_s,
         )
+        self.staged = staged
         self._pause = pause
         self._resume = resume
         self._incomplete = incomplete

@@ -72,6 +72,7 @@ class WorkerClient:
         self._lock = threading.RLock()
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self.staged = False  # InferenceClient(staged=True): the pool refits through staging
 
     # ------------------------------------------------------------------ registration
     @property
@@ -147,6 +148,7 @@ class WorkerClient:
             worker_id=self._registration.worker_id if self._registration else "",
             held_version=held_version,
             paused_refit_id=paused_refit_id,
+            staged=self.staged,
         )
         resp = self._conn.call(self._conn.refit.RegisterWorker, req, f"register {self._who()}")
         self._registration = Registration(

@@ -32,6 +32,13 @@ the subscribers get INCOMPLETE: their weights must not be served.
 Verification (`verify_checksums`): every slot reports a checksum per message it sent (over
 its sources) and received (read back from what landed); a mismatch fails the attempt like
 any transfer failure (retried or INCOMPLETE). The controller compares integers only.
+
+Staged pools (registered with `staged`) are not paused for the transfer: their tensors land
+in staging buffers of the transfer processes. Once every slot is DONE they are paused and
+an ApplyCommand copies staging -> live on the slots holding them, then the commit goes on as
+above. A failure before the apply leaves their weights untouched (they were never paused,
+or get ABORT); a failed apply is retried from the intact staging (no re-transfer, so also
+after the trainer got its weights back) within the retry budget, else INCOMPLETE.
 """
 
 from __future__ import annotations
@@ -194,6 +201,15 @@ class Membership:
     batch_agents: frozenset[str]  # agents that take one ExecuteCommand for all their slots
     readers: dict[int, frozenset[int]]  # source rank -> slots reading it
     members: frozenset[str]  # destination workers and agents: losing one fails the refit
+    staged_pools: frozenset[str] = frozenset()  # written through staging, applied at the end
+
+    def in_place(self) -> list[Worker]:
+        """Destination workers written in place by the transfer (paused before it)."""
+        return [w for w in self.dest_workers if w.pool not in self.staged_pools]
+
+    def staged(self) -> list[Worker]:
+        """Destination workers of staged pools (paused only for the apply)."""
+        return [w for w in self.dest_workers if w.pool in self.staged_pools]
 
 
 class DataPlaneTurn:
@@ -482,8 +498,7 @@ class RefitCoordinator:
         self.metrics.refits_started.labels(run.model).inc()
         self._settle_commit_acks()
         paused: set[str] = set()
-        wrote = False
-        ms_written: Membership | None = None
+        written: dict[str, Worker] = {}  # workers whose live weights may have been written
         retry = RetryBudget()
         while True:
             plan: ControllerPlan | None = None
@@ -499,7 +514,7 @@ class RefitCoordinator:
                 plan = ms.plan
                 self._set_state(m, run, pb.REFIT_STATE_SOURCES_READY)
                 self._connect_and_load(ms)
-                todo = [w for w in ms.dest_workers if w.worker_id not in paused]
+                todo = [w for w in ms.in_place() if w.worker_id not in paused]
                 if todo:
                     t = time.monotonic()
                     self._broadcast(todo, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, ms, paused)
@@ -512,7 +527,7 @@ class RefitCoordinator:
                     turn = DataPlaneTurn(self._data_plane)
                     ms = self._membership_for(run)
                     self._connect_and_load(ms)
-                    todo = [w for w in ms.dest_workers if w.worker_id not in paused]
+                    todo = [w for w in ms.in_place() if w.worker_id not in paused]
                     if todo:  # registered during the barrier: they pause too
                         self._broadcast(
                             todo, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, ms, paused
@@ -520,9 +535,11 @@ class RefitCoordinator:
                 self._mark_writing(run)
                 with m.cond:
                     run.start_transfer(ms.readers)
-                wrote = True
-                ms_written = ms
+                written.update((w.worker_id, w) for w in ms.in_place())
                 last_done = self._transfer(ms, run, m)
+                run.detail["transfer_done_at"] = last_done  # monotonic, like executes_sent_at
+                if ms.staged_pools:
+                    self._apply(ms, run, paused, written)
                 turn.release()
                 self._commit(m, run, ms, last_done)
                 return
@@ -544,20 +561,79 @@ class RefitCoordinator:
                     reason = f"internal error: {e!r}"
                 if plan is not None:
                     self._abort(plan, run, reason)
-                if wrote:
+                if written:
                     if retry.first_error == "":
                         retry.first_error = reason
                         retry.until = time.monotonic() + s.refit_retry_budget_s
                     if self._retry(m, run, retry, reason):
                         continue
                     reason = retry.explain(run, reason, s.refit_retries)
-                kind = pb.EVENT_KIND_INCOMPLETE if wrote else pb.EVENT_KIND_ABORT
-                if wrote and ms_written is not None:
-                    for w in ms_written.dest_workers:
-                        w.holds = 0  # torn: it cannot be the source of a catch-up
-                self._events_to(paused, run, kind, reason)
+                for w in written.values():
+                    w.holds = 0  # torn: it cannot be the source of a catch-up
+                self._events_to(paused & written.keys(), run, pb.EVENT_KIND_INCOMPLETE, reason)
+                self._events_to(paused - written.keys(), run, pb.EVENT_KIND_ABORT, reason)
                 self._finish(m, run, pb.REFIT_STATE_FAILED, reason)
                 return
+
+    def _apply(
+        self, ms: Membership, run: RefitRun, paused: set[str], written: dict[str, Worker]
+    ) -> None:
+        """Pause the staged pools, then ApplyCommand (staging -> live) to the agents of
+        their slots and wait for every DONE. A failed apply is sent again (it is
+        idempotent, and the transfer processes refuse it unless their staging holds this
+        attempt's transfer in full) while within refit_retries and refit_retry_budget_s."""
+        s = self.settings
+        staged = ms.staged()
+        todo = [w for w in staged if w.worker_id not in paused]
+        t = run.detail["staged_pause_at"] = time.monotonic()
+        if todo:
+            self._broadcast(todo, pb.EVENT_KIND_PAUSE, run, s.pause_timeout_s, ms, paused)
+        run.detail["staged_pause_s"] = time.monotonic() - t
+        slots = {w.slot for w in staged}
+        by_agent = {
+            agent: [slot for slot in agent_slots if slot in slots]
+            for agent, agent_slots in ms.by_agent.items()
+        }
+        written.update((w.worker_id, w) for w in staged)
+        filled = attempt_id(run.refit_id, run.attempt)
+        until = time.monotonic() + s.refit_retry_budget_s
+        tries = 0
+        t = time.monotonic()
+        while True:
+            g, gid = self._gather(f"apply of version {run.version}", ms)
+            try:
+                for agent_id, agent_slots in by_agent.items():
+                    if not agent_slots:
+                        continue
+                    cmd = pb.AgentCommand(
+                        apply=pb.ApplyCommand(
+                            model=run.model,
+                            digest=ms.plan.digest,
+                            slots=agent_slots,
+                            version=run.version,
+                            refit_id=filled,
+                            timeout_s=s.commit_timeout_s,
+                        )
+                    )
+                    keys = [(slot, pb.REPORT_KIND_DONE) for slot in agent_slots]
+                    self.agents.send(agent_id, cmd, g, keys)
+                g.wait(s.commit_timeout_s)
+                run.detail["apply_s"] = time.monotonic() - t
+                return
+            except PhaseFailed as e:
+                tries += 1
+                if tries > s.refit_retries or time.monotonic() >= until:
+                    raise PhaseFailed(f"{e} (apply tried {tries} times)") from e
+                log.warning(
+                    "refit %s of %s: apply failed (%s); applying again from staging",
+                    run.version,
+                    run.model,
+                    e,
+                )
+                time.sleep(0.2)
+            finally:
+                self.agents.forget(g)
+                self.board.remove(gid)
 
     def _retry(self, m: ModelRefits, run: RefitRun, retry: RetryBudget, reason: str) -> bool:
         """After a failure that may have written: go again (pools stay paused) when it is
@@ -749,7 +825,15 @@ class RefitCoordinator:
         }
         members = frozenset([*(w.worker_id for w in dest_workers), *by_agent])
         return Membership(
-            run.model, epoch, plan, dest_workers, by_agent, frozenset(batch), readers, members
+            run.model,
+            epoch,
+            plan,
+            dest_workers,
+            by_agent,
+            frozenset(batch),
+            readers,
+            members,
+            frozenset(p.name for p in dests if p.staged),
         )
 
     # ------------------------------------------------------------------ agents
@@ -833,7 +917,9 @@ class RefitCoordinator:
                         continue
                     payload = plan.load_payload(slot)
                     handles = [
-                        pb.TensorHandle(index=i, memory=memory.get(key, b""))
+                        pb.TensorHandle(
+                            index=i, memory=memory.get(key, b""), staged=key[0] in ms.staged_pools
+                        )
                         for i, key in payload.tensors
                     ]
                     cmd = pb.AgentCommand(

@@ -52,6 +52,7 @@ class Pool:
     role: str
     size: int
     ranks: dict[int, str] = field(default_factory=dict)  # rank -> worker_id
+    staged: bool = False  # destination pool receiving into staging buffers (apply on commit)
     # canonical -> (global shape, first rank registering it); None: rebuild after a removal
     shapes: dict[str, tuple[tuple[int, ...], int]] | None = None
 
@@ -254,11 +255,13 @@ class Registry:
                     f"model {req.model!r} already has source pool {src.name!r}; pool "
                     f"{req.pool!r} cannot be a second source"
                 )
+        self._check_staged(pool, req, role)
         self._check_against_pool(model, req, specs)
         if pool is None:
             pool = Pool(req.pool, role, req.pool_size)
             model.pools[req.pool] = pool
         pool.size = req.pool_size
+        pool.staged = req.staged
         old_id = pool.ranks.get(req.rank)
         if req.worker_id and req.worker_id != old_id and req.worker_id in self.workers:
             raise precondition(
@@ -308,6 +311,24 @@ class Registry:
             )
             self._bump(model)
         return worker
+
+    def _check_staged(self, pool: Pool | None, req: pb.RegisterWorkerRequest, role: str) -> None:
+        """Staged mode is a destination pool's choice, the same for all its ranks."""
+        if req.staged and role != "destination":
+            raise invalid(
+                f"rank {req.rank} of pool {req.pool!r} sets staged, but only destination "
+                "(inference) pools can be staged"
+            )
+        if pool is None:
+            return
+        others = sorted(r for r in pool.ranks if r != req.rank)
+        if others and pool.staged != req.staged:
+            mode = {True: "staged", False: "in-place"}
+            raise precondition(
+                f"rank {req.rank} of pool {req.pool!r} registers {mode[req.staged]}, but "
+                f"ranks {others} of the pool registered {mode[pool.staged]}: all ranks of a "
+                "pool must agree on staged"
+            )
 
     def _check_against_pool(
         self, model: Model, req: pb.RegisterWorkerRequest, specs: list[TensorSpec]

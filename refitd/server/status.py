@@ -49,6 +49,7 @@ def status_document(c: Controller, model_filter: str = "") -> dict[str, Any]:
                     {
                         "name": p.name,
                         "role": p.role,
+                        "mode": "staged" if p.staged else "in_place",
                         "size": p.size,
                         "registered": len(p.ranks),
                         "ranks": ranks,
