@@ -1,4 +1,4 @@
-"""Pause window and refit time of a staged vs an in-place inference pool (same model size).
+"""`refitd bench staged`: pause window and refit time of a staged vs an in-place pool.
 
 Starts `refitd serve` (3 CPU slots), a trainer rank on cpu:0 for two models of the same
 GPT shape, an in-place inference rank of the first on cpu:1 and a staged one of the second
@@ -6,8 +6,6 @@ on cpu:2, then alternates refits of the two. The pause window is measured in the
 rank, from its PAUSE ack (the pause hook returning) to the COMMIT (the resume hook); the
 refit time is the trainer's Refit call waiting for the commit. The last version is checked
 bit for bit. Prints one JSON line with medians and the staged / in-place ratios.
-
-    PYTHONPATH=$PWD python scripts/staged_pause.py --refits 10
 """
 
 from __future__ import annotations
@@ -61,13 +59,14 @@ class Rank:
             return self.windows[version]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--refits", type=int, default=10, help="refits per mode (first is warm-up)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--refits", type=int, default=11, help="refits per mode (first is warm-up)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=16384)
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     cfg = GptConfig(layers=args.layers, hidden=args.hidden, ffn=4 * args.hidden, vocab=args.vocab)
     gen = WeightGenerator(SEED)
     daemon = Daemon(cpu_slots=3, extra_args=["--log-level", "warning"]).start()
@@ -128,11 +127,8 @@ def main() -> None:
                 }
             )
         )
+        return 0
     finally:
         for c in clients:
             c.close()
         daemon.stop()
-
-
-if __name__ == "__main__":
-    main()
