@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import heapq
 import json
 import logging
 import multiprocessing as mp
 import os
+import random
 import socket
 import tempfile
 import threading
@@ -156,22 +158,25 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
             heartbeat once a second each, at their own phase (spread over the second, as
             independent processes do); inference ranks hold a subscription instead. A
             refused heartbeat is reported."""
-            tick = 0.01
-            done = 0
-            t0 = time.monotonic()
+            due: list[tuple[float, str, str]] = []  # (next beat, kind, id): a heap
+            known = 0
+
+            in_flight: set[Any] = set()  # a dropped gRPC future cancels its call
 
             def check(call: Any) -> None:
+                in_flight.discard(call)
                 if call.exception() is not None:
                     out.put(("lost", str(call.exception().details())))
 
-            while not stop.wait(max(0.0, t0 + (done + 1) * tick - time.monotonic())):
-                done += 1
+            while not stop.wait(0.01):
+                now = time.monotonic()
                 members = [("agent", a) for a in agent_ids] + [("worker", w) for w in registered]
-                per_tick = len(members) * tick
-                first = int((done - 1) * per_tick) % max(1, len(members))
-                count = int(done * per_tick) - int((done - 1) * per_tick)
-                for i in range(count):
-                    kind, member = members[(first + i) % len(members)]
+                for kind, member in members[known:]:
+                    heapq.heappush(due, (now + random.random(), kind, member))
+                known = len(members)
+                while due and due[0][0] <= now:
+                    at, kind, member = heapq.heappop(due)
+                    heapq.heappush(due, (max(at + 1.0, now), kind, member))
                     call = (
                         agents.AgentHeartbeat.future(
                             pb.AgentHeartbeatRequest(agent_id=member), timeout=30
@@ -181,6 +186,7 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
                             pb.HeartbeatRequest(worker_id=member), timeout=30
                         )
                     )
+                    in_flight.add(call)
                     call.add_done_callback(check)
 
         beat = threading.Thread(target=heartbeats, daemon=True)
@@ -408,7 +414,6 @@ def run(args: argparse.Namespace) -> int:
             "meta_workers_registered_at_end": meta_live,
             "meta_pools_at_end": meta_alive,
             "meta_heartbeats_refused": len(lost),
-            "meta_heartbeats_refused_first": [m[1] for m in lost[:3]],
             "meta_agents": n_agents,
             "meta_worlds": list(_worlds(args.workers)),
             "meta_specs": n_specs,
