@@ -19,6 +19,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import heapq
 import json
@@ -414,6 +415,7 @@ def run(args: argparse.Namespace) -> int:
             "meta_workers_registered_at_end": meta_live,
             "meta_pools_at_end": meta_alive,
             "meta_heartbeats_refused": len(lost),
+            "meta_heartbeats_refused_why": dict(collections.Counter(m[1] for m in lost)),
             "meta_agents": n_agents,
             "meta_worlds": list(_worlds(args.workers)),
             "meta_specs": n_specs,
