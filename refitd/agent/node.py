@@ -46,7 +46,7 @@ class AgentOptions:
     transfer_timeout_s: float = 300.0
     staging_bytes: int = 256 << 20
     heartbeat_timeout_s: float = 10.0
-    reconnect_max_s: float = 5.0
+    reconnect_max_s: float = 1.0
 
     @classmethod
     def from_settings(cls, settings: Any) -> AgentOptions:

@@ -49,10 +49,13 @@ class RefitError(RuntimeError):
 
 @dataclass
 class Backoff:
-    """Exponential backoff with jitter, waiting on a stop event so shutdown is immediate."""
+    """Exponential backoff with jitter, waiting on a stop event so shutdown is immediate.
+
+    The 1 s cap keeps reconnection within about a second of a controller restart (a
+    failed call on a channel that is still reconnecting costs nothing on the wire)."""
 
     initial_s: float = 0.1
-    maximum_s: float = 5.0
+    maximum_s: float = 1.0
     _next_s: float = field(default=0.0, init=False)
 
     def reset(self) -> None:

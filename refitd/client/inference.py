@@ -116,7 +116,7 @@ class InferenceClient(WorkerClient):
         Reconnects with backoff when the controller goes away (registering again if it
         forgot this worker) and resumes after the last event seen. Ends on close().
         """
-        backoff = Backoff(maximum_s=5.0)
+        backoff = Backoff()
         while not self._closed.is_set():
             try:
                 stream = self._conn.refit.Subscribe(

@@ -195,7 +195,7 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat_loop(self) -> None:
-        backoff = Backoff(maximum_s=5.0)
+        backoff = Backoff()
         while not self._closed.is_set():
             interval = self._registration.heartbeat_interval_s if self._registration else 1.0
             if self._closed.wait(interval):
