@@ -393,6 +393,10 @@ def message_strategy(desc: Descriptor, s: Seed, depth: int = 0) -> Any:
             FieldDescriptor.TYPE_ENUM,
         ):
             return pools["int"].filter(_int32)
+        if t in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED64):
+            return pools["int"].filter(lambda v: 0 <= v < 2**64)
+        if t in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_FIXED32):
+            return pools["int"].filter(lambda v: 0 <= v < 2**32)
         return pools["int"]
 
     fields = {f.name: value(f) for f in desc.fields}
