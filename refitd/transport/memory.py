@@ -307,18 +307,21 @@ class SharedTensorArena:
             view.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
             new_storage[ptr] = view.untyped_storage()
         handles: dict[str, MemoryHandle] = {}
+        # Taken before any tensor moves: one tensor object may be registered under two names.
+        where = {
+            name: (t.untyped_storage().data_ptr(), t.storage_offset())
+            for name, t in tensors.items()
+        }
+        moved: set[int] = set()
         with torch.no_grad():
             for name, t in tensors.items():
-                old_ptr = t.untyped_storage().data_ptr()
+                old_ptr, storage_offset = where[name]
                 base_elems = offsets[old_ptr] // t.element_size()
                 if offsets[old_ptr] % t.element_size():
                     raise AssertionError("storage offset not aligned to element size")
-                t.set_(
-                    new_storage[old_ptr],
-                    base_elems + t.storage_offset(),
-                    t.size(),
-                    t.stride(),
-                )
+                if id(t) not in moved:
+                    moved.add(id(t))
+                    t.set_(new_storage[old_ptr], base_elems + storage_offset, t.size(), t.stride())
                 handles[name] = MemoryHandle(
                     kind=SHM,
                     segment=seg.name,
