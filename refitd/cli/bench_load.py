@@ -151,7 +151,7 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
             threading.Thread(
                 target=drain, args=(resp.agent_id, s, list(resp.slot_ids)), daemon=True
             ).start()
-        registered: list[str] = []  # trainer ranks, appended by the registering threads
+        trainer_ids: list[str] = []  # appended by the registering threads
         subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
 
         def heartbeats() -> None:
@@ -171,7 +171,7 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
 
             while not stop.wait(0.01):
                 now = time.monotonic()
-                members = [("agent", a) for a in agent_ids] + [("worker", w) for w in registered]
+                members = [("agent", a) for a in agent_ids] + [("worker", w) for w in trainer_ids]
                 for kind, member in members[known:]:
                     heapq.heappush(due, (now + random.random(), kind, member))
                 known = len(members)
@@ -228,7 +228,7 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
         def register(req: Any) -> None:
             worker_id = refit.RegisterWorker(req, timeout=300).worker_id
             if req.role == pb.ROLE_SOURCE:
-                registered.append(worker_id)
+                trainer_ids.append(worker_id)
             else:
                 subscriptions.append(refit.Subscribe(pb.SubscribeRequest(worker_id=worker_id)))
 

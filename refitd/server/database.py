@@ -39,6 +39,11 @@ CREATE TABLE IF NOT EXISTS refits (
   bytes INTEGER NOT NULL, seconds REAL NOT NULL, detail TEXT NOT NULL);
 """
 
+# A refit committed when its version is in the version log under its refit_id (v.refit_id).
+REFITS_WITH_LOG = (
+    "FROM refits r LEFT JOIN versions v ON v.model = r.model AND v.version = r.version"
+)
+
 
 @dataclass(frozen=True, slots=True)
 class RefitRecord:
@@ -201,8 +206,7 @@ class StateDB:
         into the version log; returns the ids of the failed ones."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT r.refit_id, r.state, r.detail, v.refit_id FROM refits r LEFT JOIN "
-                "versions v ON v.model = r.model AND v.version = r.version "
+                f"SELECT r.refit_id, r.state, r.detail, v.refit_id {REFITS_WITH_LOG} "
                 "WHERE r.state NOT IN ('committed', 'failed', 'superseded')"
             ).fetchall()
             failed = []
@@ -223,8 +227,7 @@ class StateDB:
         """How a refit ended, for a rank it paused: committed when its version is in the
         version log under this refit, else its state and whether it began writing."""
         rows = self._read(
-            "SELECT r.model, r.version, r.state, r.reason, r.detail, v.refit_id FROM refits r "
-            "LEFT JOIN versions v ON v.model = r.model AND v.version = r.version "
+            f"SELECT r.model, r.version, r.state, r.reason, r.detail, v.refit_id {REFITS_WITH_LOG} "
             "WHERE r.refit_id=?",
             (refit_id,),
         )
