@@ -76,6 +76,11 @@ class Settings(BaseSettings):
     relay: bool = Field(
         True, description="destination replicas forward blocks they received (fewer source sends)"
     )
+    allow_dtype_cast: bool = Field(
+        False,
+        description="let a destination hold another float dtype than its source (BF16, FP16, "
+        "FP32, FP64): values land cast, rounded to nearest even; off: a mismatch fails the plan",
+    )
     # --- timeouts (seconds), one per refit phase
     barrier_timeout_s: float = Field(60.0, gt=0, description="all trainer ranks ask for v")
     connect_timeout_s: float = Field(60.0, gt=0, description="communicator (re)connect")

@@ -206,6 +206,23 @@ def _pad(t: tuple[int, ...], d: int, fill: int) -> list[int]:
     return list(t) + [fill] * (d - len(t))
 
 
+CASTABLE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+CAST_SETTING = (
+    "set allow_dtype_cast (refitd serve --allow-dtype-cast, env REFITD_ALLOW_DTYPE_CAST, "
+    "config file key allow_dtype_cast; PlanConfig.allow_dtype_cast when planning directly)"
+)
+
+
+def _check_cast(cfg: PlanConfig, src_dtype: str, dst_dtype: str, dst: str, src: str) -> None:
+    """A destination of another dtype than its source: allowed only between float dtypes
+    (the executor casts those on landing), and only when the configuration turns casts on."""
+    what = f"dtype mismatch: {dst} is {dst_dtype}, source {src} is {src_dtype}"
+    if src_dtype not in CASTABLE_DTYPES or dst_dtype not in CASTABLE_DTYPES:
+        raise PlanError(f"{what}; casts exist only between {', '.join(CASTABLE_DTYPES)}")
+    if not cfg.allow_dtype_cast:
+        raise PlanError(f"{what}, and dtype casts are off: to land it cast, {CAST_SETTING}")
+
+
 def _check_cover(side: _Side, members: np.ndarray, geo_ids: list[int], what: str) -> None:
     """The distinct covers of these geometries tile the global tensor exactly."""
     geos = [side.geos[g] for g in geo_ids]
@@ -375,12 +392,8 @@ class _Planner:
                     f"{dg.global_shape}, source {src.who(int(s_mem[0]))} has {gshape}"
                     + (f" (name map dim {dim}, rows {s_start}+{length})" if dim >= 0 else "")
                 )
-            if dg.dtype != g0.dtype and not cfg.allow_dtype_cast:
-                raise PlanError(
-                    f"dtype mismatch: {dst.who(int(d_mem[k]))} is {dg.dtype}, source "
-                    f"{src.who(int(s_mem[0]))} is {g0.dtype} (PlanConfig.allow_dtype_cast "
-                    f"is off)"
-                )
+            if dg.dtype != g0.dtype:
+                _check_cast(cfg, g0.dtype, dg.dtype, dst.who(int(d_mem[k])), src.who(int(s_mem[0])))
         _check_cover(src, s_mem, s_geo, "source")
         for ks in by_pool.values():
             _check_cover(

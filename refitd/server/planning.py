@@ -32,6 +32,7 @@ class PlanOptions:
     bucket_bytes: int
     sender_quantization: bool = False
     relay: bool = True
+    allow_dtype_cast: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def _planner_config(options: PlanOptions) -> PlanConfig:
         bucket_bytes=options.bucket_bytes,
         sender_quantization=options.sender_quantization,
         relay=options.relay,
+        allow_dtype_cast=options.allow_dtype_cast,
     )
 
 

@@ -276,7 +276,10 @@ class RefitCoordinator:
         self.agents = AgentHub(self.board)
         self.plans = PlanCache(settings.plan_cache_size)
         self.plan_options = PlanOptions(
-            settings.bucket_bytes, settings.sender_quantization, settings.relay
+            bucket_bytes=settings.bucket_bytes,
+            sender_quantization=settings.sender_quantization,
+            relay=settings.relay,
+            allow_dtype_cast=settings.allow_dtype_cast,
         )
         self._models: dict[str, ModelRefits] = {}
         self._lock = threading.Lock()

@@ -46,6 +46,25 @@ def test_dtype_mismatch_without_cast():
         plan([spec("t", 0, "w", (4,))], [spec("i", 0, "w", (4,), dtype="bfloat16", slot=9)])
 
 
+def test_dtype_mismatch_names_the_setting_and_casts_stay_between_floats():
+    with pytest.raises(
+        PlanError, match=r"refitd serve --allow-dtype-cast.*REFITD_ALLOW_DTYPE_CAST"
+    ):
+        plan([spec("t", 0, "w", (4,))], [spec("i", 0, "w", (4,), dtype="float16", slot=9)])
+    # with casts on, a float destination plans; an integer one is refused at plan time
+    plan(
+        [spec("t", 0, "w", (4,))],
+        [spec("i", 0, "w", (4,), dtype="float16", slot=9)],
+        allow_dtype_cast=True,
+    )
+    with pytest.raises(PlanError, match=r"'w'.*int32.*float32; casts exist only between float"):
+        plan(
+            [spec("t", 0, "w", (4,))],
+            [spec("i", 0, "w", (4,), dtype="int32", slot=9)],
+            allow_dtype_cast=True,
+        )
+
+
 def test_overlapping_source_boxes():
     a = explicit_layout((3,), [((0,), (3,), (0,))])
     b = explicit_layout((3,), [((2,), (3,), (0,))])
