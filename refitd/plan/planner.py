@@ -248,10 +248,48 @@ def _check_cover(side: _Side, members: np.ndarray, geo_ids: list[int], what: str
                 f"of global shape {gshape}"
             )
     if vol != total:
+        missing = _first_missing(gshape, [(o, s) for _, o, s in boxes])
         raise PlanError(
             f"holes in the {what}: {side.who(int(members[0]))} and the other shards of "
             f"global shape {gshape} cover {vol} of {total} elements"
+            + (
+                f"; no shard holds the block at offset {missing[0]} of shape {missing[1]}"
+                if missing is not None
+                else ""
+            )
         )
+
+
+def _first_missing(
+    gshape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A block of the global tensor that no box covers (the first cell of the grid the box
+    edges cut), for a hole's error message; None if the grid is too large to enumerate."""
+    if not gshape:
+        return ((), ()) if not boxes else None
+    edges = [
+        np.unique(np.array([0, n] + [o[d] for o, _ in boxes] + [o[d] + s[d] for o, s in boxes]))
+        for d, n in enumerate(gshape)
+    ]
+    grid = tuple(e.size - 1 for e in edges)
+    if int(np.prod(grid)) > 1 << 22:
+        return None
+    covered = np.zeros(grid, dtype=bool)
+    for o, s in boxes:
+        covered[
+            tuple(
+                slice(int(np.searchsorted(e, a)), int(np.searchsorted(e, a + n)))
+                for e, a, n in zip(edges, o, s, strict=True)
+            )
+        ] = True
+    holes = np.argwhere(~covered)
+    if not holes.size:
+        return None
+    cell = holes[0].tolist()
+    return (
+        tuple(int(e[i]) for e, i in zip(edges, cell, strict=True)),
+        tuple(int(e[i + 1] - e[i]) for e, i in zip(edges, cell, strict=True)),
+    )
 
 
 class _Planner:

@@ -258,8 +258,11 @@ def _spec(
         raise invalid(f"{where}: unknown storage {storage[:64]!r}; known: {list(STORAGE_FORMATS)}")
     if not t.memory:
         raise invalid(f"{where}: field memory (the memory handle) is empty")
-    if not t.boxes:
-        raise invalid(f"{where}: no boxes (a placement needs at least one)")
+    if not t.boxes and math.prod(lshape):
+        raise invalid(
+            f"{where}: no boxes, but local_shape {list(lshape)} holds {math.prod(lshape)} "
+            "elements (only an empty shard, a local dim of 0, may hold no part of the tensor)"
+        )
     boxes = tuple(_box(b, i, gshape, lshape, where) for i, b in enumerate(t.boxes))
     _check_disjoint(boxes, where)
     return TensorSpec(

@@ -193,9 +193,8 @@ def test_dtensor_uneven_two_dims(n0, n1, mesh_s, pl_s, mesh_d, pl_d, relay):
         for a in range(mesh[0]):
             for b in range(mesh[1]):
                 r = a * mesh[1] + b
+                # torch.chunk leaves trailing ranks empty: they register with no boxes
                 lay = dtensor_layout(shape, mesh, (a, b), pls, label="w")
-                if not lay.boxes:  # torch.chunk leaves trailing ranks empty
-                    continue
                 out.append(
                     make_spec(
                         model="m",
@@ -213,6 +212,63 @@ def test_dtensor_uneven_two_dims(n0, n1, mesh_s, pl_s, mesh_d, pl_d, relay):
     run_and_check(
         side("train", mesh_s, pl_s, 0), side("inf", mesh_d, pl_d, 50), PlanConfig(relay=relay)
     )
+
+
+def dspec(pool, rank, slot, name, shape, mesh, placements):
+    return make_spec(
+        model="m",
+        pool=pool,
+        rank=rank,
+        slot=slot,
+        name=name,
+        global_shape=shape,
+        dtype="float32",
+        layout=dtensor_layout(shape, mesh, (rank,), placements, label=name),
+    )
+
+
+def test_empty_shards_plan_and_move_nothing():
+    """[3, 4] Shard(0) over 4 ranks (1, 1, 1, 0 rows) and a [2] bias (1, 1, 0, 0) into an
+    unsharded pool, Shard(1) over 3 (2, 2, 0 columns) and Shard(0) over 5 (ranks 3 and 4
+    hold nothing and share slot 33 with nothing else)."""
+    tensors = {"e": (3, 4), "bias": (2,)}
+    src = [dspec("t", r, r, n, s, (4,), [Shard(0)]) for r in range(4) for n, s in tensors.items()]
+    full = [dspec("full", 0, 10, n, s, (1,), [Replicate()]) for n, s in tensors.items()]
+    cols = [
+        dspec("cols", r, 20 + r, n, s, (3,), [Shard(len(s) - 1)])
+        for r in range(3)
+        for n, s in tensors.items()
+    ]
+    rows = [
+        dspec("rows", r, 30 + min(r, 3), n, s, (5,), [Shard(0)])
+        for r in range(5)
+        for n, s in tensors.items()
+    ]
+    empty = [x for x in src + cols + rows if 0 in x.local_shape]
+    assert {(x.pool, x.rank, x.name) for x in empty} == {
+        ("t", 3, "e"),
+        ("t", 2, "bias"),
+        ("t", 3, "bias"),
+        ("cols", 2, "e"),
+        ("cols", 2, "bias"),
+        ("rows", 3, "e"),
+        ("rows", 4, "e"),
+        ("rows", 2, "bias"),
+        ("rows", 3, "bias"),
+        ("rows", 4, "bias"),
+    }
+    assert all(x.boxes == () for x in empty)
+    for relay in (False, True):
+        plan = run_and_check(src, full + cols + rows, PlanConfig(relay=relay, bucket_bytes=16))
+        # only empty shards on slot 33: its program sends, receives and maps nothing
+        idle = plan.program(33)
+        assert (idle.sends, idle.recvs, idle.local, idle.tensors) == ((), (), (), {})
+        tensors_of = plan.tensors
+        for slot in plan.slots():
+            prog = plan.program(slot)
+            copies = [*prog.local, *(c for m in (*prog.sends, *prog.recvs) for c in m.copies)]
+            touched = {c.src_tensor for c in copies} | {c.dst_tensor for c in copies}
+            assert not [i for i in touched if 0 in tensors_of[i].local_shape], slot
 
 
 def test_torch_chunk_semantics_and_explicit_chunks():
