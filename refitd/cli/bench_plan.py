@@ -3,15 +3,18 @@
 Prints one JSON line. plan_s: build_plan from the TensorSpec lists to a finished Plan;
 table_build_s: turning the lists into SpecTables (a controller can do this as workers
 register); plan_from_table_s: build_plan_from_table; spec_scan_s: same-run reference, one
-Python pass over every spec. Megatron-Core is not installed here; its figures for the same
-layouts (issue 2: 2.7 s to replay its global schedule for kimi-k2 256->128, send
-imbalance 1.055 for that layout and 1.030 for llama3-70b 128->64) are quoted as
-references and the ratios to them reported.
+Python pass over every spec. The timed calls run inside a GcPause owned by the bench, as
+the controller runs its plan builds (--no-gc-pause: with the collector on). Megatron-Core
+is not installed here; its figures for the same layouts (Megatron-Core 0.19.2, quoted, not
+measured here: 2.7 s to replay its global schedule for kimi-k2 256->128, send imbalance
+1.055 for that layout and 1.030 for llama3-70b 128->64) are quoted as references and the
+ratios to them reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import resource
@@ -40,9 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3, help="plan builds timed; the best is reported")
+    p.add_argument(
+        "--no-gc-pause",
+        action="store_true",
+        help="time with the cyclic garbage collector on (default: paused, as the controller does)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from refitd.plan.gc_pause import GcPause
     from refitd.plan.planner import PlanConfig, build_plan, build_plan_from_table
     from refitd.plan.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
@@ -60,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     build_s = time.perf_counter() - t0
     config = PlanConfig(bucket_bytes=args.bucket_mib << 20, relay=args.relay)
     repeat = max(args.repeat, 1)
+    pause = contextlib.nullcontext() if args.no_gc_pause else GcPause()
 
     def best(f: Callable[[], object]) -> tuple[float, list[float], object]:
         times, result = [], None
@@ -67,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
             result = None
             gc.collect()
             t = time.perf_counter()
-            result = f()
+            with pause:
+                result = f()
             times.append(time.perf_counter() - t)
         return min(times), times, result
 
@@ -81,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     from_table_s, _, _ = best(lambda: build_plan_from_table(args.model, 0, src_t, dst_t, config))
     plan_s, times, plan = best(lambda: build_plan(args.model, 0, sources, destinations, config))
     t0 = time.perf_counter()
-    program = plan.program(plan.slots()[0])  # type: ignore[attr-defined]
+    with pause:
+        program = plan.program(plan.slots()[0])  # type: ignore[attr-defined]
     program_s = time.perf_counter() - t0
     s = plan.stats  # type: ignore[attr-defined]
     ref = MEGATRON_REF.get((args.model, args.src, args.src_world, args.dst, args.dst_world))
@@ -93,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         "dst": f"{args.dst} world={args.dst_world}",
         "collocated": args.collocated,
         "relay": args.relay,
+        "gc_paused": not args.no_gc_pause,
         "tensors": len(sources) + len(destinations),
         "specs_build_s": round(build_s, 3),
         "plan_s": round(plan_s, 4),
@@ -120,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if ref is not None:
         ref_s, ref_imb = ref
-        out["megatron_ref_source"] = "issue 2 figures (Megatron-Core 0.19.2), not run here"
+        out["megatron_ref_source"] = "quoted Megatron-Core 0.19.2 figures, not run here"
         if ref_s:
             out["megatron_plan_s_ref"] = ref_s
             out["speedup_vs_megatron"] = round(ref_s / plan_s, 2)

@@ -8,7 +8,8 @@ reduced to geometry ids, canonical tensors with the same geometry sequence form 
 whose intersections are computed once, and copies stay NumPy arrays until `program(slot)`.
 build_plan tabulates the TensorSpec lists first (table.SpecTable, the Python-bound part);
 a controller that keeps one SpecTable per side as workers register calls
-build_plan_from_table and skips it. Cyclic GC is paused while planning.
+build_plan_from_table and skips it. The planner never switches the garbage collector;
+a caller planning large clusters wraps its calls in its own gc_pause.GcPause.
 
 Relays (PlanConfig.relay, off by default until every executor honours the rule below): a
 destination slot that received a block may forward it to another destination replica of
@@ -42,7 +43,7 @@ from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, TensorSpec
 from refitd.plan.names import Link, NameMap, resolve_links
 from refitd.plan.program import Copy, Message, SlotProgram
 from refitd.plan.relay import RelayCandidates, choose_relays
-from refitd.plan.table import Geo, SpecTable, paused_gc
+from refitd.plan.table import Geo, SpecTable
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, RAW, dtype_size
 
 __all__ = [
@@ -570,10 +571,9 @@ def build_plan(
     config: PlanConfig,
 ) -> Plan:
     """The whole-cluster plan; raises PlanError on inconsistent registrations."""
-    with paused_gc():
-        return _build(
-            model, epoch, SpecTable.from_specs(sources), SpecTable.from_specs(destinations), config
-        )
+    return _build(
+        model, epoch, SpecTable.from_specs(sources), SpecTable.from_specs(destinations), config
+    )
 
 
 def build_plan_from_table(
@@ -581,8 +581,7 @@ def build_plan_from_table(
 ) -> Plan:
     """build_plan from registrations already in columns (e.g. kept by the controller as
     workers register); the tables must not change while the plan is in use."""
-    with paused_gc():
-        return _build(model, epoch, sources, destinations, config)
+    return _build(model, epoch, sources, destinations, config)
 
 
 def _build(
@@ -984,10 +983,6 @@ class Plan:
 
     def program(self, slot: int) -> SlotProgram:
         """What the transfer process of `slot` executes, messages ordered by (round, id)."""
-        with paused_gc():
-            return self._program(slot)
-
-    def _program(self, slot: int) -> SlotProgram:
 
         def msgs(ids: np.ndarray) -> tuple[Message, ...]:
             return tuple(

@@ -6,17 +6,21 @@ source rank's tensors (so a trainer rank's Refit can return once its weights hav
 read). Registrations reach the planner as SpecTables kept per model (`ModelTables`, updated
 as workers register), so a plan starts from ready integer columns; a slot's program is
 built and serialized only when it is first needed (`ControllerPlan.load_payload`). This
-module is the only place that calls the planner.
+module is the only place that calls the planner. Plan and program builds run inside the
+caller's GcPause when one is given (the coordinator owns one per controller): the cyclic
+garbage collector stays off while any of them runs, in any thread, and comes back after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from refitd.plan.errors import PlanError
+from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
 from refitd.plan.table import SpecTable
@@ -53,6 +57,7 @@ class ControllerPlan:
     total_bytes: int
     readers: dict[tuple[str, int], frozenset[int]]  # (source pool, rank) -> slots reading it
     plan: Plan
+    gc_pause: GcPause | None = None  # the owner's pause, held while a program is built
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -63,10 +68,11 @@ class ControllerPlan:
             payload = self._payloads.get(slot)
         if payload is not None:
             return payload
-        prog = self.plan.program(slot)
-        payload = LoadPayload(
-            prog.to_bytes(), tuple((i, spec.key) for i, spec in prog.tensors.items())
-        )
+        with self.gc_pause or contextlib.nullcontext():
+            prog = self.plan.program(slot)
+            payload = LoadPayload(
+                prog.to_bytes(), tuple((i, spec.key) for i, spec in prog.tensors.items())
+            )
         with self._lock:
             return self._payloads.setdefault(slot, payload)
 
@@ -154,14 +160,17 @@ def make_plan(
     sources: Sequence[TensorSpec] | SpecTable,
     destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
+    gc_pause: GcPause | None = None,
 ) -> ControllerPlan:
     """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION.
-    No slot program is built here (see ControllerPlan.load_payload)."""
-    src, dst = _table(sources), _table(destinations)
-    try:
-        plan = build_plan_from_table(model, epoch, src, dst, _planner_config(options))
-    except PlanError as e:
-        raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
+    No slot program is built here (see ControllerPlan.load_payload); the plan keeps
+    `gc_pause` for them."""
+    with gc_pause or contextlib.nullcontext():
+        src, dst = _table(sources), _table(destinations)
+        try:
+            plan = build_plan_from_table(model, epoch, src, dst, _planner_config(options))
+        except PlanError as e:
+            raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
     ranks = {(t.pool, t.rank) for t in src.specs}
     return ControllerPlan(
         digest=plan.digest,
@@ -169,6 +178,7 @@ def make_plan(
         total_bytes=plan.stats.total_bytes,
         readers={(pool, rank): frozenset(plan.source_slots_of(pool, rank)) for pool, rank in ranks},
         plan=plan,
+        gc_pause=gc_pause,
     )
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
+from refitd.plan.gc_pause import GcPause
 from refitd.plan.planner import Plan
 from refitd.server.database import RefitRecord, StateDB
 from refitd.server.errors import ControlError, ErrorKind, precondition
@@ -275,6 +276,8 @@ class RefitCoordinator:
         self.events = EventHub(self.board)
         self.agents = AgentHub(self.board)
         self.plans = PlanCache(settings.plan_cache_size)
+        # Plan and program builds of this controller share one pause of the cyclic GC.
+        self.gc_pause = GcPause()
         self.plan_options = PlanOptions(
             bucket_bytes=settings.bucket_bytes,
             sender_quantization=settings.sender_quantization,
@@ -808,7 +811,9 @@ class RefitCoordinator:
             digest = make_digest(run.model, epoch, sources, destinations, self.plan_options)
             plan = self.plans.get(digest)
             if plan is None:
-                plan = make_plan(run.model, epoch, sources, destinations, self.plan_options)
+                plan = make_plan(
+                    run.model, epoch, sources, destinations, self.plan_options, self.gc_pause
+                )
                 self.plans.put(plan)
         finally:
             with reg.lock:
@@ -1157,7 +1162,9 @@ class RefitCoordinator:
         src_specs = [t for w in sources for t in w.specs]
         dst_specs = [t for w in behind for t in w.specs]
         try:
-            plan = make_plan(m.name, model.epoch, src_specs, dst_specs, self.plan_options)
+            plan = make_plan(
+                m.name, model.epoch, src_specs, dst_specs, self.plan_options, self.gc_pause
+            )
         except ControlError as e:
             log.info("%s: catch-up to version %s impossible (%s); next refit", who, version, e)
             return
