@@ -53,11 +53,22 @@ class Part:
 @dataclass(frozen=True, slots=True)
 class NameRule:
     """Destination canonical `dst` is the concatenation along `dim` of `parts`; every
-    other dim equals the source's. One whole part with dim 0 is a plain rename."""
+    other dim equals the source's. One whole part with dim 0 is a plain rename.
+
+    `padding` declares rows after the parts (along dim) that exist only at the destination,
+    e.g. a vocabulary padded to a multiple of 64 by the inference engine: the planner never
+    writes them and does not count them as holes.
+    """
 
     dst: str
     dim: int
     parts: tuple[Part, ...]
+    padding: int = 0
+
+    @property
+    def covered(self) -> int:
+        """Rows of the destination along dim named by the rule: parts plus padding."""
+        return sum(p.length for p in self.parts) + self.padding
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +114,10 @@ class NameMap:
         return cls(tuple(r for m in maps for r in m.rules))
 
 
-def rename(dst: str, src: str, size0: int) -> NameRule:
-    """dst is src under another name (size0 = the length of dim 0)."""
-    return NameRule(dst, 0, (Part(src, 0, size0),))
+def rename(dst: str, src: str, size0: int, padding: int = 0) -> NameRule:
+    """dst is src under another name (size0 = the length of dim 0); `padding` rows follow
+    at the destination only (declared padding, never written)."""
+    return NameRule(dst, 0, (Part(src, 0, size0),), padding)
 
 
 def split_gated_fc1(src: str, gate: str, up: str, ffn: int) -> list[NameRule]:

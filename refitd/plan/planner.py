@@ -312,17 +312,21 @@ class _Planner:
         return out
 
     def _check_rules(self, links: list[Link]) -> None:
+        """Each rule's parts plus its declared padding span the destination's dim."""
+        rules = self.config.name_map.index() if self.config.name_map is not None else {}
         covered: dict[str, int] = {}
         for ln in links:
             if ln.dim >= 0:
-                covered[ln.dst] = covered.get(ln.dst, 0) + ln.length
+                covered.setdefault(ln.dst, rules[ln.dst].padding if ln.dst in rules else 0)
+                covered[ln.dst] += ln.length
         for name, n in covered.items():
             i = int(self.dst.members(self.dst.names[name])[0])
             shape = self.dst.specs[i].global_shape
             dim = next(ln.dim for ln in links if ln.dst == name)
             if dim >= len(shape) or shape[dim] != n:
                 raise PlanError(
-                    f"name map parts cover {n} of dim {dim} of {self.dst.who(i)} "
+                    f"name map parts (with declared padding) cover {n} of dim {dim} of "
+                    f"{self.dst.who(i)} "
                     f"(global shape {shape})"
                 )
 
