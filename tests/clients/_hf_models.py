@@ -131,9 +131,10 @@ def trainer_rank(
     results: Any,
     barrier: Any,
     kinds: tuple[str, ...] = (LLAMA, DSV3),
+    prefix: str = "",
 ) -> None:
     """Megatron rank (tp=2 x pp=2; experts ep=2 over the TP ranks) of each model kind; the
-    model registers under its kind's name."""
+    model registers as `prefix + kind`."""
     from clients.megatron_adapter import ParallelState, register_megatron
     from clients.megatron_adapter.toy import build_rank_module
     from refitd.client import TrainerClient
@@ -152,7 +153,9 @@ def trainer_rank(
             module = build_rank_module(
                 megatron_weights(kind, ref), ref.config.num_hidden_layers, state, experts
             )
-            t = TrainerClient(controller, kind, rank=rank, pool_size=4, device=f"cpu:{rank}")
+            t = TrainerClient(
+                controller, prefix + kind, rank=rank, pool_size=4, device=f"cpu:{rank}"
+            )
             trainers.append(t)
             register_megatron(t, module, state)
         barrier.wait(120)  # every rank registered before any asks for a refit

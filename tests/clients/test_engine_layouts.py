@@ -1,0 +1,178 @@
+"""vLLM / SGLang engine layouts: a tiny engine (tests/clients/_engine_models.py) holds each
+model as TP ranks of an inference engine do (fused qkv_proj with replicated KV heads,
+gate_up_proj, FusedMoE w13/w2 under EP, padded vocabulary, MLA fused_qkv_a_proj) and runs
+it from those tensors. A Megatron tp=2 x pp=2 trainer refits engine pools of tp 1, 2 and 4
+(4 is above the 2 KV heads) through the daemon; the engine's logits then equal the
+transformers reference's, bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from collections.abc import Callable
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import torch.multiprocessing as mp
+from _adapter_models import subscribed
+from _engine_models import PAD_FILL, EngineModel
+from _hf_models import DSV3, LLAMA, QWEN3, QWEN3_MOE, config, model, trainer_rank
+
+from clients.engine_layouts import (
+    EngineLayout,
+    EngineParallel,
+    engine_layout_for,
+    engine_placements,
+    llama_engine_layout,
+    register_engine,
+)
+from clients.hf_names import LlamaDims, hf_checkpoint_tensors
+from refitd.client import InferenceClient
+from refitd.demo.run import Daemon
+from refitd.plan.errors import PlanError
+
+BATCH = torch.tensor([[3, 17, 99, 4, 249, 8, 61, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
+ENGINE = {LLAMA: "vllm", QWEN3: "sglang", QWEN3_MOE: "vllm", DSV3: "sglang"}
+TPS = (1, 2, 4)
+
+
+def ep_of(kind: str, tp: int) -> int:
+    """Qwen3-MoE runs expert parallel (EP = TP); DeepSeek-V3 splits each expert over TP."""
+    return tp if kind == QWEN3_MOE else 1
+
+
+def layouts(kind: str, tp: int) -> list[EngineLayout]:
+    cfg = config(kind)
+    return [
+        engine_layout_for(cfg, EngineParallel(tp, r, ep_of(kind, tp)), ENGINE[kind])
+        for r in range(tp)
+    ]
+
+
+def shapes_of(lays: list[EngineLayout]) -> Callable[[int], dict[str, tuple[int, ...]]]:
+    """What each engine rank allocates (stacked experts: local experts x slice shape)."""
+
+    def shapes(r: int) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for t in lays[r].tensors:
+            if t.index is None:
+                out[t.name] = t.local_shape
+            else:
+                out[t.name] = (t.index + 1, *t.local_shape)
+        return out
+
+    return shapes
+
+
+def engine(kind: str, tp: int, seed: int) -> tuple[EngineModel, list[EngineLayout]]:
+    lays = layouts(kind, tp)
+    return EngineModel(model(kind, seed), tp, ep_of(kind, tp), ENGINE[kind], shapes_of(lays)), lays
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("kind", [LLAMA, QWEN3, QWEN3_MOE, DSV3])
+def test_engine_boxes_hold_what_the_engine_forward_reads(kind: str, tp: int) -> None:
+    """Filling each engine registration from its boxes in the HF tensors (rows past the
+    vocabulary are padding and stay untouched) gives the reference logits exactly."""
+    ref = model(kind, 0)
+    hf = hf_checkpoint_tensors(ref)
+    eng, lays = engine(kind, tp, 1)
+    for r in range(tp):
+        for p in engine_placements(eng.ranks[r], lays[r]).values():
+            src = hf[p.canonical]
+            for b in p.boxes:
+                n0 = min(b.shape[0], src.shape[0] - b.offset[0])  # padding: past the vocab
+                if n0 <= 0:
+                    continue
+                shape = (n0, *b.shape[1:])
+                glob = tuple(slice(o, o + n) for o, n in zip(b.offset, shape, strict=True))
+                loc = tuple(slice(o, o + n) for o, n in zip(b.local_offset, shape, strict=True))
+                p.tensor[loc] = src[glob]
+    with torch.no_grad():
+        assert torch.equal(eng.logits(BATCH), ref(BATCH).logits)
+
+
+def test_kv_replication_and_padding_shapes() -> None:
+    """tp=4 over 2 KV heads: ranks 0,1 hold KV head 0 and ranks 2,3 head 1; the vocabulary
+    of 250 is padded to 256, 64 rows per rank."""
+    lays = layouts(QWEN3, 4)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    for r, lay in enumerate(lays):
+        t = lay.by_key()[qkv]
+        assert t.local_shape == (16 + 16 + 16, 64)
+        k = next(p for p in t.pieces if p.canonical.endswith("k_proj.weight"))
+        assert (k.start, k.length, k.local) == (16 * (r // 2), 16, 16)
+        assert lay.by_key()["model.embed_tokens.weight"].local_shape == (64, 64)
+    assert "lm_head.weight" not in lays[0].by_key()  # tied: the engine's lm_head is the embedding
+    rule = lays[0].name_map.index()["model.embed_tokens.weight"]
+    assert (rule.parts[0].length, rule.padding) == (250, 6)
+
+
+def test_bad_engine_layouts_name_the_tensor() -> None:
+    cfg = config(LLAMA)
+    with pytest.raises(PlanError, match=r"embed_tokens.*\(256, 64\) does not split over 3"):
+        engine_layout_for(cfg, EngineParallel(3, 0), "vllm")
+    dims = dataclasses.replace(LlamaDims.from_hf_config(cfg), heads=6, kv_heads=3)
+    with pytest.raises(PlanError, match=r"layers\.0\.self_attn: 3 KV heads and TP 2"):
+        llama_engine_layout(dims, EngineParallel(2, 0))
+    with pytest.raises(ValueError, match="engine 'trt'"):
+        engine_layout_for(cfg, EngineParallel(1, 0), "trt")
+    lay = engine_layout_for(cfg, EngineParallel(2, 0), "vllm")
+    params = {t.name: torch.zeros(t.local_shape) for t in lay.tensors}
+    params["model.layers.1.mlp.gate_up_proj.weight"] = torch.zeros(64, 64)
+    with pytest.raises(PlanError, match=r"layers\.1\.mlp\.gate_up_proj.*\(64, 64\).*\(128, 64\)"):
+        engine_placements(params, lay)
+    del params["model.norm.weight"]
+    with pytest.raises(PlanError, match=r"model\.norm\.weight.*missing"):
+        engine_placements(params, lay)
+
+
+@pytest.mark.slow
+def test_megatron_trainer_refits_engine_pools_to_identical_logits(daemon: Daemon) -> None:
+    """One refit of v1 lands in pools tp1, tp2 and tp4 of every model at once."""
+    seed, prefix = 11, "engine-"
+    kinds = (LLAMA, QWEN3, QWEN3_MOE, DSV3)
+    refs = {k: model(k, seed) for k in kinds}
+    engines = {(k, tp): engine(k, tp, seed + 1) for k in kinds for tp in TPS}
+    clients: list[InferenceClient] = []
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    barrier = ctx.Barrier(4)
+    args = (daemon.address, seed, results, barrier, kinds, prefix)
+    procs = [ctx.Process(target=trainer_rank, args=(r, *args), daemon=True) for r in range(4)]
+    try:
+        for (k, tp), (eng, lays) in engines.items():
+            for r in range(tp):
+                c = InferenceClient(
+                    daemon.address, prefix + k, f"tp{tp}", rank=r, pool_size=tp,
+                    device=f"cpu:{r}",
+                )  # fmt: skip
+                clients.append(c)
+                register_engine(c, eng.ranks[r], lays[r])
+                subscribed(c)
+        for p in procs:
+            p.start()
+        got = []
+        for _ in range(4 * len(kinds)):
+            try:
+                got.append(results.get(timeout=240))
+            except queue.Empty:
+                pytest.fail(f"trainer ranks did not report; got {got}")
+            assert got[-1][1] != "error", got[-1][2]
+        assert sorted(got) == sorted((r, k, "committed") for r in range(4) for k in kinds)
+        with torch.no_grad():
+            want = {k: refs[k](BATCH).logits for k in kinds}
+            for (k, tp), (eng, _) in engines.items():
+                assert torch.equal(eng.logits(BATCH), want[k]), (k, tp)
+                emb = torch.cat([x["model.embed_tokens.weight"] for x in eng.ranks])
+                assert bool((emb[config(k).vocab_size :] == PAD_FILL).all())
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        for c in clients:
+            c.close()
