@@ -1,10 +1,13 @@
 """Register an engine rank's parameters (vLLM / SGLang names) as destinations of a Megatron
 trainer, through an EngineLayout (clients.engine_layouts.layouts).
 
-Each engine tensor becomes one registration per canonical tensor it holds pieces of: the
-fused `qkv_proj` registers as `...qkv_proj.weight` (its q rows in HF q_proj),
-`...qkv_proj.weight@k_proj` and `...qkv_proj.weight@v_proj`, all on the same memory; a
-stacked expert parameter registers one slice per local expert (`...w13_weight[k]`).
+Each engine tensor becomes one registration per piece: the fused `qkv_proj` registers as
+`...qkv_proj.weight` (its q heads), `...qkv_proj.weight@k_proj` and `@v_proj`, all on the
+same memory, each as boxes of the Megatron tensor the name map reads (fused QKV rows of
+every KV group). One registration per piece keeps replicated KV heads a whole replica of
+their own (ranks sharing a KV head hold identical boxes). A stacked expert parameter
+registers one slice per local expert (`...w13_weight[k]`). A piece that lies entirely in
+declared padding (a vocabulary shard past the real vocabulary) registers nothing.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from clients.engine_layouts.layouts import EngineLayout, EngineTensor
+from clients.hf_names import source_extents
 from refitd.client import Placed
 from refitd.client.worker import Registration, WorkerClient
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import PLAIN, Box
+from refitd.plan.names import source_boxes
 
 
 def _short(canonical: str) -> str:
@@ -48,35 +53,40 @@ def engine_placements(
     params: Mapping[str, torch.Tensor],
     layout: EngineLayout,
     storage: Mapping[str, str] | None = None,
+    through_map: bool = True,
 ) -> dict[str, Placed]:
-    """Every engine tensor of the layout as Placed boxes in its canonical tensors.
+    """Every engine tensor of the layout as Placed boxes, one registration per piece.
 
-    storage: registration storage by engine parameter name ("mxfp8", "fp8_block") for
-    quantized persistent buffers; plain by default.
+    through_map: boxes in the source (Megatron) canonicals, through the layout's name map
+    (`refitd.plan.names.source_boxes`; declared padding rows map to nothing), which any
+    controller plans as is; False: boxes in the HF canonicals (for a planner given the
+    name map itself). storage: registration storage by engine parameter name ("mxfp8",
+    "fp8_block") for quantized persistent buffers; plain by default.
     """
+    rules = layout.name_map.index() if through_map else {}
+    extents = source_extents(layout.name_map) if through_map else {}
     out: dict[str, Placed] = {}
     for t in layout.tensors:
         x = _local(params, t)
-        by_canonical: dict[str, list[Box]] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
-        for p in t.pieces:
+        for k, p in enumerate(t.pieces):
             offset = [0] * x.dim()
             local = [0] * x.dim()
             shape = list(x.shape)
             offset[p.dim], local[p.dim], shape[p.dim] = p.start, p.local, p.length
-            by_canonical.setdefault(p.canonical, []).append(
-                Box(tuple(offset), tuple(shape), tuple(local))
-            )
-            shapes[p.canonical] = p.global_shape
-        for k, (canonical, boxes) in enumerate(by_canonical.items()):
-            key = t.key if k == 0 else f"{t.key}@{_short(canonical)}"
-            out[key] = Placed(
-                x,
-                shapes[canonical],
-                boxes,
-                canonical=canonical,
-                storage=(storage or {}).get(t.name, PLAIN),
-            )
+            box = Box(tuple(offset), tuple(shape), tuple(local))
+            key = t.key if k == 0 else f"{t.key}@{_short(p.canonical)}"
+            for j, (source, b) in enumerate(source_boxes(rules, p.canonical, box)):
+                gshape = list(p.global_shape)
+                if source in extents:
+                    dim, length = extents[source]
+                    gshape[dim] = length
+                out[key if j == 0 else f"{key}#{j}"] = Placed(
+                    x,
+                    tuple(gshape),
+                    [b],
+                    canonical=source,
+                    storage=(storage or {}).get(t.name, PLAIN),
+                )
     return out
 
 
@@ -97,13 +107,11 @@ def register_engine(
     destinations through `layout`. Stacked expert parameters are re-pointed at the shared
     memory their slices moved to (CPU), so the engine serves what the refit writes."""
     placed = engine_placements(params, layout)
-    slices = [
-        _Slice(
-            params[t.name], p.tensor, params[t.name].storage_offset() - p.tensor.storage_offset()
-        )
-        for t in layout.tensors
-        if t.index is not None and (p := placed[t.key]) is not None
-    ]
+    slices = []
+    for t in layout.tensors:
+        if t.index is not None and t.key in placed:
+            view, param = placed[t.key].tensor, params[t.name]
+            slices.append(_Slice(param, view, param.storage_offset() - view.storage_offset()))
     reg = client.register(placed)
     with torch.no_grad():
         for s in slices:

@@ -10,10 +10,11 @@ no tensor is ever gathered whole.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from refitd.plan.errors import PlanError
+from refitd.plan.layout import Box
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)(?=\.)")
 _EXPERT = re.compile(r"(\.experts\..*\.(?:weight|bias))(\d+)$")
@@ -167,4 +168,33 @@ def resolve_links(
             out.append(Link(d, tied))
         else:
             out.append(Link(d, d))
+    return out
+
+
+def source_boxes(rules: Mapping[str, NameRule], canonical: str, box: Box) -> list[tuple[str, Box]]:
+    """A box of destination canonical `canonical` as boxes of the source canonicals its
+    rule reads (same local offsets): what a worker registers when the controller plans
+    without the name map. Rows in the rule's declared padding map to nothing (never
+    written); rows past the parts and the padding are an error naming the tensor."""
+    rule = rules.get(canonical)
+    if rule is None:
+        return [(canonical, box)]
+    d = rule.dim
+    if not 0 <= d < len(box.offset):
+        raise PlanError(f"name map rule of {canonical!r} splits dim {d}; box {box} has fewer")
+    lo, hi = box.offset[d], box.offset[d] + box.shape[d]
+    if hi > rule.covered:
+        raise PlanError(
+            f"box rows [{lo}, {hi}) of dim {d} of {canonical!r} lie past the name map's parts "
+            f"and padding ({rule.covered} rows)"
+        )
+    out: list[tuple[str, Box]] = []
+    at = 0
+    for p in rule.parts:
+        a, b = max(lo, at), min(hi, at + p.length)
+        if a < b:
+            off, shp, loc = list(box.offset), list(box.shape), list(box.local_offset)
+            off[d], shp[d], loc[d] = p.start + a - at, b - a, box.local_offset[d] + a - lo
+            out.append((p.source, Box(tuple(off), tuple(shp), tuple(loc))))
+        at += p.length
     return out

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 import torch.multiprocessing as mp
 from _adapter_models import subscribed
 from _engine_models import PAD_FILL, EngineModel
-from _hf_models import DSV3, LLAMA, QWEN3, QWEN3_MOE, config, model, trainer_rank
+from _hf_models import DSV3, LLAMA, QWEN3, QWEN3_MOE, config, megatron_weights, model, trainer_rank
 
 from clients.engine_layouts import (
     EngineLayout,
@@ -72,16 +72,20 @@ def engine(kind: str, tp: int, seed: int) -> tuple[EngineModel, list[EngineLayou
     return EngineModel(model(kind, seed), tp, ep_of(kind, tp), ENGINE[kind], shapes_of(lays)), lays
 
 
-@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize(("tp", "through_map"), [(1, 0), (2, 0), (4, 0), (2, 1), (4, 1)])
 @pytest.mark.parametrize("kind", [LLAMA, QWEN3, QWEN3_MOE, DSV3])
-def test_engine_boxes_hold_what_the_engine_forward_reads(kind: str, tp: int) -> None:
-    """Filling each engine registration from its boxes in the HF tensors (rows past the
-    vocabulary are padding and stay untouched) gives the reference logits exactly."""
+def test_engine_boxes_hold_what_the_engine_forward_reads(
+    kind: str, tp: int, through_map: int
+) -> None:
+    """Filling each engine registration from its boxes in the HF tensors, or through the
+    name map in the Megatron tensors (rows past the vocabulary are padding and stay
+    untouched), gives the reference logits exactly."""
     ref = model(kind, 0)
-    hf = hf_checkpoint_tensors(ref)
+    hf = megatron_weights(kind, ref) if through_map else hf_checkpoint_tensors(ref)
     eng, lays = engine(kind, tp, 1)
     for r in range(tp):
-        for p in engine_placements(eng.ranks[r], lays[r]).values():
+        placed = engine_placements(eng.ranks[r], lays[r], through_map=bool(through_map))
+        for p in placed.values():
             src = hf[p.canonical]
             for b in p.boxes:
                 n0 = min(b.shape[0], src.shape[0] - b.offset[0])  # padding: past the vocab
