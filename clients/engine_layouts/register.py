@@ -54,6 +54,8 @@ def engine_placements(
     layout: EngineLayout,
     storage: Mapping[str, str] | None = None,
     through_map: bool = True,
+    scales: Mapping[str, torch.Tensor] | None = None,
+    dtype: str = "bfloat16",
 ) -> dict[str, Placed]:
     """Every engine tensor of the layout as Placed boxes, one registration per piece.
 
@@ -61,13 +63,20 @@ def engine_placements(
     (`refitd.plan.names.source_boxes`; declared padding rows map to nothing), which any
     controller plans as is; False: boxes in the HF canonicals (for a planner given the
     name map itself). storage: registration storage by engine parameter name ("mxfp8",
-    "fp8_block") for quantized persistent buffers; plain by default.
+    "fp8_block") for quantized persistent buffers (plain by default); such a parameter is
+    its uint8 data, `scales[name]` its scale buffer, `dtype` what they stand for.
     """
     rules = layout.name_map.index() if through_map else {}
     extents = source_extents(layout.name_map) if through_map else {}
     out: dict[str, Placed] = {}
     for t in layout.tensors:
         x = _local(params, t)
+        kind = (storage or {}).get(t.name, PLAIN)
+        sc = None
+        if kind != PLAIN:
+            if scales is None or t.name not in scales:
+                raise PlanError(f"engine tensor {t.name!r}: {kind} storage without scales")
+            sc = scales[t.name] if t.index is None else scales[t.name][t.index]
         for k, p in enumerate(t.pieces):
             offset = [0] * x.dim()
             local = [0] * x.dim()
@@ -85,7 +94,9 @@ def engine_placements(
                     tuple(gshape),
                     [b],
                     canonical=source,
-                    storage=(storage or {}).get(t.name, PLAIN),
+                    storage=kind,
+                    scales=sc,
+                    dtype=dtype if kind != PLAIN else None,
                 )
     return out
 
@@ -101,17 +112,26 @@ class _Slice:
 
 
 def register_engine(
-    client: WorkerClient, params: Mapping[str, torch.Tensor], layout: EngineLayout
+    client: WorkerClient,
+    params: Mapping[str, torch.Tensor],
+    layout: EngineLayout,
+    storage: Mapping[str, str] | None = None,
+    scales: Mapping[str, torch.Tensor] | None = None,
 ) -> Registration:
     """Register an engine rank's parameters (e.g. `dict(model.named_parameters())`) as
-    destinations through `layout`. Stacked expert parameters are re-pointed at the shared
-    memory their slices moved to (CPU), so the engine serves what the refit writes."""
-    placed = engine_placements(params, layout)
+    destinations through `layout` (quantized ones: see engine_placements). Stacked expert
+    parameters are re-pointed at the shared memory their slices moved to (CPU), so the
+    engine serves what the refit writes."""
+    placed = engine_placements(params, layout, storage, scales=scales)
     slices = []
     for t in layout.tensors:
         if t.index is not None and t.key in placed:
-            view, param = placed[t.key].tensor, params[t.name]
-            slices.append(_Slice(param, view, param.storage_offset() - view.storage_offset()))
+            p = placed[t.key]
+            pairs = [(params[t.name], p.tensor)]
+            if p.scales is not None and scales is not None:
+                pairs.append((scales[t.name], p.scales))
+            for param, view in pairs:
+                slices.append(_Slice(param, view, param.storage_offset() - view.storage_offset()))
     reg = client.register(placed)
     with torch.no_grad():
         for s in slices:

@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from refitd.formats.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from refitd.plan.wire import mxfp8_scale_shape
+
 PAD_FILL = 7.0  # what the engine's padding rows hold; a refit must never write them
 
 
@@ -24,27 +27,48 @@ def _pad64(n: int) -> int:
 
 
 class EngineModel:
-    """`tp` ranks of one engine pool; experts over `ep` ranks (ffn over tp / ep)."""
+    """`tp` ranks of one engine pool; experts over `ep` ranks (ffn over tp / ep).
 
-    def __init__(self, hf: torch.nn.Module, tp: int, ep: int, engine: str, shapes: Any) -> None:
+    Parameters whose name ends with one of `mxfp8` are MXFP8 persistent buffers (uint8
+    data in `ranks`, E8M0 scales in `scales`), dequantized by the forward."""
+
+    def __init__(
+        self,
+        hf: torch.nn.Module,
+        tp: int,
+        ep: int,
+        engine: str,
+        shapes: Any,
+        mxfp8: tuple[str, ...] = (),
+    ) -> None:
         self.hf, self.cfg, self.tp, self.ep, self.engine = hf, hf.config, tp, ep, engine
+        self.mxfp8 = mxfp8
         # shapes: rank -> {param name: shape} of what the engine allocates
-        self.ranks: list[dict[str, torch.Tensor]] = [
-            {n: torch.full(s, PAD_FILL, dtype=torch.bfloat16) for n, s in shapes(r).items()}
-            for r in range(tp)
-        ]
+        self.ranks: list[dict[str, torch.Tensor]] = []
+        self.scales: list[dict[str, torch.Tensor]] = []
+        for r in range(tp):
+            held, scales = {}, {}
+            for n, shape in shapes(r).items():
+                if n.endswith(mxfp8) and mxfp8:
+                    held[n] = torch.zeros(shape, dtype=torch.uint8)
+                    scales[n] = torch.zeros(mxfp8_scale_shape(shape), dtype=torch.uint8)
+                else:
+                    held[n] = torch.full(shape, PAD_FILL, dtype=torch.bfloat16)
+            self.ranks.append(held)
+            self.scales.append(scales)
+        self._read: list[dict[str, torch.Tensor]] = self.ranks
 
     # ------------------------------------------------------------------ assembly
     def _same(self, name: str) -> torch.Tensor:
         """A replicated tensor: every rank must hold the same bytes."""
-        first = self.ranks[0][name]
-        for r, t in enumerate(self.ranks):
+        first = self._read[0][name]
+        for r, t in enumerate(self._read):
             if not torch.equal(t[name], first):
                 raise AssertionError(f"replica of {name} on rank {r} differs from rank 0")
         return first
 
     def _cat(self, name: str, dim: int) -> torch.Tensor:
-        return torch.cat([t[name] for t in self.ranks], dim=dim)
+        return torch.cat([t[name] for t in self._read], dim=dim)
 
     def _vocab(self, name: str) -> torch.Tensor:
         full = self._cat(name, 0)
@@ -59,9 +83,9 @@ class EngineModel:
         hd, kv = cfg.head_dim, cfg.num_key_value_heads
         q_rows = cfg.num_attention_heads // tp * hd
         kv_rows = max(1, kv // tp) * hd
-        qs = [t[name][:q_rows] for t in self.ranks]
-        ks = [t[name][q_rows : q_rows + kv_rows] for t in self.ranks]
-        vs = [t[name][q_rows + kv_rows :] for t in self.ranks]
+        qs = [t[name][:q_rows] for t in self._read]
+        ks = [t[name][q_rows : q_rows + kv_rows] for t in self._read]
+        vs = [t[name][q_rows + kv_rows :] for t in self._read]
         rep = max(1, tp // kv)
         for r in range(tp):  # replicated KV heads: every holder agrees with the first
             first = r - r % rep
@@ -70,7 +94,7 @@ class EngineModel:
         return torch.cat(qs), torch.cat(ks[::rep]), torch.cat(vs[::rep])
 
     def _gate_up(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        halves = [t[name].chunk(2, dim=0) for t in self.ranks]
+        halves = [t[name].chunk(2, dim=0) for t in self._read]
         return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
 
     def _experts(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +102,7 @@ class EngineModel:
         mt = self.tp // self.ep
         gate_up, down = [], []
         for e in range(self.ep):
-            group = self.ranks[e * mt : (e + 1) * mt]
+            group = self._read[e * mt : (e + 1) * mt]
             w13 = [t[f"{prefix}.experts.w13_weight"].chunk(2, dim=1) for t in group]
             gate = torch.cat([g for g, _ in w13], dim=1)
             up = torch.cat([u for _, u in w13], dim=1)
@@ -88,6 +112,13 @@ class EngineModel:
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The transformers model's parameters, read out of the engine tensors."""
+        self._read = [
+            {
+                n: mxfp8_dequantize(t, self.scales[r][n]) if n in self.scales[r] else t
+                for n, t in held.items()
+            }
+            for r, held in enumerate(self.ranks)
+        ]
         cfg = self.cfg
         sd: dict[str, torch.Tensor] = {
             "model.embed_tokens.weight": self._vocab("model.embed_tokens.weight"),
@@ -115,7 +146,7 @@ class EngineModel:
                     for n in ("q_norm", "k_norm"):
                         sd[f"{a}.{n}.weight"] = self._same(f"{a}.{n}.weight")
             m = f"{h}.mlp"
-            if f"{m}.gate_up_proj.weight" in self.ranks[0]:
+            if f"{m}.gate_up_proj.weight" in self._read[0]:
                 self._mlp(m, sd)
                 continue
             sd[f"{m}.gate.weight"] = self._same(f"{m}.gate.weight")
@@ -150,3 +181,12 @@ class EngineModel:
         buffers = dict(self.hf.named_buffers())
         out = torch.func.functional_call(self.hf, {**buffers, **state}, (batch,), strict=True)
         return out.logits
+
+
+def mxfp8_reference(hf: torch.nn.Module, suffixes: tuple[str, ...]) -> None:
+    """Round the HF weights ending with `suffixes` through MXFP8 in place (the format's
+    reference codec; blocks of 32 along each row, as the engine shards hold them)."""
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith(suffixes):
+                p.copy_(mxfp8_dequantize(*mxfp8_quantize(p), dtype=p.dtype))

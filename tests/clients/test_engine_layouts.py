@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp
 from _adapter_models import subscribed
-from _engine_models import PAD_FILL, EngineModel
+from _engine_models import PAD_FILL, EngineModel, mxfp8_reference
 from _hf_models import DSV3, LLAMA, QWEN3, QWEN3_MOE, config, megatron_weights, model, trainer_rank
 
 from clients.engine_layouts import (
@@ -134,28 +134,49 @@ def test_bad_engine_layouts_name_the_tensor() -> None:
         engine_placements(params, lay)
 
 
+MXFP8_ENGINE = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+MXFP8_HF = tuple(f"{n}_proj.weight" for n in ("q", "k", "v", "o", "gate", "up", "down"))
+
+
+@pytest.fixture(scope="module")
+def qdaemon() -> Iterator[Daemon]:
+    """A daemon that quantizes on the sender: MXFP8 destinations get an MXFP8 wire."""
+    d = Daemon(cpu_slots=4, extra_args=["--sender-quantization", "--pause-timeout-s", "20"])
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
 @pytest.mark.slow
-def test_megatron_trainer_refits_engine_pools_to_identical_logits(daemon: Daemon) -> None:
-    """One refit of v1 lands in pools tp1, tp2 and tp4 of every model at once."""
+def test_megatron_trainer_refits_engine_pools_to_identical_logits(qdaemon: Daemon) -> None:
+    """One refit of v1 lands in pools tp1, tp2 and tp4 (BF16 wire) of every model and in
+    an MXFP8 Llama pool (tp2, MXFP8 wire) at once."""
     seed, prefix = 11, "engine-"
     kinds = (LLAMA, QWEN3, QWEN3_MOE, DSV3)
     refs = {k: model(k, seed) for k in kinds}
     engines = {(k, tp): engine(k, tp, seed + 1) for k in kinds for tp in TPS}
+    lays = layouts(LLAMA, 2)
+    quant = EngineModel(model(LLAMA, seed + 1), 2, 1, "vllm", shapes_of(lays), MXFP8_ENGINE)
+    pools = [(k, f"tp{tp}", eng, ls, None) for (k, tp), (eng, ls) in engines.items()]
+    pools.append((LLAMA, "tp2-mxfp8", quant, lays, MXFP8_ENGINE))
     clients: list[InferenceClient] = []
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     barrier = ctx.Barrier(4)
-    args = (daemon.address, seed, results, barrier, kinds, prefix)
+    args = (qdaemon.address, seed, results, barrier, kinds, prefix)
     procs = [ctx.Process(target=trainer_rank, args=(r, *args), daemon=True) for r in range(4)]
     try:
-        for (k, tp), (eng, lays) in engines.items():
-            for r in range(tp):
+        for k, pool, eng, ls, mx in pools:
+            for r in range(eng.tp):
                 c = InferenceClient(
-                    daemon.address, prefix + k, f"tp{tp}", rank=r, pool_size=tp,
+                    qdaemon.address, prefix + k, pool, rank=r, pool_size=eng.tp,
                     device=f"cpu:{r}",
                 )  # fmt: skip
                 clients.append(c)
-                register_engine(c, eng.ranks[r], lays[r])
+                storage = dict.fromkeys((n for n in eng.ranks[r] if mx and n.endswith(mx)), "mxfp8")
+                register_engine(c, eng.ranks[r], ls[r], storage, eng.scales[r])
                 subscribed(c)
         for p in procs:
             p.start()
@@ -169,8 +190,11 @@ def test_megatron_trainer_refits_engine_pools_to_identical_logits(daemon: Daemon
         assert sorted(got) == sorted((r, k, "committed") for r in range(4) for k in kinds)
         with torch.no_grad():
             want = {k: refs[k](BATCH).logits for k in kinds}
-            for (k, tp), (eng, _) in engines.items():
-                assert torch.equal(eng.logits(BATCH), want[k]), (k, tp)
+            for k, pool, eng, _, mx in pools:
+                if mx:
+                    mxfp8_reference(refs[k], MXFP8_HF)
+                    want[k] = refs[k](BATCH).logits
+                assert torch.equal(eng.logits(BATCH), want[k]), (k, pool)
                 emb = torch.cat([x["model.embed_tokens.weight"] for x in eng.ranks])
                 assert bool((emb[config(k).vocab_size :] == PAD_FILL).all())
     finally:
