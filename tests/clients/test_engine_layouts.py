@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,20 +18,18 @@ import torch
 pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp
-from _adapter_models import subscribed
 from _engine_models import PAD_FILL, EngineModel, mxfp8_reference
 from _hf_models import DSV3, LLAMA, QWEN3, QWEN3_MOE, config, megatron_weights, model, trainer_rank
 
+from clients.engine_example import RefitdWorker, RefitdWorkerExtension
 from clients.engine_layouts import (
     EngineLayout,
     EngineParallel,
     engine_layout_for,
     engine_placements,
     llama_engine_layout,
-    register_engine,
 )
 from clients.hf_names import LlamaDims, hf_checkpoint_tensors
-from refitd.client import InferenceClient
 from refitd.demo.run import Daemon
 from refitd.plan.errors import PlanError
 
@@ -134,6 +133,28 @@ def test_bad_engine_layouts_name_the_tensor() -> None:
         engine_placements(params, lay)
 
 
+class VllmWorker(RefitdWorkerExtension):
+    """What vLLM builds with worker_extension_cls: a worker whose model runner holds the
+    engine's module (rank 0 of a tp=1 pool); the engine model reads the module's own
+    parameters, which the registration moves in place."""
+
+    def __init__(self, eng: EngineModel, cfg: object) -> None:
+        module = torch.nn.Module()
+        for name, t in eng.ranks[0].items():
+            *path, leaf = name.split(".")
+            mod = module
+            for part in path:
+                if part not in mod._modules:
+                    mod.add_module(part, torch.nn.Module())
+                mod = mod._modules[part]
+            mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+        eng.ranks[0] = dict(module.named_parameters())
+        runner_config = SimpleNamespace(hf_config=cfg)
+        self.model_runner = SimpleNamespace(model=module, model_config=runner_config)
+        self.rank = 0
+        self.device = torch.device("cpu")
+
+
 MXFP8_ENGINE = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
 MXFP8_HF = tuple(f"{n}_proj.weight" for n in ("q", "k", "v", "o", "gate", "up", "down"))
 
@@ -161,7 +182,7 @@ def test_megatron_trainer_refits_engine_pools_to_identical_logits(qdaemon: Daemo
     quant = EngineModel(model(LLAMA, seed + 1), 2, 1, "vllm", shapes_of(lays), MXFP8_ENGINE)
     pools = [(k, f"tp{tp}", eng, ls, None) for (k, tp), (eng, ls) in engines.items()]
     pools.append((LLAMA, "tp2-mxfp8", quant, lays, MXFP8_ENGINE))
-    clients: list[InferenceClient] = []
+    workers: list[RefitdWorker | VllmWorker] = []
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     barrier = ctx.Barrier(4)
@@ -169,15 +190,17 @@ def test_megatron_trainer_refits_engine_pools_to_identical_logits(qdaemon: Daemo
     procs = [ctx.Process(target=trainer_rank, args=(r, *args), daemon=True) for r in range(4)]
     try:
         for k, pool, eng, ls, mx in pools:
+            if eng.tp == 1:  # through the vLLM worker extension: the runner's own module
+                w = VllmWorker(eng, config(k))
+                workers.append(w)
+                assert w.refitd_register(qdaemon.address, prefix + k, pool, 1, engine=ENGINE[k])
+                continue
             for r in range(eng.tp):
-                c = InferenceClient(
-                    qdaemon.address, prefix + k, pool, rank=r, pool_size=eng.tp,
-                    device=f"cpu:{r}",
-                )  # fmt: skip
-                clients.append(c)
+                ww = RefitdWorker(qdaemon.address, prefix + k, pool, r, eng.tp, f"cpu:{r}",
+                                  pause=lambda v: None, resume=lambda v: None)  # fmt: skip
+                workers.append(ww)
                 storage = dict.fromkeys((n for n in eng.ranks[r] if mx and n.endswith(mx)), "mxfp8")
-                register_engine(c, eng.ranks[r], ls[r], storage, eng.scales[r])
-                subscribed(c)
+                ww.register_engine(eng.ranks[r], ls[r], storage, eng.scales[r])
         for p in procs:
             p.start()
         got = []
@@ -202,5 +225,5 @@ def test_megatron_trainer_refits_engine_pools_to_identical_logits(qdaemon: Daemo
             p.join(30)
             if p.is_alive():
                 p.kill()
-        for c in clients:
-            c.close()
+        for w in workers:
+            w.close() if isinstance(w, RefitdWorker) else w.refitd_close()
