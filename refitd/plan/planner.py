@@ -780,6 +780,7 @@ class Plan:
             relay_copies=int(relays.copies.src.size),
         )
         self._send_load = send
+        self._recv_load = recv
         self._all_slots = slots
         self._readers: dict[tuple[str, int], list[int]] | None = None
         self._by_slot: tuple[np.ndarray, ...] | None = None
@@ -901,6 +902,15 @@ class Plan:
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""
         return {int(s): int(b) for s, b in zip(self._all_slots, self._send_load, strict=True)}
+
+    def recv_bytes(self) -> dict[int, int]:
+        """Remote bytes each slot receives."""
+        return {int(s): int(b) for s, b in zip(self._all_slots, self._recv_load, strict=True)}
+
+    @property
+    def source_count(self) -> int:
+        """`tensors[:source_count]` are source specs, the rest destination specs."""
+        return self._n_src
 
     def _copies(self, t: _CopyTable, lo: int, hi: int) -> tuple[Copy, ...]:
         if hi <= lo:
