@@ -186,8 +186,10 @@ class RefitServicer(pbg.RefitServicer):
     @_translated
     def Explain(self, request: pb.ExplainRequest, context: Any) -> Any:
         check_identifier(request.model, "model")
-        if not request.tensor:
-            raise invalid("explain needs a tensor name")
+        if not request.tensor or len(request.tensor) > 1024:
+            raise invalid("explain needs a tensor name of at most 1024 characters")
+        if request.pool:
+            check_identifier(request.pool, "pool")
         rank = request.rank if request.HasField("rank") else None
         doc, text = explain_document(self.c, request.model, request.tensor, request.pool, rank)
         return pb.ExplainResponse(json=json.dumps(doc), text=text)
