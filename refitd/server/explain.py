@@ -15,17 +15,25 @@ if TYPE_CHECKING:
     from refitd.server.controller import Controller
 
 
-def current_plan(c: Controller, model: str) -> ControllerPlan:
-    """The plan of the model's current registrations (the same digest a refit computes,
-    so a cached plan is shared with the refit path)."""
+def current_plan(c: Controller, model: str) -> tuple[ControllerPlan, bool]:
+    """(plan, current): the plan of the model's current registrations (the digest a refit
+    computes, so a cached plan is shared with the refit path), or, while the model has no
+    source or destination pool registered (a trainer between runs), its last cached plan
+    (current False)."""
     reg = c.registry
     with reg.lock:
         m = reg.models.get(model)
         if m is None:
             raise not_found(f"model {model!r} is not registered")
         src, dests = m.source_pool(), m.destination_pools()
-        if src is None or not dests:
-            raise precondition(f"model {model!r} has no source and destination pools to plan")
+        if src is None or not dests or not all(p.ranks for p in (src, *dests)):
+            last = c.refits.plans.latest(model)
+            if last is None:
+                raise precondition(
+                    f"model {model!r} has no source and destination pools to plan, and no "
+                    "earlier plan is cached"
+                )
+            return last, False
         src_workers = [reg.workers[w] for _, w in sorted(src.ranks.items())]
         dest_workers = [reg.workers[w] for p in dests for _, w in sorted(p.ranks.items())]
         epoch, tables = m.epoch, m.tables
@@ -45,14 +53,14 @@ def current_plan(c: Controller, model: str) -> ControllerPlan:
     finally:
         with reg.lock:
             tables.release()
-    return plan
+    return plan, True
 
 
 def explain_document(
     c: Controller, model: str, tensor: str, pool: str = "", rank: int | None = None
 ) -> tuple[dict[str, Any], str]:
     """(JSON document, compact text) of the shards of `tensor` in the current plan."""
-    plan = current_plan(c, model)
+    plan, current = current_plan(c, model)
     try:
         shards = explain(plan.plan, tensor, pool or None, rank)
     except PlanError as e:
@@ -60,7 +68,11 @@ def explain_document(
     doc = {
         "model": model,
         "digest": plan.digest,
+        "current": current,  # False: the last cached plan (pools unregistered since)
         "tensor": tensor,
         "shards": [s.to_json() for s in shards],
     }
-    return doc, format_explanations(shards)
+    text = format_explanations(shards)
+    if not current:
+        text = f"(last plan {plan.digest[:12]}: the model's pools are not all registered)\n{text}"
+    return doc, text

@@ -12,6 +12,7 @@ import queue
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 
@@ -220,6 +221,14 @@ def test_megatron_trainer_refits_engine_pools_to_identical_logits(qdaemon: Daemo
                 assert torch.equal(eng.logits(BATCH), want[k]), (k, pool)
                 emb = torch.cat([x["model.embed_tokens.weight"] for x in eng.ranks])
                 assert bool((emb[config(k).vocab_size :] == PAD_FILL).all())
+        # the quantized pool was fed over an MXFP8 wire, the others over the BF16 one
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        with httpx.Client(base_url=qdaemon.status_url.rstrip("/"), timeout=60) as http:
+            for pool, wire in (("tp2-mxfp8", "mxfp8"), ("tp2", "raw")):
+                params = {"model": prefix + LLAMA, "tensor": qkv, "pool": pool, "rank": 1}
+                shards = http.get("/v1/explain", params=params).json()["shards"]
+                assert len(shards) == 3  # q, k and v pieces of rank 1's qkv_proj
+                assert {f["wire"] for s in shards for f in s["feeds"]} == {wire}
     finally:
         for p in procs:
             p.join(30)
