@@ -236,3 +236,19 @@ def test_megatron_trainer_refits_engine_pools_to_identical_logits(qdaemon: Daemo
                 p.kill()
         for w in workers:
             w.close() if isinstance(w, RefitdWorker) else w.refitd_close()
+
+
+def test_quantized_registrations_need_scales_and_the_source_dtype() -> None:
+    from refitd.client import Placed
+    from refitd.client.tensors import collect
+
+    data = torch.zeros(4, 64, dtype=torch.uint8)
+    scales = torch.zeros(4, 2, dtype=torch.uint8)
+    (t,) = collect({"w": Placed(data, storage="mxfp8", scales=scales, dtype="bfloat16")})
+    assert (t.dtype, t.storage, t.scales is scales) == ("bfloat16", "mxfp8", True)
+    with pytest.raises(
+        PlanError, match=r"'w'.*mxfp8 storage needs uint8 data and scales of shape \(4, 2\)"
+    ):
+        collect({"w": Placed(data, storage="mxfp8", dtype="bfloat16")})
+    with pytest.raises(PlanError, match=r"'w'.*needs dtype="):
+        collect({"w": Placed(data, storage="mxfp8", scales=scales)})

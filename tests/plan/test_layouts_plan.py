@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refitd.plan.errors import PlanError
+from refitd.plan.layout import Box
 from refitd.plan.layouts import (
     Replicate,
     Shard,
@@ -21,6 +22,7 @@ from refitd.plan.names import (
     NameMap,
     canonical_name,
     rename,
+    source_boxes,
     split_fused_qkv,
     split_gated_fc1,
 )
@@ -377,3 +379,22 @@ def test_padded_vocabulary_rows_are_declared_padding_never_written():
     with pytest.raises(PlanError, match=r"cover 258 of dim 0"):
         bad = NameMap((rename("embed_tokens", "emb", vocab, padding=8),))
         build_plan("m", 1, src, dst, PlanConfig(name_map=bad))
+
+
+def test_source_boxes_through_a_rule_drop_declared_padding():
+    """A destination box resolved through a rule: parts become source boxes at their
+    local offsets, rows in the declared padding map to nothing, rows past it are an error."""
+    qkv = split_fused_qkv("qkv", "q", "k", "v", 4, 2, 2)  # groups [q q q q k k v v] x 2
+    rules = {r.dst: r for r in [*qkv, rename("emb", "word", 250, padding=6)]}
+    got = source_boxes(rules, "q", Box((2, 0), (4, 3), (10, 0)))  # q rows 2..6 at local 10
+    assert got == [
+        ("qkv", Box((2, 0), (2, 3), (10, 0))),  # end of group 0's q rows
+        ("qkv", Box((8, 0), (2, 3), (12, 0))),  # start of group 1's q rows
+    ]
+    assert source_boxes(rules, "emb", Box((192, 0), (64, 8), (0, 0))) == [
+        ("word", Box((192, 0), (58, 8), (0, 0)))
+    ]
+    assert source_boxes(rules, "emb", Box((250, 0), (6, 8), (58, 0))) == []
+    assert source_boxes(rules, "other", Box((0,), (3,), (0,))) == [("other", Box((0,), (3,), (0,)))]
+    with pytest.raises(PlanError, match=r"rows \[200, 264\) of dim 0 of 'emb'.*256 rows"):
+        source_boxes(rules, "emb", Box((200, 0), (64, 8), (0, 0)))
