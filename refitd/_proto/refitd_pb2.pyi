@@ -263,6 +263,26 @@ class StatusResponse(_message.Message):
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
+class ExplainRequest(_message.Message):
+    __slots__ = ("model", "tensor", "pool", "rank")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tensor: str
+    pool: str
+    rank: int
+    def __init__(self, model: _Optional[str] = ..., tensor: _Optional[str] = ..., pool: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("json", "text")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    text: str
+    def __init__(self, json: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
 class SlotInfo(_message.Message):
     __slots__ = ("device",)
     DEVICE_FIELD_NUMBER: _ClassVar[int]

@@ -11,6 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("refitd.cli.serve", "run the controller and the local node agent"),
     "agent": ("refitd.cli.agent", "run a node agent that joins a controller"),
     "status": ("refitd.cli.status", "print the controller's status"),
+    "explain": ("refitd.cli.explain", "which source ranks and boxes feed a destination tensor"),
     "demo": ("refitd.cli.demo", "trainer refitting two inference pools through the daemon (CPU)"),
     "version": ("refitd.cli.version", "print the refitd version"),
 }

@@ -368,17 +368,21 @@ class _Planner:
         return out
 
     def _check_rules(self, links: list[Link]) -> None:
+        """Each rule's parts plus its declared padding span the destination's dim."""
+        rules = self.config.name_map.index() if self.config.name_map is not None else {}
         covered: dict[str, int] = {}
         for ln in links:
             if ln.dim >= 0:
-                covered[ln.dst] = covered.get(ln.dst, 0) + ln.length
+                covered.setdefault(ln.dst, rules[ln.dst].padding if ln.dst in rules else 0)
+                covered[ln.dst] += ln.length
         for name, n in covered.items():
             i = int(self.dst.members(self.dst.names[name])[0])
             shape = self.dst.specs[i].global_shape
             dim = next(ln.dim for ln in links if ln.dst == name)
             if dim >= len(shape) or shape[dim] != n:
                 raise PlanError(
-                    f"name map parts cover {n} of dim {dim} of {self.dst.who(i)} "
+                    f"name map parts (with declared padding) cover {n} of dim {dim} of "
+                    f"{self.dst.who(i)} "
                     f"(global shape {shape})"
                 )
 
@@ -826,6 +830,7 @@ class Plan:
             relay_copies=int(relays.copies.src.size),
         )
         self._send_load = send
+        self._recv_load = recv
         self._all_slots = slots
         self._readers: dict[tuple[str, int], list[int]] | None = None
         self._by_slot: tuple[np.ndarray, ...] | None = None
@@ -947,6 +952,15 @@ class Plan:
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""
         return {int(s): int(b) for s, b in zip(self._all_slots, self._send_load, strict=True)}
+
+    def recv_bytes(self) -> dict[int, int]:
+        """Remote bytes each slot receives."""
+        return {int(s): int(b) for s, b in zip(self._all_slots, self._recv_load, strict=True)}
+
+    @property
+    def source_count(self) -> int:
+        """`tensors[:source_count]` are source specs, the rest destination specs."""
+        return self._n_src
 
     def _copies(self, t: _CopyTable, lo: int, hi: int) -> tuple[Copy, ...]:
         if hi <= lo:

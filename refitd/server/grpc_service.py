@@ -17,6 +17,7 @@ import grpc
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.errors import ControlError, ErrorKind, invalid, not_found
+from refitd.server.explain import explain_document
 from refitd.server.status import status_document
 from refitd.server.validation import (
     check_ack,
@@ -181,6 +182,17 @@ class RefitServicer(pbg.RefitServicer):
         if request.model and request.model not in self.c.registry.models:
             raise ControlError(ErrorKind.NOT_FOUND, f"model {request.model!r} is not registered")
         return pb.StatusResponse(json=json.dumps(status_document(self.c, request.model)))
+
+    @_translated
+    def Explain(self, request: pb.ExplainRequest, context: Any) -> Any:
+        check_identifier(request.model, "model")
+        if not request.tensor or len(request.tensor) > 1024:
+            raise invalid("explain needs a tensor name of at most 1024 characters")
+        if request.pool:
+            check_identifier(request.pool, "pool")
+        rank = request.rank if request.HasField("rank") else None
+        doc, text = explain_document(self.c, request.model, request.tensor, request.pool, rank)
+        return pb.ExplainResponse(json=json.dumps(doc), text=text)
 
 
 class AgentControlServicer(pbg.AgentControlServicer):

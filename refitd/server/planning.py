@@ -209,6 +209,11 @@ class PlanCache:
             while len(self._plans) > self.capacity:
                 self._plans.popitem(last=False)
 
+    def latest(self, model: str) -> ControllerPlan | None:
+        """The most recently used plan of `model` (no hit or miss counted)."""
+        with self._lock:
+            return next((p for p in reversed(self._plans.values()) if p.plan.model == model), None)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._plans)

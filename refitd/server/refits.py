@@ -1341,6 +1341,7 @@ class RefitCoordinator:
             seconds=run.seconds,
             detail={
                 **run.detail,
+                "barrier_s": max(0.0, run.last_ask - run.first_ask) if run.last_ask else 0.0,
                 "slots": {
                     str(k): {"bytes": b, "seconds": sec} for k, (b, sec) in run.slot_stats.items()
                 },
