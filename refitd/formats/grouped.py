@@ -104,9 +104,20 @@ class _Group:
 class GroupedLanding:
     """Regions of one refit step; `build` once, then `run` every refit (see the module doc)."""
 
-    def __init__(self, device: torch.device, fast: bool = True) -> None:
+    def __init__(
+        self, device: torch.device, fast: bool = True, tiles: dict[str, tuple] | None = None
+    ) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.fast = fast  # the quantizers' hardware-cvt variant (bit-identical on sm_89+)
+        # tile configs (benchmarks try others): mxfp8 (block_m, block_c, warps), fp8_block
+        # (sub_r, warps), copy (block_r, block_w, warps)
+        self.tiles = {
+            "mxfp8": (MX_BLOCK_M, MX_BLOCK_C, MX_WARPS),
+            "fp8_block": (FB_SUB_R, FB_WARPS),
+            "copy": (COPY_BLOCK_R, COPY_BLOCK_W, COPY_WARPS),
+        } | (tiles or {})
         self._anchor = torch.empty(64, dtype=torch.uint8, device=device)
         self._groups: dict[tuple, _Group] = {}
         self.copies = 0  # copy regions added, in order (rows of run(hash=True))
@@ -142,22 +153,24 @@ class GroupedLanding:
             return False
         (s_addr, d_addr), n_rows, row_words, (s_stride, d_stride) = layout
         total = n_rows * row_words
+        block_r, block_w, warps = self.tiles["copy"]
         if n_rows == 1 or (s_stride == row_words and d_stride == row_words):  # contiguous
-            n_rows, row_words = -(-total // COPY_BLOCK_W), COPY_BLOCK_W
-            s_stride = d_stride = COPY_BLOCK_W
+            n_rows, row_words = -(-total // block_w), block_w
+            s_stride = d_stride = block_w
         s_off = (s_addr - self._anchor.data_ptr()) // 4
         d_off = (d_addr - self._anchor.data_ptr()) // 4
-        aligned = all(v % 4 == 0 for v in (s_off, d_off, row_words, s_stride, d_stride))
-        key = ("copy", aligned)
+        fields = [s_off, d_off, n_rows, row_words, s_stride, d_stride, total]
+        wa = 4 if all(fields[i] % 4 == 0 for i in (0, 1, 3, 4, 5, 6)) else 1
+        key = ("copy", wa)
         g = self._group(
             key,
             "copy_hash_kernel",
-            {"BLOCK_R": COPY_BLOCK_R, "BLOCK_W": COPY_BLOCK_W, "ALIGNED": aligned},
+            {"BLOCK_R": block_r, "BLOCK_W": block_w, "WA": wa, "num_warps": warps},
             (self._base(torch.int32), self._base(torch.int32)),
         )
-        n_c = -(-row_words // COPY_BLOCK_W)
-        g.rows.append([s_off, d_off, n_rows, row_words, s_stride, d_stride, total, n_c])
-        g.counts.append(-(-n_rows // COPY_BLOCK_R) * n_c)
+        n_c = -(-row_words // block_w)
+        g.rows.append([v if i == 2 else v // wa for i, v in enumerate(fields)] + [n_c])
+        g.counts.append(-(-n_rows // block_r) * n_c)
         self._copy_keys.append(key)
         self.copies += 1
         self.regions += 1
@@ -197,16 +210,20 @@ class GroupedLanding:
         x_off = self._off(src, src.element_size())
         q_off = self._off(q, 1)
         s_off = self._off(s, 1)
-        aligned = x_off % xa == 0 and xm[1] % xa == 0 and q_off % 16 == 0 and qm[1] % 16 == 0
-        block_c = max(MXFP8_BLOCK, min(MX_BLOCK_C, 1 << max(0, (cols - 1).bit_length())))
+        aligned = x_off % xa == 0 and xm[1] % xa == 0 and cols % 16 == 0
+        aligned = aligned and q_off % 16 == 0 and qm[1] % 16 == 0
+        xa, qa = (xa, 16) if aligned else (1, 1)
+        block_m, block_c, warps = self.tiles["mxfp8"]
+        block_c = max(MXFP8_BLOCK, min(block_c, 1 << max(0, (cols - 1).bit_length())))
         key = ("mxfp8", src.dtype, aligned, block_c)
-        meta = {"BLOCK_M": MX_BLOCK_M, "BLOCK_C": block_c, "SRC_BF16": bf16, "FAST": self.fast}
-        meta |= {"ALIGNED": aligned, "XA": xa, "num_warps": MX_WARPS}
+        meta = {"BLOCK_M": block_m, "BLOCK_C": block_c, "SRC_BF16": bf16, "FAST": self.fast}
+        meta |= {"XA": xa, "QA": qa, "num_warps": warps}
         bases = (base, self._base(torch.uint8), self._base(torch.uint8))
         g = self._group(key, "mxfp8_grouped_kernel", meta, bases)
         n_c = -(-cols // block_c)
-        g.rows.append([x_off, q_off, s_off, xm[0], cols, n_c, xm[1], qm[1], sm[1]])
-        g.counts.append(-(-xm[0] // MX_BLOCK_M) * n_c)
+        row = [x_off // xa, q_off // qa, s_off, xm[0], cols // qa, n_c, xm[1] // xa]
+        g.rows.append([*row, qm[1] // qa, sm[1]])
+        g.counts.append(-(-xm[0] // block_m) * n_c)
         return True
 
     def _add_fp8_block(self, src: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> bool:
@@ -221,14 +238,17 @@ class GroupedLanding:
         q_off = self._off(q, 1)
         s_off = self._off(s, 4)
         aligned = all(v % xa == 0 for v in (x_off, sxr, sxb)) and all(
-            v % 16 == 0 for v in (q_off, sqr, sqb)
+            v % 16 == 0 for v in (q_off, sqr, sqb, c)
         )
+        xa, qa = (xa, 16) if aligned else (1, 1)
         key = ("fp8_block", src.dtype, aligned)
-        meta = {"SUB_R": FB_SUB_R, "TILE": FP8_TILE, "SRC_BF16": bf16, "FAST": self.fast}
-        meta |= {"ALIGNED": aligned, "XA": xa, "num_warps": FB_WARPS}
+        sub_r, warps = self.tiles["fp8_block"]
+        meta = {"SUB_R": sub_r, "TILE": FP8_TILE, "SRC_BF16": bf16, "FAST": self.fast}
+        meta |= {"XA": xa, "QA": qa, "num_warps": warps}
         bases = (base, self._base(torch.uint8), self._base(torch.float32))
         g = self._group(key, "fp8_block_grouped_kernel", meta, bases)
-        g.rows.append([x_off, q_off, s_off, r, c, tr, tc, sxb, sxr, sqb, sqr, ssb, ssr])
+        row = [x_off // xa, q_off // qa, s_off, r, c // qa, tr, tc, sxb // xa, sxr // xa]
+        g.rows.append([*row, sqb // qa, sqr // qa, ssb, ssr])
         g.counts.append(b * tr * tc)
         return True
 
@@ -273,7 +293,7 @@ class GroupedLanding:
             out = torch.empty((g.n_programs, 2), dtype=torch.int64, device=self.device)
             kernel[(g.n_programs,)](
                 *g.bases, g.seg, g.work, out, COPY=True, HASH_SRC=hash, HASH_DST=hash,
-                num_warps=COPY_WARPS, **g.meta,
+                **g.meta,
             )  # fmt: skip
             if sums is not None:
                 self._hash_copies(g, out, sums)
@@ -290,7 +310,7 @@ class GroupedLanding:
             out = torch.zeros((g.n_programs, 2), dtype=torch.int64, device=self.device)
             k.copy_hash_kernel[(g.n_programs,)](
                 *g.bases, g.seg, g.work, out, COPY=False, HASH_SRC=True, HASH_DST=False,
-                num_warps=COPY_WARPS, **g.meta,
+                **g.meta,
             )  # fmt: skip
             self._hash_copies(g, out, sums)
         return sums[:, 0]
