@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import os
 import queue
 import threading
 import time
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from refitd.formats.grouped import GroupedLanding
 
 WIRE_CHUNK = 32 << 20
+GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
 DEFAULT_STAGING_BYTES = 256 << 20
 TAG_CHUNK_BITS = 12
 
@@ -494,7 +496,7 @@ class Executor:
         every copy the grouped kernels take (same-dtype plain copies, MXFP8 / block-FP8
         conversions) lands in one launch per group; the others are one call each."""
         grouped = None
-        if copies and self.device.type == "cuda":
+        if copies and self.device.type == "cuda" and os.environ.get(GROUPED_ENV, "1") != "0":
             from refitd.formats import grouped as grouped_mod
 
             if grouped_mod.available(self.device):
@@ -937,16 +939,28 @@ class Executor:
         def run_local(step: LocalStep, what: str) -> None:
             try:
                 fused = None
+                timed = is_cuda and not step.empty
+                if timed:  # GPU time of the local copies next to the host's (phases)
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    events[0].record()
+                    t_launch = time.monotonic()
                 if step.grouped is not None:
                     fused = step.grouped.run(hash=verify)
                     report.local_bytes += step.grouped.nbytes
                 for call, nbytes in step.calls:
                     call()
                     report.local_bytes += nbytes
+                if timed:
+                    events[1].record()
+                    phases["local_launch_s"] = phases.get("local_launch_s", 0.0) + (
+                        time.monotonic() - t_launch
+                    )
                 if verify:
                     self._check_local(step.copies, fused, step.grouped_plain)
-                if is_cuda and not step.empty:  # local copies are async on the GPU
+                if timed:  # local copies are async on the GPU
                     torch.cuda.current_stream(self.device).synchronize()
+                    gpu_s = events[0].elapsed_time(events[1]) / 1e3
+                    phases["local_gpu_s"] = phases.get("local_gpu_s", 0.0) + gpu_s
             except ExecutionError as e:
                 fail(e)
             except BaseException as e:
