@@ -117,9 +117,13 @@ QUANT_CASES = [
 ]
 
 
-def _check_quantize(device: str, fast: bool, dtypes: tuple[torch.dtype, ...]) -> None:
+def _check_quantize(
+    device: str, fast: bool, dtypes: tuple[torch.dtype, ...], own_launch: int | None = None
+) -> None:
     dev = torch.device(device)
     g = grouped.GroupedLanding(dev, fast=fast)
+    if own_launch is not None:  # regions from this size take the per-tensor kernel
+        g.own_launch_elements = own_launch
     landed = []
     for n, (fmt, shape, off, size) in enumerate(QUANT_CASES):
         for dtype in dtypes:
@@ -155,6 +159,7 @@ def _check_quantize(device: str, fast: bool, dtypes: tuple[torch.dtype, ...]) ->
 def test_grouped_kernels_in_interpreter() -> None:
     _check_copy_and_hash("cpu")
     _check_quantize("cpu", fast=False, dtypes=(torch.bfloat16,))
+    _check_quantize("cpu", fast=False, dtypes=(torch.bfloat16,), own_launch=20000)
 
 
 @pytest.mark.gpu
@@ -166,8 +171,9 @@ def test_grouped_copy_and_checksums_on_gpu() -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("fast", [False, True])
-def test_grouped_quantizers_on_gpu(fast: bool) -> None:
-    _check_quantize("cuda", fast, (torch.bfloat16, torch.float32, torch.float16))
+@pytest.mark.parametrize("own_launch", [None, 20000])
+def test_grouped_quantizers_on_gpu(fast: bool, own_launch: int | None) -> None:
+    _check_quantize("cuda", fast, (torch.bfloat16, torch.float32, torch.float16), own_launch)
 
 
 @pytest.mark.gpu
