@@ -277,19 +277,25 @@ class GroupedLanding:
     # ------------------------------------------------------------------ run
     def build(self) -> GroupedLanding:
         """Move the tables to the device (once)."""
+        dev = self.device
         for key, g in self._groups.items():
-            counts = torch.tensor(g.counts, dtype=torch.int64)
-            n = int(counts.sum())
-            seg_of = torch.repeat_interleave(torch.arange(len(g.counts)), counts)
+            n = sum(g.counts)
+            # the per-program table is built on the device: a region of 1 GiB has 64 Ki
+            # programs, which would otherwise be built on the host and copied over
+            counts = torch.tensor(g.counts, dtype=torch.int64).to(dev)
+            seg_of = torch.repeat_interleave(
+                torch.arange(len(g.counts), device=dev), counts, output_size=n
+            )
             starts = torch.cumsum(counts, 0) - counts
-            local = torch.arange(n) - torch.repeat_interleave(starts, counts)
-            work = torch.stack([seg_of, local], 1).to(torch.int32)
-            g.seg = torch.tensor(g.rows, dtype=torch.int64).to(self.device)
-            g.work = work.to(self.device)
-            g.prog_seg = seg_of.to(self.device)
+            local = torch.arange(n, device=dev) - torch.repeat_interleave(
+                starts, counts, output_size=n
+            )
+            g.work = torch.stack([seg_of, local], 1).to(torch.int32)
+            g.seg = torch.tensor(g.rows, dtype=torch.int64).to(dev)
+            g.prog_seg = seg_of
             g.n_programs = n
-            mine = [n for n, k in enumerate(self._copy_keys) if k == key]
-            g.order = torch.tensor(mine, dtype=torch.int64, device=self.device)
+            mine = [i for i, k in enumerate(self._copy_keys) if k == key]
+            g.order = torch.tensor(mine, dtype=torch.int64).to(dev)
         return self
 
     def _hash_copies(self, g: _Group, out: torch.Tensor, sums: torch.Tensor) -> None:
