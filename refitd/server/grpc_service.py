@@ -118,7 +118,8 @@ class RefitServicer(pbg.RefitServicer):
     @_translated
     def UnregisterWorker(self, request: pb.UnregisterWorkerRequest, context: Any) -> Any:
         check_id(request.worker_id, "worker_id")
-        self.c.registry.unregister_worker(request.worker_id)
+        w = self.c.registry.unregister_worker(request.worker_id)
+        self.c.refits.source_gone(w, "unregistered")
         self.c.refresh_gauges()
         return pb.UnregisterWorkerResponse()
 

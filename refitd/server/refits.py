@@ -107,6 +107,7 @@ class RefitRun:
     rank_read: dict[int, threading.Event] = field(default_factory=dict)
     finished: threading.Event = field(default_factory=threading.Event)
     handed_back: bool = False  # a rank's Refit returned before the end: its weights may change
+    lost: str = ""  # a source rank left during the barrier: why the run fails at once
     attempt: int = 0
     started: float = 0.0
     seconds: float = 0.0
@@ -465,6 +466,33 @@ class RefitCoordinator:
             f"{run.version} (barrier timeout {self.settings.barrier_timeout_s:g}s)"
         )
 
+    def source_gone(self, w: Worker, cause: str) -> None:
+        """A source rank left (lease expired, or unregistered): every refit of its model
+        still in its barrier fails at once, naming it, instead of at the barrier timeout.
+        Pending runs end here; the running one (early pause) fails in _await_barrier."""
+        if w.role != "source":
+            return
+        with self._lock:
+            m = self._models.get(w.model)
+        if m is None:
+            return
+        with m.cond:
+            waiting = [r for r in m.pending.values() if not r.barrier_done]
+            if m.running is not None and not m.running.barrier_done:
+                waiting.append(m.running)
+            for run in waiting:
+                if run.source_pool != w.pool or run.final:
+                    continue
+                missing = sorted(set(range(run.pool_size)) - run.asked)
+                run.lost = (
+                    f"{w.describe()} {cause} while version {run.version} waited in its "
+                    f"barrier (ranks {missing} of pool {run.source_pool} had not asked)"
+                )
+                if m.pending.get(run.version) is run:
+                    del m.pending[run.version]
+                    self._end(m, run, pb.REFIT_STATE_FAILED, run.lost)
+            m.cond.notify_all()
+
     def _supersede_older(self, m: ModelRefits, run: RefitRun) -> None:
         for older in [r for r in m.pending.values() if r.version < run.version]:
             del m.pending[older.version]
@@ -482,6 +510,8 @@ class RefitCoordinator:
         deadline = run.first_ask + self.settings.barrier_timeout_s
         with m.cond:
             while not run.barrier_done:
+                if run.lost:
+                    raise PhaseFailed(run.lost)
                 if any(r.barrier_done for r in m.pending.values()):
                     raise _Switch()
                 left = deadline - time.monotonic()
@@ -1287,6 +1317,7 @@ class RefitCoordinator:
             except ControlError:
                 continue
             self.board.member_gone(w.worker_id, reason)
+            self.source_gone(w, f"missed its heartbeats for {timeout:g}s (lease expired)")
         for a in agents:
             reason = (
                 f"agent {a.agent_id} on host {a.host!r} missed its heartbeats for {timeout:g}s "
