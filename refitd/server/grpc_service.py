@@ -39,7 +39,13 @@ GRPC_CODES = {
     ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
-WAITS = (pb.WAIT_UNSPECIFIED, pb.WAIT_SOURCES_READ, pb.WAIT_COMMITTED, pb.WAIT_ACCEPTED)
+WAITS = (
+    pb.WAIT_UNSPECIFIED,
+    pb.WAIT_SOURCES_READ,
+    pb.WAIT_COMMITTED,
+    pb.WAIT_ACCEPTED,
+    pb.WAIT_SERVED,
+)
 
 
 def _translated(fn: F) -> F:
