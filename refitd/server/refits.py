@@ -341,14 +341,18 @@ class RefitCoordinator:
             m = self._models.get(model)
         return m.running if m else None
 
-    def pending(self, model: str) -> list[int]:
-        """Versions of `model` requested and waiting (for their barrier, or their turn)."""
+    def pending(self, model: str) -> list[dict[str, object]]:
+        """Versions of `model` requested and waiting (for their barrier, or their turn),
+        each with the source ranks that asked for it."""
         with self._lock:
             m = self._models.get(model)
         if m is None:
             return []
         with m.cond:
-            return sorted(m.pending)
+            return [
+                {"version": v, "asked": sorted(r.asked), "pool_size": r.pool_size}
+                for v, r in sorted(m.pending.items())
+            ]
 
     # ------------------------------------------------------------------ Refit RPC
     def request(

@@ -22,6 +22,7 @@ def status_document(c: Controller, model_filter: str = "") -> dict[str, Any]:
             if model_filter and m.name != model_filter:
                 continue
             running = c.refits.running(m.name)
+            pending = c.refits.pending(m.name)
             pools = []
             for p in sorted(m.pools.values(), key=lambda p: (p.role != "source", p.name)):
                 ranks = []
@@ -63,6 +64,7 @@ def status_document(c: Controller, model_filter: str = "") -> dict[str, Any]:
                     "running": None
                     if running is None
                     else {"version": running.version, "state": STATE_NAMES[running.state]},
+                    "pending": pending,
                     "versions": c.db.versions(m.name, 10),
                     "pools": pools,
                 }
