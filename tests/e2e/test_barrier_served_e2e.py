@@ -53,7 +53,8 @@ def daemon() -> Iterator[Daemon]:
 
 
 class Proc:
-    """A worker process driven by stdin lines, its stdout lines queued."""
+    """A worker process driven by stdin lines; `expect` takes the first line with a prefix
+    out of those it printed (other lines stay for later expects)."""
 
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
@@ -63,13 +64,16 @@ class Proc:
             text=True,
             cwd=HERE,
         )
-        self.lines: queue.Queue[str] = queue.Queue()
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.lines.put(line.strip())
+            with self.cond:
+                self.lines.append(line.strip())
+                self.cond.notify_all()
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -78,14 +82,15 @@ class Proc:
 
     def expect(self, prefix: str, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line.startswith(prefix):
-                return line
-        raise AssertionError(f"no line {prefix!r} within {timeout_s:g}s")
+        with self.cond:
+            while True:
+                for i, line in enumerate(self.lines):
+                    if line.startswith(prefix):
+                        return self.lines.pop(i)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no line {prefix!r} within {timeout_s:g}s")
+                self.cond.wait(left)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -191,9 +196,9 @@ def test_wait_served_returns_once_every_inference_rank_serves_the_version(
             r, _ = refit(v)
             assert (r.state, r.served, r.message) == ("committed", True, "")
             for p in (a, b):  # asked only after the call returned
-                assert p.expect(f"commit {v}") == f"commit {v} ok"
                 p.send("query")
                 assert p.expect("served") == f"served {v} serving"
+                assert p.expect(f"commit {v}") == f"commit {v} ok"
 
         # b's resume hook hangs: the call ends at the commit timeout, naming b.
         r, seconds = refit(3)
@@ -213,9 +218,9 @@ def test_wait_served_returns_once_every_inference_rank_serves_the_version(
         assert (r.state, r.served) == ("committed", False)
         assert "(rank 0 of pool 'infer-b') closed its subscription" in r.message, r.message
         assert "infer-a" not in r.message, r.message  # a acked: it serves 4
-        assert a.expect("commit 4") == "commit 4 ok"
         a.send("query")
         assert a.expect("served") == "served 4 serving"
+        assert a.expect("commit 4") == "commit 4 ok"
     finally:
         trainer.close()
         for p in (a, b):
