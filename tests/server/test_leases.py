@@ -17,8 +17,8 @@ from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.controller import Controller
 
-from .conftest import controller_settings, make_cluster
-from .test_refit_states import last_event
+from .conftest import Cluster, controller_settings, make_cluster
+from .test_refit_states import last_event, status
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +104,23 @@ def test_dead_trainer_rank_fails_the_barrier_at_its_lease(tmp_path: Path) -> Non
         cl.stop()
         ch.close()
         c.stop()
+
+
+def test_trainer_rank_that_unregisters_fails_the_barrier_at_once(
+    cluster: Cluster, stub: pbg.RefitStub
+) -> None:
+    """close() of a trainer rank while rank 0 waits for it in the barrier: the refit fails
+    at once, naming the rank that left (the barrier timeout would name 'never asked')."""
+    out: list = []
+    asking = threading.Thread(target=lambda: out.extend(cluster.refit(1, ranks=[0])))
+    asking.start()
+    deadline = time.monotonic() + 10
+    while status(stub, cluster.model)["models"][0]["running"] is None:
+        assert time.monotonic() < deadline, "rank 0's request never started a refit"
+        time.sleep(0.01)
+    stub.UnregisterWorker(pb.UnregisterWorkerRequest(worker_id=cluster.trainers[1]), timeout=5)
+    asking.join(30)
+    (r,) = out
+    assert r.state == pb.REFIT_STATE_FAILED
+    assert f"worker {cluster.trainers[1]} (rank 1 of pool 'trainer') unregistered" in r.message
+    assert "barrier timeout" not in r.message, r.message
