@@ -216,6 +216,9 @@ class AgentControlServicer(pbg.AgentControlServicer):
             agent = self.c.registry.agent(request.agent_id)
         except ControlError as e:
             context.abort(GRPC_CODES[e.kind], e.message)
+        # The lease counts from here: between RegisterAgent and this stream an agent spawns
+        # its transfer processes (each imports torch), which on a busy host outlasts a lease.
+        agent.last_seen = time.monotonic()
         stream = self.c.refits.agents.open(agent.agent_id)
         agent.connected = True
         self.c.refresh_gauges()

@@ -1370,6 +1370,12 @@ class RefitCoordinator:
         streaming = set(self.events.subscribed(w.worker_id for w in workers))
         workers = [w for w in workers if w.worker_id not in streaming]
         agents = [a for a in agents if self.agents.connected(a.agent_id)]
+        with reg.lock:  # again: a stream opened (or a re-registration) meanwhile renews it
+            agents = [
+                a
+                for a in (reg.agents.get(x.agent_id) for x in agents)
+                if a is not None and a.last_seen and a.last_seen < cutoff
+            ]
         for w in workers:
             reason = f"{w.describe()} missed its heartbeats for {timeout:g}s (lease expired)"
             log.warning("%s; unregistering it", reason)

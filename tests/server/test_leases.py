@@ -124,3 +124,56 @@ def test_trainer_rank_that_unregisters_fails_the_barrier_at_once(
     assert r.state == pb.REFIT_STATE_FAILED
     assert f"worker {cluster.trainers[1]} (rank 1 of pool 'trainer') unregistered" in r.message
     assert "barrier timeout" not in r.message, r.message
+
+
+def test_agent_lease_counts_from_its_command_stream(tmp_path: Path) -> None:
+    """A real agent spawns its transfer processes between RegisterAgent and opening its
+    command stream, which on a loaded host takes longer than a lease: once the stream is
+    open and it heartbeats, it must not be dropped for the time before."""
+    c = Controller(
+        controller_settings(tmp_path, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    ).start()
+    ch = grpc.insecure_channel(c.grpc_address)
+    agents = pbg.AgentControlStub(ch)
+    stop = threading.Event()
+    try:
+        resp = agents.RegisterAgent(
+            pb.RegisterAgentRequest(host="slow", slots=[pb.SlotInfo(device="cpu:0")], pid=1),
+            timeout=10,
+        )
+        time.sleep(1.0)  # the slow start itself (two leases), not a synchronisation
+        stream = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
+        ended = threading.Event()
+
+        def read() -> None:
+            try:
+                for _ in stream:
+                    pass
+                ended.set()  # closed by the controller
+            except grpc.RpcError:
+                pass  # cancelled by the test
+
+        threading.Thread(target=read, daemon=True).start()
+
+        def beat() -> None:
+            while not stop.wait(0.1):
+                agents.AgentHeartbeat(pb.AgentHeartbeatRequest(agent_id=resp.agent_id), timeout=5)
+
+        threading.Thread(target=beat, daemon=True).start()
+        stub = pbg.RefitStub(ch)
+        deadline = time.monotonic() + 10
+        while not any(a["connected"] for a in status_doc(stub)["agents"]):
+            assert time.monotonic() < deadline, "the agent never connected"
+            time.sleep(0.01)
+        # The lease watcher runs every 0.1 s: several passes while it heartbeats.
+        assert not ended.wait(1.0), "the controller dropped a heartbeating agent"
+        assert any(a["connected"] for a in status_doc(stub)["agents"])
+        stream.cancel()
+    finally:
+        stop.set()
+        ch.close()
+        c.stop()
+
+
+def status_doc(stub: pbg.RefitStub) -> dict:
+    return json.loads(stub.GetStatus(pb.StatusRequest(), timeout=5).json)
