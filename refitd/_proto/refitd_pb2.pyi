@@ -19,6 +19,7 @@ class WaitFor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WAIT_SOURCES_READ: _ClassVar[WaitFor]
     WAIT_COMMITTED: _ClassVar[WaitFor]
     WAIT_ACCEPTED: _ClassVar[WaitFor]
+    WAIT_SERVED: _ClassVar[WaitFor]
 
 class RefitState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +56,7 @@ WAIT_UNSPECIFIED: WaitFor
 WAIT_SOURCES_READ: WaitFor
 WAIT_COMMITTED: WaitFor
 WAIT_ACCEPTED: WaitFor
+WAIT_SERVED: WaitFor
 REFIT_STATE_UNSPECIFIED: RefitState
 REFIT_STATE_REQUESTED: RefitState
 REFIT_STATE_SOURCES_READY: RefitState
@@ -194,18 +196,20 @@ class RefitRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[int] = ..., wait: _Optional[_Union[WaitFor, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class RefitResponse(_message.Message):
-    __slots__ = ("version", "state", "message", "seconds", "bytes")
+    __slots__ = ("version", "state", "message", "seconds", "bytes", "served")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: RefitState
     message: str
     seconds: float
     bytes: int
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[RefitState, str]] = ..., message: _Optional[str] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+    served: bool
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[RefitState, str]] = ..., message: _Optional[str] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., served: _Optional[bool] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("worker_id", "after_event")

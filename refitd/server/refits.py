@@ -58,7 +58,14 @@ from refitd.server.errors import ControlError, ErrorKind, precondition
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import ControllerPlan, PlanCache, PlanOptions, make_digest, make_plan
 from refitd.server.registry import Registry, Worker
-from refitd.server.streams import AgentHub, EventHub, Gather, GatherBoard, PhaseFailed
+from refitd.server.streams import (
+    AckTally,
+    AgentHub,
+    EventHub,
+    Gather,
+    GatherBoard,
+    PhaseFailed,
+)
 
 log = logging.getLogger("refitd.controller")
 
@@ -108,6 +115,8 @@ class RefitRun:
     rank_read: dict[int, threading.Event] = field(default_factory=dict)
     finished: threading.Event = field(default_factory=threading.Event)
     handed_back: bool = False  # a rank's Refit returned before the end: its weights may change
+    lost: str = ""  # a source rank left during the barrier: why the run fails at once
+    commit_acks: CommitAcks | None = None  # set before the run turns COMMITTED
     attempt: int = 0
     started: float = 0.0
     seconds: float = 0.0
@@ -248,12 +257,14 @@ class RetryBudget:
 
 @dataclass
 class CommitAcks:
-    """COMMIT acks collected after a commit, off the critical path."""
+    """COMMIT acks collected after a commit, off the critical path (waited for only by
+    Refit calls with WAIT_SERVED)."""
 
-    gather: Gather
+    gather: AckTally
     gid: int
     version: int
     deadline: float
+    timeout_s: float
 
 
 class RefitCoordinator:
@@ -336,6 +347,19 @@ class RefitCoordinator:
             m = self._models.get(model)
         return m.running if m else None
 
+    def pending(self, model: str) -> list[dict[str, object]]:
+        """Versions of `model` requested and waiting (for their barrier, or their turn),
+        each with the source ranks that asked for it."""
+        with self._lock:
+            m = self._models.get(model)
+        if m is None:
+            return []
+        with m.cond:
+            return [
+                {"version": v, "asked": sorted(r.asked), "pool_size": r.pool_size}
+                for v, r in sorted(m.pending.items())
+            ]
+
     # ------------------------------------------------------------------ Refit RPC
     def request(
         self, worker_id: str, version: int, wait: int, timeout_s: float
@@ -379,7 +403,8 @@ class RefitCoordinator:
             if wait == pb.WAIT_ACCEPTED:
                 run.handed_back = True
                 return self._response(run)
-            ready = run.finished if wait == pb.WAIT_COMMITTED else run.rank_event(w.rank)
+            final = wait in (pb.WAIT_COMMITTED, pb.WAIT_SERVED)
+            ready = run.finished if final else run.rank_event(w.rank)
         waited = timeout_s or self.settings.refit_wait_timeout_s
         deadline = time.monotonic() + waited
         while True:
@@ -398,7 +423,41 @@ class RefitCoordinator:
                 f"version {run.version} of model {run.model!r}: still "
                 f"{STATE_NAMES[run.state]} after {waited:g}s; the refit goes on",
             )
+        if wait == pb.WAIT_SERVED and response.state == pb.REFIT_STATE_COMMITTED:
+            response.served, response.message = self._await_served(run, deadline)
         return response
+
+    def _await_served(self, run: RefitRun, deadline: float) -> tuple[bool, str]:
+        """WAIT_SERVED: (True, "") once every destination rank acked COMMIT of the run;
+        else, once each has acked, refused or been lost, or at the commit timeout (or the
+        call's deadline, whichever is first): (False, naming every rank that did not ack
+        and why). Every rank not named serves the version; it stays committed anyway."""
+        acks = run.commit_acks
+        if acks is None:
+            return False, f"version {run.version}: no COMMIT acks are collected for it"
+        failed, silent = acks.gather.settle(
+            max(0.0, min(deadline, acks.deadline) - time.monotonic())
+        )
+        if not failed and not silent:
+            return True, ""
+        why = [failed[k] for k in sorted(failed)]
+        if silent:
+            names = []
+            for wid in silent:
+                try:
+                    names.append(self.registry.worker(wid).describe())
+                except ControlError:
+                    names.append(f"worker {wid} (gone)")
+            within = (
+                f"within {acks.timeout_s:g}s (commit timeout)"
+                if time.monotonic() >= acks.deadline
+                else "before the call's timeout"
+            )
+            why.append(f"no COMMIT ack {within} from {', '.join(names)}")
+        return False, (
+            f"version {run.version} is committed, but not served by every destination rank: "
+            + "; ".join(why)
+        )
 
     def _response(self, run: RefitRun) -> pb.RefitResponse:
         return pb.RefitResponse(
@@ -471,6 +530,33 @@ class RefitCoordinator:
             f"{run.version} (barrier timeout {self.settings.barrier_timeout_s:g}s)"
         )
 
+    def source_gone(self, w: Worker, cause: str) -> None:
+        """A source rank left (lease expired, or unregistered): every refit of its model
+        still in its barrier fails at once, naming it, instead of at the barrier timeout.
+        Pending runs end here; the running one (early pause) fails in _await_barrier."""
+        if w.role != "source":
+            return
+        with self._lock:
+            m = self._models.get(w.model)
+        if m is None:
+            return
+        with m.cond:
+            waiting = [r for r in m.pending.values() if not r.barrier_done]
+            if m.running is not None and not m.running.barrier_done:
+                waiting.append(m.running)
+            for run in waiting:
+                if run.source_pool != w.pool or run.final:
+                    continue
+                missing = sorted(set(range(run.pool_size)) - run.asked)
+                run.lost = (
+                    f"{w.describe()} {cause} while version {run.version} waited in its "
+                    f"barrier (ranks {missing} of pool {run.source_pool} had not asked)"
+                )
+                if m.pending.get(run.version) is run:
+                    del m.pending[run.version]
+                    self._end(m, run, pb.REFIT_STATE_FAILED, run.lost)
+            m.cond.notify_all()
+
     def _supersede_older(self, m: ModelRefits, run: RefitRun) -> None:
         for older in [r for r in m.pending.values() if r.version < run.version]:
             del m.pending[older.version]
@@ -488,6 +574,8 @@ class RefitCoordinator:
         deadline = run.first_ask + self.settings.barrier_timeout_s
         with m.cond:
             while not run.barrier_done:
+                if run.lost:
+                    raise PhaseFailed(run.lost)
                 if any(r.barrier_done for r in m.pending.values()):
                     raise _Switch()
                 left = deadline - time.monotonic()
@@ -687,7 +775,8 @@ class RefitCoordinator:
             self.db.mark_refit(run.refit_id, "transferring")
 
     def _commit(self, m: ModelRefits, run: RefitRun, ms: Membership, last_done: float) -> None:
-        """LANDED -> version log -> COMMITTED; COMMIT events go out, acks are settled later."""
+        """LANDED -> version log -> COMMITTED; COMMIT events go out, their acks are settled
+        later (off the critical path; Refit calls with WAIT_SERVED wait for them)."""
         gone = set(w.worker_id for w in ms.dest_workers) - set(
             self.events.subscribed(w.worker_id for w in ms.dest_workers)
         )
@@ -704,20 +793,26 @@ class RefitCoordinator:
         for w in ms.dest_workers:
             w.holds = run.version
         run.detail["control_end_s"] = time.monotonic() - last_done
+        # The acks are awaited from the start (WAIT_SERVED callers wait on them from the
+        # moment the run is COMMITTED), the events go out right after.
+        g = AckTally(f"commit of version {run.version}")
+        for w in ms.dest_workers:
+            g.pending.add(w.worker_id)
+            g.members[w.worker_id] = w.worker_id
+        timeout = self.settings.commit_timeout_s
+        acks = CommitAcks(g, self.board.add(g), run.version, time.monotonic() + timeout, timeout)
+        with self._lock:
+            self._commit_acks.append(acks)
         with m.cond:
+            run.commit_acks = acks
             self._set_final(run, pb.REFIT_STATE_COMMITTED, "")
-        g = Gather(f"commit of version {run.version}")
-        gid = self.board.add(g)
         for w in ms.dest_workers:
             if w.paused_in == run.refit_id:
                 w.paused_in = 0
             ev = self._event(run, pb.EVENT_KIND_COMMIT)
             ev.pool = w.pool
-            self.events.send(w.worker_id, ev, g)
-        with self._lock:
-            self._commit_acks.append(
-                CommitAcks(g, gid, run.version, time.monotonic() + self.settings.commit_timeout_s)
-            )
+            if not self.events.send(w.worker_id, ev, g):
+                g.lose(w.worker_id, f"{w.describe()} lost its subscription before its COMMIT")
         self._record(run, pb.REFIT_STATE_COMMITTED, "")
 
     def _settle_commit_acks(self) -> None:
@@ -732,13 +827,9 @@ class RefitCoordinator:
             self.events.forget(g)
             self.board.remove(acks.gid)
             with g.cond:
-                failure, missing = g.failure, sorted(str(k) for k in g.pending)
-            if failure or missing:
-                log.warning(
-                    "version %s: COMMIT not acknowledged: %s",
-                    acks.version,
-                    failure or f"no ack from workers {missing}",
-                )
+                why = [*g.failed.values(), *(f"no ack from worker {k}" for k in sorted(g.pending))]
+            if why:
+                log.warning("version %s: COMMIT not acknowledged: %s", acks.version, "; ".join(why))
 
     # ------------------------------------------------------------------ membership
     def _source_pool_complete(self, run: RefitRun) -> bool:
@@ -1289,6 +1380,12 @@ class RefitCoordinator:
         streaming = set(self.events.subscribed(w.worker_id for w in workers))
         workers = [w for w in workers if w.worker_id not in streaming]
         agents = [a for a in agents if self.agents.connected(a.agent_id)]
+        with reg.lock:  # again: a stream opened (or a re-registration) meanwhile renews it
+            agents = [
+                a
+                for a in (reg.agents.get(x.agent_id) for x in agents)
+                if a is not None and a.last_seen and a.last_seen < cutoff
+            ]
         for w in workers:
             reason = f"{w.describe()} missed its heartbeats for {timeout:g}s (lease expired)"
             log.warning("%s; unregistering it", reason)
@@ -1297,6 +1394,7 @@ class RefitCoordinator:
             except ControlError:
                 continue
             self.board.member_gone(w.worker_id, reason)
+            self.source_gone(w, f"missed its heartbeats for {timeout:g}s (lease expired)")
         for a in agents:
             reason = (
                 f"agent {a.agent_id} on host {a.host!r} missed its heartbeats for {timeout:g}s "

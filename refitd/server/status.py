@@ -135,6 +135,7 @@ def _models(c: Controller, model_filter: str, with_ranks: bool) -> list[dict[str
         if model_filter and m.name != model_filter:
             continue
         running = c.refits.running(m.name)
+        pending = c.refits.pending(m.name)
         pools = []
         for p in sorted(m.pools.values(), key=lambda p: (p.role != "source", p.name)):
             rows = [
@@ -161,6 +162,7 @@ def _models(c: Controller, model_filter: str, with_ranks: bool) -> list[dict[str
                 "running": None
                 if running is None
                 else {"version": running.version, "state": STATE_NAMES[running.state]},
+                "pending": pending,
                 "versions": c.db.versions(m.name, 10),
                 "pools": pools,
                 "plan": _plan_traffic(c, m.name),
