@@ -70,7 +70,11 @@ def render(doc: dict[str, Any]) -> str:
             )
     for a in doc["agents"]:
         state = "connected" if a["connected"] else "disconnected"
-        lines.append(f"agent {a['agent_id']} on {a['host']}: {state}, slots {a['slots']}")
+        plane = a.get("data_plane_address") or "?"
+        lines.append(
+            f"agent {a['agent_id']} on {a['host']} (data plane {plane}): {state}, "
+            f"slots {a['slots']}"
+        )
     for r in doc["refits"][:10]:
         lines.append(
             f"refit {r['refit_id']} {r['model']} v{r['version']}: {r['state']}, "
