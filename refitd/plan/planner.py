@@ -141,6 +141,10 @@ def _sort_by(*keys: np.ndarray) -> np.ndarray:
     return np.argsort(combined, kind="stable")
 
 
+def _sans_pool(g: Geo) -> tuple:
+    return (g.global_shape, g.dtype, g.storage, g.local_shape, g.boxes)
+
+
 def _side(table: SpecTable, base: int) -> _Side:
     canon, geo, slot = table.columns()
     return _Side(table.specs, base, table.canonical_ids, canon, geo, table.geos, slot)
@@ -426,10 +430,15 @@ class _Planner:
         nrep_s = np.array([len(x) for x in s_reps], np.int64)
         k_of = np.array([k for k, _, _ in dboxes], np.int64)
         j_of = np.array([j for _, j, _ in dboxes], np.int64)
-        # klass: (destination geometry, its box, source box) -> the same block
-        key = (np.array(d_geo, np.int64)[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(
-            sboxes
-        ) + si
+        # klass: (destination geometry, its box, source box) -> the same block. The pool is
+        # no part of it: same-geometry tensors of different pools are replicas too (one
+        # pool may relay to another).
+        shape_ids: dict[tuple, int] = {}
+        d_shape = np.array(
+            [shape_ids.setdefault(_sans_pool(dst.geos[g]), len(shape_ids)) for g in d_geo],
+            np.int64,
+        )
+        key = (d_shape[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(sboxes) + si
         _, klass = np.unique(key, return_inverse=True)
         klass = klass.reshape(-1)
         nklass = int(klass.max()) + 1 if klass.size else 0
