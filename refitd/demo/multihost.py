@@ -65,6 +65,7 @@ class MultiHostCluster:
         serve_args: list[str],
         model: str = "mh",
         python: str = sys.executable,
+        worker_args: list[str] | None = None,
     ) -> None:
         self.net = net
         self.controller_host = controller_host
@@ -74,6 +75,7 @@ class MultiHostCluster:
         self.serve_args = serve_args
         self.model = model
         self.python = python
+        self.worker_args = list(worker_args or [])
         self.tmp = tempfile.TemporaryDirectory(prefix="refitd-mh-")
         self.dir = Path(self.tmp.name)
         self.address = f"{net.hosts[controller_host].address}:{GRPC_PORT}"
@@ -119,7 +121,7 @@ class MultiHostCluster:
         ranks = [f"{r.pool}:{r.rank}:{r.size}:{r.device}" for r in self.worker_specs[host]]
         return [
             self.python, "-m", "refitd.demo.host_workers", self.address, self.model,
-            "--mb", str(self.mb), *[a for r in ranks for a in ("--rank", r)],
+            "--mb", str(self.mb), *[a for r in ranks for a in ("--rank", r)], *self.worker_args,
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 90.0) -> MultiHostCluster:

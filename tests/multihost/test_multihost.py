@@ -68,6 +68,7 @@ def _partitioned_refit(c: MultiHostCluster, host: str, version: int, down_s: flo
     finally:
         c.net.set_link(host, up=True)
     out = c.outcome(version, 60)
+    print(f"{host} down {down_s:g}s: v{version} {out.state} in {out.seconds:.2f}s {out.messages}")
     assert out.state in ("committed", "failed"), out.states
     if out.state == "failed":
         assert all(m.strip() for m in out.messages.values()), out.messages
