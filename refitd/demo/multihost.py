@@ -10,6 +10,7 @@ a line or a status condition, with a timeout.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 import threading
@@ -132,9 +133,9 @@ class MultiHostCluster:
         self.wait_for("controller up", lambda: "error" not in self.status(), deadline)
         for host in self.agent_specs:
             self.spawn(f"agent-{host}", host, self.agent_argv(host))
-        self.wait_for("agents connected", self.agents_connected, deadline)
-        for host in self.worker_specs:
+        for host in self.worker_specs:  # they register once their agent's slots are there
             self.spawn(f"workers-{host}", host, self.worker_argv(host))
+        self.wait_for("agents connected", self.agents_connected, deadline)
         for host in self.worker_specs:
             self._expect(self.children[f"workers-{host}"], "ready", deadline)
         self.wait_for("ranks live and subscribed", self.ranks_ready, deadline)
@@ -149,9 +150,31 @@ class MultiHostCluster:
             raise ClusterError(f"{child.name}: no '{prefix}' line:\n{self.log_tail(child.name)}")
         return line
 
-    def close(self) -> None:
-        for name in sorted(self.children, key=lambda n: n == "controller"):
-            self.children[name].stop()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Workers first (told to stop: they unregister and free their shared memory),
+        then agents and the probe, then the controller; each group at once, killed after
+        timeout_s."""
+        kids = list(self.children.values())
+        groups = [
+            [c for c in kids if c.name.startswith("workers-")],
+            [c for c in kids if c.name.startswith("agent-") or c.name == "probe"],
+            [c for c in kids if c.name == "controller"],
+        ]
+        for i, group in enumerate(groups):
+            live = [c for c in group if c.proc is not None and c.proc.poll() is None]
+            for c in live:
+                if i == 0:
+                    c.send("stop")
+                else:
+                    c.proc.terminate()  # type: ignore[union-attr]
+            # Agents are given 3 s: the namespaces' teardown kills what is left of them
+            # (they hold no shared memory; their transfer processes map the workers').
+            deadline = time.monotonic() + (3.0 if i == 1 else timeout_s)
+            for c in live:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))  # type: ignore[union-attr]
+                except subprocess.TimeoutExpired:
+                    c.kill()
         self.tmp.cleanup()
 
     # ---------------------------------------------------------------- status

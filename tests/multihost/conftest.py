@@ -44,7 +44,6 @@ WORKERS = {
 MB = 0.25  # the smallest demo model (about 1.3 MB of BF16)
 
 reason = netns.unavailable()
-pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
 @pytest.fixture(scope="package")

@@ -10,10 +10,14 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from refitd.demo.gpt import GptConfig
 from refitd.demo.multihost import MultiHostCluster
 
 from .conftest import LEASE_S, MB
+
+pytestmark = pytest.mark.slow
 
 
 def _committed(c: MultiHostCluster, version: int) -> None:
