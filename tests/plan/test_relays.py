@@ -196,3 +196,9 @@ def test_relays_across_pools_of_the_same_layout():
     plan = run_and_check(src, dst, PlanConfig(bucket_bytes=256, relay=True))
     assert check_relay_rule(plan, len(src)) == plan.stats.relay_copies > 0
     assert plan.stats.source_max_send_bytes * 2 == direct.stats.source_max_send_bytes
+    # Each source block is cut into several messages; its relays are cut the same way and
+    # go one round after their piece, while later pieces are still on the wire.
+    sends = [m for s in plan.slots() for m in plan.program(s).sends]
+    relay_rounds = [m.round for m in sends if any(c.src_tensor >= len(src) for c in m.copies)]
+    direct_rounds = [m.round for m in sends if all(c.src_tensor < len(src) for c in m.copies)]
+    assert min(relay_rounds) == 1 < max(direct_rounds)
