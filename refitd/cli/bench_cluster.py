@@ -9,7 +9,9 @@ The link bound is the time the busiest host needs at the link rate for the bytes
 send or receive: the trainer host must send every byte of the model once, and each
 inference host must receive its replica, so bound = model bytes / rate. The achieved ratio
 is bound / refit time (the controller's refit seconds, median over --refits; 1.0 would be
-the raw link, TCP/IP framing alone costs ~4 %). Also reported: the bytes each host really
+the raw link, TCP/IP framing alone costs ~4 %). The same number of refits is first run on
+unshaped links as a reference: what the machine's CPUs allow (on a busy machine the
+CPU-bound time can approach the link bound, and the two do not overlap perfectly). Also reported: the bytes each host really
 sent and received per refit (switch counters), and the trainer's Refit call time. Every
 version is checked bit for bit on every inference rank. One JSON line.
 """
@@ -59,28 +61,24 @@ def run(args: argparse.Namespace) -> int:
     model_bytes = GptConfig.for_megabytes(args.mb, layers=2).nbytes
     rate_bps = args.rate_mbit * 1e6 / 8
     with netns.Network(names) as net:
-        net.shape(int(args.rate_mbit * 1e6))
         cluster = MultiHostCluster(
             net, "ctl", agents, workers, args.mb, serve, worker_args=["--no-pause-check"]
         )
         try:
             cluster.start(timeout_s=300)
-            refit_s, call_s, moved, parts = [], [], [], []
-            for v in range(1, args.warmup + args.refits + 1):
-                before = net.link_bytes()
-                out = cluster.refit(v, timeout_s=600)
-                if out.state != "committed" or set(out.commits.values()) != {"ok"}:
-                    raise RuntimeError(f"version {v}: {out.states} {out.messages} {out.commits}")
-                if v <= args.warmup:
-                    continue
-                after = net.link_bytes()
-                moved.append({h: [after[h][i] - before[h][i] for i in (0, 1)] for h in after})
-                call_s.append(out.seconds)
-                record = _record(cluster, v)
-                refit_s.append(float(record["seconds"]))
-                parts.append(_parts(record))
+            for v in range(1, args.warmup + 1):
+                _measure(cluster, v)
+            v0 = args.warmup + 1
+            # The same refits on unshaped links: what this machine's CPUs allow (reference).
+            unshaped = [_measure(cluster, v)[0] for v in range(v0, v0 + args.refits)]
+            net.shape(int(args.rate_mbit * 1e6))
+            runs = [_measure(cluster, v) for v in range(v0 + args.refits, v0 + 2 * args.refits)]
         finally:
             cluster.close()
+    refit_s = [r[0] for r in runs]
+    call_s = [r[1] for r in runs]
+    moved = [r[2] for r in runs]
+    parts = [r[3] for r in runs]
     busiest = max(max(m[h]) for m in moved for h in m)
     bound_s = model_bytes / rate_bps
     refit = statistics.median(refit_s)
@@ -97,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         "refit_s": refit_s,
         "call_s_median": statistics.median(call_s),
         "ratio_to_link_bound": bound_s / refit,
+        "unshaped_refit_s_median": statistics.median(unshaped),
+        "unshaped_refit_s": unshaped,
         "busiest_host_link_bytes": busiest,
         "busiest_over_model_bytes": busiest / model_bytes,
         "link_bytes_sent_received_per_host": moved[-1],
@@ -105,6 +105,18 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(doc))
     return 0
+
+
+def _measure(cluster: MultiHostCluster, v: int) -> tuple[float, float, dict, dict]:
+    """One verified refit: controller seconds, call seconds, link bytes per host, phases."""
+    before = cluster.net.link_bytes()
+    out = cluster.refit(v, timeout_s=600)
+    if out.state != "committed" or set(out.commits.values()) != {"ok"}:
+        raise RuntimeError(f"version {v}: {out.states} {out.messages} {out.commits}")
+    after = cluster.net.link_bytes()
+    moved = {h: [after[h][i] - before[h][i] for i in (0, 1)] for h in after}
+    record = _record(cluster, v)
+    return float(record["seconds"]), out.seconds, moved, _parts(record)
 
 
 def _record(cluster: MultiHostCluster, version: int) -> dict:
