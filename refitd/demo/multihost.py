@@ -150,7 +150,7 @@ class MultiHostCluster:
             raise ClusterError(f"{child.name}: no '{prefix}' line:\n{self.log_tail(child.name)}")
         return line
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
         """Workers first (told to stop: they unregister and free their shared memory),
         then agents and the probe, then the controller; each group at once, killed after
         timeout_s."""

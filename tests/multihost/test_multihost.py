@@ -21,6 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def _committed(c: MultiHostCluster, version: int) -> None:
+    c.wait_for("agents connected, ranks live and subscribed", lambda: c.agents_connected()
+               and c.ranks_ready(), time.monotonic() + 60)  # fmt: skip
     out = c.refit(version)
     assert out.state == "committed", out.messages
     assert set(out.commits.values()) == {"ok"}, out.commits
