@@ -97,10 +97,14 @@ def _pick(iface: str, addr: str, gloo_if: str, host: str, port: int) -> DataPlan
 
 
 def choose_data_plane(
-    settings: Any, controller: str, env: dict[str, str] | None = None
+    settings: Any,
+    controller: str,
+    env: dict[str, str] | None = None,
+    reached_as: str = "",
 ) -> DataPlane:
     """The agent's data plane per the module docstring; refuses a loopback one when the
-    controller (`controller`, HOST:PORT) is on another host."""
+    controller (`controller`, HOST:PORT) is on another host (`reached_as` words that case
+    for the error, e.g. for the embedded agent of an advertised controller)."""
     env = os.environ if env is None else env
     iface = getattr(settings, "data_plane_interface", "") or ""
     addr = getattr(settings, "data_plane_address", "") or ""
@@ -115,9 +119,10 @@ def choose_data_plane(
         is_loopback(controller_ip) or controller_ip == "0.0.0.0"
     ):
         raise DataPlaneError(
-            f"data-plane address {plane.describe()} is a loopback address but the controller "
-            f"{controller} ({controller_ip}) is on another host: transfer processes on other "
-            "hosts could not connect to this one. Set --data-plane-address "
+            f"data-plane address {plane.describe()} is a loopback address but "
+            f"{reached_as or f'the controller {controller} ({controller_ip}) is on another host'}"
+            ": transfer processes on other hosts could not connect to this one. Set "
+            "--data-plane-address "
             "(REFITD_DATA_PLANE_ADDRESS) to this host's address on the cluster network, or "
             "--data-plane-interface (REFITD_DATA_PLANE_INTERFACE, or GLOO_SOCKET_IFNAME) to "
             "its interface."

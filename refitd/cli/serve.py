@@ -34,7 +34,12 @@ def run(args: argparse.Namespace) -> int:
         from refitd.agent.dataplane import DataPlaneError, choose_data_plane
 
         try:  # peers reach the embedded agent where agents reach the store
-            plane = choose_data_plane(settings, f"{settings.store_host}:{settings.grpc_port}")
+            plane = choose_data_plane(
+                settings,
+                f"{settings.store_host}:{settings.grpc_port}",
+                reached_as=f"agents of other hosts reach this one at {settings.store_host} "
+                "(advertise_host, else host)",
+            )
         except DataPlaneError as e:
             print(f"refitd serve: embedded agent: refusing to start: {e}", file=sys.stderr)
             return 2

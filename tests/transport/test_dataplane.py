@@ -74,3 +74,19 @@ def test_absent_peer_is_a_timeout_after_the_timeout(tmp_path) -> None:
     assert time.monotonic() - t0 >= 0.9
     assert "rank 0/2 at 127.0.0.1: gloo communicator of epoch 1 timed out after" in str(e.value)
     assert "a peer did not join" in str(e.value)
+
+
+def test_serve_refuses_a_loopback_embedded_agent_of_an_advertised_controller(tmp_path) -> None:
+    """Refused before anything binds or dials (the advertised address is only compared)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "refitd.cli.main", "serve", "--grpc-port", "0",
+         "--http-port", "0", "--data-dir", str(tmp_path), "--advertise-host", "10.213.250.1",
+         "--data-plane-address", "127.0.0.1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "embedded agent: refusing to start" in proc.stderr
+    assert "agents of other hosts reach this one at 10.213.250.1" in proc.stderr
