@@ -16,7 +16,8 @@ wire, k+1 is being packed (poster thread) and k-1 unpacked (receiver thread).
 Relays (program.py): a copy whose source is a destination tensor of this slot forwards
 what an earlier round delivered. Before packing (or zero-copy sending) a chunk of a message
 with relay copies, the poster waits until the receiver has completed (waited and unpacked)
-every receive of a smaller round; ordinary chunks never wait. Local relay copies run after
+the receives, in posting order, up to the last one writing what the message forwards (never
+more than every receive of a smaller round); ordinary chunks never wait. Local relay copies run after
 every receive completed. Sources are released once every chunk and local copy reading a
 source tensor is done: relays don't hold the trainer.
 
@@ -390,12 +391,16 @@ class Executor:
             + [c.dst_tensor for c in program.local]
         )
         recv_rounds = sorted(c.message.round for c in self.recv_chunks)
+        feeds = self._feed_index()
         self._relay_wait: dict[int, int] = {}  # send chunk -> receives to complete first
         self._reads_source: dict[int, bool] = {}
         for m_chunks in self._by_message(self.send_chunks):
             m = m_chunks[0].message
             if any(self._is_relay(c) for c in m.copies):
+                # every receive of a smaller round holds everything it may forward; the
+                # prefix up to the last receive writing what it forwards is enough
                 n = bisect.bisect_left(recv_rounds, m.round)
+                n = min(n, max((feeds(c) for c in m.copies if self._is_relay(c)), default=n))
                 for ch in m_chunks:
                     self._relay_wait[id(ch)] = n
             for ch in m_chunks:
@@ -486,6 +491,27 @@ class Executor:
         for ch in chunks:
             out.setdefault(ch.message.id, []).append(ch)
         return list(out.values())
+
+    def _feed_index(self) -> Callable[[Copy], int]:
+        """For a relay copy: how many receive chunks, in posting order, complete the last
+        one that writes (part of) the region it forwards."""
+        order = sorted(self.recv_chunks, key=lambda c: c.key)
+        writes: dict[int, list[tuple[int, Copy]]] = {}
+        for i, ch in enumerate(order):
+            for p in ch.pieces:
+                writes.setdefault(p.copy.dst_tensor, []).append((i, p.copy))
+
+        def overlaps(a: Copy, b: Copy) -> bool:  # a's source region, b's destination region
+            return all(
+                ao < bo + bn and bo < ao + an
+                for ao, an, bo, bn in zip(a.src_offset, a.shape, b.dst_offset, b.shape, strict=True)
+            )
+
+        def feed(c: Copy) -> int:
+            hits = [i for i, w in writes.get(c.src_tensor, ()) if overlaps(c, w)]
+            return max(hits) + 1 if hits else len(order)
+
+        return feed
 
     def _is_relay(self, c: Copy) -> bool:
         return c.src_tensor in self._dest_tensors

@@ -193,6 +193,8 @@ class _TransferState:
                 world_size=cmd["world_size"],
                 timeout_s=cmd["timeout_s"],
                 store_token=cmd.get("store_token", ""),
+                local_address=cmd.get("data_plane_address", ""),
+                local_interface=cmd.get("data_plane_interface", ""),
             )
         )
         self.transport = transport
@@ -547,9 +549,12 @@ class TransferProcessHandle:
         slot_ranks: dict[int, int] | None = None,
         store_token: str = "",
         wait: bool = True,
+        data_plane_address: str = "",
+        data_plane_interface: str = "",
     ) -> Pending | None:
         """Join the refit communicator of `epoch` (all ranks must connect concurrently:
-        pass wait=False and call .result() on each)."""
+        pass wait=False and call .result() on each); peers reach this rank at the agent's
+        data-plane address (or interface)."""
         p = self.request(
             "connect",
             epoch=epoch,
@@ -561,6 +566,8 @@ class TransferProcessHandle:
             timeout_s=timeout_s,
             slot_ranks=slot_ranks,
             store_token=store_token,
+            data_plane_address=data_plane_address,
+            data_plane_interface=data_plane_interface,
         )
         if not wait:
             return p

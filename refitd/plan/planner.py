@@ -142,6 +142,13 @@ def _sort_by(*keys: np.ndarray) -> np.ndarray:
     return np.argsort(combined, kind="stable")
 
 
+PIECE_KEY = 1 << 32  # (copy id, row offset of a piece) -> one int64 key
+
+
+def _sans_pool(g: Geo) -> tuple:
+    return (g.global_shape, g.dtype, g.storage, g.local_shape, g.boxes)
+
+
 def _side(table: SpecTable, base: int) -> _Side:
     canon, geo, slot = table.columns()
     return _Side(table.specs, base, table.canonical_ids, canon, geo, table.geos, slot)
@@ -482,10 +489,15 @@ class _Planner:
         nrep_s = np.array([len(x) for x in s_reps], np.int64)
         k_of = np.array([k for k, _, _ in dboxes], np.int64)
         j_of = np.array([j for _, j, _ in dboxes], np.int64)
-        # klass: (destination geometry, its box, source box) -> the same block
-        key = (np.array(d_geo, np.int64)[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(
-            sboxes
-        ) + si
+        # klass: (destination geometry, its box, source box) -> the same block. The pool is
+        # no part of it: same-geometry tensors of different pools are replicas too (one
+        # pool may relay to another).
+        shape_ids: dict[tuple, int] = {}
+        d_shape = np.array(
+            [shape_ids.setdefault(_sans_pool(dst.geos[g]), len(shape_ids)) for g in d_geo],
+            np.int64,
+        )
+        key = (d_shape[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(sboxes) + si
         _, klass = np.unique(key, return_inverse=True)
         klass = klass.reshape(-1)
         nklass = int(klass.max()) + 1 if klass.size else 0
@@ -690,6 +702,21 @@ class _Messages:
     dst: np.ndarray  # [M] destination slot
     nbytes: np.ndarray  # [M]
     round_of_copy: np.ndarray  # [copies before splitting] last round carrying it
+    piece_key: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted
+    piece_round: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def need_of(self, feed: np.ndarray, step: np.ndarray | None) -> np.ndarray:
+        """Round after which a relay piece may go: after the round of the feed's piece
+        with the same rows (a copy cut along dim 0 is cut the same way for its relays, so
+        piece k is forwarded while piece k+1 is still on the wire), else after the feed's
+        last piece."""
+        need = self.round_of_copy[feed] + 1
+        if step is None or not self.piece_key.size:
+            return need
+        key = feed * PIECE_KEY + step
+        i = np.minimum(np.searchsorted(self.piece_key, key), self.piece_key.size - 1)
+        hit = self.piece_key[i] == key
+        return np.where(hit, self.piece_round[i] + 1, need)
 
     def pair_last_round(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Per (src, dst) slot pair, the last round of its messages here (-1 if none)."""
@@ -864,7 +891,7 @@ class Plan:
         if feeds is None:
             order = _sort_by(rs, rd, table.dst[rows])
         else:
-            need = feeds.round_of_copy[table.feed[rows]] + 1
+            need = feeds.need_of(table.feed[rows], step)
             order = _sort_by(rs, rd, need, table.dst[rows])
             need = need[order]
         t = table.take(rows[order])
@@ -903,9 +930,14 @@ class Plan:
             cid = t.cid[o]
             first = np.r_[0, np.flatnonzero(np.diff(cid)) + 1]
             round_of_copy[cid[first]] = np.maximum.reduceat(piece_round[o], first)
-        return _Messages(
+        out = _Messages(
             t, rnb, ms, me, m_round, p_src[mp], p_dst[mp], csum[me] - csum[ms], round_of_copy
         )
+        if need_rounds and step is not None:  # rounds of the pieces of cut copies
+            key = t.cid * PIECE_KEY + step[order]
+            o = np.argsort(key, kind="stable")
+            out.piece_key, out.piece_round = key[o], piece_round[o]
+        return out
 
     def _split(
         self, t: _CopyTable, idx: np.ndarray, nb: np.ndarray

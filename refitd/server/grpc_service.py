@@ -215,6 +215,7 @@ class AgentControlServicer(pbg.AgentControlServicer):
             request.host, [s.device for s in request.slots], request.pid, request.agent_id
         )
         agent.batch_execute = request.batch_execute
+        agent.data_plane_address = request.data_plane_address
         self.c.refresh_gauges()
         return pb.RegisterAgentResponse(
             agent_id=agent.agent_id,

@@ -79,6 +79,7 @@ STATE_NAMES = {
     pb.REFIT_STATE_SUPERSEDED: "superseded",
 }
 FINAL = (pb.REFIT_STATE_COMMITTED, pb.REFIT_STATE_FAILED, pb.REFIT_STATE_SUPERSEDED)
+OUTCOMES_KEPT = 256  # ended versions remembered per model (one outcome per version)
 ATTEMPT_SHIFT = 40  # execute/abort ids: refit_id | attempt << 40 (a retry is a new attempt)
 
 
@@ -188,6 +189,9 @@ class ModelRefits:
     running: RefitRun | None = None
     driver: threading.Thread | None = None
     catch_up: bool = False  # a destination rank lacks the committed version
+    # Failed and superseded versions (newest OUTCOMES_KEPT): a rank asking later for one
+    # gets its recorded outcome instead of starting a second run of the same version.
+    ended: dict[int, RefitRun] = field(default_factory=dict)
 
 
 @dataclass
@@ -384,6 +388,9 @@ class RefitCoordinator:
                     f"version {version} of model {w.model!r} is not newer than the committed "
                     f"version {committed}"
                 )
+            ended = m.ended.get(version)
+            if ended is not None:  # one outcome per version: every rank gets the same one
+                return self._response(ended)
             if run is None and m.running is not None and version < m.running.version:
                 raise precondition(
                     f"version {version} of model {w.model!r} is older than the running "
@@ -1410,6 +1417,7 @@ class RefitCoordinator:
             if run.final:
                 return
             self._set_final(run, state, reason)
+            self._remember(m, run)
         self._record(run, state, reason)
 
     def _end(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
@@ -1417,7 +1425,18 @@ class RefitCoordinator:
         if run.final:
             return
         self._set_final(run, state, reason)
+        self._remember(m, run)
         self._record(run, state, reason)
+
+    @staticmethod
+    def _remember(m: ModelRefits, run: RefitRun) -> None:
+        """Keep a failed or superseded version's outcome (caller holds m.cond); a committed
+        one needs no entry: asking for it again is refused as not newer than committed."""
+        if run.state == pb.REFIT_STATE_COMMITTED:
+            return
+        m.ended[run.version] = run
+        while len(m.ended) > OUTCOMES_KEPT:
+            del m.ended[min(m.ended)]
 
     def _set_final(self, run: RefitRun, state: int, reason: str) -> None:
         if run.started and not run.seconds:

@@ -184,6 +184,7 @@ def status_document(
                 "agent_id": a.agent_id,
                 "host": a.host,
                 "pid": a.pid,
+                "data_plane_address": a.data_plane_address,
                 "connected": c.refits.agents.connected(a.agent_id),
                 "slots": list(a.slot_ids),
             }
