@@ -132,11 +132,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kernels() -> dict:
+    from refitd.agent import checksum_bench
     from refitd.formats import gpu_bench
 
     rows = gpu_bench.bench_quantizers()
     summary = gpu_bench.summarize(rows)
-    hash_rows = gpu_bench.bench_checksum()
+    hash_rows = checksum_bench.bench_checksum()
     summary.update(gpu_bench.summarize_checksum(hash_rows))
     return {"summary": summary, "rows": rows + hash_rows}
 
