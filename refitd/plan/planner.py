@@ -944,6 +944,17 @@ class Plan:
             self._readers = {k: sorted(v) for k, v in readers.items()}
         return list(self._readers.get((pool, rank), []))
 
+    def message_columns(self) -> dict[str, np.ndarray]:
+        """Every remote message as columns, row = message id: src and dst slot, round, wire
+        bytes, relay (it forwards received blocks). For tools such as the link model."""
+        return {
+            "src": self._m_src.copy(),
+            "dst": self._m_dst.copy(),
+            "round": self._m_round.copy(),
+            "nbytes": self._m_bytes.copy(),
+            "relay": self._remote.feed[self._m_start] >= 0,
+        }
+
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""
         return {int(s): int(b) for s, b in zip(self._all_slots, self._send_load, strict=True)}
