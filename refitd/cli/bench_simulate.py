@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mib", type=float, default=64.0)
     p.add_argument("--no-relay", action="store_true", help="plan without relays")
     p.add_argument(
+        "--schedule",
+        choices=("lanes", "serial"),
+        default="lanes",
+        help="the planner's rounds (PlanConfig.schedule)",
+    )
+    p.add_argument(
         "--wires", default=None, help="comma list of bf16, mxfp8 (default: both; cluster: bf16)"
     )
     p.add_argument("--modes", default="stream,group", help="comma list of stream, group, posted")
@@ -85,7 +91,11 @@ def run(args: argparse.Namespace) -> int:
         sources, destinations, host = _cluster_specs(args)
         topo = Topology.host_nics(host, args.rate_mbit / 1000 * args.efficiency)
         out |= {"hosts": args.hosts, "rate_mbit": args.rate_mbit, "efficiency": args.efficiency}
-    out |= {"relay": not args.no_relay, "bucket_bytes": int(args.bucket_mib * (1 << 20))}
+    out |= {
+        "relay": not args.no_relay,
+        "schedule": args.schedule,
+        "bucket_bytes": int(args.bucket_mib * (1 << 20)),
+    }
     wires = args.wires or ("bf16,mxfp8" if args.topology == "gpu" else "bf16")
     for wire in wires.split(","):
         mx = wire == "mxfp8"
@@ -94,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             bucket_bytes=int(args.bucket_mib * (1 << 20)),
             relay=not args.no_relay,
             sender_quantization=mx,
+            schedule=args.schedule,
         )
         t0 = time.perf_counter()
         plan = build_plan(args.model, 0, sources, dst, config)
