@@ -6,8 +6,9 @@ messages on refitd.plan.linkmodel: hosts of --gpus-per-host GPUs, NVLink inside 
 one NIC per GPU at --gbit (cluster: one NIC per host at --rate-mbit times --efficiency),
 max-min fair sharing, each slot running its chunks in the executor's order under each
 --modes (stream: NCCL as driven today; group: one NCCL group per (round, chunk) step;
-posted: Gloo). One JSON line: per wire (BF16, MXFP8 on the wire), the lower bound (the
-busiest NIC's or NVLink's bytes over its rate), each mode's makespan and makespan / bound.
+posted: Gloo); see docs/simulate.md. One JSON line: per wire (BF16, MXFP8 on the wire),
+the lower bound (the busiest NIC's or NVLink's bytes over its rate), each mode's makespan
+and makespan / bound.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wires", default=None, help="comma list of bf16, mxfp8 (default: both; cluster: bf16)"
     )
-    p.add_argument("--modes", default="stream,group", help="comma list of stream, group, posted")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma list of stream, group, posted (default: gpu stream, as NCCL runs the "
+        "executor; cluster posted, as Gloo does)",
+    )
     p.add_argument("--hosts", type=int, default=3, choices=(3, 4), help="cluster: hosts")
     p.add_argument("--rate-mbit", type=float, default=1000.0, help="cluster: link rate")
     p.add_argument("--mb", type=float, default=128.0, help="cluster: model MB (BF16)")
@@ -72,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from refitd.plan.layout import MXFP8
     from refitd.plan.planner import PlanConfig, build_plan
 
-    modes = [ExecMode(m) for m in args.modes.split(",") if m]
+    names = args.modes or ("stream" if args.topology == "gpu" else "posted")
+    modes = [ExecMode(m) for m in names.split(",") if m]
     out: dict = {"bench": "simulate", "topology": args.topology, "target_ratio": TARGET}
     if args.topology == "gpu":
         sources, destinations = _preset_specs(args)

@@ -201,3 +201,28 @@ def test_kimi_k2_plan_simulates_above_its_bound() -> None:
     r = simulate(msgs, topo, ExecMode.STREAM)
     assert r.makespan >= bound.seconds
     assert r.slot_busy_end.max() == r.makespan
+
+
+def test_bench_simulate_outputs(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from refitd.cli.main import main
+
+    # bench cluster's hosts: every byte leaves the trainer host's one link once
+    argv = ["bench", "simulate", "--topology", "cluster", "--mb", "4", "--bucket-mib", "1"]
+    assert main([*argv, "--modes", "stream,posted"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = out["bf16"]
+    rate = 1e9 / 8 * out["efficiency"]
+    assert doc["bound_s"] == pytest.approx(doc["wire_bytes"] / rate, rel=1e-3)
+    assert doc["bound_resource"] == "nic 0 send"
+    for mode in ("stream", "posted"):
+        assert doc[mode]["makespan_s"] >= doc["bound_s"] * (1 - 1e-3)
+    # a small preset on GPUs, both wires: MXFP8 puts about half the bytes on the wire
+    argv = ["bench", "simulate", "--model", "llama3-8b", "--src", "tp=8", "--src-world", "8"]
+    assert main([*argv, "--dst", "tp=4", "--dst-world", "4", "--schedule", "serial"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    bf16, mx = out["bf16"], out["mxfp8"]
+    assert 0.45 < mx["wire_bytes"] / bf16["wire_bytes"] < 0.6
+    for doc in (bf16, mx):
+        assert doc["stream"]["ratio_to_bound"] >= 1 - 1e-3
