@@ -30,9 +30,16 @@ def test_serial_rounds_by_hand() -> None:
     assert rounds.tolist() == [0, 1, 2, 2, 3]
 
 
-def test_unknown_schedule_is_refused() -> None:
+def test_unknown_schedule_is_refused_and_schedule_is_in_the_digest() -> None:
+    from refitd.plan.planner import plan_digest
+
     with pytest.raises(PlanError, match="unknown schedule 'fast'"):
         PlanConfig(schedule="fast")
+    src = _expert_side("train", (1,), 2, 1, 4, (4, 6), 0)
+    dst = _expert_side("inf", (1,), 2, 2, 4, (4, 6), 100)
+    assert plan_digest("m", 1, src, dst, PlanConfig()) != plan_digest(
+        "m", 1, src, dst, PlanConfig(schedule="serial")
+    )
 
 
 @FEW
