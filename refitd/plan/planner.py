@@ -63,7 +63,10 @@ WIRE_NAMES = (RAW, MXFP8, FP8_BLOCK)
 @dataclass
 class PlanConfig:
     """How to plan. fanout: peers a slot sends to concurrently (lanes of the schedule);
-    relay: let destination replicas forward blocks (see the module docstring)."""
+    relay: let destination replicas forward blocks (see the module docstring);
+    schedule: "lanes" (rounds from `fanout` lanes per source) or "serial" (rounds from a
+    schedule in which each slot moves one message at a time, as NCCL on one stream runs
+    them: buckets.serial_rounds)."""
 
     bucket_bytes: int = 64 << 20
     sender_quantization: bool = False
@@ -72,6 +75,11 @@ class PlanConfig:
     name_map: NameMap | None = None
     fanout: int = 4
     relay: bool = False
+    schedule: str = "lanes"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("lanes", "serial"):
+            raise PlanError(f"unknown schedule {self.schedule!r}; known: lanes, serial")
 
 
 @dataclass(frozen=True, slots=True)
@@ -909,7 +917,15 @@ class Plan:
         p_src, p_dst = rs[pair_first], rd[pair_first]
         p_msgs = np.bincount(mp, minlength=pair_first.size)
         k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
-        if feeds is None:
+        if feeds is None and cfg.schedule == "serial":
+            m_round = bk.serial_rounds(
+                self._dense[t.src[pair_first]],
+                self._dense[t.dst[pair_first]],
+                mp,
+                np.add.reduceat(rnb, ms) if ms.size else rnb[:0],
+                slots.size,
+            )
+        elif feeds is None:
             p_round = bk.assign_rounds(
                 self._dense[t.src[pair_first]],
                 self._dense[t.dst[pair_first]],
@@ -980,6 +996,17 @@ class Plan:
                 readers.setdefault((t.pool, t.rank), set()).add(slot)
             self._readers = {k: sorted(v) for k, v in readers.items()}
         return list(self._readers.get((pool, rank), []))
+
+    def message_columns(self) -> dict[str, np.ndarray]:
+        """Every remote message as columns, row = message id: src and dst slot, round, wire
+        bytes, relay (it forwards received blocks). For tools such as the link model."""
+        return {
+            "src": self._m_src.copy(),
+            "dst": self._m_dst.copy(),
+            "round": self._m_round.copy(),
+            "nbytes": self._m_bytes.copy(),
+            "relay": self._remote.feed[self._m_start] >= 0,
+        }
 
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""
