@@ -16,9 +16,12 @@ creator), so the creator holds a shared flock on each segment for its lifetime a
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import mmap
+import operator
 import struct
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -136,7 +139,12 @@ class MemoryHandle:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16"."""
-    return str(dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES: Mapping[torch.dtype, str] = types.MappingProxyType(
+    {d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -185,36 +193,38 @@ class SharedTensorArena:
     def register(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, MemoryHandle]:
         """Place `tensors` in shared memory (CPU) or export them (CUDA); return their handles."""
         for name, t in tensors.items():
-            if t.device.type not in ("cpu", "cuda"):
+            if not (t.is_cpu or t.is_cuda):
                 raise ValueError(f"tensor {name!r}: device {t.device} cannot be shared")
         if self._state is None:
             reap_orphaned_segments()  # a new worker on a host clears what killed ones left
-        cpu = {n: t for n, t in tensors.items() if t.device.type == "cpu"}
+        cpu = {n: t for n, t in tensors.items() if t.is_cpu}
         placed = self._register_cpu(cpu) if cpu else {}
         handles: dict[str, MemoryHandle] = {}
         for name, t in tensors.items():
             state, idx = self._state_word()
             struct.pack_into("<Q", state.buf, idx * STATE_WORD, STATE_LIVE)
-            shape, strides = tuple(t.shape), tuple(t.stride())
-            self._regs[name] = _Registration(t, t.data_ptr(), shape, strides, idx, state)
-            if t.device.type == "cuda":
+            shape, strides, ptr = tuple(t.shape), t.stride(), t.data_ptr()
+            self._regs[name] = _Registration(t, ptr, shape, strides, idx, state)
+            if t.is_cuda:
                 h = self._register_cuda(name, t)
                 handles[name] = dataclasses.replace(h, state_segment=state.name, state_index=idx)
                 continue
             seg, offset, nbytes = placed[name]
             handles[name] = MemoryHandle(
-                kind=SHM,
-                segment=seg.name,
-                offset=offset,
-                nbytes=nbytes,
-                dtype=dtype_name(t.dtype),
-                shape=shape,
-                strides=strides,
-                storage_offset=t.storage_offset() - offset // t.element_size(),
-                data_ptr=t.data_ptr(),
-                state_segment=state.name,
-                state_index=idx,
-                name=name,
+                SHM,
+                seg.name,
+                offset,
+                nbytes,
+                dtype_name(t.dtype),
+                shape,
+                strides,
+                t.storage_offset() - offset // t.element_size(),
+                ptr,
+                -1,
+                (),
+                state.name,
+                idx,
+                name,
             )
         return handles
 
@@ -232,7 +242,7 @@ class SharedTensorArena:
 
     def _place(self, nbytes: int) -> tuple[Segment, int]:
         """Room for nbytes: in the open segment, else in a new one."""
-        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        need = ((nbytes or 1) + ALIGN - 1) & -ALIGN
         if self._open is None or self._used + need > self._open.size:
             seg = Segment(new_segment_name(self.prefix), max(self.segment_bytes, need), True)
             self._segments.append(seg)
@@ -245,37 +255,38 @@ class SharedTensorArena:
         self, tensors: Mapping[str, torch.Tensor]
     ) -> dict[str, tuple[Segment, int, int]]:
         """Move the storages of `tensors` into segments; name -> (segment, byte offset of its
-        storage there, storage bytes)."""
-        storages: dict[int, torch.UntypedStorage] = {}
+        storage there, storage bytes). Bytes are copied with memmove: a torch copy per small
+        storage costs more than the copy itself."""
+        # Taken before any tensor moves: one tensor object may be registered under two names.
+        before: dict[str, tuple[int, int]] = {}
+        where: dict[int, tuple[Segment, int, int]] = {}
         for name, t in tensors.items():
             if t.layout != torch.strided:
                 raise ValueError(f"tensor {name!r}: layout cannot be shared")
             s = t.untyped_storage()
-            storages.setdefault(s.data_ptr(), s)
-        where: dict[int, tuple[Segment, int, int, torch.UntypedStorage]] = {}
-        for ptr, s in storages.items():
-            seg, offset = self._place(s.nbytes())
-            view = seg.bytes[offset : offset + s.nbytes()]
-            view.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
-            where[ptr] = (seg, offset, s.nbytes(), view.untyped_storage())
-        # Taken before any tensor moves: one tensor object may be registered under two names.
-        before = {
-            name: (t.untyped_storage().data_ptr(), t.storage_offset())
-            for name, t in tensors.items()
-        }
+            ptr = s.data_ptr()
+            before[name] = (ptr, t.storage_offset())
+            if ptr not in where:
+                n = s.nbytes()
+                seg, offset = self._place(n)
+                ctypes.memmove(seg.address + offset, ptr, n)
+                where[ptr] = (seg, offset, n)
         out: dict[str, tuple[Segment, int, int]] = {}
         moved: set[int] = set()
+        storages: dict[str, torch.UntypedStorage] = {}
         with torch.no_grad():
             for name, t in tensors.items():
                 old_ptr, storage_offset = before[name]
-                seg, offset, nbytes, storage = where[old_ptr]
-                if offset % t.element_size():
-                    raise AssertionError("storage offset not aligned to element size")
+                seg, offset, _ = out[name] = where[old_ptr]
                 if id(t) not in moved:
                     moved.add(id(t))
-                    base = offset // t.element_size()
-                    t.set_(storage, base + storage_offset, t.size(), t.stride())
-                out[name] = (seg, offset, nbytes)
+                    size = t.element_size()
+                    if offset % size:
+                        raise AssertionError("storage offset not aligned to element size")
+                    storage = storages.get(seg.name)
+                    if storage is None:
+                        storage = storages[seg.name] = seg.bytes.untyped_storage()
+                    t.set_(storage, offset // size + storage_offset, t.size(), t.stride())
         return out
 
     def _register_cuda(self, name: str, t: torch.Tensor) -> MemoryHandle:
@@ -378,7 +389,9 @@ class MemoryMapper:
             typed = self._typed(handle.segment, dtype)
             itemsize = typed.element_size()
             first = handle.offset // itemsize + handle.storage_offset
-            extent = sum((n - 1) * st for n, st in zip(handle.shape, handle.strides, strict=True))
+            if len(handle.shape) != len(handle.strides):
+                raise ValueError(f"tensor {handle.name!r}: handle shape and strides differ in rank")
+            extent = sum(map(operator.mul, handle.shape, handle.strides)) - sum(handle.strides)
             if (
                 handle.offset % itemsize
                 or handle.storage_offset < 0

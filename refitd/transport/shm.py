@@ -90,6 +90,7 @@ class Segment:
                 size = os.fstat(fd).st_size
             self.size = size
             self.buf = map_fd(fd, size) if size else bytearray(0)
+            self.address = ctypes.addressof(self.buf) if size else 0
         except BaseException:
             os.close(fd)
             raise
