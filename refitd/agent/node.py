@@ -45,6 +45,7 @@ class AgentOptions:
     load_timeout_s: float = 60.0
     transfer_timeout_s: float = 300.0
     staging_bytes: int = 256 << 20
+    snapshot_bytes: int = 2 << 30
     heartbeat_timeout_s: float = 10.0
     reconnect_max_s: float = 1.0
 
@@ -58,6 +59,7 @@ class AgentOptions:
             load_timeout_s=settings.load_timeout_s,
             transfer_timeout_s=settings.transfer_timeout_s,
             staging_bytes=settings.staging_bytes,
+            snapshot_bytes=settings.snapshot_bytes,
             heartbeat_timeout_s=settings.heartbeat_timeout_s,
         )
 
@@ -73,6 +75,8 @@ class Outcome:
     seconds: float = 0.0
     message: str = ""
     checksums: tuple[pb.MessageChecksum, ...] = ()
+    snapshot_bytes: int = 0
+    snapshot_fallback: str = ""
 
 
 class SlotRunner:
@@ -196,6 +200,8 @@ class SlotRunner:
             timeout_s=self.options.load_timeout_s,
             staged=[h.index for h in c.handles if h.staged],
             model=c.model,
+            snapshot=[h.index for h in c.handles if h.snapshot],
+            snapshot_bytes=self.options.snapshot_bytes,
         )
         return Outcome(pb.REPORT_KIND_LOADED, seconds=time.perf_counter() - start)
 
@@ -229,8 +235,11 @@ class SlotRunner:
             verify=c.verify,
         )
         sums = result.get("checksums") or {}
+        snap = result.get("snapshot") or {}
         return Outcome(
             pb.REPORT_KIND_DONE,
+            snapshot_bytes=int(snap.get("bytes", 0)),
+            snapshot_fallback=str(snap.get("fallback", "")),
             bytes_sent=int(result["sent_bytes"]),
             bytes_received=int(result["recv_bytes"]),
             bytes_local=int(result["local_bytes"]),
@@ -392,6 +401,8 @@ class NodeAgent:
                 seconds=outcome.seconds,
                 message=outcome.message,
                 checksums=outcome.checksums,
+                snapshot_bytes=outcome.snapshot_bytes,
+                snapshot_fallback=outcome.snapshot_fallback,
             )
         )
 

@@ -73,6 +73,7 @@ class WorkerClient:
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.staged = False  # InferenceClient(staged=True): the pool refits through staging
+        self.snapshot = False  # TrainerClient(snapshot=True): released after a local snapshot
 
     # ------------------------------------------------------------------ registration
     @property
@@ -149,6 +150,7 @@ class WorkerClient:
             held_version=held_version,
             paused_refit_id=paused_refit_id,
             staged=self.staged,
+            snapshot=self.snapshot,
         )
         resp = self._conn.call(self._conn.refit.RegisterWorker, req, f"register {self._who()}")
         self._registration = Registration(
