@@ -30,6 +30,7 @@ import grpc
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.client.connection import Backoff, ControllerConnection, RefitError, security_for
+from refitd.limits import raise_nofile_limit
 from refitd.transport.memory import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
@@ -514,4 +515,5 @@ def run_node_agent(
     stop_event: threading.Event,
 ) -> None:
     """Run a node agent until stop_event is set (used by `refitd serve` and `refitd agent`)."""
+    raise_nofile_limit()
     NodeAgent(controller_address, host, devices, settings).run(stop_event)

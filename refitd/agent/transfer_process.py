@@ -35,6 +35,7 @@ from refitd.agent.executor import (
 )
 from refitd.agent.segments import ResolvedTensor
 from refitd.agent.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
+from refitd.limits import raise_nofile_limit
 from refitd.plan.layout import PLAIN
 from refitd.plan.program import SlotProgram
 from refitd.transport.base import ConnectInfo, Transport, TransportError, create_transport
@@ -414,6 +415,7 @@ def _error(rid: int, e: BaseException) -> dict:
 
 def transfer_process_main(conn: Connection, slot: int, device: str | None) -> None:
     """Entry point of a transfer process: serve commands until close or the pipe closes."""
+    raise_nofile_limit()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if device is not None and device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))

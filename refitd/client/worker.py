@@ -22,6 +22,7 @@ import torch
 from refitd._proto import refitd_pb2 as pb
 from refitd.client.connection import Backoff, ControllerConnection, RefitError
 from refitd.client.tensors import LocalTensor, MegatronCoords, collect
+from refitd.limits import raise_nofile_limit
 from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class WorkerClient:
         self.device = device
         self.host = host or socket.gethostname()
         self.connect_timeout_s = connect_timeout_s
+        raise_nofile_limit()  # sockets and shared-memory segments count against it
         self._conn = ControllerConnection(controller, rpc_timeout_s)
         self._arena = SharedTensorArena(prefix=f"refitd-{pool}-{rank}")
         self._tensors: list[LocalTensor] = []
