@@ -29,7 +29,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from refitd.agent.transfer_process import TransferProcessHandle, wait_execute
+from refitd.agent.transfer_process import TransferProcessHandle
 from refitd.plan.layout import MXFP8, PLAIN, TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.planner import PlanConfig, build_plan
@@ -83,6 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="also time verified refits (checksums of sources and landed bytes)",
+    )
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="snapshot release: source slots copy their sources, release, then send",
+    )
+    parser.add_argument(
+        "--snapshot-bytes", type=parse_bytes, default=parse_bytes("4GiB"), help="cap per slot"
     )
 
 
@@ -219,39 +227,59 @@ def run(args: argparse.Namespace) -> int:
         else:
             for h in handles:
                 h.connect(1, "", 0, 0, 1, "local", 10.0)
+        snapshots: dict[int, dict] = {}
         for h in handles:
             prog = plan.program(h.slot)
             if args.transport == "local" and (prog.sends or prog.recvs):
                 raise SystemExit("--transport local: this layout needs copies between slots")
-            h.load(
+            reply = h.load(
                 plan.digest,
                 prog.to_bytes(),
                 {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
                 staging_bytes=args.staging,
                 wire_chunk=args.wire_chunk,
                 staged_chunk=args.staged_chunk,
+                snapshot=list(range(len(src))) if args.snapshot else None,
+                snapshot_bytes=args.snapshot_bytes,
             )
+            if reply.get("snapshot"):
+                snapshots[h.slot] = reply["snapshot"]
+        blocked: list[float] = []
 
         def refit(refit_id: int, verify: bool = False) -> tuple[float, list[dict]]:
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
+            released: dict[int, float] = {}
             pend = [
                 h.start_execute(plan.digest, refit_id, refit_id, args.timeout, verify)
                 for h in handles
             ]
-            reports = [wait_execute(p, args.timeout) for p in pend]
-            return time.monotonic() - t0, reports
+            reports = [
+                p.result(args.timeout + 10.0, lambda m, s=h.slot: released.setdefault(s, m["t"]))[
+                    "report"
+                ]
+                for h, p in zip(handles, pend, strict=True)
+            ]
+            seconds = time.monotonic() - t0
+            # the trainer waits for the last slot reading it (the event's wall time)
+            src_slots = {s.slot for s in src}
+            if not verify:
+                blocked.append(max(released.get(s, wall0 + seconds) - wall0 for s in src_slots))
+            return seconds, reports
 
         refit(1)
+        blocked.clear()
         # refits and references alternate, medians compared: load from other processes on
         # the machine hits both alike
         runs: list[float] = []
         refs: list[float] = []
+        memcpys: list[float] = []
         verified: list[float] = []
         mismatch: str | None = None
         for k in range(max(1, args.repeat)):
             seconds, reports = refit(2 + 2 * k)
             runs.append(seconds)
             refs.append(_reference(args, handles, plan, rank_of, reports))
+            memcpys.append(_memcpy_reference(args, handles, src))
             if args.verify:
                 vseconds, vreports = refit(3 + 2 * k, verify=True)
                 verified.append(vseconds)
@@ -279,6 +307,14 @@ def run(args: argparse.Namespace) -> int:
             "staging_peak_bytes": max(r["staging_peak_bytes"] for r in reports),
             "staging_cap_bytes": args.staging,
             "sources_released_s": round(max(r["sources_released_s"] for r in reports), 4),
+            # trainer_blocked_s: refit start -> its last source slot released it (median);
+            # over a memcpy of each source slot's bytes, all slots at once, same run
+            "trainer_blocked_s": round(statistics.median(blocked), 4),
+            "memcpy_s": round(statistics.median(memcpys), 4),
+            "trainer_blocked_over_memcpy": round(
+                statistics.median(blocked) / max(statistics.median(memcpys), 1e-9), 3
+            ),
+            "snapshot": _snapshot_summary(args, snapshots),
             "messages": sum(len(r["messages"]) for r in reports) // 2,
             "zero_copy_chunks": sum(m["zero_copy_chunks"] for r in reports for m in r["messages"]),
             "staged_chunks": sum(m["staged_chunks"] for r in reports for m in r["messages"]),
@@ -310,6 +346,33 @@ def run(args: argparse.Namespace) -> int:
         for h in handles:
             h.close()
         arena.close()
+
+
+def _snapshot_summary(args, snapshots: dict[int, dict]) -> dict | None:
+    if not args.snapshot:
+        return None
+    return {
+        "bytes": sum(s["bytes"] for s in snapshots.values()),
+        "fallback": sorted({s["fallback"] for s in snapshots.values() if s["fallback"]}),
+    }
+
+
+def _memcpy_reference(args, handles, src) -> float:
+    """Seconds of a memcpy of each source slot's source bytes, all slots at once (what a
+    snapshot release must at least cost the trainer)."""
+    per_slot: dict[int, int] = defaultdict(int)
+    for s in src:
+        per_slot[s.slot] += math.prod(s.local_shape) * 2
+    by_slot = {h.slot: h for h in handles}
+    for slot, n in per_slot.items():
+        by_slot[slot].probe(args.timeout, prepare=True, memcpy=n).result(args.timeout)
+    t0 = time.monotonic()
+    pend = [by_slot[slot].probe(args.timeout, memcpy=n) for slot, n in per_slot.items()]
+    for p in pend:
+        p.result(args.timeout)
+    seconds = time.monotonic() - t0
+    _release(args, handles)
+    return seconds
 
 
 def _compare_checksums(plan, handles, reports) -> str | None:
