@@ -102,7 +102,9 @@ def _pattern(k: int, shape: tuple[int, ...]) -> torch.Tensor:
     ).reshape(shape) / 64
 
 
-def _specs(args: argparse.Namespace, n_tensors: int, rows: int) -> tuple[list, list, dict]:
+def _specs(
+    args: argparse.Namespace, n_tensors: int, rows: int, cols: int = COLS
+) -> tuple[list, list, dict]:
     src_tp = args.src or args.src_slots
     dst_tp = args.dst or args.dst_slots
     for side, tp, slots in (("src", src_tp, args.src_slots), ("dst", dst_tp, args.dst_slots)):
@@ -118,7 +120,7 @@ def _specs(args: argparse.Namespace, n_tensors: int, rows: int) -> tuple[list, l
     shapes: dict[str, tuple[int, int]] = {}
     for k in range(n_tensors):
         name = f"layers.{k}.weight"
-        shape = (rows, COLS)
+        shape = (rows, cols)
         shapes[name] = shape
         dim = k % 2  # column- then row-parallel
         for rank in range(args.src_slots):
@@ -162,8 +164,10 @@ def run(args: argparse.Namespace) -> int:
     # a SIGTERM (e.g. from `timeout`) unwinds through `finally`, so shared memory is unlinked
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     n_tensors = max(1, round(args.bytes / args.tensor_bytes))
-    rows = max(64, args.bytes // n_tensors // (COLS * 2) // 64 * 64)
-    src, dst, shapes = _specs(args, n_tensors, rows)
+    # tensors below 64 x COLS BF16 elements get fewer columns (64 rows, cols a multiple of 64)
+    cols = min(COLS, max(64, args.tensor_bytes // (2 * 64) // 64 * 64))
+    rows = max(64, args.bytes // n_tensors // (cols * 2) // 64 * 64)
+    src, dst, shapes = _specs(args, n_tensors, rows, cols)
     model_bytes = sum(math.prod(s) * 2 for s in shapes.values())
     config = PlanConfig(
         bucket_bytes=args.bucket, sender_quantization=args.wire == "mxfp8", relay=args.relay
