@@ -29,7 +29,7 @@ from refitd.plan.program import SlotProgram
 from refitd.transport.memory import shared_buffer
 
 ALIGN = 64  # ranges start on this boundary in source and buffer: element alignment is kept
-MERGE_GAP = 64 << 10  # bytes between two extents of one storage copied rather than split
+MERGE_GAP = 4 << 10  # bytes between two extents of one storage copied rather than split
 DEVICE_MARGIN = 1 << 30  # GPU memory left free when deciding where a GPU snapshot goes
 
 

@@ -440,6 +440,11 @@ class MemoryMapper:
         typed = base[: handle.nbytes - handle.nbytes % _itemsize(dtype)].view(dtype)
         return typed.as_strided(handle.shape, handle.strides, handle.storage_offset)
 
+    def state_words(self, name: str) -> torch.Tensor:
+        """The liveness words of a state segment (int64 view of its mapping)."""
+        raw = self._segment(name).bytes
+        return raw[: raw.numel() - raw.numel() % STATE_WORD].view(torch.int64)
+
     def check_live(self, handle: MemoryHandle) -> None:
         """Raise StorageMovedError if the worker marked this registration stale."""
         if not handle.state_segment:
@@ -469,16 +474,27 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> None:
-    """Check every handle (and its scales) is live; one error naming all stale tensors."""
-    stale: list[str] = []
+    """Check every handle (and its scales) is live; one error naming all stale tensors.
+
+    The liveness words are read per state segment in one gather (a slot may hold 100,000
+    tensors and checks them before every refit)."""
+    by_state: dict[str, tuple[list[int], list[str]]] = {}
     for h in handles:
         for part in (h, h.scales):
-            if part is None:
+            if part is None or not part.state_segment:
                 continue
-            try:
-                mapper.check_live(part)
-            except StorageMovedError:
-                stale.append(part.name)
+            idx, names = by_state.setdefault(part.state_segment, ([], []))
+            idx.append(part.state_index)
+            names.append(part.name)
+    stale: list[str] = []
+    for seg_name, (idx, names) in by_state.items():
+        words = mapper.state_words(seg_name)
+        if max(idx) >= words.numel() or min(idx) < 0:
+            raise StorageMovedError(
+                f"state segment {seg_name!r} is smaller than its handles say: register again"
+            )
+        bad = (words[torch.tensor(idx, dtype=torch.int64)] != STATE_LIVE).nonzero().flatten()
+        stale += [names[i] for i in bad.tolist()]
     if stale:
         raise StorageMovedError(
             f"registered storage moved or released for {stale}: the worker must register "
