@@ -174,7 +174,15 @@ def run(args: argparse.Namespace) -> int:
     )
     plan = build_plan("bench", 1, src, dst, config)
     slots = plan.slots()
-    arena = SharedTensorArena(prefix="refitd-bench")
+    # one arena per slot, as one worker process per slot would have: a slot's tensors sit
+    # side by side in shared memory, not interleaved with other ranks'
+    arenas: dict[int, SharedTensorArena] = {}
+
+    def arena_of(slot: int) -> SharedTensorArena:
+        if slot not in arenas:
+            arenas[slot] = SharedTensorArena(prefix="refitd-bench")
+        return arenas[slot]
+
     handles: list[TransferProcessHandle] = []
     store = None
     try:
@@ -190,15 +198,17 @@ def run(args: argparse.Namespace) -> int:
             g = _pattern(k, shapes[name])
             for i in by_name[name]:
                 tensors[i] = _block(g, src[i]).clone()
-                mem |= arena.register({f"t{i}": tensors[i]})
+                mem |= arena_of(src[i].slot).register({f"t{i}": tensors[i]})
         for j, d in enumerate(dst):
             i = len(src) + j
             dtype = torch.uint8 if d.storage == MXFP8 else torch.bfloat16
             tensors.append(torch.zeros(d.local_shape, dtype=dtype))
-            mem |= arena.register({f"t{i}": tensors[i]})
+            mem |= arena_of(d.slot).register({f"t{i}": tensors[i]})
             if d.storage == MXFP8:
                 scales[i] = torch.zeros(mxfp8_scale_shape(d.local_shape), dtype=torch.uint8)
-        smem = arena.register({f"s{i}": t for i, t in scales.items()}) if scales else {}
+        smem = {}
+        for i, t in scales.items():
+            smem |= arena_of(dst[i - len(src)].slot).register({f"s{i}": t})
         for i in scales:
             mem[f"t{i}"] = dataclasses.replace(mem[f"t{i}"], scales=smem[f"s{i}"])
 
@@ -349,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for h in handles:
             h.close()
-        arena.close()
+        for a in arenas.values():
+            a.close()
 
 
 def _snapshot_summary(args, snapshots: dict[int, dict]) -> dict | None:
