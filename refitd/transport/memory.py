@@ -269,8 +269,15 @@ class SharedTensorArena:
             if ptr not in where:
                 n = s.nbytes()
                 seg, offset = self._place(n)
-                ctypes.memmove(seg.address + offset, ptr, n)
                 where[ptr] = (seg, offset, n)
+        spans: dict[str, tuple[Segment, int, int]] = {}
+        for seg, offset, n in where.values():
+            _, lo, hi = spans.get(seg.name, (seg, offset, offset + n))
+            spans[seg.name] = (seg, min(lo, offset), max(hi, offset + n))
+        for seg, lo, hi in spans.values():
+            seg.reserve(lo, hi - lo)
+        for ptr, (seg, offset, n) in where.items():
+            ctypes.memmove(seg.address + offset, ptr, n)
         out: dict[str, tuple[Segment, int, int]] = {}
         moved: set[int] = set()
         storages: dict[str, torch.UntypedStorage] = {}

@@ -99,6 +99,20 @@ class Segment:
             os.close(fd)
         self.bytes = torch.frombuffer(self.buf, dtype=torch.uint8) if size else torch.empty(0)
 
+    def reserve(self, offset: int, nbytes: int) -> None:
+        """Allocate pages for [offset, offset + nbytes) now (creator only): a full /dev/shm
+        fails here with a clear error instead of SIGBUS when the bytes are written."""
+        if self._owner_fd is None or nbytes <= 0:
+            return
+        try:
+            os.posix_fallocate(self._owner_fd, offset, nbytes)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"cannot allocate {nbytes} bytes of shared memory in {self.path}: {e.strerror} "
+                f"(is {SHM_DIR} large enough?)",
+            ) from None
+
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
