@@ -40,10 +40,12 @@ from refitd.plan.layout import PLAIN
 from refitd.plan.program import SlotProgram
 from refitd.transport.base import ConnectInfo, Transport, TransportError, create_transport
 from refitd.transport.memory import (
+    LivenessCheck,
     MemoryHandle,
     MemoryMapper,
     StorageMovedError,
-    check_all_live,
+    check_live_words,
+    liveness_check,
     shared_buffer,
 )
 
@@ -70,6 +72,7 @@ class MappedResolver:
     staged: frozenset[int] = frozenset()
     _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
     _staging: dict[int, ResolvedTensor] = field(default_factory=dict)
+    _checks: dict[tuple[int, ...], LivenessCheck] = field(default_factory=dict)
 
     def resolve(self, index: int) -> ResolvedTensor:
         if index in self.staged:
@@ -111,7 +114,12 @@ class MappedResolver:
         return t
 
     def check(self, indices: Any) -> None:
-        check_all_live(self.mapper, [self.handles[i] for i in indices if i in self.handles])
+        key = tuple(indices)
+        prepared = self._checks.get(key)
+        if prepared is None:
+            prepared = liveness_check([self.handles[i] for i in key if i in self.handles])
+            self._checks[key] = prepared
+        check_live_words(self.mapper, prepared)
 
 
 @dataclass
@@ -305,7 +313,7 @@ class _TransferState:
                 on_released: Callable[[], None] | None = released
                 if snap is not None and snap.active:
                     # the trainer is released after a local copy (snapshot.py)
-                    entry.resolver.check(sorted(snap.indices))  # type: ignore[union-attr]
+                    entry.resolver.check(snap.checked)  # type: ignore[union-attr]
                     snap.capture()
                     released_s = time.monotonic() - t0
                     released()

@@ -480,11 +480,12 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> None:
-    """Check every handle (and its scales) is live; one error naming all stale tensors.
+LivenessCheck = list[tuple[str, torch.Tensor, list[str]]]  # (state segment, indices, names)
 
-    The liveness words are read per state segment in one gather (a slot may hold 100,000
-    tensors and checks them before every refit)."""
+
+def liveness_check(handles: Iterable[MemoryHandle]) -> LivenessCheck:
+    """The liveness words of `handles` (and their scales) grouped per state segment, ready
+    for `check_live_words` (prepared once, checked before every refit)."""
     by_state: dict[str, tuple[list[int], list[str]]] = {}
     for h in handles:
         for part in (h, h.scales):
@@ -493,17 +494,30 @@ def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> Non
             idx, names = by_state.setdefault(part.state_segment, ([], []))
             idx.append(part.state_index)
             names.append(part.name)
+    return [
+        (seg, torch.tensor(idx, dtype=torch.int64), names) for seg, (idx, names) in by_state.items()
+    ]
+
+
+def check_live_words(mapper: MemoryMapper, check: LivenessCheck) -> None:
+    """Raise StorageMovedError naming every stale tensor of a prepared check; the words
+    are read in one gather per state segment (a slot may hold 100,000 tensors)."""
     stale: list[str] = []
-    for seg_name, (idx, names) in by_state.items():
+    for seg_name, idx, names in check:
         words = mapper.state_words(seg_name)
-        if max(idx) >= words.numel() or min(idx) < 0:
+        if idx.numel() and (int(idx.max()) >= words.numel() or int(idx.min()) < 0):
             raise StorageMovedError(
                 f"state segment {seg_name!r} is smaller than its handles say: register again"
             )
-        bad = (words[torch.tensor(idx, dtype=torch.int64)] != STATE_LIVE).nonzero().flatten()
+        bad = (words[idx] != STATE_LIVE).nonzero().flatten()
         stale += [names[i] for i in bad.tolist()]
     if stale:
         raise StorageMovedError(
             f"registered storage moved or released for {stale}: the worker must register "
             "these tensors again before the next refit"
         )
+
+
+def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> None:
+    """Check every handle (and its scales) is live; one error naming all stale tensors."""
+    check_live_words(mapper, liveness_check(handles))
