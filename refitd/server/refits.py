@@ -216,6 +216,7 @@ class Membership:
     readers: dict[int, frozenset[int]]  # source rank -> slots reading it
     members: frozenset[str]  # destination workers and agents: losing one fails the refit
     staged_pools: frozenset[str] = frozenset()  # written through staging, applied at the end
+    snapshot_pools: frozenset[str] = frozenset()  # sources copied to a snapshot, then released
 
     def in_place(self) -> list[Worker]:
         """Destination workers written in place by the transfer (paused before it)."""
@@ -945,6 +946,7 @@ class RefitCoordinator:
             readers,
             members,
             frozenset(p.name for p in dests if p.staged),
+            frozenset([src.name] if src.snapshot else []),
         )
 
     # ------------------------------------------------------------------ agents
@@ -1034,7 +1036,10 @@ class RefitCoordinator:
                     )
                     handles = [
                         pb.TensorHandle(
-                            index=i, memory=memory.get(key, b""), staged=key[0] in ms.staged_pools
+                            index=i,
+                            memory=memory.get(key, b""),
+                            staged=key[0] in ms.staged_pools,
+                            snapshot=key[0] in ms.snapshot_pools,
                         )
                         for i, key in payload.tensors
                     ]
@@ -1140,6 +1145,12 @@ class RefitCoordinator:
                 run.bytes += r.bytes_sent + r.bytes_local
                 for c in r.checksums:
                     sums[c.sent][c.message_id] = (r.slot, c.checksum)
+                if r.snapshot_bytes or r.snapshot_fallback:
+                    snaps = run.detail.setdefault("snapshot", {})
+                    snaps[str(r.slot)] = {
+                        "bytes": r.snapshot_bytes,
+                        "fallback": r.snapshot_fallback,
+                    }
                 last_done[0] = time.monotonic()
 
         timeout = self.settings.transfer_timeout_s
