@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3, help="plan builds timed; the best is reported")
+    p.add_argument(
+        "--programs",
+        action="store_true",
+        help="also build and encode every slot's program (programs_s, program_bytes_*, "
+        "decode_s_max, replan_s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,5 +133,42 @@ def run(args: argparse.Namespace) -> int:
             out["speedup_from_table_vs_megatron"] = round(ref_s / from_table_s, 2)
         out["megatron_imbalance_ref"] = ref_imb
         out["imbalance_vs_megatron"] = round(s.send_imbalance / ref_imb, 5)
+    if args.programs:
+        out.update(_programs(args, src_t, dst_t, config, from_table_s))
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out))
     return 0
+
+
+def _programs(args: argparse.Namespace, src_t, dst_t, config, from_table_s: float) -> dict:
+    """The controller's path after registration: plan from tables, then every slot's
+    program built and encoded (one pass); the largest decoded; and a re-plan after one
+    inference rank registers again with new memory handles (a new membership epoch)."""
+    from refitd.plan.planner import build_plan_from_table
+    from refitd.plan.program import SlotProgram
+
+    gc.collect()
+    plan = build_plan_from_table(args.model, 0, src_t, dst_t, config)
+    t0 = time.perf_counter()
+    encoded = {s: p.to_bytes() for s, p in plan.programs().items()}
+    programs_s = time.perf_counter() - t0
+    sizes = {s: len(b) for s, b in encoded.items()}
+    big = max(sizes, key=sizes.__getitem__)
+    t0 = time.perf_counter()
+    SlotProgram.from_bytes(encoded[big], big)
+    decode_s = time.perf_counter() - t0
+    del encoded
+    t0 = time.perf_counter()
+    again = build_plan_from_table(args.model, 1, src_t, dst_t, config)
+    n = sum(1 for p in again.programs().values() if p.to_bytes())
+    replan_s = time.perf_counter() - t0
+    return {
+        "programs": n,
+        "programs_s": round(programs_s, 4),
+        "controller_path_s": round(from_table_s + programs_s, 4),
+        "program_bytes_total": sum(sizes.values()),
+        "program_bytes_max": sizes[big],
+        "decode_s_max": round(decode_s, 4),
+        "replan_s": round(replan_s, 4),
+        "replan_reuses_plan": False,
+    }

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
+from refitd.plan.program import SlotProgram
 from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 
@@ -62,12 +63,17 @@ class ControllerPlan:
             payload = self._payloads.get(slot)
         if payload is not None:
             return payload
-        prog = self.plan.program(slot)
-        payload = LoadPayload(
-            prog.to_bytes(), tuple((i, spec.key) for i, spec in prog.tensors.items())
-        )
+        payload = self._payload(self.plan.program(slot))
         with self._lock:
             return self._payloads.setdefault(slot, payload)
+
+    def _payload(self, prog: SlotProgram) -> LoadPayload:
+        """Encoded program and the registration keys of the tensors held on its slot (the
+        only ones whose memory the slot maps)."""
+        t = prog.table
+        own = t.index[t.slot == prog.slot].tolist()
+        tensors = self.plan.tensors
+        return LoadPayload(prog.to_bytes(), tuple((i, tensors[i].key) for i in own))
 
     def program_bytes(self, slot: int) -> bytes:
         return self.load_payload(slot).program

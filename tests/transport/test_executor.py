@@ -19,12 +19,13 @@ from refitd.agent.executor import (
     ExecutionError,
     Executor,
     ExecutorConfig,
-    chunk_message,
+    chunk_messages,
     flat_range_views,
 )
+from refitd.agent.chunks import CopyInfo
 from refitd.agent.segments import ResolvedTensor
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.program import Copy, Message
+from refitd.plan.program import Copy, Message, ProgramError, ProgramTensor, SlotProgram
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport
@@ -48,21 +49,38 @@ def test_flat_range_views_cover_the_range_in_order(shape: list[int], data: st.Da
     assert all(v.data_ptr() >= base.data_ptr() for v in views)  # views, not copies
 
 
+def _chunks(copies, nbytes, wire_chunk, staged_chunk=None, lands=None, direct_min=1 << 40):
+    """Chunks of one message 0 -> 1 of bf16 1-D copies between two tensors of 100."""
+    m = Message(7, 0, 0, 1, copies, nbytes)
+    specs = {
+        0: ProgramTensor("a", 0, 0, "w", "bfloat16", "plain", (100,)),
+        1: ProgramTensor("b", 0, 1, "w", "bfloat16", "plain", (100,)),
+    }
+    p = SlotProgram.from_objects("d", 0, specs, (m,), (), ())
+    info = CopyInfo.of(p, direct_min)
+    if lands is not None:
+        info.lands_direct[:] = lands
+    return chunk_messages(p.send, info, wire_chunk, staged_chunk)
+
+
 def test_chunks_split_large_segments_and_group_small_ones() -> None:
     small = Copy(0, (0,), 1, (0,), (10,))  # 20 bytes -> 32 on the wire
     big = Copy(0, (0,), 1, (0,), (100,))  # 200 bytes
     copies = (small, small, big, small)
-    m = Message(7, 0, 0, 1, copies, 32 + 32 + 208 + 32)
-    chunks = chunk_message(m, lambda c: "bfloat16", wire_chunk=64)
+    n = 32 + 32 + 208 + 32
+    chunks = _chunks(copies, n, wire_chunk=64)
     assert [c.nbytes for c in chunks] == [52, 64, 64, 64, 8, 20]
-    assert [len(c.pieces) for c in chunks] == [2, 1, 1, 1, 1, 1]
+    assert [len(c.rows) for c in chunks] == [2, 1, 1, 1, 1, 1]
     # segments that are staged on landing are cut finer; direct ones keep wire_chunk
-    staged = chunk_message(m, lambda c: "bfloat16", 64, 32, lambda c: c is not big)
+    staged = _chunks(copies, n, 64, 32, lands=[True, True, False, True])
     assert [c.nbytes for c in staged] == [20, 20, 32, 32, 32, 32, 32, 32, 8, 20]
-    direct = chunk_message(m, lambda c: "bfloat16", 64, 32, lambda c: True)
+    direct = _chunks(copies, n, 64, 32, lands=True)
     assert [c.nbytes for c in direct] == [20, 20, 64, 64, 64, 8, 20]
-    with pytest.raises(ExecutionError, match="plan says"):
-        chunk_message(Message(1, 0, 0, 1, copies, 5), lambda c: "bfloat16", 64)
+    # a contiguous copy of at least direct_min bytes gets a chunk of its own
+    own = _chunks(copies, n, 1024, 1024, direct_min=200)
+    assert [c.nbytes for c in own] == [52, 200, 20]
+    with pytest.raises(ProgramError, match="send.nbytes"):
+        _chunks(copies, 5, 64)
 
 
 def _programs(src, dst, bucket_bytes=64 << 20):
