@@ -13,16 +13,15 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refitd.agent.chunks import CopyInfo
 from refitd.agent.executor import (
     DirectResolver,
     ExecReport,
-    ExecutionError,
     Executor,
     ExecutorConfig,
     chunk_messages,
     flat_range_views,
 )
-from refitd.agent.chunks import CopyInfo
 from refitd.agent.segments import ResolvedTensor
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Copy, Message, ProgramError, ProgramTensor, SlotProgram
@@ -79,7 +78,7 @@ def test_chunks_split_large_segments_and_group_small_ones() -> None:
     # a contiguous copy of at least direct_min bytes gets a chunk of its own
     own = _chunks(copies, n, 1024, 1024, direct_min=200)
     assert [c.nbytes for c in own] == [52, 200, 20]
-    with pytest.raises(ProgramError, match="send.nbytes"):
+    with pytest.raises(ProgramError, match=r"send\.nbytes"):
         _chunks(copies, 5, 64)
 
 
