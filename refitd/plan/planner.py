@@ -597,7 +597,17 @@ def _build(
     _check_blocks(table, tensors)
     if config.relay and n_copies:
         _add_relays(planner, table, group, relayable, n_src)
-    return Plan(model, epoch, digest, tensors, table, slot_all, config, sources_count=n_src)
+    return Plan(
+        model,
+        epoch,
+        digest,
+        tensors,
+        table,
+        slot_all,
+        config,
+        sources_count=n_src,
+        tables=(sources, destinations),
+    )
 
 
 def _add_relays(
@@ -707,10 +717,12 @@ class Plan:
         slot_of_tensor: np.ndarray,
         config: PlanConfig,
         sources_count: int,
+        tables: tuple[SpecTable, SpecTable] | None = None,
     ) -> None:
         self.model, self.epoch, self.digest, self.tensors = model, epoch, digest, tensors
         self.config = config
         self._n_src = sources_count
+        self._tables = tables
         self._slot_of = slot_of_tensor
         slots = np.unique(slot_of_tensor)
         self._dense = np.searchsorted(slots, slot_of_tensor)
@@ -903,7 +915,12 @@ class Plan:
         """Per-slot positions of all messages and copies, built once per plan."""
         if self._index is None:
             with paused_gc():
-                tensors = PlanTensors.of(self.tensors, self._slot_of, self._remote.shape.shape[1])
+                tables = self._tables or (
+                    SpecTable.from_specs(self.tensors[: self._n_src]),
+                    SpecTable.from_specs(self.tensors[self._n_src :]),
+                )
+                counts = (self._n_src, len(self.tensors) - self._n_src)
+                tensors = PlanTensors.of(tables, counts, self._slot_of, self._remote.shape.shape[1])
                 d = tensors.local_shape.shape[1]
 
                 def cols(t: _CopyTable) -> CopyCols:

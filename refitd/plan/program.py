@@ -12,7 +12,8 @@ columns: no per-copy Python object is made to build, ship or run it.
 - send / recv messages (M rows each): id, round, source and destination slot, the range
   [start, end) of their copies, and wire bytes. Ordered by (round, id).
 - tensors (T rows, sorted by plan index): every tensor a copy touches, with its slot,
-  rank, pool, dtype, storage, local shape; names only for the tensors held on this slot.
+  rank, pool, dtype, storage, local shape (names do not travel: an agent has them with
+  the memory handles of its own tensors).
 
 Message k of a slot is packed from its copies' source regions in order, each as a wire
 segment (wire.segment_parts) starting SEGMENT_ALIGN-aligned, and unpacked in the same order
@@ -47,7 +48,7 @@ _PREAMBLE = struct.Struct("<4sHHII")  # magic, version, reserved, header length,
 WIRES = WIRE_FORMATS  # wire code -> name (raw, mxfp8, fp8_block)
 STORAGES = (PLAIN, MXFP8, FP8_BLOCK)
 DTYPES = tuple(DTYPE_SIZES)  # dtype code -> name
-_INT = ("<i4", "<i8")  # integer columns travel as the narrowest of these that fits
+_INT = ("|u1", "<u2", "<i4", "<i8")  # integer columns: the narrowest of these that fits
 _BYTE = ("|u1",)
 
 
@@ -82,19 +83,15 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class ProgramTensor:
-    """What a program knows of one tensor it touches (name: "" unless held on the slot)."""
+    """What a program knows of one tensor it touches. Names do not travel: an agent gets
+    the names of its own tensors with their memory handles."""
 
     pool: str
     rank: int
     slot: int
-    name: str
     dtype: str
     storage: str
     local_shape: tuple[int, ...]
-
-    @property
-    def key(self) -> tuple[str, int, str]:
-        return (self.pool, self.rank, self.name)
 
 
 def _eq_arrays(a: object, b: object) -> bool:
@@ -152,8 +149,6 @@ class TensorColumns:
     storage: np.ndarray  # uint8 code into STORAGES
     ndim: np.ndarray  # uint8
     local_shape: np.ndarray  # [T, D] int64 (1 past ndim)
-    name_end: np.ndarray  # [T] int64 end offsets into `names` (UTF-8)
-    names: bytes
     pools: tuple[str, ...]
 
     def __eq__(self, other: object) -> bool:
@@ -169,13 +164,11 @@ class TensorColumns:
         return np.searchsorted(self.index, indices)
 
     def get(self, r: int) -> ProgramTensor:
-        a = int(self.name_end[r - 1]) if r else 0
         nd = int(self.ndim[r])
         return ProgramTensor(
             pool=self.pools[int(self.pool[r])],
             rank=int(self.rank[r]),
             slot=int(self.slot[r]),
-            name=self.names[a : int(self.name_end[r])].decode(),
             dtype=DTYPES[int(self.dtype[r])],
             storage=STORAGES[int(self.storage[r])],
             local_shape=tuple(self.local_shape[r, :nd].tolist()),
@@ -331,7 +324,6 @@ class SlotProgram:
         idx = sorted(tensors)
         specs = [tensors[i] for i in idx]
         pools = tuple(sorted({s.pool for s in specs}))
-        names = [s.name.encode() if s.slot == slot else b"" for s in specs]
         table = TensorColumns(
             index=arr(idx),
             slot=arr([s.slot for s in specs]),
@@ -341,8 +333,6 @@ class SlotProgram:
             storage=arr([STORAGES.index(s.storage) for s in specs], np.uint8),
             ndim=arr([len(s.local_shape) for s in specs], np.uint8),
             local_shape=mat([pad(tuple(s.local_shape), 1) for s in specs]),
-            name_end=np.cumsum(arr([len(n) for n in names])),
-            names=b"".join(names),
             pools=pools,
         )
         prog = cls(digest, slot, table, cc, send, recv, pos[0])

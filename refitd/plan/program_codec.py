@@ -46,12 +46,7 @@ def _columns(p: SlotProgram) -> list[tuple[str, np.ndarray]]:
     for prefix, obj in (("copies", p.copies), ("send", p.send), ("recv", p.recv)):
         out += [(f"{prefix}.{f.name}", getattr(obj, f.name)) for f in fields(obj)]
     t = p.table
-    out += [
-        (f"tensors.{f.name}", getattr(t, f.name))
-        for f in fields(t)
-        if f.name not in ("names", "pools")
-    ]
-    out.append(("tensors.names", np.frombuffer(t.names, np.uint8)))
+    out += [(f"tensors.{f.name}", getattr(t, f.name)) for f in fields(t) if f.name != "pools"]
     return out
 
 
@@ -63,17 +58,22 @@ def _shapes(c: dict[str, int]) -> dict[str, tuple[int, ...]]:
     for side in ("send", "recv"):
         out |= {f"{side}.{f.name}": (c[side],) for f in fields(MessageColumns)}
     for f in fields(TensorColumns):
-        if f.name not in ("names", "pools"):
+        if f.name != "pools":
             out[f"tensors.{f.name}"] = (T, D) if f.name == "local_shape" else (T,)
-    out["tensors.names"] = (c["names"],)
     return out
 
 
+_LIMITS = ((1 << 8, "|u1"), (1 << 16, "<u2"), (1 << 31, "<i4"))
+
+
 def _narrow(a: np.ndarray, name: str) -> np.ndarray:
-    if name in _BYTE_COLS or name == "tensors.names":
+    """The column in the narrowest travelling dtype its values fit (all are >= 0)."""
+    if name in _BYTE_COLS:
         return np.ascontiguousarray(a, dtype="|u1")
-    if not a.size or (int(a.min()) >= -(2**31) and int(a.max()) < 2**31):
-        return np.ascontiguousarray(a, dtype="<i4")
+    top = int(a.max()) if a.size else 0
+    for limit, dtype in _LIMITS:
+        if top < limit:
+            return np.ascontiguousarray(a, dtype=dtype)
     return np.ascontiguousarray(a, dtype="<i8")
 
 
@@ -96,7 +96,6 @@ def encode(p: SlotProgram) -> bytes:
             "send": len(p.send),
             "recv": len(p.recv),
             "tensors": int(p.table.index.size),
-            "names": len(p.table.names),
         },
         "fields": meta,
     }
@@ -156,7 +155,7 @@ class _Reader:
         if name not in meta:
             raise self.fail(name, "missing")
         dtype, off, crc = meta[name]
-        allowed = _BYTE if name in _BYTE_COLS or name == "tensors.names" else _INT
+        allowed = _BYTE if name in _BYTE_COLS else _INT
         if dtype not in allowed:
             raise self.fail(name, f"dtype {dtype!r}, expected one of {allowed}")
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -172,7 +171,7 @@ class _Reader:
         return a.astype(np.uint8 if allowed is _BYTE else np.int64)
 
 
-_COUNT_KEYS = ("copies", "dims", "send", "recv", "tensors", "names")
+_COUNT_KEYS = ("copies", "dims", "send", "recv", "tensors")
 
 
 def decode(data: bytes, slot: int | None = None) -> SlotProgram:
@@ -189,19 +188,8 @@ def decode(data: bytes, slot: int | None = None) -> SlotProgram:
     copies = group("copies", CopyColumns)
     send = group("send", MessageColumns)
     recv = group("recv", MessageColumns)
-    t = cols
-    names = bytes(t["tensors.names"])
     table = TensorColumns(
-        index=t["tensors.index"],
-        slot=t["tensors.slot"],
-        rank=t["tensors.rank"],
-        pool=t["tensors.pool"],
-        dtype=t["tensors.dtype"],
-        storage=t["tensors.storage"],
-        ndim=t["tensors.ndim"],
-        local_shape=t["tensors.local_shape"],
-        name_end=t["tensors.name_end"],
-        names=names,
+        **{f.name: cols[f"tensors.{f.name}"] for f in fields(TensorColumns) if f.name != "pools"},
         pools=pools,
     )
     p = SlotProgram(digest, slot_, table, copies, send, recv, local_start)  # type: ignore[arg-type]
@@ -262,14 +250,6 @@ def _check_tensors(t: TensorColumns, fail) -> None:
         raise fail("tensors.ndim", f"more dims than the program's {D}")
     if (t.local_shape < 0).any():
         raise fail("tensors.local_shape", "negative size")
-    if t.name_end.size and (
-        (np.diff(t.name_end, prepend=0) < 0).any() or int(t.name_end[-1]) != len(t.names)
-    ):
-        raise fail("tensors.name_end", "name offsets do not tile the names buffer")
-    try:
-        t.names.decode()
-    except UnicodeDecodeError as e:
-        raise fail("tensors.names", f"not UTF-8 ({e})") from None
 
 
 def _check_messages(p: SlotProgram, src_rows: np.ndarray, fail) -> None:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refitd.plan.layout import TensorSpec
 from refitd.plan.program import (
     DTYPES,
     STORAGES,
@@ -22,6 +21,7 @@ from refitd.plan.program import (
     SlotProgram,
     TensorColumns,
 )
+from refitd.plan.table import SpecTable
 
 
 def _ranges(start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -45,67 +45,47 @@ class PlanTensors:
     storage: np.ndarray
     ndim: np.ndarray
     local_shape: np.ndarray  # [T, D]
-    name_start: np.ndarray
-    name_end: np.ndarray
-    names: np.ndarray  # uint8, all names back to back
     pools: tuple[str, ...]
 
     @classmethod
-    def of(cls, specs: Sequence[TensorSpec], slot: np.ndarray, dims: int) -> PlanTensors:
-        """One pass over the specs (geometry attributes are read per distinct object)."""
-        n = len(specs)
-        pools = sorted({s.pool for s in specs})
+    def of(
+        cls, tables: Sequence[SpecTable], counts: Sequence[int], slot: np.ndarray, dims: int
+    ) -> PlanTensors:
+        """From the sides' SpecTables (in plan index order, the first `counts` rows of
+        each): attributes are read per distinct geometry, then gathered."""
+        geos = [g for t in tables for g in t.geos]
+        pools = sorted({g.pool for g in geos})
         pool_id = {p: i for i, p in enumerate(pools)}
-        dt_id = {d: i for i, d in enumerate(DTYPES)}
-        st_id = {s: i for i, s in enumerate(STORAGES)}
-        shapes: dict[tuple[int, ...], int] = {}
-        rows = []
-        for s in specs:  # (pool, dtype, storage, local shape id, rank)
-            sid = shapes.setdefault(s.local_shape, len(shapes))
-            rows.append((pool_id[s.pool], dt_id[s.dtype], st_id[s.storage], sid, s.rank))
-        cols = np.array(rows, np.int64).reshape(n, 5)
-        d = max([dims, 1] + [len(x) for x in shapes])
-        shape_tab = np.ones((max(len(shapes), 1), d), np.int64)
-        nd_tab = np.zeros(max(len(shapes), 1), np.int64)
-        for sh, i in shapes.items():
-            shape_tab[i, : len(sh)] = sh
-            nd_tab[i] = len(sh)
-        encoded = [s.name.encode() for s in specs]
-        lens = np.fromiter(map(len, encoded), np.int64, count=n)
-        end = np.cumsum(lens)
+        d = max([dims, 1] + [len(g.local_shape) for g in geos])
+        n = max(len(geos), 1)
+        g_pool = np.zeros(n, np.int64)
+        g_dtype = np.zeros(n, np.uint8)
+        g_storage = np.zeros(n, np.uint8)
+        g_ndim = np.zeros(n, np.uint8)
+        g_shape = np.ones((n, d), np.int64)
+        dt_id = {x: i for i, x in enumerate(DTYPES)}
+        st_id = {x: i for i, x in enumerate(STORAGES)}
+        for i, g in enumerate(geos):
+            g_pool[i] = pool_id[g.pool]
+            g_dtype[i] = dt_id[g.dtype]
+            g_storage[i] = st_id[g.storage]
+            g_ndim[i] = len(g.local_shape)
+            g_shape[i, : len(g.local_shape)] = g.local_shape
+        parts, ranks, base = [], [], 0
+        for t, n_rows in zip(tables, counts, strict=True):  # tables may have grown since
+            parts.append(t.columns()[1][:n_rows] + base)
+            ranks.append(t.ranks()[:n_rows])
+            base += len(t.geos)
+        gid = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return cls(
             slot=slot,
-            rank=cols[:, 4],
-            pool=cols[:, 0],
-            dtype=cols[:, 1].astype(np.uint8),
-            storage=cols[:, 2].astype(np.uint8),
-            ndim=nd_tab[cols[:, 3]].astype(np.uint8),
-            local_shape=shape_tab[cols[:, 3]],
-            name_start=end - lens,
-            name_end=end,
-            names=np.frombuffer(b"".join(encoded), np.uint8),
+            rank=np.concatenate(ranks) if ranks else np.zeros(0, np.int64),
+            pool=g_pool[gid],
+            dtype=g_dtype[gid],
+            storage=g_storage[gid],
+            ndim=g_ndim[gid],
+            local_shape=g_shape[gid],
             pools=tuple(pools),
-        )
-
-    def table(self, idx: np.ndarray, slot: int) -> TensorColumns:
-        """Rows `idx` (ascending plan indices); names only for tensors held on `slot`."""
-        mine = self.slot[idx] == slot
-        a = np.where(mine, self.name_start[idx], 0)
-        b = np.where(mine, self.name_end[idx], 0)
-        names = self.names[_ranges(a, b)].tobytes()
-        used = np.unique(self.pool[idx])
-        return TensorColumns(
-            index=idx,
-            slot=self.slot[idx],
-            rank=self.rank[idx],
-            pool=np.searchsorted(used, self.pool[idx]),
-            dtype=self.dtype[idx],
-            storage=self.storage[idx],
-            ndim=self.ndim[idx],
-            local_shape=self.local_shape[idx],
-            name_end=np.cumsum(b - a),
-            names=names,
-            pools=tuple(self.pools[i] for i in used.tolist()),
         )
 
 
@@ -145,66 +125,143 @@ class Messages:
     nbytes: np.ndarray
 
 
+def _within(counts: np.ndarray) -> np.ndarray:
+    """Position of every element inside its group, for groups of `counts` in order."""
+    total = int(counts.sum())
+    return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 class ProgramIndex:
-    """Per-slot positions of every message, copy and local copy (sorted once per plan)."""
+    """Every slot's program, built in one pass over the plan's columns.
+
+    Program copy rows are laid out slot after slot (sends' copies, receives' copies, local
+    copies) in one set of columns taken once from the plan's; a program is then slices
+    (views) of those columns, of the message columns ordered by slot, and of the tensor
+    rows each slot touches."""
 
     def __init__(
         self, digest: str, remote: CopyCols, local: CopyCols, msgs: Messages, tensors: PlanTensors
     ) -> None:
-        self.digest, self.remote, self.local, self.msgs, self.tensors = (
-            digest,
-            remote,
-            local,
-            msgs,
-            tensors,
+        self.digest, self.tensors = digest, tensors
+        self.slots = np.unique(tensors.slot)
+        n_slots = self.slots.size
+        send = self._side(msgs, msgs.src)
+        recv = self._side(msgs, msgs.dst)
+        lslot = np.searchsorted(self.slots, tensors.slot[local.src])
+        l_order = np.argsort(lslot, kind="stable")
+        l_cnt = np.bincount(lslot, minlength=n_slots)
+        total = send["copies"] + recv["copies"] + l_cnt
+        base = np.cumsum(total) - total
+        rows = np.empty(int(total.sum()), np.int64)
+        rows[np.repeat(base, send["copies"]) + _within(send["copies"])] = send["rows"]
+        at = base + send["copies"]
+        rows[np.repeat(at, recv["copies"]) + _within(recv["copies"])] = recv["rows"]
+        at = at + recv["copies"]
+        rows[np.repeat(at, l_cnt) + _within(l_cnt)] = l_order + remote.src.size
+        both = {
+            f: np.concatenate([getattr(remote, f), getattr(local, f)])[rows]
+            for f in ("src", "dst", "src_loc", "dst_loc", "shape", "ndim", "wire")
+        }
+        self.copies = CopyColumns(
+            src=both["src"],
+            dst=both["dst"],
+            src_off=both["src_loc"],
+            dst_off=both["dst_loc"],
+            shape=both["shape"],
+            ndim=both["ndim"].astype(np.uint8),
+            wire=both["wire"].astype(np.uint8),
         )
-        slot_of = tensors.slot
-        self.by_src = np.argsort(msgs.src, kind="stable")  # ids ascending within a slot
-        self.by_dst = np.argsort(msgs.dst, kind="stable")
-        self.src_keys = msgs.src[self.by_src]
-        self.dst_keys = msgs.dst[self.by_dst]
-        lslot = slot_of[local.src]
-        self.local_order = np.argsort(lslot, kind="stable")
-        self.local_keys = lslot[self.local_order]
+        self.copy_lo, self.copy_hi = base, base + total
+        self.local_start = send["copies"] + recv["copies"]
+        self.send = self._messages(msgs, send, np.zeros(n_slots, np.int64))
+        self.recv = self._messages(msgs, recv, send["copies"])
+        self._send_lo, self._send_hi = send["lo"].tolist(), send["hi"].tolist()
+        self._recv_lo, self._recv_hi = recv["lo"].tolist(), recv["hi"].tolist()
+        self._tables(n_slots)
 
-    def _msgs(self, ids: np.ndarray, pos: int) -> tuple[MessageColumns, np.ndarray]:
-        m = self.msgs
-        rows = _ranges(m.start[ids], m.end[ids])
-        lens = m.end[ids] - m.start[ids]
-        end = pos + np.cumsum(lens)
-        cols = MessageColumns(
-            id=ids.astype(np.int64),
-            round=m.round[ids],
-            src_slot=m.src[ids],
-            dst_slot=m.dst[ids],
+    def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
+        """Messages of one direction grouped by this end's slot, ids ascending."""
+        order = np.argsort(slot_of_msg, kind="stable")
+        slot = np.searchsorted(self.slots, slot_of_msg[order])
+        lens = msgs.end[order] - msgs.start[order]
+        n = self.slots.size
+        return {
+            "order": order,
+            "lens": lens,
+            "rows": _ranges(msgs.start[order], msgs.end[order]),
+            "msgs": np.bincount(slot, minlength=n),
+            "copies": np.bincount(slot, weights=lens, minlength=n).astype(np.int64),
+        }
+
+    def _messages(self, msgs: Messages, side: dict, offset: np.ndarray) -> MessageColumns:
+        """Message columns of all slots back to back, start/end relative to each program."""
+        o, lens, cnt = side["order"], side["lens"], side["msgs"]
+        end = np.cumsum(lens)
+        slot_base = np.cumsum(side["copies"]) - side["copies"]
+        end = end - np.repeat(slot_base - offset, cnt)
+        self_lo = np.cumsum(cnt) - cnt
+        m = MessageColumns(
+            id=o.astype(np.int64),
+            round=msgs.round[o],
+            src_slot=msgs.src[o],
+            dst_slot=msgs.dst[o],
             start=end - lens,
             end=end,
-            nbytes=m.nbytes[ids],
+            nbytes=msgs.nbytes[o],
         )
-        return cols, rows
+        side["lo"], side["hi"] = self_lo, self_lo + cnt
+        return m
+
+    def _tables(self, n_slots: int) -> None:
+        """Per slot, the sorted tensor indices its copies touch; their columns taken once."""
+        src, dst = self.copies.src, self.copies.dst
+        parts = [
+            np.unique(np.concatenate([src[a:b], dst[a:b]]))
+            for a, b in zip(self.copy_lo.tolist(), self.copy_hi.tolist(), strict=True)
+        ]
+        counts = np.fromiter(map(len, parts), np.int64, count=n_slots)
+        idx = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        t = self.tensors
+        self.table_cols = {
+            "index": idx,
+            "slot": t.slot[idx],
+            "rank": t.rank[idx],
+            "pool": t.pool[idx],
+            "dtype": t.dtype[idx],
+            "storage": t.storage[idx],
+            "ndim": t.ndim[idx],
+            "local_shape": t.local_shape[idx],
+        }
+        self.table_hi = np.cumsum(counts)
+        self.table_lo = self.table_hi - counts
 
     def program(self, slot: int) -> SlotProgram:
-        lo, hi = np.searchsorted(self.src_keys, [slot, slot + 1])
-        send, send_rows = self._msgs(self.by_src[lo:hi], 0)
-        lo, hi = np.searchsorted(self.dst_keys, [slot, slot + 1])
-        recv, recv_rows = self._msgs(self.by_dst[lo:hi], send_rows.size)
-        lo, hi = np.searchsorted(self.local_keys, [slot, slot + 1])
-        local_rows = self.local_order[lo:hi]
-        remote_rows = np.concatenate([send_rows, recv_rows])
-        r, loc = self.remote.take(remote_rows), self.local.take(local_rows)
+        k = int(np.searchsorted(self.slots, slot))
+        if k >= self.slots.size or int(self.slots[k]) != slot:
+            raise KeyError(f"slot {slot} holds no tensor of this plan")
+        a, b = int(self.copy_lo[k]), int(self.copy_hi[k])
+        c = self.copies
         copies = CopyColumns(
-            *(
-                np.concatenate([getattr(r, f), getattr(loc, f)])
-                for f in ("src", "dst", "src_off", "dst_off", "shape", "ndim", "wire")
-            )
+            c.src[a:b], c.dst[a:b], c.src_off[a:b], c.dst_off[a:b], c.shape[a:b],
+            c.ndim[a:b], c.wire[a:b],
+        )  # fmt: skip
+        ta, tb = int(self.table_lo[k]), int(self.table_hi[k])
+        table = TensorColumns(
+            **{n: col[ta:tb] for n, col in self.table_cols.items()}, pools=self.tensors.pools
         )
-        used = np.unique(np.concatenate([copies.src, copies.dst]))
         return SlotProgram(
             digest=self.digest,
             slot=slot,
-            table=self.tensors.table(used, slot),
+            table=table,
             copies=copies,
-            send=send,
-            recv=recv,
-            local_start=int(remote_rows.size),
+            send=self._slice(self.send, self._send_lo[k], self._send_hi[k]),
+            recv=self._slice(self.recv, self._recv_lo[k], self._recv_hi[k]),
+            local_start=int(self.local_start[k]),
         )
+
+    @staticmethod
+    def _slice(m: MessageColumns, lo: int, hi: int) -> MessageColumns:
+        return MessageColumns(
+            m.id[lo:hi], m.round[lo:hi], m.src_slot[lo:hi], m.dst_slot[lo:hi],
+            m.start[lo:hi], m.end[lo:hi], m.nbytes[lo:hi],
+        )  # fmt: skip

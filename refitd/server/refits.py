@@ -1392,7 +1392,7 @@ def compare_checksums(
                 (s.pool, s.rank, s.name)
                 for m in program.recvs
                 if m.id == mid
-                for s in (program.tensors[c.dst_tensor] for c in m.copies)
+                for s in (plan.tensors[c.dst_tensor] for c in m.copies)
             }
         )
         names = ", ".join(f"({p!r}, {r}, {n!r})" for p, r, n in tensors[:8])

@@ -52,8 +52,8 @@ def _chunks(copies, nbytes, wire_chunk, staged_chunk=None, lands=None, direct_mi
     """Chunks of one message 0 -> 1 of bf16 1-D copies between two tensors of 100."""
     m = Message(7, 0, 0, 1, copies, nbytes)
     specs = {
-        0: ProgramTensor("a", 0, 0, "w", "bfloat16", "plain", (100,)),
-        1: ProgramTensor("b", 0, 1, "w", "bfloat16", "plain", (100,)),
+        0: ProgramTensor("a", 0, 0, "bfloat16", "plain", (100,)),
+        1: ProgramTensor("b", 0, 1, "bfloat16", "plain", (100,)),
     }
     p = SlotProgram.from_objects("d", 0, specs, (m,), (), ())
     info = CopyInfo.of(p, direct_min)
