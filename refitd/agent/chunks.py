@@ -22,29 +22,23 @@ import numpy as np
 import torch
 
 from refitd.plan import buckets as bk
-from refitd.plan.program import DTYPES, MessageColumns, SlotProgram
+from refitd.plan.program import (
+    DTYPES,
+    FLAG_LANDS_DIRECT,
+    FLAG_SRC_CONTIGUOUS,
+    MessageColumns,
+    SlotProgram,
+)
 from refitd.plan.wire import DTYPE_SIZES
 
 WIRE_CHUNK = 32 << 20
 DIRECT_MIN = 256 << 10
 TAG_CHUNK_BITS = 12
 _ESIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], np.int64)
-_PLAIN = 0  # program.STORAGES code of plain storage
 
 
 class ExecutionError(RuntimeError):
     """A refit of one slot failed: which message, which peer, why."""
-
-
-def contiguous_blocks(shape: np.ndarray, full: np.ndarray, ndim: np.ndarray) -> np.ndarray:
-    """Per row: a block of `shape` in a row-major tensor of shape `full` is one run
-    (after its leading dims of size 1, every dim is whole)."""
-    k = np.arange(shape.shape[1])[None, :]
-    live = k < ndim[:, None]
-    non1 = (shape != 1) & live
-    first = np.where(non1.any(axis=1), non1.argmax(axis=1), shape.shape[1])
-    need = (k > first[:, None]) & live
-    return ~(need & (shape != full)).any(axis=1)
 
 
 @dataclass(slots=True)
@@ -60,30 +54,21 @@ class CopyInfo:
 
     @classmethod
     def of(cls, p: SlotProgram, direct_min: int) -> CopyInfo:
-        t, c = p.table, p.copies
+        c = p.copies
         if not len(c):
             z = np.zeros(0, np.int64)
             return cls(z, z, z, z.astype(bool), z.astype(bool), z.astype(bool))
-        srow, drow = t.rows(c.src), t.rows(c.dst)
-        sdt = t.dtype[srow].astype(np.int64)
+        sdt = c.src_dtype.astype(np.int64)
         esize = _ESIZE[sdt]
         wire = c.wire.astype(np.int64)
-        ndim = c.ndim.astype(np.int64)
-        seg = bk.segment_nbytes(wire, c.shape, ndim, esize)
-        raw = wire == bk.WIRE_RAW
-        payload = np.where(raw, c.shape.prod(axis=1) * esize, seg)
-        lands = (
-            raw
-            & (t.storage[drow] == _PLAIN)
-            & (t.dtype[drow] == t.dtype[srow])
-            & contiguous_blocks(c.shape, t.local_shape[drow], ndim)
-        )
-        own = lands & contiguous_blocks(c.shape, t.local_shape[srow], ndim)
-        own &= payload >= direct_min
+        seg = bk.segment_nbytes(wire, c.shape, c.ndim.astype(np.int64), esize)
+        payload = np.where(wire == bk.WIRE_RAW, c.shape.prod(axis=1) * esize, seg)
+        lands = (c.flags & FLAG_LANDS_DIRECT) != 0
+        both = FLAG_LANDS_DIRECT | FLAG_SRC_CONTIGUOUS
+        own = ((c.flags & both) == both) & (payload >= direct_min)
         # relays read a destination tensor of this slot (one it receives or copies into)
         recv_lo = int(p.recv.start[0]) if len(p.recv) else p.local_start
-        dests = np.unique(c.dst[recv_lo:])
-        relay = np.isin(c.src, dests)
+        relay = np.isin(c.src, np.unique(c.dst[recv_lo:]))
         return cls(sdt, seg, payload, lands, own, relay)
 
 

@@ -22,7 +22,7 @@ from refitd.agent.checksums import Checksummer, combine
 from refitd.agent.chunks import Chunk, CopyInfo, ExecutionError, flat_range_views
 from refitd.agent.segments import ResolvedTensor, block, decode_segment, encode_segment
 from refitd.plan.layout import PLAIN
-from refitd.plan.program import DTYPES, WIRES, MessageColumns, SlotProgram
+from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
 from refitd.transport.memory import torch_dtype
 
 _Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int64 checksum
@@ -247,10 +247,10 @@ class SlotData:
         """Sender checksum of a raw copy: its source block as a plain destination will hold
         it (cast to the destination dtype when it differs), else as the raw segment."""
         src = self.src_block(i)
-        r = self.p.table.row(self._dst_t[i])
-        d = self.p.table
-        if int(d.storage[r]) == 0 and torch_dtype(DTYPES[int(d.dtype[r])]) != src.dtype:
-            src = src.to(torch_dtype(DTYPES[int(d.dtype[r])]))
+        c = self.p.copies
+        dst_dtype = torch_dtype(DTYPES[int(c.dst_dtype[i])])
+        if int(c.flags[i]) & FLAG_DST_PLAIN and dst_dtype != src.dtype:
+            src = src.to(dst_dtype)
         return self.summer.tensor(src)
 
     def source_sums(self, ch: Chunk, sums: _Sums) -> None:
@@ -307,6 +307,5 @@ class SlotData:
             )
 
     def describe(self, index: int) -> str:
-        s = self.p.tensors[index]
-        name = s.name or self.tensors.get(index, ResolvedTensor("?", torch.empty(0))).name
-        return f"{name!r} (pool {s.pool}, rank {s.rank})"
+        s = self.p.tensors[index]  # a tensor of this slot: its name came with its handle
+        return f"{self.tensors[index].name!r} (pool {s.pool}, rank {s.rank})"

@@ -172,8 +172,8 @@ class _TransferState:
         if program.digest != cmd["digest"]:
             raise ExecutionError(f"program digest {program.digest!r} != {cmd['digest']!r}")
         # The program lists tensors of other slots too; only this slot's are staged here.
-        table = program.table
-        mine = set(table.index[table.slot == program.slot].tolist())
+        table = program.table  # the tensors held on this slot
+        mine = set(table.index.tolist())
         staged = frozenset(i for i in map(int, cmd.get("staged") or ()) if i in mine)
         raw = {int(i): b for i, b in cmd["handles"].items()}
         old = self.loaded.get(cmd["digest"])

@@ -7,13 +7,15 @@ columns: no per-copy Python object is made to build, ship or run it.
 
 - copies (C rows): source / destination plan tensor index, offsets and shape (local
   coordinates of the registered tensors, see layout.Box; padded with 0 / 1 past `ndim`),
-  wire format code (WIRES). Rows are the send messages' copies in message order, then the
-  receive messages' copies, then the local copies (`local_start`..C).
+  wire format code (WIRES), source and destination dtype codes (DTYPES) and FLAG_* bits
+  (what the two ends need to agree on chunking without the other end's tensors). Rows are
+  the send messages' copies in message order, then the receive messages' copies, then the
+  local copies (`local_start`..C).
 - send / recv messages (M rows each): id, round, source and destination slot, the range
   [start, end) of their copies, and wire bytes. Ordered by (round, id).
-- tensors (T rows, sorted by plan index): every tensor a copy touches, with its slot,
-  rank, pool, dtype, storage, local shape (names do not travel: an agent has them with
-  the memory handles of its own tensors).
+- tensors (T rows, sorted by plan index): every tensor held on this slot (copies or not),
+  with its rank, pool, dtype, storage, local shape. Tensors of other slots appear only as
+  indices in copies. Names do not travel: an agent has them with the memory handles.
 
 Message k of a slot is packed from its copies' source regions in order, each as a wire
 segment (wire.segment_parts) starting SEGMENT_ALIGN-aligned, and unpacked in the same order
@@ -50,6 +52,9 @@ STORAGES = (PLAIN, MXFP8, FP8_BLOCK)
 DTYPES = tuple(DTYPE_SIZES)  # dtype code -> name
 _INT = ("|u1", "<u2", "<i4", "<i8")  # integer columns: the narrowest of these that fits
 _BYTE = ("|u1",)
+FLAG_LANDS_DIRECT = 1  # raw wire into a plain destination of the source dtype, one run
+FLAG_SRC_CONTIGUOUS = 2  # the source block is one run of its tensor
+FLAG_DST_PLAIN = 4  # the destination keeps plain storage
 
 
 class ProgramError(ValueError):
@@ -114,6 +119,9 @@ class CopyColumns:
     shape: np.ndarray  # [C, D] int64 (1 past ndim)
     ndim: np.ndarray  # [C] uint8
     wire: np.ndarray  # [C] uint8 code into WIRES
+    src_dtype: np.ndarray  # [C] uint8 code into DTYPES
+    dst_dtype: np.ndarray  # [C] uint8
+    flags: np.ndarray  # [C] uint8 FLAG_* bits
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CopyColumns) and _eq_arrays(self, other)
@@ -293,14 +301,32 @@ class SlotProgram:
         def mat(rows: list[list[int]]) -> np.ndarray:
             return np.array(rows, dtype=np.int64).reshape(len(rows), d)
 
+        spec = tensors.__getitem__
+        src_dt = arr([DTYPES.index(spec(c.src_tensor).dtype) for c in copies], np.uint8)
+        dst_dt = arr([DTYPES.index(spec(c.dst_tensor).dtype) for c in copies], np.uint8)
+        shape = mat([pad(c.shape, 1) for c in copies])
+        ndim = arr([len(c.shape) for c in copies], np.uint8)
+        wire = arr([WIRES.index(c.wire) for c in copies], np.uint8)
         cc = CopyColumns(
             src=arr([c.src_tensor for c in copies]),
             dst=arr([c.dst_tensor for c in copies]),
             src_off=mat([pad(c.src_offset, 0) for c in copies]),
             dst_off=mat([pad(c.dst_offset, 0) for c in copies]),
-            shape=mat([pad(c.shape, 1) for c in copies]),
-            ndim=arr([len(c.shape) for c in copies], np.uint8),
-            wire=arr([WIRES.index(c.wire) for c in copies], np.uint8),
+            shape=shape,
+            ndim=ndim,
+            wire=wire,
+            src_dtype=src_dt,
+            dst_dtype=dst_dt,
+            flags=copy_flags(
+                wire,
+                src_dt,
+                dst_dt,
+                arr([spec(c.dst_tensor).storage == PLAIN for c in copies], bool),
+                shape,
+                mat([pad(tuple(spec(c.src_tensor).local_shape), 1) for c in copies]),
+                mat([pad(tuple(spec(c.dst_tensor).local_shape), 1) for c in copies]),
+                ndim,
+            ),
         )
         pos = [0]
 
@@ -321,7 +347,7 @@ class SlotProgram:
 
         send = msgs(sends)
         recv = msgs(recvs)
-        idx = sorted(tensors)
+        idx = sorted(i for i, t in tensors.items() if t.slot == slot)
         specs = [tensors[i] for i in idx]
         pools = tuple(sorted({s.pool for s in specs}))
         table = TensorColumns(
@@ -355,6 +381,37 @@ class SlotProgram:
         from refitd.plan.program_codec import decode
 
         return decode(data, slot)
+
+
+def contiguous_blocks(shape: np.ndarray, full: np.ndarray, ndim: np.ndarray) -> np.ndarray:
+    """Per row: a block of `shape` in a row-major tensor of shape `full` is one run
+    (after its leading dims of size 1, every dim is whole)."""
+    k = np.arange(shape.shape[1])[None, :]
+    live = k < ndim[:, None]
+    non1 = (shape != 1) & live
+    first = np.where(non1.any(axis=1), non1.argmax(axis=1), shape.shape[1])
+    need = (k > first[:, None]) & live
+    return ~(need & (shape != full)).any(axis=1)
+
+
+def copy_flags(
+    wire: np.ndarray,
+    src_dtype: np.ndarray,
+    dst_dtype: np.ndarray,
+    dst_plain: np.ndarray,
+    shape: np.ndarray,
+    src_full: np.ndarray,
+    dst_full: np.ndarray,
+    ndim: np.ndarray,
+) -> np.ndarray:
+    """FLAG_* bits of every copy (shapes padded with 1s past ndim)."""
+    nd = ndim.astype(np.int64)
+    lands = (wire == 0) & dst_plain & (dst_dtype == src_dtype)
+    lands &= contiguous_blocks(shape, dst_full, nd)
+    flags = np.where(lands, FLAG_LANDS_DIRECT, 0)
+    flags |= np.where(contiguous_blocks(shape, src_full, nd), FLAG_SRC_CONTIGUOUS, 0)
+    flags |= np.where(dst_plain, FLAG_DST_PLAIN, 0)
+    return flags.astype(np.uint8)
 
 
 def message_nbytes(copies: tuple[Copy, ...], tensors: Mapping[int, object]) -> int:

@@ -37,7 +37,16 @@ from refitd.plan.program import (
 )
 from refitd.plan.wire import DTYPE_SIZES
 
-_BYTE_COLS = {"copies.ndim", "copies.wire", "tensors.dtype", "tensors.storage", "tensors.ndim"}
+_BYTE_COLS = {
+    "copies.ndim",
+    "copies.wire",
+    "copies.src_dtype",
+    "copies.dst_dtype",
+    "copies.flags",
+    "tensors.dtype",
+    "tensors.storage",
+    "tensors.ndim",
+}
 _ESIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], np.int64)
 
 
@@ -53,7 +62,7 @@ def _columns(p: SlotProgram) -> list[tuple[str, np.ndarray]]:
 def _shapes(c: dict[str, int]) -> dict[str, tuple[int, ...]]:
     """Expected shape of every column from the row counts."""
     C, D, T = c["copies"], c["dims"], c["tensors"]
-    out = {f"copies.{n}": (C,) for n in ("src", "dst", "ndim", "wire")}
+    out = {f"copies.{f.name}": (C,) for f in fields(CopyColumns)}
     out |= {f"copies.{n}": (C, D) for n in ("src_off", "dst_off", "shape")}
     for side in ("send", "recv"):
         out |= {f"{side}.{f.name}": (c[side],) for f in fields(MessageColumns)}
@@ -206,34 +215,44 @@ def check(p: SlotProgram, fail=None) -> None:
 
     t, c = p.table, p.copies
     _check_tensors(t, fail)
+    _check_ranges(p, fail)
     D = c.shape.shape[1]
     if c.ndim.size and int(c.ndim.max()) > D:
         raise fail("copies.ndim", f"a copy has {int(c.ndim.max())} dims, the program {D}")
-    if c.wire.size and int(c.wire.max()) >= len(WIRES):
-        raise fail("copies.wire", f"unknown wire code {int(c.wire.max())}")
-    rows = {}
-    for end in ("src", "dst"):
-        idx = getattr(c, end)
+    for name, n in (("wire", len(WIRES)), ("src_dtype", len(DTYPES)), ("dst_dtype", len(DTYPES))):
+        col = getattr(c, name)
+        if col.size and int(col.max()) >= n:
+            raise fail(f"copies.{name}", f"unknown code {int(col.max())}")
+    if c.flags.size and int(c.flags.max()) >= 8:
+        raise fail("copies.flags", f"unknown bits {int(c.flags.max())}")
+    if (c.src_off < 0).any() or (c.dst_off < 0).any() or (c.shape < 0).any():
+        raise fail("copies.shape", "negative offset or shape")
+    send_hi = int(p.send.end[-1]) if len(p.send) else 0
+    local = np.arange(p.local_start, len(c))
+    # the ends held on this slot: sources it sends or copies, destinations it receives or
+    # copies into; they must be in the table, and each region inside its tensor
+    own = {"src": np.r_[np.arange(send_hi), local], "dst": np.arange(send_hi, len(c))}
+    for end, rows in own.items():
+        idx = getattr(c, end)[rows]
         rr = np.minimum(np.searchsorted(t.index, idx), max(t.index.size - 1, 0))
         if idx.size and (not t.index.size or (t.index[rr] != idx).any()):
             bad = int(idx[t.index[rr] != idx][0]) if t.index.size else int(idx[0])
             raise fail(f"copies.{end}", f"tensor {bad} is not in the program's tensor table")
-        rows[end] = rr
-        off = getattr(c, f"{end}_off")
-        if (off < 0).any() or (c.shape < 0).any():
-            raise fail(f"copies.{end}_off", "negative offset or shape")
-        if (t.ndim[rr] != c.ndim).any():
+        if (t.ndim[rr] != c.ndim[rows]).any():
             raise fail("copies.ndim", f"a copy's rank differs from its {end} tensor's")
-        over = (off + c.shape > t.local_shape[rr]).any(axis=1)
+        if (t.dtype[rr] != getattr(c, f"{end}_dtype")[rows]).any():
+            raise fail(f"copies.{end}_dtype", f"differs from its {end} tensor's dtype")
+        off = getattr(c, f"{end}_off")[rows]
+        over = (off + c.shape[rows] > t.local_shape[rr]).any(axis=1)
         if over.any():
             i = int(np.flatnonzero(over)[0])
             raise fail(
                 f"copies.{end}_off",
-                f"copy {i} reaches outside tensor {int(idx[i])} "
-                f"(offset {off[i].tolist()}, shape {c.shape[i].tolist()}, "
+                f"copy {int(rows[i])} reaches outside tensor {int(idx[i])} "
+                f"(offset {off[i].tolist()}, shape {c.shape[rows[i]].tolist()}, "
                 f"local shape {t.local_shape[rr[i]].tolist()})",
             )
-    _check_messages(p, rows["src"], fail)
+    _check_nbytes(p, fail)
 
 
 def _check_tensors(t: TensorColumns, fail) -> None:
@@ -252,8 +271,8 @@ def _check_tensors(t: TensorColumns, fail) -> None:
         raise fail("tensors.local_shape", "negative size")
 
 
-def _check_messages(p: SlotProgram, src_rows: np.ndarray, fail) -> None:
-    t, c = p.table, p.copies
+def _check_ranges(p: SlotProgram, fail) -> None:
+    """Message copy ranges tile the copies in order; ends, rounds and order are sane."""
     pos = 0
     for side, m in (("send", p.send), ("recv", p.recv)):
         if len(m) and not (
@@ -266,15 +285,18 @@ def _check_messages(p: SlotProgram, src_rows: np.ndarray, fail) -> None:
         mine = m.src_slot if side == "send" else m.dst_slot
         if (mine != p.slot).any():
             raise fail(f"{side}.{'src' if side == 'send' else 'dst'}_slot", "not this slot")
-        if (m.round < 0).any() or (m.id < 0).any():
-            raise fail(f"{side}.round", "negative round or id")
         if len(m) > 1:
             key_ok = (np.diff(m.round) > 0) | ((np.diff(m.round) == 0) & (np.diff(m.id) > 0))
             if not key_ok.all():
                 raise fail(f"{side}.id", "messages not ordered by (round, id)")
-    if p.local_start != pos or pos > len(c):
+    if p.local_start != pos or pos > len(p.copies):
         raise fail("local_start", f"{p.local_start}, copies of messages end at {pos}")
-    esize = _ESIZE[t.dtype[src_rows]] if len(c) else np.zeros(0, np.int64)
+
+
+def _check_nbytes(p: SlotProgram, fail) -> None:
+    """Each message's wire bytes are its copies' segments."""
+    c = p.copies
+    esize = _ESIZE[c.src_dtype.astype(np.int64)]
     nb = bk.segment_nbytes(c.wire.astype(np.int64), c.shape, c.ndim.astype(np.int64), esize)
     csum = np.r_[0, np.cumsum(nb)]
     for side, m in (("send", p.send), ("recv", p.recv)):

@@ -9,7 +9,7 @@ the plan's tensor table that they touch. The sort by slot is done once per plan
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from refitd.plan.program import (
     MessageColumns,
     SlotProgram,
     TensorColumns,
+    copy_flags,
 )
 from refitd.plan.table import SpecTable
 
@@ -158,18 +159,41 @@ class ProgramIndex:
         rows[np.repeat(at, recv["copies"]) + _within(recv["copies"])] = recv["rows"]
         at = at + recv["copies"]
         rows[np.repeat(at, l_cnt) + _within(l_cnt)] = l_order + remote.src.size
-        both = {
-            f: np.concatenate([getattr(remote, f), getattr(local, f)])[rows]
-            for f in ("src", "dst", "src_loc", "dst_loc", "shape", "ndim", "wire")
-        }
+        n_remote = remote.src.size
+        is_remote = rows < n_remote
+        r_at, l_at = np.flatnonzero(is_remote), np.flatnonzero(~is_remote)
+        r_rows, l_rows = rows[r_at], rows[l_at] - n_remote
+
+        def take(f: str) -> np.ndarray:
+            a, b = getattr(remote, f), getattr(local, f)
+            out = np.empty((rows.size, *a.shape[1:]), a.dtype)
+            out[r_at] = a[r_rows]
+            out[l_at] = b[l_rows]
+            return out
+
+        src, dst = take("src"), take("dst")
+        shape, ndim, wire = take("shape"), take("ndim").astype(np.uint8), take("wire")
+        t = tensors
         self.copies = CopyColumns(
-            src=both["src"],
-            dst=both["dst"],
-            src_off=both["src_loc"],
-            dst_off=both["dst_loc"],
-            shape=both["shape"],
-            ndim=both["ndim"].astype(np.uint8),
-            wire=both["wire"].astype(np.uint8),
+            src=src,
+            dst=dst,
+            src_off=take("src_loc"),
+            dst_off=take("dst_loc"),
+            shape=shape,
+            ndim=ndim,
+            wire=wire.astype(np.uint8),
+            src_dtype=t.dtype[src],
+            dst_dtype=t.dtype[dst],
+            flags=copy_flags(
+                wire,
+                t.dtype[src],
+                t.dtype[dst],
+                t.storage[dst] == 0,
+                shape,
+                t.local_shape[src],
+                t.local_shape[dst],
+                ndim,
+            ),
         )
         self.copy_lo, self.copy_hi = base, base + total
         self.local_start = send["copies"] + recv["copies"]
@@ -213,15 +237,11 @@ class ProgramIndex:
         return m
 
     def _tables(self, n_slots: int) -> None:
-        """Per slot, the sorted tensor indices its copies touch; their columns taken once."""
-        src, dst = self.copies.src, self.copies.dst
-        parts = [
-            np.unique(np.concatenate([src[a:b], dst[a:b]]))
-            for a, b in zip(self.copy_lo.tolist(), self.copy_hi.tolist(), strict=True)
-        ]
-        counts = np.fromiter(map(len, parts), np.int64, count=n_slots)
-        idx = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        """Per slot, its own tensors in plan index order; their columns taken once."""
         t = self.tensors
+        k = np.searchsorted(self.slots, t.slot)
+        idx = np.argsort(k, kind="stable")
+        counts = np.bincount(k, minlength=n_slots)
         self.table_cols = {
             "index": idx,
             "slot": t.slot[idx],
@@ -241,10 +261,7 @@ class ProgramIndex:
             raise KeyError(f"slot {slot} holds no tensor of this plan")
         a, b = int(self.copy_lo[k]), int(self.copy_hi[k])
         c = self.copies
-        copies = CopyColumns(
-            c.src[a:b], c.dst[a:b], c.src_off[a:b], c.dst_off[a:b], c.shape[a:b],
-            c.ndim[a:b], c.wire[a:b],
-        )  # fmt: skip
+        copies = CopyColumns(*(getattr(c, f.name)[a:b] for f in fields(CopyColumns)))
         ta, tb = int(self.table_lo[k]), int(self.table_hi[k])
         table = TensorColumns(
             **{n: col[ta:tb] for n, col in self.table_cols.items()}, pools=self.tensors.pools

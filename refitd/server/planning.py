@@ -68,11 +68,10 @@ class ControllerPlan:
             return self._payloads.setdefault(slot, payload)
 
     def _payload(self, prog: SlotProgram) -> LoadPayload:
-        """Encoded program and the registration keys of the tensors held on its slot (the
-        only ones whose memory the slot maps)."""
-        t = prog.table
-        own = t.index[t.slot == prog.slot].tolist()
+        """Encoded program and the registration keys of its tensors (those held on its
+        slot: the only ones whose memory the slot maps)."""
         tensors = self.plan.tensors
+        own = prog.table.index.tolist()
         return LoadPayload(prog.to_bytes(), tuple((i, tensors[i].key) for i in own))
 
     def program_bytes(self, slot: int) -> bytes:

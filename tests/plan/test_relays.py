@@ -36,7 +36,7 @@ def check_relay_rule(plan: Plan, n_src: int) -> int:
                 relays += 1
                 spec = p.tensors[c.src_tensor]
                 assert spec.slot == slot and spec.storage == "plain"
-                assert spec.dtype == p.tensors[c.dst_tensor].dtype
+                assert spec.dtype == plan.tensors[c.dst_tensor].dtype
                 written = np.zeros(spec.local_shape, bool)
                 for r in p.recvs:
                     if r.round >= m.round:

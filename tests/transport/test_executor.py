@@ -87,11 +87,13 @@ def _programs(src, dst, bucket_bytes=64 << 20):
     return {slot: plan.program(slot) for slot in plan.slots()}
 
 
-def _resolvers(specs_by_slot, tensors):
+def _resolvers(specs_by_slot, tensors, names=None):
+    """Resolvers over each slot's own tensors, named pool/rank/name (names by plan index;
+    programs carry no names)."""
     return {
         slot: DirectResolver(
             {
-                i: ResolvedTensor(f"{s.pool}/{s.rank}/{s.name}", tensors[i])
+                i: ResolvedTensor(f"{s.pool}/{s.rank}/{names[i] if names else i}", tensors[i])
                 for i, s in p.tensors.items()
             }
         )
@@ -171,7 +173,7 @@ def test_moved_storage_is_refused_before_any_byte_moves() -> None:
     src, dst = make_model(1, 1, [0], [0])
     tensors = _tensors(src, dst, globals_for(3))
     (program,) = _programs(src, dst).values()
-    resolver = _resolvers({0: program}, tensors)[0]
+    resolver = _resolvers({0: program}, tensors, [s.name for s in src + dst])[0]
     with torch.no_grad():
         tensors[len(src)].set_(torch.zeros_like(tensors[len(src)]))
     before = tensors[len(src)].clone()
