@@ -32,7 +32,7 @@ from refitd.plan.program import (
 from refitd.plan.wire import DTYPE_SIZES
 
 WIRE_CHUNK = 32 << 20
-DIRECT_MIN = 256 << 10
+DIRECT_MIN = 1 << 20
 TAG_CHUNK_BITS = 12
 _ESIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], np.int64)
 
