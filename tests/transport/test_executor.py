@@ -181,3 +181,44 @@ def test_moved_storage_is_refused_before_any_byte_moves() -> None:
     with pytest.raises(StorageMovedError, match="infer/0/col"):
         ex.run(5.0)
     assert torch.equal(tensors[len(src)], before)
+
+
+def test_adjacent_small_tensors_move_as_one_zero_copy_run() -> None:
+    """Many small tensors laid back to back in one buffer on each side (as in an arena):
+    a chunk of many copies is one run of memory at both ends, so it goes without staging;
+    the same tensors in separate buffers are staged, packed in bulk. Both land bit for bit."""
+    from refitd.plan.layouts import make_spec, megatron_layout
+
+    n, shape = 48, (4, 32)  # 256 B bf16 tensors: no alignment padding between segments
+
+    def side(pool: str, slot: int) -> list:
+        return [
+            make_spec(
+                model="m", pool=pool, rank=0, slot=slot, name=f"w{k}", global_shape=shape,
+                dtype="bfloat16", layout=megatron_layout(shape),
+            )
+            for k in range(n)
+        ]  # fmt: skip
+
+    src, dst = side("train", 0), side("infer", 1)
+    programs = _programs(src, dst)
+    g = torch.arange(n * 128, dtype=torch.float32).reshape(n, *shape).to(torch.bfloat16)
+    for adjacent in (True, False):
+        if adjacent:
+            arena = [torch.zeros(n, *shape, dtype=torch.bfloat16) for _ in range(2)]
+            tensors = [arena[0][k] for k in range(n)] + [arena[1][k] for k in range(n)]
+        else:
+            tensors = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2 * n)]
+        for k in range(n):
+            tensors[k].copy_(g[k])
+        results = _run_ranks(programs, _resolvers(programs, tensors), ExecutorConfig(), 2)
+        msgs = [m for res in results.values() for m in res.messages]
+        assert all(isinstance(r, ExecReport) for r in results.values()), results
+        assert all(torch.equal(tensors[n + k], g[k]) for k in range(n))
+        zc = sum(m.zero_copy_chunks for m in msgs)
+        staged = sum(m.staged_chunks for m in msgs)
+        if adjacent:
+            assert zc > 0 and staged == 0, (zc, staged)
+            assert all(r.staging_peak_bytes == 0 for r in results.values())
+        else:
+            assert zc == 0 and staged > 0, (zc, staged)
