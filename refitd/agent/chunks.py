@@ -228,7 +228,10 @@ class StagingRing:
     allocated on first use and reused across refits; sends and receives get half the cap
     each. `peak_bytes`: what was ever allocated, never more than the cap."""
 
-    def __init__(self, cap_bytes: int, chunk: int, device: torch.device) -> None:
+    def __init__(
+        self, cap_bytes: int, chunk: int, device: torch.device, most: int | None = None
+    ) -> None:
+        """`most`: the most staged chunks either side has (no more buffers are useful)."""
         self.chunk = chunk
         self.device = device
         self.per_side = (cap_bytes // 2) // chunk
@@ -236,6 +239,8 @@ class StagingRing:
             raise ValueError(
                 f"staging cap {cap_bytes} bytes is below two wire chunks ({2 * chunk} bytes)"
             )
+        if most is not None:
+            self.per_side = min(self.per_side, max(most, 1))
         self._bufs: dict[str, list[torch.Tensor | None]] = {
             s: [None] * self.per_side for s in ("send", "recv")
         }

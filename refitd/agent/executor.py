@@ -226,10 +226,15 @@ class Executor:
         self._steps = [steps[k] for k in sorted(steps)]
         self._zc_send = {id(c): self.data.zero_copy_send(c) for c in self.send_chunks}
         self._zc_recv = {id(c): self.data.zero_copy_recv(c) for c in self.recv_chunks}
-        staged = [c.nbytes for c in self.send_chunks if self._zc_send[id(c)] is None]
-        staged += [c.nbytes for c in self.recv_chunks if self._zc_recv[id(c)] is None]
-        buf_bytes = -(-max(staged, default=16) // 16) * 16
-        self.pool = StagingRing(self.config.staging_bytes, buf_bytes, self.device)
+        staged_send = [c.nbytes for c in self.send_chunks if self._zc_send[id(c)] is None]
+        staged_recv = [c.nbytes for c in self.recv_chunks if self._zc_recv[id(c)] is None]
+        buf_bytes = -(-max(staged_send + staged_recv, default=16) // 16) * 16
+        self.pool = StagingRing(
+            self.config.staging_bytes,
+            buf_bytes,
+            self.device,
+            max(len(staged_send), len(staged_recv)),
+        )
         self._ring: dict[int, int] = {}  # staged chunk -> its ring slot, in posting order
         n_send = n_recv = 0
         for sends, recvs in self._steps:
