@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -216,6 +216,9 @@ class SlotProgram:
     send: MessageColumns
     recv: MessageColumns
     local_start: int
+    # travelling dtype per integer column, set by the builder for the columns as built
+    # (saves a maximum per column when encoding); whoever changes a column clears it
+    wire_dtypes: dict[str, str] | None = field(default=None, repr=False)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -381,6 +384,17 @@ class SlotProgram:
         from refitd.plan.program_codec import decode
 
         return decode(data, slot)
+
+
+_LIMITS = ((1 << 8, "|u1"), (1 << 16, "<u2"), (1 << 31, "<i4"))
+
+
+def narrow_dtypes(top: np.ndarray) -> np.ndarray:
+    """The narrowest integer dtype (of _INT) holding values 0..top, per element of top."""
+    out = np.full(top.shape, "<i8", dtype=object)
+    for limit, dtype in reversed(_LIMITS):
+        out[top < limit] = dtype
+    return out
 
 
 def contiguous_blocks(shape: np.ndarray, full: np.ndarray, ndim: np.ndarray) -> np.ndarray:

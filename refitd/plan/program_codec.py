@@ -34,6 +34,7 @@ from refitd.plan.program import (
     ProgramError,
     SlotProgram,
     TensorColumns,
+    narrow_dtypes,
 )
 from refitd.plan.wire import DTYPE_SIZES
 
@@ -72,22 +73,18 @@ def _shapes(c: dict[str, int]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-_LIMITS = ((1 << 8, "|u1"), (1 << 16, "<u2"), (1 << 31, "<i4"))
-
-
-def _narrow(a: np.ndarray, name: str) -> np.ndarray:
+def _narrow(a: np.ndarray, name: str, known: dict[str, str] | None) -> np.ndarray:
     """The column in the narrowest travelling dtype its values fit (all are >= 0)."""
     if name in _BYTE_COLS:
         return np.ascontiguousarray(a, dtype="|u1")
-    top = int(a.max()) if a.size else 0
-    for limit, dtype in _LIMITS:
-        if top < limit:
-            return np.ascontiguousarray(a, dtype=dtype)
-    return np.ascontiguousarray(a, dtype="<i8")
+    dtype = known.get(name) if known else None
+    if dtype is None:
+        dtype = str(narrow_dtypes(np.array([int(a.max()) if a.size else 0]))[0])
+    return np.ascontiguousarray(a, dtype=dtype)
 
 
 def encode(p: SlotProgram) -> bytes:
-    cols = [(n, _narrow(a, n)) for n, a in _columns(p)]
+    cols = [(n, _narrow(a, n, p.wire_dtypes)) for n, a in _columns(p)]
     meta: dict[str, list] = {}
     off = 0
     for n, a in cols:

@@ -21,6 +21,7 @@ from refitd.plan.program import (
     SlotProgram,
     TensorColumns,
     copy_flags,
+    narrow_dtypes,
 )
 from refitd.plan.table import SpecTable
 
@@ -126,6 +127,38 @@ class Messages:
     nbytes: np.ndarray
 
 
+def _copy_table(remote: CopyCols, local: CopyCols, t: PlanTensors, rows: np.ndarray) -> CopyColumns:
+    """Rows `rows` of remote copies then local ones (local rows offset by the remote
+    count); dtypes and flags are computed per plan copy, before the take."""
+    both = {
+        f: np.concatenate([getattr(remote, f), getattr(local, f)])
+        for f in ("src", "dst", "src_loc", "dst_loc", "shape", "ndim", "wire")
+    }
+    src, dst, ndim = both["src"], both["dst"], both["ndim"].astype(np.uint8)
+    flags = copy_flags(
+        both["wire"],
+        t.dtype[src],
+        t.dtype[dst],
+        t.storage[dst] == 0,
+        both["shape"],
+        t.local_shape[src],
+        t.local_shape[dst],
+        ndim,
+    )
+    return CopyColumns(
+        src=src[rows],
+        dst=dst[rows],
+        src_off=both["src_loc"][rows],
+        dst_off=both["dst_loc"][rows],
+        shape=both["shape"][rows],
+        ndim=ndim[rows],
+        wire=both["wire"].astype(np.uint8)[rows],
+        src_dtype=t.dtype[src][rows],
+        dst_dtype=t.dtype[dst][rows],
+        flags=flags[rows],
+    )
+
+
 def _within(counts: np.ndarray) -> np.ndarray:
     """Position of every element inside its group, for groups of `counts` in order."""
     total = int(counts.sum())
@@ -159,42 +192,7 @@ class ProgramIndex:
         rows[np.repeat(at, recv["copies"]) + _within(recv["copies"])] = recv["rows"]
         at = at + recv["copies"]
         rows[np.repeat(at, l_cnt) + _within(l_cnt)] = l_order + remote.src.size
-        n_remote = remote.src.size
-        is_remote = rows < n_remote
-        r_at, l_at = np.flatnonzero(is_remote), np.flatnonzero(~is_remote)
-        r_rows, l_rows = rows[r_at], rows[l_at] - n_remote
-
-        def take(f: str) -> np.ndarray:
-            a, b = getattr(remote, f), getattr(local, f)
-            out = np.empty((rows.size, *a.shape[1:]), a.dtype)
-            out[r_at] = a[r_rows]
-            out[l_at] = b[l_rows]
-            return out
-
-        src, dst = take("src"), take("dst")
-        shape, ndim, wire = take("shape"), take("ndim").astype(np.uint8), take("wire")
-        t = tensors
-        self.copies = CopyColumns(
-            src=src,
-            dst=dst,
-            src_off=take("src_loc"),
-            dst_off=take("dst_loc"),
-            shape=shape,
-            ndim=ndim,
-            wire=wire.astype(np.uint8),
-            src_dtype=t.dtype[src],
-            dst_dtype=t.dtype[dst],
-            flags=copy_flags(
-                wire,
-                t.dtype[src],
-                t.dtype[dst],
-                t.storage[dst] == 0,
-                shape,
-                t.local_shape[src],
-                t.local_shape[dst],
-                ndim,
-            ),
-        )
+        self.copies = _copy_table(remote, local, tensors, rows)
         self.copy_lo, self.copy_hi = base, base + total
         self.local_start = send["copies"] + recv["copies"]
         self.send = self._messages(msgs, send, np.zeros(n_slots, np.int64))
@@ -202,6 +200,26 @@ class ProgramIndex:
         self._send_lo, self._send_hi = send["lo"].tolist(), send["hi"].tolist()
         self._recv_lo, self._recv_hi = recv["lo"].tolist(), recv["hi"].tolist()
         self._tables(n_slots)
+        self._narrow()
+
+    def _narrow(self) -> None:
+        """Per slot and integer column, the narrowest travelling dtype (program_codec):
+        one maximum per slot and column, from reduceat over the slot-major columns."""
+        cols: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        c = self.copies
+        for name in ("src", "dst", "src_off", "dst_off", "shape"):
+            cols[f"copies.{name}"] = (getattr(c, name), self.copy_lo)
+        for side, m, lo in (("send", self.send, self._send_lo), ("recv", self.recv, self._recv_lo)):
+            for f in fields(MessageColumns):
+                cols[f"{side}.{f.name}"] = (getattr(m, f.name), np.array(lo, np.int64))
+        for name in ("index", "slot", "rank", "pool", "local_shape"):
+            cols[f"tensors.{name}"] = (self.table_cols[name], self.table_lo)
+        self.narrow: dict[str, list[str]] = {}
+        for name, (a, lo) in cols.items():
+            flat = a.max(axis=1) if a.ndim == 2 and a.shape[1] else a.reshape(-1)
+            padded = np.r_[flat, 0]  # an empty slot's range starts at the end
+            top = np.maximum.reduceat(padded, np.minimum(lo, flat.size)) if lo.size else lo
+            self.narrow[name] = narrow_dtypes(top).tolist()
 
     def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
         """Messages of one direction grouped by this end's slot, ids ascending."""
@@ -269,6 +287,7 @@ class ProgramIndex:
         return SlotProgram(
             digest=self.digest,
             slot=slot,
+            wire_dtypes={n: d[k] for n, d in self.narrow.items()},
             table=table,
             copies=copies,
             send=self._slice(self.send, self._send_lo[k], self._send_hi[k]),

@@ -103,7 +103,7 @@ def test_inconsistent_columns_are_rejected_by_field():
 
     def bad(**changes):
         cols = dataclasses.replace(p.copies, **changes)
-        return encode(dataclasses.replace(p, copies=cols))
+        return encode(dataclasses.replace(p, copies=cols, wire_dtypes=None))
 
     off = p.copies.src_off.copy()
     off[0, 0] += 10_000
@@ -116,7 +116,8 @@ def test_inconsistent_columns_are_rejected_by_field():
     assert "field 'copies.wire'" in _err(bad(wire=wire), 0)
     nb = p.send.nbytes.copy()
     nb[0] += 16
-    msg = _err(encode(dataclasses.replace(p, send=dataclasses.replace(p.send, nbytes=nb))), 0)
+    sends = dataclasses.replace(p.send, nbytes=nb)
+    msg = _err(encode(dataclasses.replace(p, send=sends, wire_dtypes=None)), 0)
     assert "field 'send.nbytes'" in msg
 
 
