@@ -16,6 +16,7 @@ import gc
 import json
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -142,16 +143,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _programs(args: argparse.Namespace, src_t, dst_t, config, from_table_s: float) -> dict:
     """The controller's path after registration: plan from tables, then every slot's
-    program built and encoded (one pass); the largest decoded; and a re-plan after one
-    inference rank registers again with new memory handles (a new membership epoch)."""
+    program built and encoded (one pass), with the longest stall of another thread
+    meanwhile; the largest decoded; and a re-plan after one inference rank registers again
+    with new memory handles (a new membership epoch: today a full plan)."""
     from refitd.plan.planner import build_plan_from_table
     from refitd.plan.program import SlotProgram
+    from refitd.plan.table import paused_gc
 
     gc.collect()
     plan = build_plan_from_table(args.model, 0, src_t, dst_t, config)
-    t0 = time.perf_counter()
-    encoded = {s: p.to_bytes() for s, p in plan.programs().items()}
-    programs_s = time.perf_counter() - t0
+    # as the controller does it (cyclic GC paused); the ticker: how long another thread (a
+    # gRPC handler) could be held up meanwhile
+    with _Ticker() as ticker, paused_gc():
+        t0 = time.perf_counter()
+        encoded = {s: p.to_bytes() for s, p in plan.programs().items()}
+        programs_s = time.perf_counter() - t0
     sizes = {s: len(b) for s, b in encoded.items()}
     big = max(sizes, key=sizes.__getitem__)
     t0 = time.perf_counter()
@@ -171,4 +177,30 @@ def _programs(args: argparse.Namespace, src_t, dst_t, config, from_table_s: floa
         "decode_s_max": round(decode_s, 4),
         "replan_s": round(replan_s, 4),
         "replan_reuses_plan": False,
+        "thread_stall_ms_max": round(ticker.worst * 1e3, 1),
     }
+
+
+class _Ticker:
+    """A thread that wakes every millisecond and records the longest gap between wakes:
+    the longest a gRPC handler thread would have waited for the interpreter meanwhile."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(0.001):
+            now = time.perf_counter()
+            self.worst = max(self.worst, now - last - 0.001)
+            last = now
+
+    def __enter__(self) -> _Ticker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

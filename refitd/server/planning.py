@@ -20,7 +20,7 @@ from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
 from refitd.plan.program import SlotProgram
-from refitd.plan.table import SpecTable
+from refitd.plan.table import SpecTable, paused_gc
 from refitd.server.errors import precondition
 
 SpecKey = tuple[str, int, str]  # (pool, rank, tensor name): where a memory handle is found
@@ -63,7 +63,8 @@ class ControllerPlan:
             payload = self._payloads.get(slot)
         if payload is not None:
             return payload
-        payload = self._payload(self.plan.program(slot))
+        with paused_gc():  # a full collection walks every registered spec (~0.4 s)
+            payload = self._payload(self.plan.program(slot))
         with self._lock:
             return self._payloads.setdefault(slot, payload)
 
