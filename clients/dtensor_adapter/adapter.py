@@ -33,7 +33,8 @@ def dtensor_tensors(module: torch.nn.Module) -> dict[str, Placed]:
     """Parameters and persistent buffers as Placed tensors; plain tensors are replicas.
 
     A shard that is empty on this rank (torch.chunk gives trailing ranks nothing when a
-    dim is smaller than the mesh) holds no bytes and is left out.
+    dim is smaller than the mesh) is registered with no boxes: the rank sends and receives
+    nothing for it, and every rank of the pool registers the same names.
     """
     from torch.distributed.tensor import DTensor
 
@@ -49,13 +50,11 @@ def dtensor_tensors(module: torch.nn.Module) -> dict[str, Placed]:
             continue
         canonical = canonical_dtensor_name(name)
         if isinstance(t, DTensor):
-            placed = _from_dtensor(name, canonical, t)
-            if placed is not None:
-                out[name] = placed
+            out[name] = _from_dtensor(name, canonical, t)
         else:
             out[name] = Placed(t, canonical=canonical)
     if not out:
-        raise ValueError("the module holds no tensor data on this rank")
+        raise ValueError("the module has no parameters or persistent buffers")
     return out
 
 
@@ -64,10 +63,8 @@ def register_dtensor_module(client: WorkerClient, module: torch.nn.Module) -> Re
     return client.register(dtensor_tensors(module))
 
 
-def _from_dtensor(name: str, canonical: str, dt: torch.Tensor) -> Placed | None:
+def _from_dtensor(name: str, canonical: str, dt: torch.Tensor) -> Placed:
     coord = dt.device_mesh.get_coordinate()
     where = f"tensor {name!r} (mesh {tuple(dt.device_mesh.shape)}, coordinate {coord})"
     local, layout = dtensor_placement(dt, where)
-    if local.numel() == 0:
-        return None
     return Placed(local, tuple(dt.shape), layout.boxes, canonical=canonical)

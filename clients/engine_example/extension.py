@@ -10,11 +10,17 @@ around every update, so the weights are written in place while nothing reads the
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from clients.engine_layouts import (
+    EngineLayout,
+    EngineParallel,
+    engine_layout_for,
+    register_engine,
+)
 from refitd.client import InferenceClient
 
 
@@ -42,6 +48,22 @@ class RefitdWorker:
     def register(self, tensors: torch.nn.Module | dict[str, Any]) -> str:
         """Register the weights (a module, or name -> tensor / Placed) and follow events."""
         self.client.register(tensors)
+        return self._follow()
+
+    def register_engine(
+        self,
+        params: Mapping[str, torch.Tensor],
+        layout: EngineLayout,
+        storage: Mapping[str, str] | None = None,
+        scales: Mapping[str, torch.Tensor] | None = None,
+    ) -> str:
+        """Register an engine rank's own parameters (vLLM / SGLang names: fused qkv_proj,
+        gate_up_proj, w13/w2, padded vocabulary) through its engine layout
+        (clients.engine_layouts), and follow events."""
+        register_engine(self.client, params, layout, storage, scales)
+        return self._follow()
+
+    def _follow(self) -> str:
         hello = threading.Event()
         self.client.on_update(lambda event: hello.set() if event.kind == "hello" else None)
         if not hello.wait(self.subscribe_timeout_s):  # refits need this worker subscribed
@@ -70,15 +92,31 @@ class RefitdWorkerExtension:
     _refitd: RefitdWorker | None = None
 
     def refitd_register(
-        self, controller: str, model: str, pool: str, pool_size: int, weights: Any = None
+        self,
+        controller: str,
+        model: str,
+        pool: str,
+        pool_size: int,
+        weights: Any = None,
+        engine: str = "",
+        ep_size: int = 1,
+        hf_config: Any = None,
     ) -> str:
+        """Register this worker's weights. engine="vllm" (or "sglang"): the model runner's
+        own parameters through the engine layout of `hf_config` (default: the runner's
+        model_config.hf_config) for TP = pool_size, this worker's rank, EP = ep_size;
+        engine="": `weights` (or the module) as they are (HF names / Placed)."""
         module = weights if weights is not None else self.model_runner.model
         device = f"{torch.device(self.device).type}:{torch.device(self.device).index or 0}"
         self._refitd = RefitdWorker(
             controller, model, pool, self.rank, pool_size, device,
             pause=lambda v: None, resume=lambda v: None,
         )  # fmt: skip
-        return self._refitd.register(module)
+        if not engine:
+            return self._refitd.register(module)
+        cfg = hf_config if hf_config is not None else self.model_runner.model_config.hf_config
+        layout = engine_layout_for(cfg, EngineParallel(pool_size, self.rank, ep_size), engine)
+        return self._refitd.register_engine(dict(module.named_parameters()), layout)
 
     def refitd_served_version(self) -> int | None:
         return self._refitd.served_version if self._refitd else None

@@ -95,7 +95,7 @@ def apply_name_map(tensors: Mapping[str, torch.Tensor], name_map: NameMap) -> di
         if rule is None:
             out[name] = Placed(t, canonical=name)
             continue
-        covered = sum(p.length for p in rule.parts)
+        covered = rule.covered
         if not 0 <= rule.dim < t.dim() or covered != t.shape[rule.dim]:
             raise PlanError(
                 f"tensor {name!r} of shape {tuple(t.shape)}: the name map's parts cover "

@@ -28,10 +28,22 @@ class LlamaDims:
     vocab: int
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    experts: int = 0  # Qwen3-MoE: routed experts (no shared expert) in every MoE layer
+    expert_ffn: int = 0
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP when experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> LlamaDims:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        experts = int(getattr(cfg, "num_experts", 0) or 0)
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        dense = tuple(
+            i
+            for i in range(cfg.num_hidden_layers)
+            if experts
+            and (i in (getattr(cfg, "mlp_only_layers", None) or ()) or (i + 1) % step != 0)
+        )
         return cls(
             layers=cfg.num_hidden_layers,
             hidden=cfg.hidden_size,
@@ -43,6 +55,10 @@ class LlamaDims:
             qkv_bias=bool(getattr(cfg, "attention_bias", False))
             or cfg.model_type.startswith("qwen2"),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qk_norm=cfg.model_type.startswith("qwen3"),
+            experts=experts,
+            expert_ffn=int(getattr(cfg, "moe_intermediate_size", 0) or 0) if experts else 0,
+            dense_layers=dense,
         )
 
 
@@ -67,7 +83,8 @@ def _gated_mlp(dst: str, src: str, hidden: int, ffn: int) -> list[NameRule]:
 
 def llama_name_map(d: LlamaDims) -> NameMap:
     """Megatron GPT (fused QKV with its input layernorm, gated fc1 with its layernorm) to
-    HF Llama / Qwen2 names."""
+    HF Llama / Qwen2 / Qwen3 names (q/k norms); Qwen3-MoE's routed experts when
+    `d.experts` (router `mlp.router`, per-expert fc1/fc2, pre-MLP layernorm)."""
     rules = _ends(d.hidden, d.vocab, d.tie_embeddings)
     for i in range(d.layers):
         hf, mg = f"model.layers.{i}", f"decoder.layers.{i}"
@@ -78,10 +95,27 @@ def llama_name_map(d: LlamaDims) -> NameMap:
             *split_fused_qkv(f"{qkv}.weight", f"{attn}.q_proj.weight", f"{attn}.k_proj.weight",
                              f"{attn}.v_proj.weight", d.heads, d.kv_heads, d.head_dim),
             rename(f"{attn}.o_proj.weight", f"{mg}.self_attention.linear_proj.weight", d.hidden),
-            rename(f"{hf}.post_attention_layernorm.weight", f"{mg}.mlp.linear_fc1.layer_norm_weight",
-                   d.hidden),
-            *_gated_mlp(f"{hf}.mlp", f"{mg}.mlp", d.hidden, d.ffn),
         ]  # fmt: skip
+        if d.qk_norm:
+            rules += [
+                rename(f"{attn}.q_norm.weight", f"{mg}.self_attention.q_layernorm.weight",
+                       d.head_dim),
+                rename(f"{attn}.k_norm.weight", f"{mg}.self_attention.k_layernorm.weight",
+                       d.head_dim),
+            ]  # fmt: skip
+        if d.experts and i not in d.dense_layers:
+            rules += [
+                rename(f"{hf}.post_attention_layernorm.weight", f"{mg}.pre_mlp_layernorm.weight",
+                       d.hidden),
+                rename(f"{hf}.mlp.gate.weight", f"{mg}.mlp.router.weight", d.experts),
+                *_routed_experts(hf, mg, d.experts, d.hidden, d.expert_ffn),
+            ]  # fmt: skip
+        else:
+            rules += [
+                rename(f"{hf}.post_attention_layernorm.weight",
+                       f"{mg}.mlp.linear_fc1.layer_norm_weight", d.hidden),
+                *_gated_mlp(f"{hf}.mlp", f"{mg}.mlp", d.hidden, d.ffn),
+            ]  # fmt: skip
         if d.qkv_bias:
             rules += split_fused_qkv(f"{qkv}.bias", f"{attn}.q_proj.bias", f"{attn}.k_proj.bias",
                                      f"{attn}.v_proj.bias", d.heads, d.kv_heads, d.head_dim)  # fmt: skip
@@ -173,21 +207,27 @@ def deepseek_v3_name_map(d: DeepseekV3Dims) -> NameMap:
         if d.shared_experts:
             rules += _gated_mlp(f"{hf}.mlp.shared_experts", f"{mg}.mlp.shared_experts",
                                 d.hidden, d.expert_ffn * d.shared_experts)  # fmt: skip
-        for e in range(d.experts):
-            ex = f"{hf}.mlp.experts.{e}"
-            rules += [
-                *split_gated_fc1(f"{mg}.mlp.experts.linear_fc1.weight{e}", f"{ex}.gate_proj.weight",
-                                 f"{ex}.up_proj.weight", d.expert_ffn),
-                rename(f"{ex}.down_proj.weight", f"{mg}.mlp.experts.linear_fc2.weight{e}",
-                       d.hidden),
-            ]  # fmt: skip
+        rules += _routed_experts(hf, mg, d.experts, d.hidden, d.expert_ffn)
     return NameMap(tuple(rules))
+
+
+def _routed_experts(hf: str, mg: str, experts: int, hidden: int, ffn: int) -> list[NameRule]:
+    """Megatron per-expert fc1/fc2 (`weight{E}`, global E) to HF per-expert projections."""
+    rules: list[NameRule] = []
+    for e in range(experts):
+        ex = f"{hf}.mlp.experts.{e}"
+        rules += [
+            *split_gated_fc1(f"{mg}.mlp.experts.linear_fc1.weight{e}", f"{ex}.gate_proj.weight",
+                             f"{ex}.up_proj.weight", ffn),
+            rename(f"{ex}.down_proj.weight", f"{mg}.mlp.experts.linear_fc2.weight{e}", hidden),
+        ]  # fmt: skip
+    return rules
 
 
 def name_map_for(cfg: Any) -> NameMap:
     """The map for a transformers config by its model_type."""
     kind = cfg.model_type
-    if kind in ("llama", "qwen2", "qwen3", "mistral"):
+    if kind in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral"):
         return llama_name_map(LlamaDims.from_hf_config(cfg))
     if kind in ("deepseek_v3", "kimi_k2"):
         return deepseek_v3_name_map(DeepseekV3Dims.from_hf_config(cfg))

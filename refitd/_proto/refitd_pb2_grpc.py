@@ -69,6 +69,11 @@ class RefitStub:
                 request_serializer=refitd_dot_v1_dot_refitd__pb2.StatusRequest.SerializeToString,
                 response_deserializer=refitd_dot_v1_dot_refitd__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/refitd.v1.Refit/Explain',
+                request_serializer=refitd_dot_v1_dot_refitd__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=refitd_dot_v1_dot_refitd__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class RefitServicer:
@@ -116,6 +121,12 @@ class RefitServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RefitServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_RefitServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=refitd_dot_v1_dot_refitd__pb2.StatusRequest.FromString,
                     response_serializer=refitd_dot_v1_dot_refitd__pb2.StatusResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=refitd_dot_v1_dot_refitd__pb2.ExplainRequest.FromString,
+                    response_serializer=refitd_dot_v1_dot_refitd__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class Refit:
             '/refitd.v1.Refit/GetStatus',
             refitd_dot_v1_dot_refitd__pb2.StatusRequest.SerializeToString,
             refitd_dot_v1_dot_refitd__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/refitd.v1.Refit/Explain',
+            refitd_dot_v1_dot_refitd__pb2.ExplainRequest.SerializeToString,
+            refitd_dot_v1_dot_refitd__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,8 @@ packed (poster thread) and k-1 unpacked (receiver thread). Local copies run as o
 Relays (program.py): a copy whose source is a destination tensor of this slot forwards
 what an earlier round delivered. Before packing (or zero-copy sending) a chunk of a message
 with relay copies, the poster waits until the receiver has completed (waited and unpacked)
-every receive of a smaller round; ordinary chunks never wait. Local relay copies run after
+the receives, in posting order, up to the last one writing what the message forwards (never
+more than every receive of a smaller round); ordinary chunks never wait. Local relay copies run after
 every receive completed. Sources are released once every chunk and local copy reading a
 source tensor is done: relays don't hold the trainer.
 
@@ -32,6 +33,7 @@ mismatch); those into quantized storage are not checked.
 from __future__ import annotations
 
 import bisect
+import os
 import queue
 import threading
 import time
@@ -54,12 +56,13 @@ from refitd.agent.chunks import (
     flat_range_views,
 )
 from refitd.agent.segments import ResolvedTensor
-from refitd.agent.slotdata import SlotData
+from refitd.agent.slotdata import LocalStep, SlotData
 from refitd.plan.layout import PLAIN
 from refitd.plan.program import SlotProgram
 from refitd.transport.base import P2POp, Transport, Work
 from refitd.transport.memory import StorageMovedError, torch_dtype
 
+GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
 DEFAULT_STAGING_BYTES = 256 << 20
 
 __all__ = [
@@ -249,25 +252,27 @@ class Executor:
         # relays: a copy reading a destination tensor of this slot (see the module docstring)
         relay = self.info.relay.tolist()
         recv_rounds = sorted(c.round for c in self.recv_chunks)
+        feeds = self._feed_index()
         self._relay_wait: dict[int, int] = {}  # send chunk -> receives to complete first
         self._reads_source: dict[int, bool] = {}
-        relay_msgs = {
-            int(p.send.id[k])
-            for k in range(len(p.send))
-            if any(relay[int(p.send.start[k]) : int(p.send.end[k])])
-        }
+        waits: dict[int, int] = {}  # relay message id -> receives to complete first
+        for k in range(len(p.send)):
+            rows = [i for i in range(int(p.send.start[k]), int(p.send.end[k])) if relay[i]]
+            if rows:
+                # every receive of a smaller round holds everything it may forward; the
+                # prefix up to the last receive writing what it forwards is enough
+                n = bisect.bisect_left(recv_rounds, int(p.send.round[k]))
+                waits[int(p.send.id[k])] = min(n, max(feeds(i) for i in rows))
         for ch in self.send_chunks:
-            if ch.mid in relay_msgs:
-                self._relay_wait[id(ch)] = bisect.bisect_left(recv_rounds, ch.round)
+            if ch.mid in waits:
+                self._relay_wait[id(ch)] = waits[ch.mid]
             self._reads_source[id(ch)] = any(not relay[i] for i in ch.rows)
         self._source_chunks = sum(self._reads_source.values())
         local = range(p.local_start, len(p.copies))
         self._local_direct_rows = [i for i in local if not relay[i]]
         self._local_relay_rows = [i for i in local if relay[i]]
-        self._local_direct = self.data.local_plan(self._local_direct_rows)
-        self._local_relay = self.data.local_plan(self._local_relay_rows)
-        self._local_direct_bytes = self.data.local_bytes(self._local_direct_rows)
-        self._local_relay_bytes = self.data.local_bytes(self._local_relay_rows)
+        self._local_direct = self._local_plan(self._local_direct_rows)
+        self._local_relay = self._local_plan(self._local_relay_rows)
 
     # ------------------------------------------------------------------ preparation
     def _indices(self) -> list[int]:
@@ -309,6 +314,47 @@ class Executor:
         for t in self._tensors.values():
             return t.data.device
         return torch.device("cpu")
+
+    def _feed_index(self) -> Callable[[int], int]:
+        """For a relay copy row: how many receive chunks, in posting order, complete the
+        last one that writes (part of) the region it forwards."""
+        order = sorted(self.recv_chunks, key=lambda c: c.key)
+        c = self.program.copies
+        dst_t, src_t, nd = c.dst.tolist(), c.src.tolist(), c.ndim.tolist()
+        src_off, dst_off, shape = c.src_off.tolist(), c.dst_off.tolist(), c.shape.tolist()
+        writes: dict[int, list[tuple[int, int]]] = {}
+        for k, ch in enumerate(order):
+            for i in ch.rows:
+                writes.setdefault(dst_t[i], []).append((k, i))
+
+        def overlaps(a: int, b: int) -> bool:  # a's source region, b's destination region
+            return all(
+                ao < bo + bn and bo < ao + an
+                for ao, an, bo, bn in zip(
+                    src_off[a][: nd[a]],
+                    shape[a][: nd[a]],
+                    dst_off[b][: nd[b]],
+                    shape[b][: nd[b]],
+                    strict=True,
+                )
+            )
+
+        def feed(i: int) -> int:
+            hits = [k for k, w in writes.get(src_t[i], ()) if overlaps(i, w)]
+            return max(hits) + 1 if hits else len(order)
+
+        return feed
+
+    def _local_plan(self, rows: list[int]) -> LocalStep:
+        """The local copies as a ready-to-run step (SlotData.local_plan); on CUDA with
+        triton the grouped kernels take every copy they can (REFITD_GROUPED_LANDING=0: off)."""
+        grouped = None
+        if rows and self.device.type == "cuda" and os.environ.get(GROUPED_ENV, "1") != "0":
+            from refitd.formats import grouped as grouped_mod
+
+            if grouped_mod.available(self.device):
+                grouped = grouped_mod.GroupedLanding(self.device)
+        return self.data.local_plan(rows, grouped)
 
     # ------------------------------------------------------------------ run
     def _peer(self, slot: int) -> int:
@@ -541,45 +587,51 @@ class Executor:
         tl = time.monotonic()
         phases["check_start_s"] = tl - t0
 
-        def run_local(
-            plan: tuple[list, list, list], rows: list[int], nbytes: int, what: str
-        ) -> None:
-            dst, src, slow = plan
+        def run_local(step: LocalStep, what: str) -> None:
             try:
-                if dst:
-                    torch._foreach_copy_(dst, src)
-                for call, a, b in slow:
+                fused = None
+                timed = is_cuda and not step.empty
+                if timed:  # GPU time of the local copies next to the host's (phases)
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    events[0].record()
+                    t_launch = time.monotonic()
+                if step.grouped is not None:
+                    fused = step.grouped.run(hash=verify)
+                    report.local_bytes += step.grouped.nbytes
+                if step.dst:
+                    torch._foreach_copy_(step.dst, step.src)
+                for call, a, b in step.slow:
                     call(a, b)
-                report.local_bytes += nbytes
+                report.local_bytes += step.nbytes
+                if timed:
+                    events[1].record()
+                    phases["local_launch_s"] = phases.get("local_launch_s", 0.0) + (
+                        time.monotonic() - t_launch
+                    )
                 if verify:
-                    self.data.check_local(rows)
-                if is_cuda and rows:  # local copies are async on the GPU
+                    self.data.check_local(step.rows, fused, step.grouped_plain)
+                if timed:  # local copies are async on the GPU
                     torch.cuda.current_stream(self.device).synchronize()
+                    gpu_s = events[0].elapsed_time(events[1]) / 1e3
+                    phases["local_gpu_s"] = phases.get("local_gpu_s", 0.0) + gpu_s
             except ExecutionError as e:
                 fail(e)
             except BaseException as e:
                 fail(ExecutionError(f"slot {self.program.slot}: {what} failed: {e}"))
 
-        run_local(
-            self._local_direct, self._local_direct_rows, self._local_direct_bytes, "local copy"
-        )
+        run_local(self._local_direct, "local copy")
         report.local_seconds = time.monotonic() - tl
         phases["local_s"] = report.local_seconds
         local_done.set()
         source_done(0)
-        if self._local_relay_rows and not errors:
+        if not self._local_relay.empty and not errors:
             try:
                 wait_recvs(len(self.recv_chunks), f"slot {self.program.slot}: local relay copies")
             except BaseException as e:
                 fail(e)
             else:
                 tr = time.monotonic()
-                run_local(
-                    self._local_relay,
-                    self._local_relay_rows,
-                    self._local_relay_bytes,
-                    "local relay copy",
-                )
+                run_local(self._local_relay, "local relay copy")
                 report.local_seconds += time.monotonic() - tr
         tj = time.monotonic()
         for t in threads:

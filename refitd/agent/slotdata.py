@@ -14,7 +14,9 @@ Verification keys checksums by (message id, copy row) (see executor.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,8 +27,32 @@ from refitd.plan.layout import PLAIN
 from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
 from refitd.transport.memory import torch_dtype
 
+if TYPE_CHECKING:
+    from refitd.formats.grouped import GroupedLanding
+
 _Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int64 checksum
 _RAW = 0
+
+
+@dataclass
+class LocalStep:
+    """Local copies prepared for a refit: a grouped launch (refitd.formats.grouped, CUDA)
+    and, for the copies it did not take, one `_foreach_copy_` over plain destinations plus
+    one call per quantized destination. `rows`: the copies outside the grouped launch (for
+    verification); `grouped_plain`: the plain copies inside it, in the order of its
+    checksums; `nbytes`: the bytes of the copies outside it."""
+
+    grouped: GroupedLanding | None = None
+    dst: list[torch.Tensor] = field(default_factory=list)
+    src: list[torch.Tensor] = field(default_factory=list)
+    slow: list[tuple[Callable[..., Any], torch.Tensor, Any]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    grouped_plain: list[int] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.grouped is None and not self.dst and not self.slow
 
 
 @dataclass(slots=True)
@@ -215,15 +241,19 @@ class SlotData:
             )
 
     # ------------------------------------------------------------------ local copies
-    def local_plan(self, rows: list[int]) -> tuple[list, list, list]:
-        """(foreach destinations, foreach sources, quantized-destination calls) of local
-        copies: views are cut once here, not per refit."""
-        dst, src, slow = [], [], []
+    def local_plan(self, rows: list[int], grouped: GroupedLanding | None = None) -> LocalStep:
+        """Local copies as a ready-to-run step: views are cut once here, not per refit.
+        With `grouped` (CUDA with triton), every copy its kernels take (same-dtype plain
+        copies, MXFP8 / block-FP8 conversions) lands in one launch per group."""
+        step = LocalStep()
         for i in rows:
             d = self.tensors[self._dst_t[i]]
             if d.storage == PLAIN:
-                dst.append(self.dst_block(i))
-                src.append(self.src_block(i))
+                if grouped is not None and grouped.add_copy(self.src_block(i), self.dst_block(i)):
+                    step.grouped_plain.append(i)
+                    continue
+                step.dst.append(self.dst_block(i))
+                step.src.append(self.src_block(i))
             else:
                 from refitd import formats
 
@@ -236,8 +266,14 @@ class SlotData:
                     self.shape(i),
                     name=d.name,
                 )
-                slow.append((formats.copy_region, self.src_block(i), region))
-        return dst, src, slow
+                if grouped is not None and grouped.add_quantize(self.src_block(i), region):
+                    continue
+                step.slow.append((formats.copy_region, self.src_block(i), region))
+            step.rows.append(i)
+        step.nbytes = self.local_bytes(step.rows)
+        if grouped is not None and grouped.regions:
+            step.grouped = grouped.build()
+        return step
 
     def local_bytes(self, rows: list[int]) -> int:
         return sum(math.prod(self.shape(i)) * self._dtype[i].itemsize for i in rows)
@@ -287,13 +323,25 @@ class SlotData:
             for k in range(len(m))
         }
 
-    def check_local(self, rows: list[int]) -> None:
-        """Compare each local copy's destination block with its source (plain storage)."""
+    def check_local(
+        self,
+        rows: list[int],
+        fused: torch.Tensor | None = None,
+        fused_rows: list[int] | None = None,
+    ) -> None:
+        """Compare each local copy's destination block with its source (plain storage);
+        `fused`: (source, landed) checksums the grouped copy kernel computed for
+        fused_rows."""
         plain = [i for i in rows if self.tensors[self._dst_t[i]].storage == PLAIN]
+        pairs = [
+            torch.stack((self.source_sum(i), self.summer.tensor(self.dst_block(i)))) for i in plain
+        ]
+        if fused is not None and fused_rows:
+            plain += fused_rows
+            pairs.append(fused)
         if not plain:
             return
-        pairs = [(self.source_sum(i), self.summer.tensor(self.dst_block(i))) for i in plain]
-        values = torch.stack([torch.stack(pair) for pair in pairs]).tolist()
+        values = torch.cat([p.reshape(-1, 2) for p in pairs]).tolist()
         bad = [i for i, (a, b) in zip(plain, values, strict=True) if a != b]
         if bad:
             raise ExecutionError(

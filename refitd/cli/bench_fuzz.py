@@ -496,6 +496,7 @@ def valid_requests(s: Seed) -> list[tuple[str, Message]]:
         ("Subscribe", pb.SubscribeRequest(worker_id=s.infer_id)),
         ("Ack", pb.AckRequest(worker_id=s.infer_id, event_id=3, ok=True, moved_tensors=["w"])),
         ("GetStatus", pb.StatusRequest(model="fuzzmodel")),
+        ("Explain", pb.ExplainRequest(model="fuzzmodel", tensor="w", pool="infer", rank=0)),
         (
             "RegisterAgent",
             pb.RegisterAgentRequest(host=FUZZ_HOST, slots=[pb.SlotInfo(device="cpu:0")]),

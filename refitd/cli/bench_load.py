@@ -255,7 +255,7 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
     a second plan); and the reference: the same plan from TensorSpec lists."""
     from refitd.server.planning import make_digest, make_plan
 
-    reg, opts = ctl.registry, ctl.refits.plan_options
+    reg, opts, pause = ctl.registry, ctl.refits.plan_options, ctl.refits.gc_pause
     with reg.lock:
         model = reg.model(META_MODEL)
         workers = [reg.workers[w] for p in model.pools.values() for w in p.ranks.values()]
@@ -270,7 +270,7 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         make_digest(META_MODEL, epoch, s_tab, d_tab, opts)
         t_digest = time.perf_counter() - t0
         t0 = time.perf_counter()
-        plan = make_plan(META_MODEL, epoch, s_tab, d_tab, opts)
+        plan = make_plan(META_MODEL, epoch, s_tab, d_tab, opts, pause)
         t_plan = time.perf_counter() - t0
         log.warning("bench load: plan from tables %.2f s", t_plan)
         t0 = time.perf_counter()
@@ -283,7 +283,7 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         log.warning("bench load: %d programs %.2f s", len(plan.slots), t_all)
         t_threads = 0.0
         if threads > 1:
-            again = make_plan(META_MODEL, epoch, s_tab, d_tab, opts)
+            again = make_plan(META_MODEL, epoch, s_tab, d_tab, opts, pause)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(threads) as ex:
                 list(ex.map(again.load_payload, again.slots))
@@ -294,7 +294,7 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         with reg.lock:
             model.tables.release()
     t0 = time.perf_counter()
-    make_plan(META_MODEL, epoch, src, dst, opts)
+    make_plan(META_MODEL, epoch, src, dst, opts, pause)
     t_lists = time.perf_counter() - t0
     return {
         "meta_specs_source": len(src),

@@ -3,15 +3,18 @@
 Prints one JSON line. plan_s: build_plan from the TensorSpec lists to a finished Plan;
 table_build_s: turning the lists into SpecTables (a controller can do this as workers
 register); plan_from_table_s: build_plan_from_table; spec_scan_s: same-run reference, one
-Python pass over every spec. Megatron-Core is not installed here; its figures for the same
-layouts (issue 2: 2.7 s to replay its global schedule for kimi-k2 256->128, send
-imbalance 1.055 for that layout and 1.030 for llama3-70b 128->64) are quoted as
-references and the ratios to them reported.
+Python pass over every spec. The timed calls run inside a GcPause owned by the bench, as
+the controller runs its plan builds (--no-gc-pause: with the collector on). Megatron-Core
+is not installed here; its figures for the same layouts (Megatron-Core 0.19.2, quoted, not
+measured here: 2.7 s to replay its global schedule for kimi-k2 256->128, send imbalance
+1.055 for that layout and 1.030 for llama3-70b 128->64) are quoted as references and the
+ratios to them reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import resource
@@ -47,9 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also build and encode every slot's program (programs_s, program_bytes_*, "
         "decode_s_max, replan_s)",
     )
+    p.add_argument(
+        "--no-gc-pause",
+        action="store_true",
+        help="time with the cyclic garbage collector on (default: paused, as the controller does)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from refitd.plan.gc_pause import GcPause
     from refitd.plan.planner import PlanConfig, build_plan, build_plan_from_table
     from refitd.plan.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
@@ -67,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     build_s = time.perf_counter() - t0
     config = PlanConfig(bucket_bytes=args.bucket_mib << 20, relay=args.relay)
     repeat = max(args.repeat, 1)
+    pause = contextlib.nullcontext() if args.no_gc_pause else GcPause()
 
     def best(f: Callable[[], object]) -> tuple[float, list[float], object]:
         times, result = [], None
@@ -74,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             result = None
             gc.collect()
             t = time.perf_counter()
-            result = f()
+            with pause:
+                result = f()
             times.append(time.perf_counter() - t)
         return min(times), times, result
 
@@ -88,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from_table_s, _, _ = best(lambda: build_plan_from_table(args.model, 0, src_t, dst_t, config))
     plan_s, times, plan = best(lambda: build_plan(args.model, 0, sources, destinations, config))
     t0 = time.perf_counter()
-    program = plan.program(plan.slots()[0])  # type: ignore[attr-defined]
+    with pause:
+        program = plan.program(plan.slots()[0])  # type: ignore[attr-defined]
     program_s = time.perf_counter() - t0
     s = plan.stats  # type: ignore[attr-defined]
     ref = MEGATRON_REF.get((args.model, args.src, args.src_world, args.dst, args.dst_world))
@@ -100,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         "dst": f"{args.dst} world={args.dst_world}",
         "collocated": args.collocated,
         "relay": args.relay,
+        "gc_paused": not args.no_gc_pause,
         "tensors": len(sources) + len(destinations),
         "specs_build_s": round(build_s, 3),
         "plan_s": round(plan_s, 4),
@@ -127,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if ref is not None:
         ref_s, ref_imb = ref
-        out["megatron_ref_source"] = "issue 2 figures (Megatron-Core 0.19.2), not run here"
+        out["megatron_ref_source"] = "quoted Megatron-Core 0.19.2 figures, not run here"
         if ref_s:
             out["megatron_plan_s_ref"] = ref_s
             out["speedup_vs_megatron"] = round(ref_s / plan_s, 2)
@@ -135,26 +148,33 @@ def run(args: argparse.Namespace) -> int:
         out["megatron_imbalance_ref"] = ref_imb
         out["imbalance_vs_megatron"] = round(s.send_imbalance / ref_imb, 5)
     if args.programs:
-        out.update(_programs(args, src_t, dst_t, config, from_table_s))
+        out.update(_programs(args, src_t, dst_t, config, from_table_s, pause))
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out))
     return 0
 
 
-def _programs(args: argparse.Namespace, src_t, dst_t, config, from_table_s: float) -> dict:
+def _programs(
+    args: argparse.Namespace,
+    src_t,
+    dst_t,
+    config,
+    from_table_s: float,
+    pause: contextlib.AbstractContextManager,
+) -> dict:
     """The controller's path after registration: plan from tables, then every slot's
     program built and encoded (one pass), with the longest stall of another thread
     meanwhile; the largest decoded; and a re-plan after one inference rank registers again
     with new memory handles (a new membership epoch: today a full plan)."""
     from refitd.plan.planner import build_plan_from_table
     from refitd.plan.program import SlotProgram
-    from refitd.plan.table import paused_gc
 
     gc.collect()
-    plan = build_plan_from_table(args.model, 0, src_t, dst_t, config)
-    # as the controller does it (cyclic GC paused); the ticker: how long another thread (a
-    # gRPC handler) could be held up meanwhile
-    with _Ticker() as ticker, paused_gc():
+    with pause:
+        plan = build_plan_from_table(args.model, 0, src_t, dst_t, config)
+    # as the controller does it (inside the caller's GcPause unless --no-gc-pause); the
+    # ticker: how long another thread (a gRPC handler) could be held up meanwhile
+    with _Ticker() as ticker, pause:
         t0 = time.perf_counter()
         encoded = {s: p.to_bytes() for s, p in plan.programs().items()}
         programs_s = time.perf_counter() - t0
@@ -165,8 +185,9 @@ def _programs(args: argparse.Namespace, src_t, dst_t, config, from_table_s: floa
     decode_s = time.perf_counter() - t0
     del encoded
     t0 = time.perf_counter()
-    again = build_plan_from_table(args.model, 1, src_t, dst_t, config)
-    n = sum(1 for p in again.programs().values() if p.to_bytes())
+    with pause:
+        again = build_plan_from_table(args.model, 1, src_t, dst_t, config)
+        n = sum(1 for p in again.programs().values() if p.to_bytes())
     replan_s = time.perf_counter() - t0
     return {
         "programs": n,

@@ -11,6 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("refitd.cli.serve", "run the controller and the local node agent"),
     "agent": ("refitd.cli.agent", "run a node agent that joins a controller"),
     "status": ("refitd.cli.status", "print the controller's status"),
+    "explain": ("refitd.cli.explain", "which source ranks and boxes feed a destination tensor"),
     "demo": ("refitd.cli.demo", "trainer refitting two inference pools through the daemon (CPU)"),
     "version": ("refitd.cli.version", "print the refitd version"),
 }
@@ -26,6 +27,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "faults": ("refitd.cli.bench_faults", "kill -9 each member at each refit phase (recovery)"),
     "load": ("refitd.cli.bench_load", "1024 metadata workers of a large model, 1000 small refits"),
     "staged": ("refitd.cli.bench_staged", "pause window of a staged vs an in-place pool"),
+    "cluster": ("refitd.cli.bench_cluster", "refits across emulated hosts on shaped links (root)"),
+    "simulate": (
+        "refitd.cli.bench_simulate",
+        "replay a plan's messages on a link model (NICs, NVLink, fair sharing)",
+    ),
 }
 
 

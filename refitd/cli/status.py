@@ -9,21 +9,20 @@ from typing import Any
 
 from refitd.config import add_settings_arguments, settings_from_args
 
+CLIENT_FIELDS = [
+    "controller",
+    "rpc_timeout_s",
+    "tls_ca",
+    "tls_client_cert",
+    "tls_client_key",
+    "tls_server_name",
+    "auth_token",
+    "auth_token_file",
+]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_arguments(
-        parser,
-        [
-            "controller",
-            "rpc_timeout_s",
-            "tls_ca",
-            "tls_client_cert",
-            "tls_client_key",
-            "tls_server_name",
-            "auth_token",
-            "auth_token_file",
-        ],
-    )
+    add_settings_arguments(parser, CLIENT_FIELDS)
     parser.add_argument("--model", default="", help="only this model")
     parser.add_argument("--json", action="store_true", help="print the JSON document")
 
@@ -52,8 +51,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def render(doc: dict[str, Any]) -> str:
-    """A short human-readable summary of the status document."""
+    """The operator's summary (the status page's, in text): per model and pool the
+    committed version, ranks per served version, dead and lagging ranks; agents and slots
+    aggregated; the bottleneck link of the current plan; the last refits by phase."""
     c = doc["controller"]
     lines = [f"controller {c['grpc']}  http {c['http']}  store {c['store'] or 'off'}"]
     for m in doc["models"]:
@@ -63,18 +71,53 @@ def render(doc: dict[str, Any]) -> str:
             + (f", running v{run['version']} ({run['state']})" if run else "")
         )
         for p in m["pools"]:
-            slots = ",".join(str(r["slot"]) for r in p["ranks"])
+            s = p["summary"]
+            served = ", ".join(f"v{v}: {n}" for v, n in s["versions"].items())
             lines.append(
-                f"  pool {p['name']} ({p['role']}): {p['registered']}/{p['size']} ranks, "
-                f"slots {slots}"
+                f"  pool {p['name']} ({p['role']}, {p['mode']}): {s['live']}/{s['size']} "
+                f"ranks live on {s['hosts']} hosts / {s['slots']} slots, "
+                f"{_size(s['bytes'])}" + (f"; serving {served}" if served else "")
             )
-    for a in doc["agents"]:
+            if s["dead_count"]:
+                lines.append(f"    dead or missing ranks ({s['dead_count']}): {s['dead']}")
+            if s["lagging_count"]:
+                lines.append(f"    lagging ranks ({s['lagging_count']}): {s['lagging']}")
+        plan = m.get("plan")
+        if plan:
+            b = plan["bottleneck"]
+            lines.append(
+                f"  plan {plan['digest'][:12]}: {_size(plan['total_bytes'])} "
+                f"({_size(plan['remote_bytes'])} remote), {plan['messages']} messages, "
+                f"{plan['rounds']} rounds; busiest sender slot {b['send_slot']} "
+                f"{_size(b['send_bytes'])}, receiver slot {b['recv_slot']} "
+                f"{_size(b['recv_bytes'])}, send imbalance {plan['send_imbalance']:.2f}"
+            )
+    sm = doc.get("summary")
+    if sm:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(sm["slot_kinds"].items()))
+        lines.append(
+            f"agents {sm['agents_connected']}/{sm['agents']} connected on {sm['hosts']} hosts; "
+            f"slots {sm['slots_connected']}/{sm['slots']} connected ({kinds or 'none'})"
+        )
+        if sm["agents_disconnected"]:
+            lines.append(f"  disconnected agents: {', '.join(sm['agents_disconnected'][:20])}")
+    agents = doc.get("agents", [])
+    for a in agents[:20]:
         state = "connected" if a["connected"] else "disconnected"
-        lines.append(f"agent {a['agent_id']} on {a['host']}: {state}, slots {a['slots']}")
+        plane = a.get("data_plane_address") or "?"
+        lines.append(
+            f"  agent {a['agent_id']} on {a['host']} (data plane {plane}): {state}, "
+            f"{len(a['slots'])} slots"
+        )
+    if len(agents) > 20:
+        lines.append(f"  {len(agents) - 20} more agents")
     for r in doc["refits"][:10]:
+        ph = r.get("phases") or {}
+        phases = " ".join(f"{k} {v:.3f}s" for k, v in ph.items() if v)
         lines.append(
             f"refit {r['refit_id']} {r['model']} v{r['version']}: {r['state']}, "
-            f"{r['seconds']:.3f}s, {r['bytes']} B, {r['gbps']:.2f} GB/s"
+            f"{r['seconds']:.3f}s, {_size(r['bytes'])}, {r['gbps']:.2f} GB/s"
+            + (f" [{phases}]" if phases else "")
             + (f" ({r['reason']})" if r["reason"] else "")
         )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ reads torch objects and attributes; the boxes and their checks come from the pla
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from refitd.plan.errors import PlanError
-from refitd.plan.layout import PLAIN, Box
+from refitd.plan.layout import MXFP8, PLAIN, Box
 from refitd.plan.layouts import (
     Layout,
     Replicate,
@@ -25,6 +26,7 @@ from refitd.plan.layouts import (
     megatron_layout,
 )
 from refitd.plan.names import canonical_name as plan_canonical_name
+from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
 from refitd.transport.memory import dtype_name
 
 
@@ -33,7 +35,9 @@ class Placed:
     """A local tensor with an explicit placement: its global shape and boxes.
 
     boxes are Box objects or (global offset, shape, local offset) triples; the default is
-    the whole tensor (a replica).
+    the whole tensor (a replica). A quantized persistent buffer (storage "mxfp8" or
+    "fp8_block") is `tensor` = its uint8 E4M3 data, `scales` = its scale buffer, and
+    `dtype` = the element dtype it stands for (the source's, e.g. "bfloat16").
     """
 
     tensor: torch.Tensor
@@ -42,6 +46,8 @@ class Placed:
     canonical: str | None = None
     storage: str = PLAIN
     meta: Mapping[str, str] = field(default_factory=dict)
+    scales: torch.Tensor | None = None
+    dtype: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +79,12 @@ class LocalTensor:
     layout: Layout
     storage: str = PLAIN
     meta: tuple[tuple[str, str], ...] = ()
+    scales: torch.Tensor | None = None  # quantized storage: the scale buffer
+    logical_dtype: str = ""  # quantized storage: the element dtype the data stands for
 
     @property
     def dtype(self) -> str:
-        return dtype_name(self.tensor.dtype)
+        return self.logical_dtype or dtype_name(self.tensor.dtype)
 
 
 def canonical_name(name: str, coords: MegatronCoords) -> str:
@@ -125,7 +133,8 @@ def _one(name: str, value: Any, coords: MegatronCoords, label: str) -> LocalTens
             boxes = [Box((0,) * t.dim(), tuple(t.shape), (0,) * t.dim())]
         layout = explicit_layout(tuple(t.shape), boxes)
         canonical = value.canonical or canonical_name(name, coords)
-        return _checked(name, canonical, t, gshape, layout, where, value.storage, value.meta)
+        out = _checked(name, canonical, t, gshape, layout, where, value.storage, value.meta)
+        return _quantized(out, value, where) if value.storage != PLAIN else out
     if _is_dtensor(value):
         return _from_dtensor(name, value, coords, where)
     if not isinstance(value, torch.Tensor):
@@ -249,3 +258,20 @@ def _checked(
         storage=storage,
         meta=tuple(sorted((meta or {}).items())),
     )
+
+
+def _quantized(t: LocalTensor, value: Placed, where: str) -> LocalTensor:
+    """A quantized persistent buffer: uint8 data, scales of the format's shape, and the
+    element dtype it stands for."""
+    shape = tuple(value.tensor.shape)
+    want = mxfp8_scale_shape(shape) if value.storage == MXFP8 else fp8_block_scale_shape(shape)
+    sc = value.scales
+    if value.tensor.dtype != torch.uint8 or sc is None or tuple(sc.shape) != want:
+        raise PlanError(
+            f"{where}: {value.storage} storage needs uint8 data and scales of shape {want}, "
+            f"got data {value.tensor.dtype} and scales "
+            f"{None if sc is None else tuple(sc.shape)}"
+        )
+    if not value.dtype:
+        raise PlanError(f"{where}: {value.storage} storage needs dtype= (the source dtype)")
+    return dataclasses.replace(t, scales=sc, logical_dtype=value.dtype)

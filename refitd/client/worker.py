@@ -8,6 +8,7 @@ tensor's storage moved, `refresh()` registers the moved tensors again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -25,6 +26,8 @@ from refitd.client.tensors import LocalTensor, MegatronCoords, collect
 from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 log = logging.getLogger(__name__)
+
+_SCALES = "#scales"  # arena name suffix of a quantized buffer's scales
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +99,7 @@ class WorkerClient:
         local = collect(tensors, coords, self._who())
         self._conn.wait_ready(self.connect_timeout_s)
         with self._lock:
-            handles = self._arena.register({t.name: t.tensor for t in local})
+            handles = self._share(local)
             self._tensors = local
             self._handles = handles
             reg = self._send_registration()
@@ -108,6 +111,17 @@ class WorkerClient:
             )
             self._heartbeat.start()
         return reg
+
+    def _share(self, local: list[LocalTensor]) -> dict[str, MemoryHandle]:
+        """Arena handles of the tensors; a quantized buffer's scales ride in its handle."""
+        arrays = {t.name: t.tensor for t in local}
+        arrays.update({t.name + _SCALES: t.scales for t in local if t.scales is not None})
+        handles = self._arena.register(arrays)
+        for t in local:
+            if t.scales is not None:
+                sc = handles.pop(t.name + _SCALES)
+                handles[t.name] = dataclasses.replace(handles[t.name], scales=sc)
+        return handles
 
     def moved_tensors(self) -> list[str]:
         """Registered tensors whose storage moved since registration (marked stale)."""
@@ -121,6 +135,7 @@ class WorkerClient:
             if not moved:
                 return []
             by_name = {t.name: t for t in self._tensors}
+            moved = list(dict.fromkeys(n.removesuffix(_SCALES) for n in moved))
             for name in moved:
                 t = by_name[name].tensor
                 if tuple(t.shape) != by_name[name].layout.local_shape:
@@ -129,7 +144,7 @@ class WorkerClient:
                         f"(registered {by_name[name].layout.local_shape}); call register() "
                         "with its new placement"
                     )
-            self._handles.update(self._arena.register({n: by_name[n].tensor for n in moved}))
+            self._handles.update(self._share([by_name[n] for n in moved]))
             self._send_registration()
             log.info("%s: registered again after storage moved: %s", self._who(), moved)
             return moved

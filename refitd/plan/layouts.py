@@ -214,11 +214,12 @@ def chunk_layout(
 def explicit_layout(
     local_shape: Sequence[int], boxes: Sequence[Box | tuple[Sequence[int], ...]]
 ) -> Layout:
-    """Explicit boxes, as Box or (offset, shape, local_offset) triples."""
+    """Explicit boxes, as Box or (offset, shape, local_offset) triples. Boxes with a
+    length of 0 hold nothing and are dropped: an empty shard has no boxes."""
     out = tuple(
         b if isinstance(b, Box) else Box(tuple(b[0]), tuple(b[1]), tuple(b[2])) for b in boxes
     )
-    return Layout(tuple(int(s) for s in local_shape), out)
+    return Layout(tuple(int(s) for s in local_shape), tuple(b for b in out if all(b.shape)))
 
 
 def check_layout(global_shape: tuple[int, ...], layout: Layout, label: str = "") -> None:
@@ -228,6 +229,11 @@ def check_layout(global_shape: tuple[int, ...], layout: Layout, label: str = "")
         raise PlanError(
             f"local shape {layout.local_shape} has a different rank than global shape "
             f"{global_shape}{_where(label)}"
+        )
+    if not layout.boxes and all(layout.local_shape):
+        raise PlanError(
+            f"no boxes, but local shape {layout.local_shape} is not empty (only an empty "
+            f"shard, a local dim of 0, may hold no part of the tensor){_where(label)}"
         )
     for b in layout.boxes:
         if not len(b.offset) == len(b.shape) == len(b.local_offset) == nd:

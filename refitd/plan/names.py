@@ -10,10 +10,11 @@ no tensor is ever gathered whole.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from refitd.plan.errors import PlanError
+from refitd.plan.layout import Box
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)(?=\.)")
 _EXPERT = re.compile(r"(\.experts\..*\.(?:weight|bias))(\d+)$")
@@ -53,11 +54,22 @@ class Part:
 @dataclass(frozen=True, slots=True)
 class NameRule:
     """Destination canonical `dst` is the concatenation along `dim` of `parts`; every
-    other dim equals the source's. One whole part with dim 0 is a plain rename."""
+    other dim equals the source's. One whole part with dim 0 is a plain rename.
+
+    `padding` declares rows after the parts (along dim) that exist only at the destination,
+    e.g. a vocabulary padded to a multiple of 64 by the inference engine: the planner never
+    writes them and does not count them as holes.
+    """
 
     dst: str
     dim: int
     parts: tuple[Part, ...]
+    padding: int = 0
+
+    @property
+    def covered(self) -> int:
+        """Rows of the destination along dim named by the rule: parts plus padding."""
+        return sum(p.length for p in self.parts) + self.padding
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +115,10 @@ class NameMap:
         return cls(tuple(r for m in maps for r in m.rules))
 
 
-def rename(dst: str, src: str, size0: int) -> NameRule:
-    """dst is src under another name (size0 = the length of dim 0)."""
-    return NameRule(dst, 0, (Part(src, 0, size0),))
+def rename(dst: str, src: str, size0: int, padding: int = 0) -> NameRule:
+    """dst is src under another name (size0 = the length of dim 0); `padding` rows follow
+    at the destination only (declared padding, never written)."""
+    return NameRule(dst, 0, (Part(src, 0, size0),), padding)
 
 
 def split_gated_fc1(src: str, gate: str, up: str, ffn: int) -> list[NameRule]:
@@ -155,4 +168,33 @@ def resolve_links(
             out.append(Link(d, tied))
         else:
             out.append(Link(d, d))
+    return out
+
+
+def source_boxes(rules: Mapping[str, NameRule], canonical: str, box: Box) -> list[tuple[str, Box]]:
+    """A box of destination canonical `canonical` as boxes of the source canonicals its
+    rule reads (same local offsets): what a worker registers when the controller plans
+    without the name map. Rows in the rule's declared padding map to nothing (never
+    written); rows past the parts and the padding are an error naming the tensor."""
+    rule = rules.get(canonical)
+    if rule is None:
+        return [(canonical, box)]
+    d = rule.dim
+    if not 0 <= d < len(box.offset):
+        raise PlanError(f"name map rule of {canonical!r} splits dim {d}; box {box} has fewer")
+    lo, hi = box.offset[d], box.offset[d] + box.shape[d]
+    if hi > rule.covered:
+        raise PlanError(
+            f"box rows [{lo}, {hi}) of dim {d} of {canonical!r} lie past the name map's parts "
+            f"and padding ({rule.covered} rows)"
+        )
+    out: list[tuple[str, Box]] = []
+    at = 0
+    for p in rule.parts:
+        a, b = max(lo, at), min(hi, at + p.length)
+        if a < b:
+            off, shp, loc = list(box.offset), list(box.shape), list(box.local_offset)
+            off[d], shp[d], loc[d] = p.start + a - at, b - a, box.local_offset[d] + a - lo
+            out.append((p.source, Box(tuple(off), tuple(shp), tuple(loc))))
+        at += p.length
     return out

@@ -8,7 +8,8 @@ reduced to geometry ids, canonical tensors with the same geometry sequence form 
 whose intersections are computed once, and copies stay NumPy arrays until `program(slot)`.
 build_plan tabulates the TensorSpec lists first (table.SpecTable, the Python-bound part);
 a controller that keeps one SpecTable per side as workers register calls
-build_plan_from_table and skips it. Cyclic GC is paused while planning.
+build_plan_from_table and skips it. The planner never switches the garbage collector;
+a caller planning large clusters wraps its calls in its own gc_pause.GcPause.
 
 Relays (PlanConfig.relay, off by default until every executor honours the rule below): a
 destination slot that received a block may forward it to another destination replica of
@@ -43,7 +44,7 @@ from refitd.plan.names import Link, NameMap, resolve_links
 from refitd.plan.program import SlotProgram
 from refitd.plan.programs import CopyCols, Messages, PlanTensors, ProgramIndex
 from refitd.plan.relay import RelayCandidates, choose_relays
-from refitd.plan.table import Geo, SpecTable, paused_gc
+from refitd.plan.table import Geo, SpecTable
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, RAW, dtype_size
 
 __all__ = [
@@ -63,7 +64,10 @@ WIRE_NAMES = (RAW, MXFP8, FP8_BLOCK)
 @dataclass
 class PlanConfig:
     """How to plan. fanout: peers a slot sends to concurrently (lanes of the schedule);
-    relay: let destination replicas forward blocks (see the module docstring)."""
+    relay: let destination replicas forward blocks (see the module docstring);
+    schedule: "lanes" (rounds from `fanout` lanes per source) or "serial" (rounds from a
+    schedule in which each slot moves one message at a time, as NCCL on one stream runs
+    them: buckets.serial_rounds)."""
 
     bucket_bytes: int = 64 << 20
     sender_quantization: bool = False
@@ -72,6 +76,11 @@ class PlanConfig:
     name_map: NameMap | None = None
     fanout: int = 4
     relay: bool = False
+    schedule: str = "lanes"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("lanes", "serial"):
+            raise PlanError(f"unknown schedule {self.schedule!r}; known: lanes, serial")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +151,13 @@ def _sort_by(*keys: np.ndarray) -> np.ndarray:
     return np.argsort(combined, kind="stable")
 
 
+PIECE_KEY = 1 << 32  # (copy id, row offset of a piece) -> one int64 key
+
+
+def _sans_pool(g: Geo) -> tuple:
+    return (g.global_shape, g.dtype, g.storage, g.local_shape, g.boxes)
+
+
 def _side(table: SpecTable, base: int) -> _Side:
     canon, geo, slot = table.columns()
     return _Side(table.specs, base, table.canonical_ids, canon, geo, table.geos, slot)
@@ -207,6 +223,23 @@ def _pad(t: tuple[int, ...], d: int, fill: int) -> list[int]:
     return list(t) + [fill] * (d - len(t))
 
 
+CASTABLE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+CAST_SETTING = (
+    "set allow_dtype_cast (refitd serve --allow-dtype-cast, env REFITD_ALLOW_DTYPE_CAST, "
+    "config file key allow_dtype_cast; PlanConfig.allow_dtype_cast when planning directly)"
+)
+
+
+def _check_cast(cfg: PlanConfig, src_dtype: str, dst_dtype: str, dst: str, src: str) -> None:
+    """A destination of another dtype than its source: allowed only between float dtypes
+    (the executor casts those on landing), and only when the configuration turns casts on."""
+    what = f"dtype mismatch: {dst} is {dst_dtype}, source {src} is {src_dtype}"
+    if src_dtype not in CASTABLE_DTYPES or dst_dtype not in CASTABLE_DTYPES:
+        raise PlanError(f"{what}; casts exist only between {', '.join(CASTABLE_DTYPES)}")
+    if not cfg.allow_dtype_cast:
+        raise PlanError(f"{what}, and dtype casts are off: to land it cast, {CAST_SETTING}")
+
+
 def _check_cover(side: _Side, members: np.ndarray, geo_ids: list[int], what: str) -> None:
     """The distinct covers of these geometries tile the global tensor exactly."""
     geos = [side.geos[g] for g in geo_ids]
@@ -232,10 +265,48 @@ def _check_cover(side: _Side, members: np.ndarray, geo_ids: list[int], what: str
                 f"of global shape {gshape}"
             )
     if vol != total:
+        missing = _first_missing(gshape, [(o, s) for _, o, s in boxes])
         raise PlanError(
             f"holes in the {what}: {side.who(int(members[0]))} and the other shards of "
             f"global shape {gshape} cover {vol} of {total} elements"
+            + (
+                f"; no shard holds the block at offset {missing[0]} of shape {missing[1]}"
+                if missing is not None
+                else ""
+            )
         )
+
+
+def _first_missing(
+    gshape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A block of the global tensor that no box covers (the first cell of the grid the box
+    edges cut), for a hole's error message; None if the grid is too large to enumerate."""
+    if not gshape:
+        return ((), ()) if not boxes else None
+    edges = [
+        np.unique(np.array([0, n] + [o[d] for o, _ in boxes] + [o[d] + s[d] for o, s in boxes]))
+        for d, n in enumerate(gshape)
+    ]
+    grid = tuple(e.size - 1 for e in edges)
+    if int(np.prod(grid)) > 1 << 22:
+        return None
+    covered = np.zeros(grid, dtype=bool)
+    for o, s in boxes:
+        covered[
+            tuple(
+                slice(int(np.searchsorted(e, a)), int(np.searchsorted(e, a + n)))
+                for e, a, n in zip(edges, o, s, strict=True)
+            )
+        ] = True
+    holes = np.argwhere(~covered)
+    if not holes.size:
+        return None
+    cell = holes[0].tolist()
+    return (
+        tuple(int(e[i]) for e, i in zip(edges, cell, strict=True)),
+        tuple(int(e[i + 1] - e[i]) for e, i in zip(edges, cell, strict=True)),
+    )
 
 
 class _Planner:
@@ -313,17 +384,21 @@ class _Planner:
         return out
 
     def _check_rules(self, links: list[Link]) -> None:
+        """Each rule's parts plus its declared padding span the destination's dim."""
+        rules = self.config.name_map.index() if self.config.name_map is not None else {}
         covered: dict[str, int] = {}
         for ln in links:
             if ln.dim >= 0:
-                covered[ln.dst] = covered.get(ln.dst, 0) + ln.length
+                covered.setdefault(ln.dst, rules[ln.dst].padding if ln.dst in rules else 0)
+                covered[ln.dst] += ln.length
         for name, n in covered.items():
             i = int(self.dst.members(self.dst.names[name])[0])
             shape = self.dst.specs[i].global_shape
             dim = next(ln.dim for ln in links if ln.dst == name)
             if dim >= len(shape) or shape[dim] != n:
                 raise PlanError(
-                    f"name map parts cover {n} of dim {dim} of {self.dst.who(i)} "
+                    f"name map parts (with declared padding) cover {n} of dim {dim} of "
+                    f"{self.dst.who(i)} "
                     f"(global shape {shape})"
                 )
 
@@ -376,12 +451,8 @@ class _Planner:
                     f"{dg.global_shape}, source {src.who(int(s_mem[0]))} has {gshape}"
                     + (f" (name map dim {dim}, rows {s_start}+{length})" if dim >= 0 else "")
                 )
-            if dg.dtype != g0.dtype and not cfg.allow_dtype_cast:
-                raise PlanError(
-                    f"dtype mismatch: {dst.who(int(d_mem[k]))} is {dg.dtype}, source "
-                    f"{src.who(int(s_mem[0]))} is {g0.dtype} (PlanConfig.allow_dtype_cast "
-                    f"is off)"
-                )
+            if dg.dtype != g0.dtype:
+                _check_cast(cfg, g0.dtype, dg.dtype, dst.who(int(d_mem[k])), src.who(int(s_mem[0])))
         _check_cover(src, s_mem, s_geo, "source")
         for ks in by_pool.values():
             _check_cover(
@@ -427,10 +498,15 @@ class _Planner:
         nrep_s = np.array([len(x) for x in s_reps], np.int64)
         k_of = np.array([k for k, _, _ in dboxes], np.int64)
         j_of = np.array([j for _, j, _ in dboxes], np.int64)
-        # klass: (destination geometry, its box, source box) -> the same block
-        key = (np.array(d_geo, np.int64)[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(
-            sboxes
-        ) + si
+        # klass: (destination geometry, its box, source box) -> the same block. The pool is
+        # no part of it: same-geometry tensors of different pools are replicas too (one
+        # pool may relay to another).
+        shape_ids: dict[tuple, int] = {}
+        d_shape = np.array(
+            [shape_ids.setdefault(_sans_pool(dst.geos[g]), len(shape_ids)) for g in d_geo],
+            np.int64,
+        )
+        key = (d_shape[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(sboxes) + si
         _, klass = np.unique(key, return_inverse=True)
         klass = klass.reshape(-1)
         nklass = int(klass.max()) + 1 if klass.size else 0
@@ -520,10 +596,9 @@ def build_plan(
     config: PlanConfig,
 ) -> Plan:
     """The whole-cluster plan; raises PlanError on inconsistent registrations."""
-    with paused_gc():
-        return _build(
-            model, epoch, SpecTable.from_specs(sources), SpecTable.from_specs(destinations), config
-        )
+    return _build(
+        model, epoch, SpecTable.from_specs(sources), SpecTable.from_specs(destinations), config
+    )
 
 
 def build_plan_from_table(
@@ -531,8 +606,7 @@ def build_plan_from_table(
 ) -> Plan:
     """build_plan from registrations already in columns (e.g. kept by the controller as
     workers register); the tables must not change while the plan is in use."""
-    with paused_gc():
-        return _build(model, epoch, sources, destinations, config)
+    return _build(model, epoch, sources, destinations, config)
 
 
 def _build(
@@ -647,6 +721,21 @@ class _Messages:
     dst: np.ndarray  # [M] destination slot
     nbytes: np.ndarray  # [M]
     round_of_copy: np.ndarray  # [copies before splitting] last round carrying it
+    piece_key: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted
+    piece_round: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def need_of(self, feed: np.ndarray, step: np.ndarray | None) -> np.ndarray:
+        """Round after which a relay piece may go: after the round of the feed's piece
+        with the same rows (a copy cut along dim 0 is cut the same way for its relays, so
+        piece k is forwarded while piece k+1 is still on the wire), else after the feed's
+        last piece."""
+        need = self.round_of_copy[feed] + 1
+        if step is None or not self.piece_key.size:
+            return need
+        key = feed * PIECE_KEY + step
+        i = np.minimum(np.searchsorted(self.piece_key, key), self.piece_key.size - 1)
+        hit = self.piece_key[i] == key
+        return np.where(hit, self.piece_round[i] + 1, need)
 
     def pair_last_round(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Per (src, dst) slot pair, the last round of its messages here (-1 if none)."""
@@ -789,6 +878,7 @@ class Plan:
             relay_copies=int(relays.copies.src.size),
         )
         self._send_load = send
+        self._recv_load = recv
         self._all_slots = slots
         self._readers: dict[tuple[str, int], list[int]] | None = None
         self._index: ProgramIndex | None = None
@@ -822,7 +912,7 @@ class Plan:
         if feeds is None:
             order = _sort_by(rs, rd, table.dst[rows])
         else:
-            need = feeds.round_of_copy[table.feed[rows]] + 1
+            need = feeds.need_of(table.feed[rows], step)
             order = _sort_by(rs, rd, need, table.dst[rows])
             need = need[order]
         t = table.take(rows[order])
@@ -840,7 +930,15 @@ class Plan:
         p_src, p_dst = rs[pair_first], rd[pair_first]
         p_msgs = np.bincount(mp, minlength=pair_first.size)
         k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
-        if feeds is None:
+        if feeds is None and cfg.schedule == "serial":
+            m_round = bk.serial_rounds(
+                self._dense[t.src[pair_first]],
+                self._dense[t.dst[pair_first]],
+                mp,
+                np.add.reduceat(rnb, ms) if ms.size else rnb[:0],
+                slots.size,
+            )
+        elif feeds is None:
             p_round = bk.assign_rounds(
                 self._dense[t.src[pair_first]],
                 self._dense[t.dst[pair_first]],
@@ -861,9 +959,14 @@ class Plan:
             cid = t.cid[o]
             first = np.r_[0, np.flatnonzero(np.diff(cid)) + 1]
             round_of_copy[cid[first]] = np.maximum.reduceat(piece_round[o], first)
-        return _Messages(
+        out = _Messages(
             t, rnb, ms, me, m_round, p_src[mp], p_dst[mp], csum[me] - csum[ms], round_of_copy
         )
+        if need_rounds and step is not None:  # rounds of the pieces of cut copies
+            key = t.cid * PIECE_KEY + step[order]
+            o = np.argsort(key, kind="stable")
+            out.piece_key, out.piece_round = key[o], piece_round[o]
+        return out
 
     def _split(
         self, t: _CopyTable, idx: np.ndarray, nb: np.ndarray
@@ -907,52 +1010,69 @@ class Plan:
             self._readers = {k: sorted(v) for k, v in readers.items()}
         return list(self._readers.get((pool, rank), []))
 
+    def message_columns(self) -> dict[str, np.ndarray]:
+        """Every remote message as columns, row = message id: src and dst slot, round, wire
+        bytes, relay (it forwards received blocks). For tools such as the link model."""
+        return {
+            "src": self._m_src.copy(),
+            "dst": self._m_dst.copy(),
+            "round": self._m_round.copy(),
+            "nbytes": self._m_bytes.copy(),
+            "relay": self._remote.feed[self._m_start] >= 0,
+        }
+
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""
         return {int(s): int(b) for s, b in zip(self._all_slots, self._send_load, strict=True)}
 
+    def recv_bytes(self) -> dict[int, int]:
+        """Remote bytes each slot receives."""
+        return {int(s): int(b) for s, b in zip(self._all_slots, self._recv_load, strict=True)}
+
+    @property
+    def source_count(self) -> int:
+        """`tensors[:source_count]` are source specs, the rest destination specs."""
+        return self._n_src
+
     def program_index(self) -> ProgramIndex:
         """Per-slot positions of all messages and copies, built once per plan."""
         if self._index is None:
-            with paused_gc():
-                tables = self._tables or (
-                    SpecTable.from_specs(self.tensors[: self._n_src]),
-                    SpecTable.from_specs(self.tensors[self._n_src :]),
-                )
-                counts = (self._n_src, len(self.tensors) - self._n_src)
-                tensors = PlanTensors.of(tables, counts, self._slot_of, self._remote.shape.shape[1])
-                d = tensors.local_shape.shape[1]
+            tables = self._tables or (
+                SpecTable.from_specs(self.tensors[: self._n_src]),
+                SpecTable.from_specs(self.tensors[self._n_src :]),
+            )
+            counts = (self._n_src, len(self.tensors) - self._n_src)
+            tensors = PlanTensors.of(tables, counts, self._slot_of, self._remote.shape.shape[1])
+            d = tensors.local_shape.shape[1]
 
-                def cols(t: _CopyTable) -> CopyCols:
-                    def pad(a: np.ndarray, fill: int) -> np.ndarray:
-                        extra = d - a.shape[1]
-                        return (
-                            a
-                            if extra <= 0
-                            else np.pad(a, ((0, 0), (0, extra)), constant_values=fill)
-                        )
-
-                    return CopyCols(
-                        t.src,
-                        t.dst,
-                        pad(t.src_loc, 0),
-                        pad(t.dst_loc, 0),
-                        pad(t.shape, 1),
-                        t.ndim,
-                        t.wire,
+            def cols(t: _CopyTable) -> CopyCols:
+                def pad(a: np.ndarray, fill: int) -> np.ndarray:
+                    extra = d - a.shape[1]
+                    return (
+                        a if extra <= 0 else np.pad(a, ((0, 0), (0, extra)), constant_values=fill)
                     )
 
-                msgs = Messages(
-                    self._m_round,
-                    self._m_src,
-                    self._m_dst,
-                    self._m_start,
-                    self._m_end,
-                    self._m_bytes,
+                return CopyCols(
+                    t.src,
+                    t.dst,
+                    pad(t.src_loc, 0),
+                    pad(t.dst_loc, 0),
+                    pad(t.shape, 1),
+                    t.ndim,
+                    t.wire,
                 )
-                self._index = ProgramIndex(
-                    self.digest, cols(self._remote), cols(self._local), msgs, tensors
-                )
+
+            msgs = Messages(
+                self._m_round,
+                self._m_src,
+                self._m_dst,
+                self._m_start,
+                self._m_end,
+                self._m_bytes,
+            )
+            self._index = ProgramIndex(
+                self.digest, cols(self._remote), cols(self._local), msgs, tensors
+            )
         return self._index
 
     def program(self, slot: int) -> SlotProgram:
@@ -963,5 +1083,4 @@ class Plan:
     def programs(self, slots: Sequence[int] | None = None) -> dict[int, SlotProgram]:
         """The programs of `slots` (default: every slot), from one index pass."""
         index = self.program_index()
-        with paused_gc():
-            return {s: index.program(s) for s in (self.slots() if slots is None else slots)}
+        return {s: index.program(s) for s in (self.slots() if slots is None else slots)}

@@ -255,10 +255,14 @@ class ProgramIndex:
         return m
 
     def _tables(self, n_slots: int) -> None:
-        """Per slot, its own tensors in plan index order; their columns taken once."""
+        """Per slot, its own tensors in plan index order; their columns taken once. Empty
+        shards (a zero-sized local shape) are left out: nothing reads or writes them, so
+        their slot maps no memory for them."""
         t = self.tensors
         k = np.searchsorted(self.slots, t.slot)
-        idx = np.argsort(k, kind="stable")
+        held = np.flatnonzero(t.local_shape.prod(axis=1) > 0)
+        idx = held[np.argsort(k[held], kind="stable")]
+        k = k[held]
         counts = np.bincount(k, minlength=n_slots)
         self.table_cols = {
             "index": idx,

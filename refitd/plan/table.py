@@ -9,11 +9,9 @@ or a moved registration rebuilds the table. `SpecTable.from_specs` is the one-sh
 
 from __future__ import annotations
 
-import gc
 import hashlib
 from array import array
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -47,20 +45,6 @@ class Geo:
     @property
     def cover(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
         return tuple(sorted((b.offset, b.shape) for b in self.boxes if all(b.shape)))
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """Suspend cyclic garbage collection for a burst of allocations (reference counting
-    still frees everything): with ~10^5 live specs, every allocation-triggered collection
-    walks them all again. The previous state is restored."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _intern(values: list, ids: dict, order: list) -> Iterable[int]:
@@ -107,12 +91,6 @@ class SpecTable:
         new = specs if isinstance(specs, list) else list(specs)
         if not new:
             return
-        # ~10^5 short-lived tuples: without this, allocation-triggered collections walk
-        # every live object (the specs) again and again
-        with paused_gc():
-            self._add(new)
-
-    def _add(self, new: list[TensorSpec]) -> None:
         # shape tuples and box tuples shared between specs are keyed by identity first
         keys = list(
             zip(

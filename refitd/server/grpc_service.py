@@ -17,6 +17,7 @@ import grpc
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.errors import ControlError, ErrorKind, invalid, not_found
+from refitd.server.explain import explain_document
 from refitd.server.status import status_document
 from refitd.server.validation import (
     check_ack,
@@ -39,7 +40,13 @@ GRPC_CODES = {
     ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
-WAITS = (pb.WAIT_UNSPECIFIED, pb.WAIT_SOURCES_READ, pb.WAIT_COMMITTED, pb.WAIT_ACCEPTED)
+WAITS = (
+    pb.WAIT_UNSPECIFIED,
+    pb.WAIT_SOURCES_READ,
+    pb.WAIT_COMMITTED,
+    pb.WAIT_ACCEPTED,
+    pb.WAIT_SERVED,
+)
 
 
 def _translated(fn: F) -> F:
@@ -118,7 +125,8 @@ class RefitServicer(pbg.RefitServicer):
     @_translated
     def UnregisterWorker(self, request: pb.UnregisterWorkerRequest, context: Any) -> Any:
         check_id(request.worker_id, "worker_id")
-        self.c.registry.unregister_worker(request.worker_id)
+        w = self.c.registry.unregister_worker(request.worker_id)
+        self.c.refits.source_gone(w, "unregistered")
         self.c.refresh_gauges()
         return pb.UnregisterWorkerResponse()
 
@@ -182,6 +190,17 @@ class RefitServicer(pbg.RefitServicer):
             raise ControlError(ErrorKind.NOT_FOUND, f"model {request.model!r} is not registered")
         return pb.StatusResponse(json=json.dumps(status_document(self.c, request.model)))
 
+    @_translated
+    def Explain(self, request: pb.ExplainRequest, context: Any) -> Any:
+        check_identifier(request.model, "model")
+        if not request.tensor or len(request.tensor) > 1024:
+            raise invalid("explain needs a tensor name of at most 1024 characters")
+        if request.pool:
+            check_identifier(request.pool, "pool")
+        rank = request.rank if request.HasField("rank") else None
+        doc, text = explain_document(self.c, request.model, request.tensor, request.pool, rank)
+        return pb.ExplainResponse(json=json.dumps(doc), text=text)
+
 
 class AgentControlServicer(pbg.AgentControlServicer):
     """What node agents call."""
@@ -196,6 +215,7 @@ class AgentControlServicer(pbg.AgentControlServicer):
             request.host, [s.device for s in request.slots], request.pid, request.agent_id
         )
         agent.batch_execute = request.batch_execute
+        agent.data_plane_address = request.data_plane_address
         self.c.refresh_gauges()
         return pb.RegisterAgentResponse(
             agent_id=agent.agent_id,
@@ -209,6 +229,9 @@ class AgentControlServicer(pbg.AgentControlServicer):
             agent = self.c.registry.agent(request.agent_id)
         except ControlError as e:
             context.abort(GRPC_CODES[e.kind], e.message)
+        # The lease counts from here: between RegisterAgent and this stream an agent spawns
+        # its transfer processes (each imports torch), which on a busy host outlasts a lease.
+        agent.last_seen = time.monotonic()
         stream = self.c.refits.agents.open(agent.agent_id)
         agent.connected = True
         self.c.refresh_gauges()

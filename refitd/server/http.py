@@ -19,7 +19,17 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from refitd import __version__
 from refitd.security import TOKEN_COOKIE
 from refitd.server.auth import http_token_dependency
+from refitd.server.errors import ControlError, ErrorKind
+from refitd.server.explain import explain_document
 from refitd.server.status import status_document
+
+HTTP_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.PRECONDITION: 409,
+    ErrorKind.DEADLINE: 504,
+    ErrorKind.UNAVAILABLE: 503,
+}
 
 if TYPE_CHECKING:
     from refitd.server.controller import Controller
@@ -51,10 +61,25 @@ def build_app(c: Controller) -> FastAPI:
     @app.get("/v1/status", dependencies=guarded)
     def status(
         model: str = Query("", max_length=128, description="only this model"),
+        ranks: bool = Query(True, description="include the per-rank tables"),
     ) -> dict[str, Any]:
         if model and model not in c.registry.models:
             raise HTTPException(404, f"model {model!r} is not registered")
-        return status_document(c, model)
+        return status_document(c, model, with_ranks=ranks)
+
+    @app.get("/v1/explain", dependencies=guarded)
+    def explain(
+        model: str = Query(..., max_length=128, description="the model"),
+        tensor: str = Query(..., max_length=1024, description="tensor or canonical name"),
+        pool: str = Query("", max_length=128, description="only this destination pool"),
+        rank: int | None = Query(None, ge=0, description="only this rank"),
+    ) -> dict[str, Any]:
+        """Which source ranks and boxes feed the destination shards of a tensor."""
+        try:
+            doc, text = explain_document(c, model, tensor, pool, rank)
+        except ControlError as e:
+            raise HTTPException(HTTP_STATUS[e.kind], e.message) from e
+        return {**doc, "text": text}
 
     @app.get("/", response_class=HTMLResponse, dependencies=guarded)
     def index(request: Request) -> HTMLResponse:

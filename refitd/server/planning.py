@@ -6,21 +6,25 @@ source rank's tensors (so a trainer rank's Refit can return once its weights hav
 read). Registrations reach the planner as SpecTables kept per model (`ModelTables`, updated
 as workers register), so a plan starts from ready integer columns; a slot's program is
 built and serialized only when it is first needed (`ControllerPlan.load_payload`). This
-module is the only place that calls the planner.
+module is the only place that calls the planner. Plan and program builds run inside the
+caller's GcPause when one is given (the coordinator owns one per controller): the cyclic
+garbage collector stays off while any of them runs, in any thread, and comes back after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from refitd.plan.errors import PlanError
+from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
 from refitd.plan.program import SlotProgram
-from refitd.plan.table import SpecTable, paused_gc
+from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 
 SpecKey = tuple[str, int, str]  # (pool, rank, tensor name): where a memory handle is found
@@ -33,6 +37,7 @@ class PlanOptions:
     bucket_bytes: int
     sender_quantization: bool = False
     relay: bool = True
+    allow_dtype_cast: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class ControllerPlan:
     total_bytes: int
     readers: dict[tuple[str, int], frozenset[int]]  # (source pool, rank) -> slots reading it
     plan: Plan
+    gc_pause: GcPause | None = None  # the owner's pause, held while a program is built
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -63,7 +69,7 @@ class ControllerPlan:
             payload = self._payloads.get(slot)
         if payload is not None:
             return payload
-        with paused_gc():  # a full collection walks every registered spec (~0.4 s)
+        with self.gc_pause or contextlib.nullcontext():
             payload = self._payload(self.plan.program(slot))
         with self._lock:
             return self._payloads.setdefault(slot, payload)
@@ -134,6 +140,7 @@ def _planner_config(options: PlanOptions) -> PlanConfig:
         bucket_bytes=options.bucket_bytes,
         sender_quantization=options.sender_quantization,
         relay=options.relay,
+        allow_dtype_cast=options.allow_dtype_cast,
     )
 
 
@@ -158,14 +165,17 @@ def make_plan(
     sources: Sequence[TensorSpec] | SpecTable,
     destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
+    gc_pause: GcPause | None = None,
 ) -> ControllerPlan:
     """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION.
-    No slot program is built here (see ControllerPlan.load_payload)."""
-    src, dst = _table(sources), _table(destinations)
-    try:
-        plan = build_plan_from_table(model, epoch, src, dst, _planner_config(options))
-    except PlanError as e:
-        raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
+    No slot program is built here (see ControllerPlan.load_payload); the plan keeps
+    `gc_pause` for them."""
+    with gc_pause or contextlib.nullcontext():
+        src, dst = _table(sources), _table(destinations)
+        try:
+            plan = build_plan_from_table(model, epoch, src, dst, _planner_config(options))
+        except PlanError as e:
+            raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
     ranks = {(t.pool, t.rank) for t in src.specs}
     return ControllerPlan(
         digest=plan.digest,
@@ -173,6 +183,7 @@ def make_plan(
         total_bytes=plan.stats.total_bytes,
         readers={(pool, rank): frozenset(plan.source_slots_of(pool, rank)) for pool, rank in ranks},
         plan=plan,
+        gc_pause=gc_pause,
     )
 
 
@@ -202,6 +213,11 @@ class PlanCache:
             self._plans.move_to_end(plan.digest)
             while len(self._plans) > self.capacity:
                 self._plans.popitem(last=False)
+
+    def latest(self, model: str) -> ControllerPlan | None:
+        """The most recently used plan of `model` (no hit or miss counted)."""
+        with self._lock:
+            return next((p for p in reversed(self._plans.values()) if p.plan.model == model), None)
 
     def __len__(self) -> int:
         with self._lock:

@@ -6,6 +6,7 @@ fix the registration without reading controller logs.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 
@@ -128,6 +129,14 @@ def check_register_agent(req: pb.RegisterAgentRequest) -> None:
     if req.pid < 0:
         raise invalid(f"field pid of agent on host {req.host!r} must be >= 0, got {req.pid}")
     check_optional_id(req.agent_id, f"field agent_id of agent on host {req.host!r}")
+    if req.data_plane_address:
+        try:
+            ipaddress.ip_address(req.data_plane_address)
+        except ValueError:
+            raise invalid(
+                f"field data_plane_address of agent on host {req.host!r} must be an IP "
+                f"address, got {req.data_plane_address[:64]!r}"
+            ) from None
 
 
 def check_report(req: pb.AgentReport, slots: list[int]) -> None:
@@ -258,8 +267,11 @@ def _spec(
         raise invalid(f"{where}: unknown storage {storage[:64]!r}; known: {list(STORAGE_FORMATS)}")
     if not t.memory:
         raise invalid(f"{where}: field memory (the memory handle) is empty")
-    if not t.boxes:
-        raise invalid(f"{where}: no boxes (a placement needs at least one)")
+    if not t.boxes and math.prod(lshape):
+        raise invalid(
+            f"{where}: no boxes, but local_shape {list(lshape)} holds {math.prod(lshape)} "
+            "elements (only an empty shard, a local dim of 0, may hold no part of the tensor)"
+        )
     boxes = tuple(_box(b, i, gshape, lshape, where) for i, b in enumerate(t.boxes))
     _check_disjoint(boxes, where)
     return TensorSpec(

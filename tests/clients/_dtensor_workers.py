@@ -14,7 +14,7 @@ PARAMS: dict[str, tuple[tuple[int, ...], tuple[str, str]]] = {
     "block.c": ((5, 3), ("R", "R")),
     "block.d": ((11,), ("S0", "S0")),
     "block.e": ((3, 8), ("R", "S1")),
-    "tiny": ((1, 6), ("S0", "R")),  # rank row 1 of the mesh holds nothing of it
+    "tiny": ((1, 6), ("S0", "R")),  # rank row 1 of the mesh holds an empty shard of it
 }
 FSDP = "fsdp.weight"  # an nn.Linear(9, 5) sharded by FSDP2's fully_shard on the 4 ranks
 
@@ -81,4 +81,70 @@ def _fsdp_linear(weight: torch.Tensor) -> torch.nn.Module:
     fully_shard(lin, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
     # FSDP2 re-pads uneven shards at its lazy init (the first forward): register after it.
     lin(torch.zeros(1, 9, dtype=torch.bfloat16))
+    # A root module stays unsharded after its forward: reshard, so rows 2, 2, 1, 0 register.
+    lin.reshard()
     return lin
+
+
+# Empty shards: a 1-D mesh of 4 ranks over dims shorter than the mesh (torch.chunk gives the
+# trailing ranks nothing). name -> (global shape, dtype); "fsdp.*" belong to an
+# nn.Linear(12, 6) sharded by fully_shard, the others are distribute_tensor(..., [Shard(0)]).
+EMPTY: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "e": ((3, 4), torch.float32),  # rows 1, 1, 1, 0
+    "router": ((2,), torch.float32),  # 1, 1, 0, 0
+    "fsdp.weight": ((6, 12), torch.bfloat16),  # 2, 2, 2, 0
+    "fsdp.bias": ((6,), torch.bfloat16),  # 2, 2, 2, 0
+}
+
+
+def empty_shard_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(77)
+    return {n: torch.randn(s, generator=g).to(d) for n, (s, d) in EMPTY.items()}
+
+
+def empty_shard_trainer_rank(rank: int, port: int, controller: str, results: Any) -> None:
+    """Rank `rank` of 4: rank 3 holds only empty shards. Ranks 0 and 3 register through the
+    DTensor adapter, ranks 1 and 2 pass their DTensors to register() directly."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from clients.dtensor_adapter import register_dtensor_module
+    from refitd.client import TrainerClient
+
+    trainer = None
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4
+        )
+        mesh = init_device_mesh("cpu", (4,))
+        weights = empty_shard_weights()
+        module = torch.nn.Module()
+        for name in ("e", "router"):
+            dt = distribute_tensor(weights[name], mesh, [Shard(0)])
+            module.register_parameter(name, torch.nn.Parameter(dt))
+        lin = torch.nn.Linear(12, 6, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(weights["fsdp.weight"])
+            lin.bias.copy_(weights["fsdp.bias"])
+        fully_shard(lin, mesh=mesh)
+        lin(torch.zeros(1, 12, dtype=torch.bfloat16))  # FSDP2's lazy init re-pads the shards
+        lin.reshard()  # a root module stays unsharded after its forward
+        module.fsdp = lin
+        shapes = {n: tuple(p.to_local().shape) for n, p in module.named_parameters()}
+        trainer = TrainerClient(controller, "empty", rank=rank, pool_size=4, device=f"cpu:{rank}")
+        if rank in (0, 3):
+            register_dtensor_module(trainer, module)
+        else:
+            trainer.register(dict(module.named_parameters()))
+        results.put((rank, "shapes", shapes))
+        dist.barrier()
+        results.put((rank, "v1", trainer.refit(1, wait="committed", timeout=60).state))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp
 from _adapter_models import subscribed
-from _hf_models import DSV3, LLAMA, config, megatron_weights, model, trainer_rank
+from _hf_models import DSV3, LLAMA, QWEN3, QWEN3_MOE, config, megatron_weights, model, trainer_rank
 
 from clients.hf_names import apply_name_map, hf_checkpoint_tensors, name_map_for
 from refitd.client import InferenceClient
@@ -23,7 +23,7 @@ from refitd.plan.errors import PlanError
 BATCH = torch.tensor([[3, 17, 99, 4, 250, 8, 61, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-@pytest.mark.parametrize("kind", [LLAMA, DSV3])
+@pytest.mark.parametrize("kind", [LLAMA, DSV3, QWEN3, QWEN3_MOE])
 def test_map_covers_every_hf_tensor_and_every_megatron_tensor(kind: str) -> None:
     ref = model(kind, 0)
     name_map = name_map_for(ref.config)
@@ -34,7 +34,7 @@ def test_map_covers_every_hf_tensor_and_every_megatron_tensor(kind: str) -> None
     assert {r.dst for r in name_map.rules} == set(hf)
 
 
-@pytest.mark.parametrize("kind", [LLAMA, DSV3])
+@pytest.mark.parametrize("kind", [LLAMA, DSV3, QWEN3, QWEN3_MOE])
 def test_boxes_read_the_right_megatron_rows(kind: str) -> None:
     """Filling every HF tensor from its boxes in the Megatron globals rebuilds the model."""
     ref = model(kind, 0)

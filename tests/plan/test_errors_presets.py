@@ -8,7 +8,14 @@ import pytest
 
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import Box
-from refitd.plan.layouts import explicit_layout, make_spec, megatron_layout
+from refitd.plan.layouts import (
+    Layout,
+    Shard,
+    dtensor_layout,
+    explicit_layout,
+    make_spec,
+    megatron_layout,
+)
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.presets import PRESETS, preset
 
@@ -46,6 +53,25 @@ def test_dtype_mismatch_without_cast():
         plan([spec("t", 0, "w", (4,))], [spec("i", 0, "w", (4,), dtype="bfloat16", slot=9)])
 
 
+def test_dtype_mismatch_names_the_setting_and_casts_stay_between_floats():
+    with pytest.raises(
+        PlanError, match=r"refitd serve --allow-dtype-cast.*REFITD_ALLOW_DTYPE_CAST"
+    ):
+        plan([spec("t", 0, "w", (4,))], [spec("i", 0, "w", (4,), dtype="float16", slot=9)])
+    # with casts on, a float destination plans; an integer one is refused at plan time
+    plan(
+        [spec("t", 0, "w", (4,))],
+        [spec("i", 0, "w", (4,), dtype="float16", slot=9)],
+        allow_dtype_cast=True,
+    )
+    with pytest.raises(PlanError, match=r"'w'.*int32.*float32; casts exist only between float"):
+        plan(
+            [spec("t", 0, "w", (4,))],
+            [spec("i", 0, "w", (4,), dtype="int32", slot=9)],
+            allow_dtype_cast=True,
+        )
+
+
 def test_overlapping_source_boxes():
     a = explicit_layout((3,), [((0,), (3,), (0,))])
     b = explicit_layout((3,), [((2,), (3,), (0,))])
@@ -64,6 +90,30 @@ def test_hole_in_source():
     lay = explicit_layout((2,), [Box((0,), (2,), (0,))])
     with pytest.raises(PlanError, match=r"holes in the source.*cover 2 of 5"):
         plan([spec("t", 0, "w", (5,), layout=lay)], [spec("i", 0, "w", (5,), slot=9)])
+
+
+def test_hole_beside_empty_shards_names_tensor_and_region():
+    # [3, 4] Shard(0) over 4 ranks: rank 3's shard is empty, rank 1 never registered
+    def rows(pool, r, slot=None):
+        lay = dtensor_layout((3, 4), (4,), (r,), [Shard(0)], label="e")
+        return spec(pool, r, "e", (3, 4), layout=lay, slot=slot)
+
+    assert rows("t", 3).boxes == ()
+    plan([rows("t", r) for r in range(4)], [rows("i", r, 9 + r) for r in range(4)])
+    with pytest.raises(
+        PlanError,
+        match=r"holes in the source: tensor 'e' .*global shape \(3, 4\) cover 8 of 12 elements; "
+        r"no shard holds the block at offset \(1, 0\) of shape \(1, 4\)",
+    ):
+        plan([rows("t", r) for r in (0, 2, 3)], [rows("i", r, 9 + r) for r in range(4)])
+    with pytest.raises(
+        PlanError,
+        match=r"holes in the destination pool 'i': tensor 'e'.*offset \(2, 0\) of shape \(1, 4\)",
+    ):
+        plan([rows("t", r) for r in range(4)], [rows("i", r, 9 + r) for r in (0, 1, 3)])
+    # a replica that holds nothing of a non-empty local tensor is refused, not skipped
+    with pytest.raises(PlanError, match=r"no boxes, but local shape \(3, 4\) is not empty"):
+        spec("i", 0, "e", (3, 4), layout=Layout((3, 4), ()))
 
 
 def test_stride_not_dividing():

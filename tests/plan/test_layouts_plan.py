@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refitd.plan.errors import PlanError
+from refitd.plan.layout import Box
 from refitd.plan.layouts import (
     Replicate,
     Shard,
@@ -14,8 +18,15 @@ from refitd.plan.layouts import (
     megatron_layout,
     torch_chunk_bounds,
 )
-from refitd.plan.names import NameMap, canonical_name, split_fused_qkv, split_gated_fc1
-from refitd.plan.planner import PlanConfig
+from refitd.plan.names import (
+    NameMap,
+    canonical_name,
+    rename,
+    source_boxes,
+    split_fused_qkv,
+    split_gated_fc1,
+)
+from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import SlotProgram
 
 from .oracle import run_and_check
@@ -193,9 +204,8 @@ def test_dtensor_uneven_two_dims(n0, n1, mesh_s, pl_s, mesh_d, pl_d, relay):
         for a in range(mesh[0]):
             for b in range(mesh[1]):
                 r = a * mesh[1] + b
+                # torch.chunk leaves trailing ranks empty: they register with no boxes
                 lay = dtensor_layout(shape, mesh, (a, b), pls, label="w")
-                if not lay.boxes:  # torch.chunk leaves trailing ranks empty
-                    continue
                 out.append(
                     make_spec(
                         model="m",
@@ -213,6 +223,63 @@ def test_dtensor_uneven_two_dims(n0, n1, mesh_s, pl_s, mesh_d, pl_d, relay):
     run_and_check(
         side("train", mesh_s, pl_s, 0), side("inf", mesh_d, pl_d, 50), PlanConfig(relay=relay)
     )
+
+
+def dspec(pool, rank, slot, name, shape, mesh, placements):
+    return make_spec(
+        model="m",
+        pool=pool,
+        rank=rank,
+        slot=slot,
+        name=name,
+        global_shape=shape,
+        dtype="float32",
+        layout=dtensor_layout(shape, mesh, (rank,), placements, label=name),
+    )
+
+
+def test_empty_shards_plan_and_move_nothing():
+    """[3, 4] Shard(0) over 4 ranks (1, 1, 1, 0 rows) and a [2] bias (1, 1, 0, 0) into an
+    unsharded pool, Shard(1) over 3 (2, 2, 0 columns) and Shard(0) over 5 (ranks 3 and 4
+    hold nothing and share slot 33 with nothing else)."""
+    tensors = {"e": (3, 4), "bias": (2,)}
+    src = [dspec("t", r, r, n, s, (4,), [Shard(0)]) for r in range(4) for n, s in tensors.items()]
+    full = [dspec("full", 0, 10, n, s, (1,), [Replicate()]) for n, s in tensors.items()]
+    cols = [
+        dspec("cols", r, 20 + r, n, s, (3,), [Shard(len(s) - 1)])
+        for r in range(3)
+        for n, s in tensors.items()
+    ]
+    rows = [
+        dspec("rows", r, 30 + min(r, 3), n, s, (5,), [Shard(0)])
+        for r in range(5)
+        for n, s in tensors.items()
+    ]
+    empty = [x for x in src + cols + rows if 0 in x.local_shape]
+    assert {(x.pool, x.rank, x.name) for x in empty} == {
+        ("t", 3, "e"),
+        ("t", 2, "bias"),
+        ("t", 3, "bias"),
+        ("cols", 2, "e"),
+        ("cols", 2, "bias"),
+        ("rows", 3, "e"),
+        ("rows", 4, "e"),
+        ("rows", 2, "bias"),
+        ("rows", 3, "bias"),
+        ("rows", 4, "bias"),
+    }
+    assert all(x.boxes == () for x in empty)
+    for relay in (False, True):
+        plan = run_and_check(src, full + cols + rows, PlanConfig(relay=relay, bucket_bytes=16))
+        # only empty shards on slot 33: its program sends, receives and maps nothing
+        idle = plan.program(33)
+        assert (idle.sends, idle.recvs, idle.local, idle.tensors) == ((), (), (), {})
+        tensors_of = plan.tensors
+        for slot in plan.slots():
+            prog = plan.program(slot)
+            copies = [*prog.local, *(c for m in (*prog.sends, *prog.recvs) for c in m.copies)]
+            touched = {c.src_tensor for c in copies} | {c.dst_tensor for c in copies}
+            assert not [i for i in touched if 0 in tensors_of[i].local_shape], slot
 
 
 def test_torch_chunk_semantics_and_explicit_chunks():
@@ -345,3 +412,45 @@ def test_slot_program_round_trip_and_rounds():
         per_round = [(m.round, m.dst_slot) for m in p.sends]
         assert len(per_round) == len(set(per_round))  # one message per peer per round
     assert plan.source_slots_of("train", 3) == [3]
+
+
+def test_padded_vocabulary_rows_are_declared_padding_never_written():
+    """An engine vocabulary padded to a multiple of 64 (250 -> 256) and split over TP=4
+    from a Megatron TP=2 embedding: the 6 padding rows keep their bytes (7 in the oracle),
+    and the rule's declared padding is what makes the plan valid."""
+    vocab, padded, h = 250, 256, 8
+    src = tp_side("train", 2, 1, 1, (vocab, h), 0, 0, name="emb")
+    dst = tp_side("vllm", 4, 1, 1, (padded, h), 0, 10, name="embed_tokens")
+    nm = NameMap((rename("embed_tokens", "emb", vocab, padding=padded - vocab),))
+
+    def expect(f):
+        return {"embed_tokens": np.concatenate([f["emb"], np.full((6, h), 7, f["emb"].dtype)])}
+
+    plan = run_and_check(src, dst, PlanConfig(name_map=nm), globals_=expect)
+    assert plan.stats.total_bytes == vocab * h * 4
+    with pytest.raises(PlanError, match=r"cover 250 of dim 0 .*embed_tokens.*\(256, 8\)"):
+        build_plan(
+            "m", 1, src, dst, PlanConfig(name_map=NameMap((rename("embed_tokens", "emb", vocab),)))
+        )
+    with pytest.raises(PlanError, match=r"cover 258 of dim 0"):
+        bad = NameMap((rename("embed_tokens", "emb", vocab, padding=8),))
+        build_plan("m", 1, src, dst, PlanConfig(name_map=bad))
+
+
+def test_source_boxes_through_a_rule_drop_declared_padding():
+    """A destination box resolved through a rule: parts become source boxes at their
+    local offsets, rows in the declared padding map to nothing, rows past it are an error."""
+    qkv = split_fused_qkv("qkv", "q", "k", "v", 4, 2, 2)  # groups [q q q q k k v v] x 2
+    rules = {r.dst: r for r in [*qkv, rename("emb", "word", 250, padding=6)]}
+    got = source_boxes(rules, "q", Box((2, 0), (4, 3), (10, 0)))  # q rows 2..6 at local 10
+    assert got == [
+        ("qkv", Box((2, 0), (2, 3), (10, 0))),  # end of group 0's q rows
+        ("qkv", Box((8, 0), (2, 3), (12, 0))),  # start of group 1's q rows
+    ]
+    assert source_boxes(rules, "emb", Box((192, 0), (64, 8), (0, 0))) == [
+        ("word", Box((192, 0), (58, 8), (0, 0)))
+    ]
+    assert source_boxes(rules, "emb", Box((250, 0), (6, 8), (58, 0))) == []
+    assert source_boxes(rules, "other", Box((0,), (3,), (0,))) == [("other", Box((0,), (3,), (0,)))]
+    with pytest.raises(PlanError, match=r"rows \[200, 264\) of dim 0 of 'emb'.*256 rows"):
+        source_boxes(rules, "emb", Box((200, 0), (64, 8), (0, 0)))

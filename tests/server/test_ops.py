@@ -45,6 +45,35 @@ def test_http_endpoints(controller: Controller, cluster: Cluster) -> None:
         missing = http.get("/v1/status", params={"model": "nope"})
         assert missing.status_code == 404 and "'nope'" in missing.json()["detail"]
         assert http.get("/v1/status", params={"model": "x" * 200}).status_code == 422
+        pools = {p["name"]: p for p in doc["models"][0]["pools"]}
+        assert pools["infer"]["summary"]["versions"] == {"1": 1}
+        assert pools["infer"]["summary"]["lagging"] == "" == pools["trainer"]["summary"]["dead"]
+        plan = doc["models"][0]["plan"]
+        assert {x["slot"] for x in plan["slots"]} == {x["slot"] for x in doc["slots"]}
+        assert sum(x["send"] for x in plan["slots"]) == plan["remote_bytes"] > 0
+        assert set(doc["refits"][0]["phases"]) == {
+            "barrier",
+            "pause",
+            "transfer",
+            "commit",
+            "other",
+        }
+        brief = http.get("/v1/status", params={"model": cluster.model, "ranks": "false"}).json()
+        assert all("ranks" not in p for p in brief["models"][0]["pools"])
+        ex = http.get("/v1/explain", params={"model": cluster.model, "tensor": "w"}).json()
+        [shard] = ex["shards"]
+        assert (shard["pool"], shard["rank"]) == ("infer", 0)
+        assert shard["nbytes"] >= 4 * 8 * 2  # wire bytes, segment alignment included
+        assert sorted(f["source"] for f in shard["feeds"]) == ["trainer:0", "trainer:1"]
+        assert "S(trainer:1)[2:4, 0:8] -> R[2:4, 0:8]" in ex["text"]
+        for params, words in (
+            ({"model": "nope", "tensor": "w"}, "model 'nope'"),
+            ({"model": cluster.model, "tensor": "v"}, "no destination tensor 'v'"),
+            ({"model": cluster.model, "tensor": "w", "pool": "p9"}, "pool 'p9'"),
+            ({"model": cluster.model, "tensor": "w", "rank": 3}, "rank 3"),
+        ):
+            bad = http.get("/v1/explain", params=params)
+            assert bad.status_code == 404 and words in bad.json()["detail"], bad.text
         page = http.get("/")
         assert page.status_code == 200 and "refitd" in page.text
         assert "http://" not in page.text and "https://" not in page.text  # no external assets
@@ -77,6 +106,22 @@ def test_status_cli(
     assert cluster.model in [m["name"] for m in doc["models"]]
     assert status_cli.run(p.parse_args(["--controller", controller.grpc_address])) == 0
     assert f"model {cluster.model}: committed v0" in capsys.readouterr().out
+
+
+def test_explain_cli(
+    controller: Controller, cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from refitd.cli import explain as explain_cli
+
+    p = argparse.ArgumentParser()
+    explain_cli.add_arguments(p)
+    base = ["--controller", controller.grpc_address, cluster.model, "w"]
+    assert explain_cli.run(p.parse_args([*base, "--pool", "infer", "--rank", "0"])) == 0
+    out = capsys.readouterr().out
+    assert "infer:0 w (canonical w, local 4x8 float32" in out
+    assert "S(trainer:0)[0:2, 0:8] -> R[0:2, 0:8]" in out
+    assert explain_cli.run(p.parse_args([*base, "--rank", "5"])) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
 
 
 def test_restart_keeps_versions_and_registry(tmp_path: Path) -> None:

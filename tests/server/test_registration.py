@@ -36,6 +36,11 @@ def refused(stub: pbg.RefitStub, req: pb.RegisterWorkerRequest) -> grpc.RpcError
     return e.value
 
 
+# an empty shard (torch.chunk gives trailing ranks nothing): no boxes, a local dim of 0
+EMPTY: dict[str, object] = dict(
+    name="w", global_shape=[4, 8], dtype="float32", local_shape=[0, 8], boxes=[], memory=b"x"
+)
+
 CASES = [
     (
         dict(rank=2, pool_size=2),
@@ -74,6 +79,12 @@ CASES = [
         ),
         "INVALID_ARGUMENT",
         "tensor 'w' of rank 0 in pool 'infer2': unknown dtype 'float33'",
+    ),
+    (
+        dict(tensors=[pb.TensorRegistration(**{**EMPTY, "local_shape": [2, 8]})]),
+        "INVALID_ARGUMENT",
+        "tensor 'w' of rank 0 in pool 'infer2': no boxes, but local_shape [2, 8] holds 16 "
+        "elements (only an empty shard",
     ),
     (dict(device="cpu:7"), "FAILED_PRECONDITION", "no node agent serves device cpu:7 on host"),
     (

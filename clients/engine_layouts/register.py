@@ -1,0 +1,145 @@
+"""Register an engine rank's parameters (vLLM / SGLang names) as destinations of a Megatron
+trainer, through an EngineLayout (clients.engine_layouts.layouts).
+
+Each engine tensor becomes one registration per piece: the fused `qkv_proj` registers as
+`...qkv_proj.weight` (its q heads), `...qkv_proj.weight@k_proj` and `@v_proj`, all on the
+same memory, each as boxes of the Megatron tensor the name map reads (fused QKV rows of
+every KV group). One registration per piece keeps replicated KV heads a whole replica of
+their own (ranks sharing a KV head hold identical boxes). A stacked expert parameter
+registers one slice per local expert (`...w13_weight[k]`). A piece that lies entirely in
+declared padding (a vocabulary shard past the real vocabulary) registers nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from clients.engine_layouts.layouts import EngineLayout, EngineTensor
+from clients.hf_names import source_extents
+from refitd.client import Placed
+from refitd.client.worker import Registration, WorkerClient
+from refitd.plan.errors import PlanError
+from refitd.plan.layout import PLAIN, Box
+from refitd.plan.names import source_boxes
+
+
+def _short(canonical: str) -> str:
+    """`model.layers.0.self_attn.k_proj.weight` -> `k_proj`."""
+    parts = canonical.split(".")
+    return parts[-2] if len(parts) > 1 else canonical
+
+
+def _local(params: Mapping[str, torch.Tensor], t: EngineTensor) -> torch.Tensor:
+    if t.name not in params:
+        raise PlanError(f"engine tensor {t.name!r} is missing from the model's parameters")
+    x = params[t.name]
+    if t.index is not None:
+        if x.dim() < 1 or not 0 <= t.index < x.shape[0]:
+            raise PlanError(
+                f"engine tensor {t.name!r} of shape {tuple(x.shape)} has no expert slice {t.index}"
+            )
+        x = x[t.index]
+    if tuple(x.shape) != t.local_shape:
+        raise PlanError(
+            f"engine tensor {t.key!r} has shape {tuple(x.shape)}, its layout says {t.local_shape}"
+        )
+    return x
+
+
+def engine_placements(
+    params: Mapping[str, torch.Tensor],
+    layout: EngineLayout,
+    storage: Mapping[str, str] | None = None,
+    through_map: bool = True,
+    scales: Mapping[str, torch.Tensor] | None = None,
+    dtype: str = "bfloat16",
+) -> dict[str, Placed]:
+    """Every engine tensor of the layout as Placed boxes, one registration per piece.
+
+    through_map: boxes in the source (Megatron) canonicals, through the layout's name map
+    (`refitd.plan.names.source_boxes`; declared padding rows map to nothing), which any
+    controller plans as is; False: boxes in the HF canonicals (for a planner given the
+    name map itself). storage: registration storage by engine parameter name ("mxfp8",
+    "fp8_block") for quantized persistent buffers (plain by default); such a parameter is
+    its uint8 data, `scales[name]` its scale buffer, `dtype` what they stand for.
+    """
+    rules = layout.name_map.index() if through_map else {}
+    extents = source_extents(layout.name_map) if through_map else {}
+    out: dict[str, Placed] = {}
+    for t in layout.tensors:
+        x = _local(params, t)
+        kind = (storage or {}).get(t.name, PLAIN)
+        sc = None
+        if kind != PLAIN:
+            if scales is None or t.name not in scales:
+                raise PlanError(f"engine tensor {t.name!r}: {kind} storage without scales")
+            sc = scales[t.name] if t.index is None else scales[t.name][t.index]
+        for k, p in enumerate(t.pieces):
+            offset = [0] * x.dim()
+            local = [0] * x.dim()
+            shape = list(x.shape)
+            offset[p.dim], local[p.dim], shape[p.dim] = p.start, p.local, p.length
+            box = Box(tuple(offset), tuple(shape), tuple(local))
+            key = t.key if k == 0 else f"{t.key}@{_short(p.canonical)}"
+            for j, (source, b) in enumerate(source_boxes(rules, p.canonical, box)):
+                gshape = list(p.global_shape)
+                if source in extents:
+                    dim, length = extents[source]
+                    gshape[dim] = length
+                out[key if j == 0 else f"{key}#{j}"] = Placed(
+                    x,
+                    tuple(gshape),
+                    [b],
+                    canonical=source,
+                    storage=kind,
+                    scales=sc,
+                    dtype=dtype if kind != PLAIN else None,
+                )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Slice:
+    """An expert slice of a stacked parameter (to re-point the parameter after its storage
+    moved to shared memory)."""
+
+    param: torch.Tensor
+    view: torch.Tensor
+    offset_delta: int
+
+
+def register_engine(
+    client: WorkerClient,
+    params: Mapping[str, torch.Tensor],
+    layout: EngineLayout,
+    storage: Mapping[str, str] | None = None,
+    scales: Mapping[str, torch.Tensor] | None = None,
+) -> Registration:
+    """Register an engine rank's parameters (e.g. `dict(model.named_parameters())`) as
+    destinations through `layout` (quantized ones: see engine_placements). Stacked expert
+    parameters are re-pointed at the shared memory their slices moved to (CPU), so the
+    engine serves what the refit writes."""
+    placed = engine_placements(params, layout, storage, scales=scales)
+    slices = []
+    for t in layout.tensors:
+        if t.index is not None and t.key in placed:
+            p = placed[t.key]
+            pairs = [(params[t.name], p.tensor)]
+            if p.scales is not None and scales is not None:
+                pairs.append((scales[t.name], p.scales))
+            for param, view in pairs:
+                slices.append(_Slice(param, view, param.storage_offset() - view.storage_offset()))
+    reg = client.register(placed)
+    with torch.no_grad():
+        for s in slices:
+            if s.param.untyped_storage().data_ptr() != s.view.untyped_storage().data_ptr():
+                s.param.set_(
+                    s.view.untyped_storage(),
+                    s.view.storage_offset() + s.offset_delta,
+                    s.param.size(),
+                    s.param.stride(),
+                )
+    return reg

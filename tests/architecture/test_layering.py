@@ -1,0 +1,207 @@
+"""The layering rules of docs/architecture.md, checked so they cannot break silently.
+
+Each layer's modules are imported, every one of them, in a fresh interpreter whose first
+import finder refuses the layer's forbidden modules (tests/architecture/_blocked_imports.py):
+a violation fails with the chain of modules that led to the forbidden import. Imports made
+inside functions only run when the function does, so every module's source is also read for
+`import` statements anywhere in it (outside `if TYPE_CHECKING:` blocks); the few deliberate
+ones are listed in ALLOWED_LAZY with the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("_blocked_imports.py")
+OPTIONAL = ["triton"]  # optional third-party packages (GPU kernels)
+# the Triton kernel modules: left unchecked where triton is not installed
+TRITON_MODULES = {"refitd.formats._triton_jit", "refitd.formats._triton_grouped"}
+ENTRY_POINTS = ("refitd.cli", "refitd.demo")  # they assemble the layers: nothing imports them
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules of `layer` must not import `forbidden` (module prefixes); with `only_refitd`,
+    no refitd module outside those packages either."""
+
+    layer: str
+    why: str
+    forbidden: tuple[str, ...]
+    only_refitd: tuple[str, ...] | None = None
+
+
+RULES = [
+    Rule(
+        "refitd.plan",
+        "the planner is pure Python + NumPy: no torch, no gRPC, no other refitd layer",
+        ("torch", "grpc", "google.protobuf", "triton"),
+        only_refitd=("refitd.plan",),
+    ),
+    Rule(
+        "refitd.transport",
+        "transports move bytes only: they never know gRPC, the controller or the clients",
+        (
+            *("grpc", "google.protobuf", "refitd._proto", "refitd.server", "refitd.client"),
+            *("refitd.agent", *ENTRY_POINTS),
+        ),
+    ),
+    Rule(
+        "refitd.formats",
+        "codecs know tensors and wire layouts, not gRPC or the processes that call them",
+        (
+            *("grpc", "google.protobuf", "refitd._proto", "refitd.server", "refitd.client"),
+            *("refitd.agent", "refitd.transport", *ENTRY_POINTS),
+        ),
+    ),
+    Rule(
+        "refitd.server",
+        "the controller never touches tensor bytes: no torch, no data-plane layer",
+        (
+            *("torch", "triton", "refitd.agent", "refitd.transport", "refitd.formats"),
+            *("refitd.client", *ENTRY_POINTS),
+        ),
+    ),
+    Rule(
+        "refitd.client",
+        "the worker library does not carry the controller or the node agent",
+        ("refitd.server", "refitd.agent", *ENTRY_POINTS),
+    ),
+    Rule(
+        "refitd.agent",
+        "the node agent talks to the controller over gRPC only, never through its code",
+        ("refitd.server", *ENTRY_POINTS),
+    ),
+]
+
+# (module, imported module): why this function-level import is fine
+ALLOWED_LAZY = {
+    ("refitd.server.rendezvous", "torch.distributed"): (
+        "runs only in the rendezvous store's own child process (python -m "
+        "refitd.server.rendezvous), never in the controller"
+    ),
+}
+
+
+def _modules(layer: str) -> list[str]:
+    """Every module of the layer's package, found on disk (nothing is imported here)."""
+    base = ROOT / layer.replace(".", "/")
+    out = []
+    for path in sorted(base.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out.append(".".join(parts))
+    return out
+
+
+def _blocked(name: str, rule: Rule) -> bool:
+    def under(prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    if any(under(p) for p in rule.forbidden):
+        return True
+    if rule.only_refitd is None or not name.startswith("refitd."):
+        return False
+    return not any(under(p) for p in rule.only_refitd)
+
+
+def _imports(tree: ast.AST, module: str) -> list[tuple[int, str]]:
+    """(line, imported module) of every import statement, TYPE_CHECKING blocks skipped."""
+    out: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                package = module.rsplit(".", node.level)[0]
+                base = f"{package}.{node.module}" if node.module else package
+            else:
+                base = node.module or ""
+            out.append((node.lineno, base))
+            out.extend((node.lineno, f"{base}.{a.name}") for a in node.names if base == "refitd")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def _run_probe(rule: Rule) -> dict:
+    args = {
+        "root": str(ROOT),
+        "modules": _modules(rule.layer),
+        "forbidden": list(rule.forbidden),
+        "only_refitd": None if rule.only_refitd is None else list(rule.only_refitd),
+        "optional": OPTIONAL,
+    }
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, f"import probe of {rule.layer} crashed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.layer for r in RULES])
+def test_layer_imports_nothing_forbidden(rule: Rule) -> None:
+    """Import every module of the layer with its forbidden modules blocked."""
+    out = _run_probe(rule)
+    assert out["loaded_from"] == str(ROOT / "refitd" / "__init__.py"), out["loaded_from"]
+    assert not out["preloaded"], f"already imported before the check: {out['preloaded']}"
+    faults = []
+    seen = set()
+    for a in out["attempts"]:
+        key = (a["blocked"], tuple(a["chain"]))
+        if key not in seen:
+            seen.add(key)
+            faults.append(f"  {' -> '.join(a['chain'])} -> {a['blocked']}")
+    if faults:
+        pytest.fail(
+            f"{rule.layer}: {rule.why}; forbidden imports (importer chain -> forbidden "
+            "module):\n" + "\n".join(faults),
+            pytrace=False,
+        )
+    assert not out["broken"], f"{rule.layer}: modules that fail to import: {out['broken']}"
+    # only the Triton kernels may be left unchecked, where triton is not installed
+    assert set(out["unavailable"]) <= TRITON_MODULES, out["unavailable"]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.layer for r in RULES])
+def test_layer_source_has_no_forbidden_lazy_import(rule: Rule) -> None:
+    """Imports inside functions (run only when called) obey the same rule."""
+    faults = []
+    for module in _modules(rule.layer):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            path = ROOT / module.replace(".", "/") / "__init__.py"
+        for line, imported in _imports(ast.parse(path.read_text()), module):
+            if _blocked(imported, rule) and (module, imported) not in ALLOWED_LAZY:
+                faults.append(f"  {path.relative_to(ROOT)}:{line}: import {imported}")
+    if faults:
+        pytest.fail(
+            f"{rule.layer}: {rule.why}; forbidden imports:\n" + "\n".join(faults), pytrace=False
+        )
+
+
+def test_rules_cover_every_layer() -> None:
+    """A new top-level package of refitd gets a rule (or is an entry point) on purpose."""
+    packages = {p.name for p in (ROOT / "refitd").iterdir() if (p / "__init__.py").exists()}
+    ruled = {r.layer.split(".")[1] for r in RULES}
+    entry = {e.split(".")[1] for e in ENTRY_POINTS}
+    assert packages - ruled - entry - {"_proto"} == set()
