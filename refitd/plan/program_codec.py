@@ -120,6 +120,7 @@ class _Reader:
     def __init__(self, data: bytes, slot: int | None) -> None:
         self.data = memoryview(data)
         self.slot = slot
+        self.spans: list[tuple[int, int]] = []  # body bytes the columns cover
 
     def fail(self, field: str, what: str) -> ProgramError:
         who = "?" if self.slot is None else self.slot
@@ -157,6 +158,17 @@ class _Reader:
         self.body = self.data[n + hlen :]
         return {"counts": counts, "meta": meta, "head": head, "pools": pools}
 
+    def padding(self) -> None:
+        """Bytes no column covers (alignment padding, written as zeros) must be zero and
+        the body must end with the last column: no checksum covers them otherwise."""
+        pos = 0
+        for lo, hi in sorted(self.spans):
+            if lo > pos and any(self.body[pos:lo]):
+                raise self.fail("body", f"non-zero padding in bytes [{pos}, {lo})")
+            pos = max(pos, hi)
+        if len(self.body) != pos:
+            raise self.fail("body", f"{len(self.body) - pos} bytes after the last column")
+
     def column(self, name: str, meta: dict, shape: tuple[int, ...]) -> np.ndarray:
         if name not in meta:
             raise self.fail(name, "missing")
@@ -171,6 +183,7 @@ class _Reader:
                 f"truncated: needs bytes [{off}, {off + nbytes}) of a {len(self.body)}-byte body",
             )
         raw = self.body[off : off + nbytes]
+        self.spans.append((off, off + nbytes))
         if zlib.crc32(raw) != crc:
             raise self.fail(name, "checksum mismatch (corrupted in transit or in storage)")
         a = np.frombuffer(raw, dtype=dtype).reshape(shape)
@@ -185,6 +198,7 @@ def decode(data: bytes, slot: int | None = None) -> SlotProgram:
     h = r.header()
     shapes = _shapes(h["counts"])
     cols = {name: r.column(name, h["meta"], shape) for name, shape in shapes.items()}
+    r.padding()
     digest, slot_, local_start = h["head"]
     pools = h["pools"]
 
