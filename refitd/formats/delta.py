@@ -95,6 +95,12 @@ class DeltaStats:
 EMPTY_STATS = DeltaStats(0, 0, 0, 0, (0, 0, 0, 0))
 
 
+def worth_delta(stats: DeltaStats, max_density: float) -> bool:
+    """The sender's measured check for a message a delta was allowed for: a delta only if its
+    density is within the threshold and it is smaller than the dense bytes."""
+    return stats.density <= max_density and stats.nbytes < stats.dense_nbytes
+
+
 def _pad8(n: int) -> int:
     return -(-n // 8) * 8
 
