@@ -1,0 +1,305 @@
+"""Delta messages of one slot: only the elements that changed since the base cross the wire.
+
+A message the controller allows as a delta (every destination it writes holds exactly the
+sender's base version) is exchanged here, before the executor runs the other messages, in
+two steps that every slot takes in the same order, all operations posted at once so no pair
+of slots can wait on each other: a 16-byte header per message (kind, payload bytes), then
+the payload in chunks of at most wire_chunk bytes. Tags are the executor's (message id,
+chunk index): a message goes either here or through the executor, never both.
+
+Payload of a DELTA message: u32 copies | u32 0 | u64 bytes per copy | per copy (8-aligned)
+the segment delta of refitd.formats.delta_segment. A message whose measured density is above
+the threshold, or whose delta is not smaller, goes as a DENSE payload instead: its segments
+end to end as the executor lays them out.
+
+Sender base (DeltaBase): per send copy of a delta-capable message, the wire segment of the
+base version and of the version last sent (pending). The pending segments are captured every
+refit for every capable message, delta or not, so the next refit can go as a delta; they
+become the base only when the controller reports that version committed everywhere it was
+sent (`promote`), so a failed refit never moves the base.
+
+Verification: for a delta or dense message of this path the sender checksums each copy's
+live wire streams, the receiver the destination streams after landing (the reconstructed
+destination), so a delta applied onto a wrong base fails the checksum comparison.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from refitd.agent.checksums import Checksummer, combine
+from refitd.agent.segments import ResolvedTensor, block
+from refitd.formats.delta import DeltaStats, worth_delta
+from refitd.formats.delta_segment import (
+    apply_segment_delta,
+    encode_segment_delta,
+    region_streams,
+    segment_streams,
+)
+from refitd.formats.region import dest_region
+from refitd.plan.wire import aligned
+from refitd.transport.base import P2POp, Transport, Work
+
+UNKNOWN = -1
+KIND_DENSE, KIND_DELTA = 0, 1
+HEADER = 16
+TAG_CHUNK_BITS = 12
+
+
+class DeltaExchangeError(RuntimeError):
+    """A delta message failed: which message, which peer, why."""
+
+
+class CopyAccess(Protocol):
+    """What the exchange needs of the executor's copy rows."""
+
+    def wire(self, row: int) -> str: ...
+    def shape(self, row: int) -> tuple[int, ...]: ...
+    def src_dtype(self, row: int) -> str: ...
+    def seg_nbytes(self, row: int) -> int: ...
+    def src_block(self, row: int) -> torch.Tensor: ...
+    def dst(self, row: int) -> tuple[ResolvedTensor, tuple[int, ...]]: ...
+    def encode(self, row: int, out: torch.Tensor) -> None: ...
+    def decode(self, row: int, seg: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class DeltaMessage:
+    mid: int
+    peer: int  # transport rank of the other end
+    rows: tuple[int, ...]  # copy rows in message order
+
+
+@dataclass
+class DeltaBase:
+    """The sender's base and pending wire segments per send copy row (module docstring)."""
+
+    version: int = UNKNOWN
+    pending_version: int = UNKNOWN
+    base: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def capture(self, access: CopyAccess, rows: Sequence[int], version: int) -> None:
+        """Encode the live sources of `rows` into their pending segments (version `version`)."""
+        if self.pending_version != version:
+            self.pending_version = version
+        for r in rows:
+            buf = self.pending.get(r)
+            if buf is None:
+                buf = self.pending[r] = torch.zeros(access.seg_nbytes(r), dtype=torch.uint8)
+            access.encode(r, buf)
+
+    def promote(self, version: int) -> bool:
+        """`version` committed everywhere it was sent: it becomes the base. False (and the
+        base forgotten) when the pending segments hold another version."""
+        if version == self.version:
+            return True
+        if version != self.pending_version:
+            self.forget()
+            return False
+        self.base, self.pending = self.pending, self.base
+        self.version, self.pending_version = version, UNKNOWN
+        return True
+
+    def forget(self) -> None:
+        self.version = self.pending_version = UNKNOWN
+        self.base.clear()
+        self.pending.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in (*self.base.values(), *self.pending.values()))
+
+
+@dataclass
+class DeltaReport:
+    """Per message sent or received here: kind and stats; checksums with verify."""
+
+    sent: dict[int, dict] = field(default_factory=dict)
+    received: dict[int, dict] = field(default_factory=dict)
+    encode_s: float = 0.0
+    apply_s: float = 0.0
+    seconds: float = 0.0
+    wire_bytes: int = 0
+    send_sums: dict[int, int] = field(default_factory=dict)
+    recv_sums: dict[int, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items()}
+
+
+def _tag(mid: int, index: int) -> int:
+    return ((mid << TAG_CHUNK_BITS) | index) & 0x7FFFFFFF
+
+
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _stream_sum(summer: Checksummer, streams: Sequence[torch.Tensor]) -> int:
+    return combine(summer(s.contiguous().view(torch.uint8)) for s in streams)
+
+
+def _dense_payload(m: DeltaMessage, access: CopyAccess, base: DeltaBase) -> torch.Tensor:
+    """The message's live segments end to end, as the executor lays them out."""
+    payload = torch.zeros(sum(aligned(access.seg_nbytes(r)) for r in m.rows), dtype=torch.uint8)
+    pos = 0
+    for r in m.rows:
+        n = access.seg_nbytes(r)
+        payload[pos : pos + n] = base.pending[r]
+        pos += aligned(n)
+    return payload
+
+
+def _encode_message(
+    m: DeltaMessage, access: CopyAccess, base: DeltaBase, max_density: float, allowed: bool
+) -> tuple[int, torch.Tensor, DeltaStats]:
+    """(kind, payload, stats) of one message: a delta if allowed and worth it, else dense."""
+    deltas: list[np.ndarray] = []
+    stats = DeltaStats(0, 0, 0, 0, (0, 0, 0, 0))
+    if not allowed:
+        payload = _dense_payload(m, access, base)
+        return KIND_DENSE, payload, DeltaStats(0, 0, payload.numel(), payload.numel(), stats.blocks)
+    for r in m.rows:
+        old = base.base.get(r)
+        if old is None:
+            raise DeltaExchangeError(f"message {m.mid}: no base segment for copy row {r}")
+        d, st = encode_segment_delta(
+            access.wire(r), access.shape(r), access.src_dtype(r), old, base.pending[r]
+        )
+        deltas.append(d)
+        stats = stats + st
+    head = 8 + 8 * len(deltas)
+    total = head + sum(_pad8(d.size) for d in deltas)
+    dense = sum(aligned(access.seg_nbytes(r)) for r in m.rows)
+    stats = DeltaStats(stats.elements, stats.changed, total, dense, stats.blocks)
+    if not worth_delta(stats, max_density):
+        return KIND_DENSE, _dense_payload(m, access, base), stats
+    out = np.zeros(total, dtype=np.uint8)
+    out[0:4].view("<u4")[0] = len(deltas)
+    out[8:head].view("<u8")[:] = [d.size for d in deltas]
+    pos = head
+    for d in deltas:
+        out[pos : pos + d.size] = d
+        pos += _pad8(d.size)
+    return KIND_DELTA, torch.from_numpy(out), stats
+
+
+def _land(m: DeltaMessage, kind: int, payload: torch.Tensor, access: CopyAccess) -> DeltaStats:
+    """Land a received payload into the message's destination regions."""
+    rows = m.rows
+    stats = DeltaStats(0, 0, payload.numel(), 0, (0, 0, 0, 0))
+    if kind == KIND_DENSE:
+        pos = 0
+        for r in rows:
+            n = access.seg_nbytes(r)
+            access.decode(r, payload[pos : pos + n])
+            pos += aligned(n)
+        return stats
+    buf = payload.numpy()
+    count = int(buf[0:4].view("<u4")[0])
+    if count != len(rows):
+        raise DeltaExchangeError(f"message {m.mid}: delta of {count} copies for {len(rows)}")
+    sizes = buf[8 : 8 + 8 * count].view("<u8").tolist()
+    pos = 8 + 8 * count
+    for r, size in zip(rows, sizes, strict=True):
+        t, off = access.dst(r)
+        region = dest_region(t.storage, t.data, t.scales, off, access.shape(r), name=t.name)
+        stats = stats + apply_segment_delta(buf[pos : pos + size], region, name=t.name)
+        pos += _pad8(size)
+    return stats
+
+
+def _wait_all(works: Sequence[tuple[Work, str]], deadline: float) -> None:
+    for w, what in works:
+        try:
+            w.wait(max(deadline - time.monotonic(), 0.0))
+        except Exception as e:
+            raise DeltaExchangeError(f"{what}: {e}") from e
+
+
+def run_delta(
+    transport: Transport,
+    sends: Sequence[DeltaMessage],
+    recvs: Sequence[DeltaMessage],
+    access: CopyAccess,
+    base: DeltaBase,
+    *,
+    allowed: frozenset[int],
+    max_density: float,
+    deadline: float,
+    wire_chunk: int = 32 << 20,
+    verify: bool = False,
+    describe: Callable[[DeltaMessage, str], str] | None = None,
+) -> DeltaReport:
+    """Exchange this slot's messages of this path (module docstring): those in `allowed` as
+    deltas where worth it, the others dense. `base.pending` must already hold the live
+    segments of every send message's rows (DeltaBase.capture)."""
+    t0 = time.monotonic()
+    rep = DeltaReport()
+    what = describe or (lambda m, d: f"{d} of delta message {m.mid} with rank {m.peer}")
+    summer = Checksummer()
+    payloads: dict[int, torch.Tensor] = {}
+    headers: dict[int, torch.Tensor] = {}
+    for m in sends:
+        kind, payload, st = _encode_message(m, access, base, max_density, m.mid in allowed)
+        payloads[m.mid] = payload
+        headers[m.mid] = torch.tensor([kind, payload.numel()], dtype=torch.int64).view(torch.uint8)
+        rep.sent[m.mid] = {"kind": kind, "changed": st.changed, "elements": st.elements,
+                           "nbytes": payload.numel(), "dense_nbytes": st.dense_nbytes}  # fmt: skip
+        if verify:
+            rep.send_sums[m.mid] = combine(
+                _stream_sum(summer, segment_streams(access.wire(r), access.shape(r),
+                                                    access.src_dtype(r), base.pending[r]))
+                for r in m.rows
+            )  # fmt: skip
+    rep.encode_s = time.monotonic() - t0
+    got = {m.mid: torch.zeros(HEADER, dtype=torch.uint8) for m in recvs}
+    ops = [P2POp(False, got[m.mid], m.peer, _tag(m.mid, 0)) for m in recvs]
+    ops += [P2POp(True, headers[m.mid], m.peer, _tag(m.mid, 0)) for m in sends]
+    labels = [what(m, "recv") for m in recvs] + [what(m, "send") for m in sends]
+    _wait_all(list(zip(transport.batch(ops), labels, strict=True)), deadline)
+    kinds: dict[int, int] = {}
+    ops, labels, inbox = [], [], {}
+    for m in recvs:
+        kind, n = torch.frombuffer(bytearray(got[m.mid].numpy().tobytes()), dtype=torch.int64)
+        kinds[m.mid] = int(kind)
+        inbox[m.mid] = buf = torch.empty(int(n), dtype=torch.uint8)
+        for i, a in enumerate(range(0, int(n), wire_chunk), 1):
+            ops.append(P2POp(False, buf[a : a + wire_chunk], m.peer, _tag(m.mid, i)))
+            labels.append(what(m, "recv"))
+    for m in sends:
+        buf = payloads[m.mid]
+        rep.wire_bytes += HEADER + buf.numel()
+        for i, a in enumerate(range(0, buf.numel(), wire_chunk), 1):
+            ops.append(P2POp(True, buf[a : a + wire_chunk], m.peer, _tag(m.mid, i)))
+            labels.append(what(m, "send"))
+    _wait_all(list(zip(transport.batch(ops), labels, strict=True)), deadline)
+    ta = time.monotonic()
+    for m in recvs:
+        try:
+            st = _land(m, kinds[m.mid], inbox[m.mid], access)
+        except Exception as e:
+            raise DeltaExchangeError(f"{what(m, 'recv')}: landing failed: {e}") from e
+        rep.received[m.mid] = {"kind": kinds[m.mid], "changed": st.changed,
+                               "elements": st.elements, "nbytes": inbox[m.mid].numel()}  # fmt: skip
+        if verify:
+            rep.recv_sums[m.mid] = combine(_stream_sum(summer, _dst_streams(access, r))
+                                           for r in m.rows)  # fmt: skip
+    rep.apply_s = time.monotonic() - ta
+    rep.seconds = time.monotonic() - t0
+    return rep
+
+
+def _dst_streams(access: CopyAccess, row: int) -> list[torch.Tensor]:
+    t, off = access.dst(row)
+    if t.storage == "plain":
+        return [block(t.data, off, access.shape(row))]
+    region = dest_region(t.storage, t.data, t.scales, off, access.shape(row), name=t.name)
+    return region_streams(region)
