@@ -174,7 +174,17 @@ def _encode_frame(
     mask = np.zeros(nb * block, dtype=bool)
     np.not_equal(base, live, out=mask[:n])
     m2 = mask.reshape(nb, block)
-    counts = np.count_nonzero(m2, axis=1)
+    sparse = np.count_nonzero(mask) * 4 < n  # positions of every change are cheap to list
+    if sparse:
+        changed_at = np.flatnonzero(mask)
+        blk = (
+            changed_at >> (block.bit_length() - 1)
+            if block & (block - 1) == 0
+            else changed_at // block
+        )
+        counts = np.bincount(blk, minlength=nb)
+    else:
+        counts = np.count_nonzero(m2, axis=1)
     lens = np.full(nb, block, dtype=np.int64)
     lens[-1] = n - (nb - 1) * block
     kinds = _choose_kinds(counts, lens, block, width)
@@ -189,10 +199,15 @@ def _encode_frame(
         bits = np.packbits(m2[bm], axis=1, bitorder="little")
         out[pos : pos + bits.size] = bits.reshape(-1)
         pos += bits.size
-    m2[dn] = False  # dense blocks send every element; the rest send their changed ones
-    changed_at = np.flatnonzero(mask)
-    kind_at = kinds[changed_at // block]
-    at_bm, at_ix = changed_at[kind_at == BITMAP], changed_at[kind_at == INDEX]
+    if not sparse:
+        m2[dn] = False  # dense blocks send every element; the rest their changed ones
+        changed_at = np.flatnonzero(mask)
+        blk = changed_at // block
+    if bm.size or dn.size:
+        kind_at = kinds[blk]
+        at_bm, at_ix = changed_at[kind_at == BITMAP], changed_at[kind_at == INDEX]
+    else:  # every changed element is in an INDEX block
+        at_bm, at_ix = changed_at[:0], changed_at
     out[pos : pos + 2 * at_ix.size].view("<u2")[:] = at_ix % block
     pos = _pad8(pos + 2 * at_ix.size)
     for at in (at_bm, at_ix):
