@@ -13,10 +13,11 @@ the threshold, or whose delta is not smaller, goes as a DENSE payload instead: i
 end to end as the executor lays them out.
 
 Sender base (DeltaBase): per send copy of a delta-capable message, the wire segment of the
-base version and of the version last sent (pending). The pending segments are captured every
-refit for every capable message, delta or not, so the next refit can go as a delta; they
-become the base only when the controller reports that version committed everywhere it was
-sent (`promote`), so a failed refit never moves the base.
+base version. A delta is encoded from the live sources (or their snapshot) against it; what
+the sent version changed is kept (the delta, or the whole segment of a row sent dense) and
+applied to the base only when the controller reports that version committed everywhere it
+was sent (`promote`), so a failed refit never moves the base and the base costs one copy of
+the segments, not two.
 
 Verification: for a delta or dense message of this path the sender checksums each copy's
 live wire streams, the receiver the destination streams after landing (the reconstructed
@@ -35,13 +36,8 @@ import torch
 
 from refitd.agent.checksums import Checksummer, combine
 from refitd.agent.segments import ResolvedTensor, block
-from refitd.formats.delta import DeltaStats, worth_delta
-from refitd.formats.delta_segment import (
-    apply_segment_delta,
-    encode_segment_delta,
-    region_streams,
-    segment_streams,
-)
+from refitd.formats.delta import DeltaStats, apply_parts, encode_parts, worth_delta
+from refitd.formats.delta_segment import apply_segment_delta, region_streams, segment_streams
 from refitd.formats.region import dest_region
 from refitd.plan.wire import aligned
 from refitd.transport.base import P2POp, Transport, Work
@@ -78,43 +74,56 @@ class DeltaMessage:
 
 @dataclass
 class DeltaBase:
-    """The sender's base and pending wire segments per send copy row (module docstring)."""
+    """The sender's base wire segments per send copy row, and what the last sent version
+    changed (module docstring): per row either the delta it sent or, for a row sent dense,
+    its whole segment. `promote` makes the last sent version the base."""
 
     version: int = UNKNOWN
     pending_version: int = UNKNOWN
     base: dict[int, torch.Tensor] = field(default_factory=dict)
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending_delta: dict[int, np.ndarray] = field(default_factory=dict)
+    pending_full: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def capture(self, access: CopyAccess, rows: Sequence[int], version: int) -> None:
-        """Encode the live sources of `rows` into their pending segments (version `version`)."""
-        if self.pending_version != version:
-            self.pending_version = version
-        for r in rows:
-            buf = self.pending.get(r)
-            if buf is None:
-                buf = self.pending[r] = torch.zeros(access.seg_nbytes(r), dtype=torch.uint8)
-            access.encode(r, buf)
+    def start(self, version: int) -> None:
+        """A refit (or a retry) of `version` starts: what an earlier attempt left is dropped."""
+        self.pending_version = version
+        self.pending_delta.clear()
+        self.pending_full.clear()
 
-    def promote(self, version: int) -> bool:
+    def promote(self, version: int, access: CopyAccess) -> bool:
         """`version` committed everywhere it was sent: it becomes the base. False (and the
-        base forgotten) when the pending segments hold another version."""
+        base forgotten) when the pending changes are of another version."""
         if version == self.version:
             return True
         if version != self.pending_version:
             self.forget()
             return False
-        self.base, self.pending = self.pending, self.base
-        self.version, self.pending_version = version, UNKNOWN
+        for r in list(self.base):
+            if r not in self.pending_delta and r not in self.pending_full:
+                del self.base[r]  # not sent in `version`: its base is stale
+        for r, d in self.pending_delta.items():
+            streams = segment_streams(access.wire(r), access.shape(r), access.src_dtype(r),
+                                      self.base[r])  # fmt: skip
+            apply_parts(d, streams, name=f"base of copy row {r}")
+        for r, full in self.pending_full.items():
+            self.base[r] = full.clone()
+        self.version = version
+        self.start(UNKNOWN)
         return True
 
     def forget(self) -> None:
-        self.version = self.pending_version = UNKNOWN
+        self.version = UNKNOWN
         self.base.clear()
-        self.pending.clear()
+        self.start(UNKNOWN)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() for t in (*self.base.values(), *self.pending.values()))
+        """Bytes held: base segments plus what is pending."""
+        return (
+            sum(t.numel() for t in self.base.values())
+            + sum(d.size for d in self.pending_delta.values())
+            + sum(t.numel() for t in self.pending_full.values())
+        )
 
 
 @dataclass
@@ -146,49 +155,67 @@ def _stream_sum(summer: Checksummer, streams: Sequence[torch.Tensor]) -> int:
     return combine(summer(s.contiguous().view(torch.uint8)) for s in streams)
 
 
+def _live_segment(access: CopyAccess, row: int) -> torch.Tensor:
+    seg = torch.zeros(access.seg_nbytes(row), dtype=torch.uint8)
+    access.encode(row, seg)
+    return seg
+
+
 def _dense_payload(m: DeltaMessage, access: CopyAccess, base: DeltaBase) -> torch.Tensor:
-    """The message's live segments end to end, as the executor lays them out."""
+    """The message's live segments end to end, as the executor lays them out; each row's
+    segment is kept (a view) as its pending change."""
     payload = torch.zeros(sum(aligned(access.seg_nbytes(r)) for r in m.rows), dtype=torch.uint8)
     pos = 0
     for r in m.rows:
         n = access.seg_nbytes(r)
-        payload[pos : pos + n] = base.pending[r]
+        access.encode(r, payload[pos : pos + n])
+        base.pending_full[r] = payload[pos : pos + n]
         pos += aligned(n)
     return payload
 
 
+def _live_streams(access: CopyAccess, row: int) -> list[torch.Tensor]:
+    """The live wire streams of a row: the source block itself on the raw wire."""
+    if access.wire(row) == "raw":
+        return [access.src_block(row)]
+    return segment_streams(access.wire(row), access.shape(row), access.src_dtype(row),
+                           _live_segment(access, row))  # fmt: skip
+
+
 def _encode_message(
     m: DeltaMessage, access: CopyAccess, base: DeltaBase, max_density: float, allowed: bool
-) -> tuple[int, torch.Tensor, DeltaStats]:
-    """(kind, payload, stats) of one message: a delta if allowed and worth it, else dense."""
-    deltas: list[np.ndarray] = []
+) -> tuple[int, torch.Tensor, DeltaStats, list[list[torch.Tensor]]]:
+    """(kind, payload, stats, live streams per row) of one message: a delta if allowed, the
+    base is held for every row and it is worth it; else dense."""
     stats = DeltaStats(0, 0, 0, 0, (0, 0, 0, 0))
-    if not allowed:
+    if not allowed or any(r not in base.base for r in m.rows):
         payload = _dense_payload(m, access, base)
-        return KIND_DENSE, payload, DeltaStats(0, 0, payload.numel(), payload.numel(), stats.blocks)
+        return KIND_DENSE, payload, DeltaStats(0, 0, payload.numel(), payload.numel(),
+                                               stats.blocks), []  # fmt: skip
+    deltas: list[np.ndarray] = []
+    lives = []
     for r in m.rows:
-        old = base.base.get(r)
-        if old is None:
-            raise DeltaExchangeError(f"message {m.mid}: no base segment for copy row {r}")
-        d, st = encode_segment_delta(
-            access.wire(r), access.shape(r), access.src_dtype(r), old, base.pending[r]
-        )
+        live = _live_streams(access, r)
+        old = segment_streams(access.wire(r), access.shape(r), access.src_dtype(r), base.base[r])
+        d, st = encode_parts(old, live)
         deltas.append(d)
+        lives.append(live)
         stats = stats + st
     head = 8 + 8 * len(deltas)
     total = head + sum(_pad8(d.size) for d in deltas)
     dense = sum(aligned(access.seg_nbytes(r)) for r in m.rows)
     stats = DeltaStats(stats.elements, stats.changed, total, dense, stats.blocks)
     if not worth_delta(stats, max_density):
-        return KIND_DENSE, _dense_payload(m, access, base), stats
+        return KIND_DENSE, _dense_payload(m, access, base), stats, []
     out = np.zeros(total, dtype=np.uint8)
     out[0:4].view("<u4")[0] = len(deltas)
     out[8:head].view("<u8")[:] = [d.size for d in deltas]
     pos = head
-    for d in deltas:
+    for r, d in zip(m.rows, deltas, strict=True):
         out[pos : pos + d.size] = d
+        base.pending_delta[r] = out[pos : pos + d.size]
         pos += _pad8(d.size)
-    return KIND_DELTA, torch.from_numpy(out), stats
+    return KIND_DELTA, torch.from_numpy(out), stats, lives
 
 
 def _land(m: DeltaMessage, kind: int, payload: torch.Tensor, access: CopyAccess) -> DeltaStats:
@@ -230,6 +257,7 @@ def run_delta(
     recvs: Sequence[DeltaMessage],
     access: CopyAccess,
     base: DeltaBase,
+    version: int,
     *,
     allowed: frozenset[int],
     max_density: float,
@@ -239,26 +267,27 @@ def run_delta(
     describe: Callable[[DeltaMessage, str], str] | None = None,
 ) -> DeltaReport:
     """Exchange this slot's messages of this path (module docstring): those in `allowed` as
-    deltas where worth it, the others dense. `base.pending` must already hold the live
-    segments of every send message's rows (DeltaBase.capture)."""
+    deltas where worth it, the others dense. The live
+    segments of every send message's rows are read here (live sources or their snapshot),
+    and what `version` changed is kept in `base` until it is promoted."""
     t0 = time.monotonic()
     rep = DeltaReport()
     what = describe or (lambda m, d: f"{d} of delta message {m.mid} with rank {m.peer}")
     summer = Checksummer()
     payloads: dict[int, torch.Tensor] = {}
     headers: dict[int, torch.Tensor] = {}
+    base.start(version)
     for m in sends:
-        kind, payload, st = _encode_message(m, access, base, max_density, m.mid in allowed)
+        kind, payload, st, lives = _encode_message(m, access, base, max_density, m.mid in allowed)
         payloads[m.mid] = payload
         headers[m.mid] = torch.tensor([kind, payload.numel()], dtype=torch.int64).view(torch.uint8)
         rep.sent[m.mid] = {"kind": kind, "changed": st.changed, "elements": st.elements,
                            "nbytes": payload.numel(), "dense_nbytes": st.dense_nbytes}  # fmt: skip
         if verify:
-            rep.send_sums[m.mid] = combine(
-                _stream_sum(summer, segment_streams(access.wire(r), access.shape(r),
-                                                    access.src_dtype(r), base.pending[r]))
-                for r in m.rows
-            )  # fmt: skip
+            if not lives:
+                lives = [segment_streams(access.wire(r), access.shape(r), access.src_dtype(r),
+                                         base.pending_full[r]) for r in m.rows]  # fmt: skip
+            rep.send_sums[m.mid] = combine(_stream_sum(summer, live) for live in lives)
     rep.encode_s = time.monotonic() - t0
     got = {m.mid: torch.zeros(HEADER, dtype=torch.uint8) for m in recvs}
     ops = [P2POp(False, got[m.mid], m.peer, _tag(m.mid, 0)) for m in recvs]

@@ -108,11 +108,11 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None
     access = ProgramAccess(program, lambda i: tensors[i], lambda s: s)
     base = DeltaBase()
     sends, recvs = access.messages("send", access.sends), access.messages("recv", access.recvs)
-    rows = [r for m in sends for r in m.rows]
     allowed = frozenset(access.sends)
     ex.run(args.timeout)  # version 0 dense, warms the executor
-    base.capture(access, rows, 0)
-    base.promote(0)
+    run_delta(t, sends, recvs, access, base, 0, allowed=frozenset(), max_density=0.0,
+              deadline=time.monotonic() + args.timeout)  # fmt: skip
+    base.promote(0, access)
     for v in range(1, args.versions + 1):
         if gen is not None:
             if args.density is None:
@@ -121,8 +121,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None
                 perturb(flat, args.density, seed=v * 10 + rank)
         _barrier(store, f"delta{v}", rank, args.timeout)
         t0 = time.monotonic()
-        base.capture(access, rows, v)
-        rep = run_delta(t, sends, recvs, access, base, allowed=allowed,
+        rep = run_delta(t, sends, recvs, access, base, v, allowed=allowed,
                         max_density=args.max_density, deadline=t0 + args.timeout)  # fmt: skip
         delta_s = time.monotonic() - t0
         got = flat.clone() if rank in DST else None
@@ -131,7 +130,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None
         report = ex.run(args.timeout)
         dense_s = time.monotonic() - t0
         verified = got is None or torch.equal(got.view(torch.int16), flat.view(torch.int16))
-        base.promote(v)
+        base.promote(v, access)
         sent = list(rep.sent.values())
         out.put({"rank": rank, "version": v, "delta_s": delta_s, "dense_s": dense_s,
                  "encode_s": rep.encode_s, "apply_s": rep.apply_s, "verified": verified,

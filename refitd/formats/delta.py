@@ -231,12 +231,12 @@ def encode_stream(
     frame_blocks: int = DEFAULT_FRAME_BLOCKS,
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, DeltaStats]:
-    """Encode the delta that turns `base` into `live` (same shape and element size, any
-    strides; elements in row-major order). Returns (the delta as a uint8 array, a view of
+    """Encode the delta that turns `base` into `live` (same element count and size, any
+    shapes and strides; elements in row-major order). Returns (the delta as a uint8 array, a view of
     `out` when given, at least max_stream_nbytes long; its stats)."""
     _check_block(block, frame_blocks)
     b, lv = bits_view(base), bits_view(live)
-    if b.shape != lv.shape or b.dtype != lv.dtype:
+    if b.size != lv.size or b.dtype != lv.dtype:
         raise DeltaError(
             f"delta encode: base {b.shape} {b.dtype} and live {lv.shape} {lv.dtype} differ"
         )

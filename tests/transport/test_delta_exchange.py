@@ -95,10 +95,9 @@ class Cluster:
             try:
                 base = self.bases.get(r, DeltaBase())
                 sends = a.messages("send", a.sends)
-                base.capture(a, [row for m in sends for row in m.rows], version)
                 ok = every if allowed is None else allowed.get(r, set())
                 results[r] = run_delta(
-                    self.transports[r], sends, a.messages("recv", a.recvs), a, base,
+                    self.transports[r], sends, a.messages("recv", a.recvs), a, base, version,
                     allowed=frozenset(ok), max_density=0.4,
                     deadline=time.monotonic() + 30, verify=verify,
                 )  # fmt: skip
@@ -142,8 +141,8 @@ def test_five_successive_delta_refits_bit_for_bit() -> None:
         c.refit(0, allowed={})  # version 0: everything dense
         c.check()
         for v in range(1, 6):
-            for b in c.bases.values():
-                assert b.promote(v - 1)  # v - 1 committed everywhere
+            for slot, b in c.bases.items():
+                assert b.promote(v - 1, c.access[slot])  # v - 1 committed everywhere
             c.step(v)
             reps = c.refit(v)
             c.check()
@@ -160,8 +159,8 @@ def test_missed_version_gets_dense_and_wrong_base_is_caught() -> None:
     c = Cluster(lr=1e-5)
     try:
         c.refit(0, allowed={})
-        for b in c.bases.values():
-            b.promote(0)
+        for slot, b in c.bases.items():
+            assert b.promote(0, c.access[slot])
         # slot 3 restarts: its memory no longer holds version 0
         for i, d in enumerate(c.dst):
             if d.slot == 3:
@@ -190,21 +189,24 @@ def test_missed_version_gets_dense_and_wrong_base_is_caught() -> None:
 
 
 def test_base_advances_only_on_promote() -> None:
-    b = DeltaBase()
-    t = torch.arange(8, dtype=torch.uint8)
-
-    class One:
-        def seg_nbytes(self, row: int) -> int:
-            return 8
-
-        def encode(self, row: int, out: torch.Tensor) -> None:
-            out.copy_(t)
-
-    b.capture(One(), [0], 3)  # type: ignore[arg-type]
-    assert b.version == UNKNOWN and b.pending_version == 3
-    assert b.promote(3) and b.version == 3 and torch.equal(b.base[0], t)
-    t += 1
-    b.capture(One(), [0], 4)  # type: ignore[arg-type]
-    assert b.version == 3 and torch.equal(b.base[0], t - 1)  # 4 failed: base stays 3
-    b.capture(One(), [0], 5)  # type: ignore[arg-type]
-    assert not b.promote(4) and b.version == UNKNOWN  # promote of a version not pending
+    """A version that was sent but not promoted (a failed refit) leaves the base where it
+    was; the next delta is against the old base and lands on destinations that hold it."""
+    c = Cluster(lr=1e-6)
+    try:
+        c.refit(0, allowed={})
+        for slot, b in c.bases.items():
+            assert b.promote(0, c.access[slot]) and b.version == 0
+        before = [t.clone() for t in c.tensors[len(c.src) :]]
+        c.step(1)
+        c.refit(1)  # version 1 is sent, then (say) fails to commit: destinations roll back
+        for t, old in zip(c.tensors[len(c.src) :], before, strict=True):
+            t.copy_(old)
+        assert all(b.version == 0 for b in c.bases.values())
+        c.step(2)
+        reps = c.refit(2)  # deltas from version 0
+        c.check()
+        assert all(m["kind"] == KIND_DELTA for r in (0, 1) for m in reps[r].sent.values())
+        for slot, b in c.bases.items():
+            assert not b.promote(1, c.access[slot]) and b.version == UNKNOWN
+    finally:
+        c.close()
