@@ -202,3 +202,53 @@ def decide(
     bases = np.unique(msg_base[msg_base != UNKNOWN])
     base_version = int(bases[0]) if bases.size == 1 else UNKNOWN
     return DeltaDecision(why == Why.DELTA, why, mode, base_version, dense_workers)
+
+
+@dataclass
+class DeltaLedger:
+    """What the controller knows for delta refits of one model, kept in memory: each
+    destination worker's last landing, each source slot's base as its agent reported it, and
+    the achieved densities of recent refits. A controller restart forgets it, so the first
+    refit after one goes dense (safe)."""
+
+    landed: dict[str, Landing]
+    torn: set[str]
+    slots: dict[int, tuple[int, int, str]]  # slot -> (base, pending version, plan key)
+    densities: list[float | None]
+
+    @classmethod
+    def empty(cls) -> DeltaLedger:
+        return cls({}, set(), {}, [])
+
+    def committed(self, version: int, plan_key: str, workers: Mapping[str, float],
+                  how: str = "refit") -> None:  # fmt: skip
+        """`version` landed in full in `workers` (worker_id -> registered_at)."""
+        for wid, registered_at in workers.items():
+            self.landed[wid] = Landing(version, registered_at, plan_key, how)
+            self.torn.discard(wid)
+
+    def wrote_and_failed(self, worker_ids: Sequence[str]) -> None:
+        """A refit wrote into these workers and failed: their memory may be torn."""
+        self.torn.update(worker_ids)
+
+    def reported(self, slot: int, base: int, pending: int, plan_key: str) -> None:
+        """A source slot's base and pending versions after an execute."""
+        self.slots[slot] = (base, pending, plan_key)
+
+    def measured(self, density: float | None, keep: int = 32) -> None:
+        self.densities = [*self.densities, density][-keep:]
+
+    def destination(self, worker_id: str, registered_at: float) -> DestinationState:
+        return DestinationState(
+            worker_id, registered_at, self.landed.get(worker_id), worker_id in self.torn
+        )
+
+    def senders(self, promote: int, plan_key: str) -> dict[int, SenderBase]:
+        """Each source slot's base once it has been told that `promote` is committed
+        everywhere (its agent promotes its pending version if it is that one, and forgets
+        its base otherwise)."""
+        out = {}
+        for slot, (base, pending, key) in self.slots.items():
+            after = promote if promote >= 0 and promote in (base, pending) else UNKNOWN
+            out[slot] = SenderBase(after, key if key == plan_key else "")
+        return out

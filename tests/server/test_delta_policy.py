@@ -152,3 +152,30 @@ def test_many_messages_vectorised() -> None:
     d = decide(ON, refit_mode(ON, []), PLAN, cols, senders, workers)
     assert np.array_equal(~d.delta, pw == 17)
     assert list(d.dense_workers) == ["w17"]
+
+
+def test_ledger_tracks_landings_failures_and_sender_promotion() -> None:
+    from refitd.server.delta_policy import DeltaLedger
+
+    led = DeltaLedger.empty()
+    led.committed(3, PLAN, {"a": 1.0, "b": 1.0})
+    assert held_version(led.destination("a", 1.0), PLAN)[0] == 3
+    assert held_version(led.destination("a", 2.0), PLAN)[0] == UNKNOWN  # restarted
+    assert held_version(led.destination("c", 1.0), PLAN)[0] == UNKNOWN  # new replica
+    led.wrote_and_failed(["b"])
+    assert held_version(led.destination("b", 1.0), PLAN)[0] == UNKNOWN
+    led.committed(4, PLAN, {"b": 1.0})
+    assert held_version(led.destination("b", 1.0), PLAN)[0] == 4
+    led.committed(4, PLAN, {"c": 5.0}, how="catch_up")
+    assert held_version(led.destination("c", 5.0), PLAN)[0] == UNKNOWN
+    # slot 0 sent 4 (pending) over base 3; slot 1 sent 5, which failed; slot 2 already at 4
+    led.reported(0, 3, 4, PLAN)
+    led.reported(1, 3, 5, PLAN)
+    led.reported(2, 4, UNKNOWN, "plan-old")
+    got = led.senders(4, PLAN)
+    assert got[0] == SenderBase(4, PLAN)
+    assert got[1].version == UNKNOWN
+    assert got[2].version == 4 and got[2].plan_key == ""  # base from another plan
+    led.measured(0.04)
+    led.measured(None)
+    assert led.densities == [0.04, None]
