@@ -665,10 +665,16 @@ class Executor:
         on_sources_released: Callable[[], None] | None = None,
         abort: threading.Event | None = None,
         verify: bool = False,
+        skip: frozenset[int] = frozenset(),
     ) -> ExecReport:
         """One refit of this slot; raises ExecutionError (or StorageMovedError) on failure.
-        With verify, fills report.checksums and checks local copies (module docstring)."""
+        With verify, fills report.checksums and checks local copies (module docstring).
+        `skip`: message ids moved elsewhere this refit (delta refits), on both ends."""
         t0 = time.monotonic()
+        if skip and (self._relay_wait or self._local_relay_copies):
+            raise ExecutionError(
+                f"slot {self.program.slot}: a plan with relays cannot skip messages"
+            )
         self.resolver.check(self._index_list)
         abort = abort or threading.Event()
         deadline = t0 + timeout_s
@@ -678,7 +684,10 @@ class Executor:
         if has_messages and self.transport is None:
             raise ExecutionError(f"slot {self.program.slot}: program has messages but no transport")
         errors: list[BaseException] = []
-        sends_left = [self._source_chunks]
+        sends_left = [
+            self._source_chunks
+            - sum(self._reads_source[id(c)] for c in self.send_chunks if c.message.id in skip)
+        ]
         released = threading.Event()
         lock = threading.Lock()
         progress = threading.Condition(lock)
@@ -761,6 +770,8 @@ class Executor:
                     ops: list[P2POp] = []
                     posted: list[tuple[Chunk, torch.Tensor, bool, bool]] = []
                     for ch in recvs:
+                        if ch.message.id in skip:
+                            continue
                         zc = self._zc_recv[id(ch)]
                         buf = (
                             zc
@@ -772,6 +783,8 @@ class Executor:
                         )
                         posted.append((ch, buf, zc is None, False))
                     for ch in sends:
+                        if ch.message.id in skip:
+                            continue
                         need = self._relay_wait.get(id(ch))
                         if need is not None:
                             wait_recvs(need, describe(ch, "send"))
@@ -795,6 +808,8 @@ class Executor:
                         posted.append((ch, buf, zc is None, True))
                     if abort.is_set():
                         return
+                    if not ops:  # every message of this step went another way (skip)
+                        continue
                     try:
                         works = self.transport.batch(ops)  # type: ignore[union-attr]
                     except Exception as e:
@@ -937,8 +952,12 @@ class Executor:
             phases.update(busy)
         if send_sums is not None and recv_sums is not None:
             report.checksums = {
-                "send": self._message_sums(self.program.sends, send_sums),
-                "recv": self._message_sums(self.program.recvs, recv_sums),
+                "send": self._message_sums(
+                    [m for m in self.program.sends if m.id not in skip], send_sums
+                ),
+                "recv": self._message_sums(
+                    [m for m in self.program.recvs if m.id not in skip], recv_sums
+                ),
             }
             phases["checksums_s"] = time.monotonic() - t1
             t1 = time.monotonic()

@@ -119,6 +119,7 @@ class _Loaded:
     source: tuple[bytes, dict[int, bytes]] = (b"", {})  # program and handles as loaded
     model: str = ""
     filled: int | None = None  # refit id whose execute filled the staging buffers in full
+    delta: Any = None  # (ProgramAccess, DeltaBase) of delta refits, made on first use
 
 
 class _TransferState:
@@ -200,9 +201,13 @@ class _TransferState:
             wire_chunk=cmd.get("wire_chunk") or WIRE_CHUNK,
             staged_chunk=cmd.get("staged_chunk"),
         )
-        self.loaded[cmd["digest"]] = _Loaded(
-            program, resolver, config, source=(cmd["program"], raw), model=model
-        )
+        entry = _Loaded(program, resolver, config, source=(cmd["program"], raw), model=model)
+        for other in list(self.loaded.values()):
+            # a newer plan of the same layout (a new epoch) keeps the sender's delta base
+            if other.model == model and other.delta is not None and _same_sends(other, program):
+                entry.delta = (None, other.delta[1])
+                other.delta = None
+        self.loaded[cmd["digest"]] = entry
         return {}
 
     def apply(self, cmd: dict) -> dict:
@@ -275,12 +280,27 @@ class _TransferState:
 
         def body() -> None:
             try:
-                report: ExecReport = self.executor(cmd["digest"]).run(
-                    cmd["timeout_s"], released, self.abort, verify=bool(cmd.get("verify"))
-                )
+                ex = self.executor(cmd["digest"])
+                delta = cmd.get("delta")
+                skip: frozenset[int] = frozenset()
+                drep = None
+                if delta and entry is not None:
+                    drep = self.run_delta(entry, delta, cmd)
+                    skip = frozenset(delta["send"]) | frozenset(delta["recv"])
+                report: ExecReport = ex.run(
+                    cmd["timeout_s"], released, self.abort, verify=bool(cmd.get("verify")),
+                    skip=skip,
+                )  # fmt: skip
                 if entry is not None and not self.abort.is_set():
                     entry.filled = cmd.get("refit_id")
                 out = report.to_dict()
+                if drep is not None:
+                    out["delta"] = drep
+                    out["sent_bytes"] += drep["wire_bytes"]
+                    out["recv_bytes"] += drep["recv_bytes"]
+                    if out.get("checksums") is not None:
+                        out["checksums"]["send"].update(drep.pop("send_sums"))
+                        out["checksums"]["recv"].update(drep.pop("recv_sums"))
                 out.update(version=cmd.get("version"), refit_id=cmd.get("refit_id"))
                 reply = {"rid": rid, "ok": True, "report": out}
             except BaseException as e:
@@ -291,6 +311,53 @@ class _TransferState:
         self.busy.set()
         self.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
         self.running.start()
+
+    def run_delta(self, entry: _Loaded, delta: dict, cmd: dict) -> dict:
+        """This slot's messages of the delta path (refitd.agent.delta_exchange), before the
+        executor runs the others: promote the base the controller reports committed, then
+        exchange; returns what the controller records."""
+        from refitd.agent.delta_access import ProgramAccess
+        from refitd.agent.delta_exchange import DeltaBase, run_delta
+
+        if self.transport is None:
+            raise ExecutionError("delta refit: no connected transport")
+        if entry.delta is None or entry.delta[0] is None:
+            ranks = self.slot_ranks
+            access = ProgramAccess(
+                entry.program, entry.resolver.resolve, lambda s: s if ranks is None else ranks[s]
+            )
+            entry.delta = (access, DeltaBase() if entry.delta is None else entry.delta[1])
+        access, base = entry.delta
+        promoted = base.promote(int(delta["promote"]), access) if delta["promote"] >= 0 else False
+        t0 = time.monotonic()
+        rep = run_delta(
+            self.transport,
+            access.messages("send", delta["send"]),
+            access.messages("recv", delta["recv"]),
+            access,
+            base,
+            int(cmd.get("version") or 0),
+            allowed=frozenset(delta["allowed"]),
+            max_density=float(delta["max_density"]),
+            deadline=t0 + float(cmd["timeout_s"]),
+            wire_chunk=entry.config.wire_chunk,
+            verify=bool(cmd.get("verify")),
+        )
+        return {
+            "promoted": promoted,
+            "base_version": base.version,
+            "pending_version": base.pending_version,
+            "base_bytes": base.nbytes,
+            "sent": rep.sent,
+            "received": rep.received,
+            "encode_s": rep.encode_s,
+            "apply_s": rep.apply_s,
+            "seconds": rep.seconds,
+            "wire_bytes": rep.wire_bytes,
+            "recv_bytes": sum(m["nbytes"] for m in rep.received.values()),
+            "send_sums": rep.send_sums,
+            "recv_sums": rep.recv_sums,
+        }
 
     def probe(self, cmd: dict) -> dict:
         """Raw reference for benchmarks, in seconds: per peer one large contiguous buffer
@@ -363,6 +430,15 @@ def _probe_buffer(n: int, dev: torch.device) -> torch.Tensor:
     if dev.type == "cpu":
         return shared_buffer(n).fill_(1)
     return torch.ones(n, dtype=torch.uint8, device=dev)
+
+
+def _same_sends(old: _Loaded, program: SlotProgram) -> bool:
+    """Whether a program sends the same copies of the same source tensors as a loaded one
+    (the rows of the sender's delta base mean the same regions)."""
+    if old.program.sends != program.sends:
+        return False
+    srcs = {c.src_tensor for m in program.sends for c in m.copies}
+    return all(old.program.tensors.get(i) == program.tensors.get(i) for i in srcs)
 
 
 def _error(rid: int, e: BaseException) -> dict:
@@ -571,7 +647,13 @@ class TransferProcessHandle:
         return bool(self.request("unload", digest=digest).result(timeout_s)["unloaded"])
 
     def start_execute(
-        self, digest: str, version: int, refit_id: int, timeout_s: float, verify: bool = False
+        self,
+        digest: str,
+        version: int,
+        refit_id: int,
+        timeout_s: float,
+        verify: bool = False,
+        delta: dict | None = None,
     ) -> Pending:
         return self.request(
             "execute",
@@ -580,6 +662,7 @@ class TransferProcessHandle:
             refit_id=refit_id,
             timeout_s=timeout_s,
             verify=verify,
+            delta=delta,
         )
 
     def execute(
@@ -590,10 +673,12 @@ class TransferProcessHandle:
         timeout_s: float,
         on_sources_released: Callable[[], None] | None = None,
         verify: bool = False,
+        delta: dict | None = None,
     ) -> dict:
         """Run one refit of a loaded plan; returns the ExecReport as a dict (with verify,
-        its "checksums")."""
-        p = self.start_execute(digest, version, refit_id, timeout_s, verify)
+        its "checksums"; with delta, {"send", "recv", "allowed": message ids, "promote":
+        version committed everywhere or -1, "max_density"}: the delta path's "delta")."""
+        p = self.start_execute(digest, version, refit_id, timeout_s, verify, delta)
         return wait_execute(p, timeout_s, on_sources_released)
 
     def abort(self, timeout_s: float = 10.0, refit_id: int = 0) -> None:

@@ -16,20 +16,16 @@ from refitd.formats.delta import DeltaStats, apply_parts, encode_parts
 from refitd.formats.fp8 import torch_dtype
 from refitd.formats.region import DestRegion
 from refitd.formats.transform import split_parts
-from refitd.plan.layout import FP8_BLOCK as FP8_BLOCK_STORAGE
-from refitd.plan.layout import MXFP8 as MXFP8_STORAGE
 from refitd.plan.layout import PLAIN
-from refitd.plan.wire import FP8_BLOCK, MXFP8, RAW, segment_parts
+from refitd.plan.wire import FP8_BLOCK, MXFP8, RAW, delta_capable, segment_parts
 
-_SAME_STORAGE = {MXFP8: MXFP8_STORAGE, FP8_BLOCK: FP8_BLOCK_STORAGE}
-
-
-def delta_capable(wire: str, src_dtype: str, storage: str, dst_dtype: str) -> bool:
-    """Whether a copy's destination holds the wire's elements unchanged (raw into plain storage
-    of the source dtype, MXFP8 into MXFP8, block FP8 into block FP8)."""
-    if wire == RAW:
-        return storage == PLAIN and src_dtype == dst_dtype
-    return _SAME_STORAGE.get(wire) == storage
+__all__ = [
+    "apply_segment_delta",
+    "delta_capable",
+    "encode_segment_delta",
+    "region_streams",
+    "segment_streams",
+]
 
 
 def segment_streams(

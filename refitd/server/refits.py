@@ -54,6 +54,7 @@ from refitd.config import Settings
 from refitd.plan.gc_pause import GcPause
 from refitd.plan.planner import Plan
 from refitd.server.database import RefitRecord, StateDB
+from refitd.server.delta_refits import DeltaRefits
 from refitd.server.errors import ControlError, ErrorKind, precondition
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import ControllerPlan, PlanCache, PlanOptions, make_digest, make_plan
@@ -276,6 +277,7 @@ class RefitCoordinator:
         self.events = EventHub(self.board)
         self.agents = AgentHub(self.board)
         self.plans = PlanCache(settings.plan_cache_size)
+        self.delta = DeltaRefits(settings)  # delta refits (docs/delta.md); off by default
         # Plan and program builds of this controller share one pause of the cyclic GC.
         self.gc_pause = GcPause()
         self.plan_options = PlanOptions(
@@ -573,6 +575,7 @@ class RefitCoordinator:
                 if plan is not None:
                     self._abort(plan, run, reason)
                 if written:
+                    self.delta.failed(run.model, written.values())  # torn: the retry is dense
                     if retry.first_error == "":
                         retry.first_error = reason
                         retry.until = time.monotonic() + s.refit_retry_budget_s
@@ -703,6 +706,8 @@ class RefitCoordinator:
         self.registry.set_committed(run.model, run.version)
         for w in ms.dest_workers:
             w.holds = run.version
+        density = (run.detail.get("delta") or {}).get("density")
+        self.delta.committed(run.model, run.version, ms.plan.digest, ms.dest_workers, density)
         run.detail["control_end_s"] = time.monotonic() - last_done
         with m.cond:
             self._set_final(run, pb.REFIT_STATE_COMMITTED, "")
@@ -1042,9 +1047,16 @@ class RefitCoordinator:
                 run.bytes += r.bytes_sent + r.bytes_local
                 for c in r.checksums:
                     sums[c.sent][c.message_id] = (r.slot, c.checksum)
+                self.delta.reported(run.model, plan.digest, exec_id, r)
                 last_done[0] = time.monotonic()
 
         timeout = self.settings.transfer_timeout_s
+        with self.registry.lock:
+            mdl = self.registry.models.get(run.model)
+            committed = mdl.committed_version if mdl is not None else 0
+        deltas = self.delta.commands(
+            run.model, plan, ms.dest_workers, ms.staged_pools, committed, exec_id, run.detail
+        )
         try:
             for agent_id, slots in ms.by_agent.items():
                 batched = agent_id in ms.batch_agents
@@ -1060,6 +1072,7 @@ class RefitCoordinator:
                             refit_id=exec_id,
                             timeout_s=timeout,
                             verify=verify,
+                            delta=[deltas[s] for s in batch if s in deltas],
                         )
                     )
                     keys = [
@@ -1076,6 +1089,7 @@ class RefitCoordinator:
         finally:
             self.agents.forget(g)
             self.board.remove(gid)
+            self.delta.finish_attempt(exec_id, run.detail)
         if verify:
             t = time.monotonic()
             mismatch = compare_checksums(plan.plan, sums[True], sums[False])
@@ -1207,6 +1221,7 @@ class RefitCoordinator:
                 run.start_transfer({})
             wrote = True
             self._transfer(ms, run, m)
+            self.delta.committed(m.name, version, plan.digest, behind, None, how="catch_up")
             for w in behind:
                 w.holds = version
                 ev = self._event(run, pb.EVENT_KIND_COMMIT)
