@@ -8,8 +8,11 @@ normalised step), publishing BF16 (or, with --density, gives that fraction of el
 values); the density is measured, not assumed. Per version, a delta refit (capture of the
 pending segments, encode, header + payload exchange, apply in place: refitd.agent.
 delta_exchange) runs first, then a dense refit of the same version through the executor;
-the destinations after both must be equal bit for bit (`verified`). Times are the slowest
-rank's from a common barrier; medians over versions. One JSON line.
+the destinations after both must be equal bit for bit (`verified`). Whether a version goes
+through the delta path at all is the controller's refit-level choice (refit_mode: after a
+measured density above --max-density the next versions go dense through the executor;
+`picked`). Times are the slowest rank's from a common barrier; medians over versions. One
+JSON line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.server.delta_policy import DeltaSettings, refit_mode
 
 COLS = 4096
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
@@ -48,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--density", type=float, default=None, help="force this density")
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--max-density", type=float, default=0.4)
+    parser.add_argument("--probe-every", type=int, default=8)
     parser.add_argument("--host", default="127.0.0.1", help="address of the Gloo store")
     parser.add_argument("--timeout", type=float, default=600.0)
 
@@ -79,7 +84,7 @@ def _barrier(store: dist.TCPStore, name: str, rank: int, timeout_s: float) -> No
 def _rank(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
     """One slot: dense refits through the executor, delta refits through the exchange."""
     from refitd.agent.delta_access import ProgramAccess
-    from refitd.agent.delta_exchange import KIND_DELTA, DeltaBase, run_delta
+    from refitd.agent.delta_exchange import KIND_DELTA, DeltaBase, DeltaReport, run_delta
     from refitd.agent.executor import DirectResolver, Executor
     from refitd.agent.segments import ResolvedTensor
     from refitd.demo.versions import VersionGenerator, perturb
@@ -113,16 +118,23 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None
     run_delta(t, sends, recvs, access, base, 0, allowed=frozenset(), max_density=0.0,
               deadline=time.monotonic() + args.timeout)  # fmt: skip
     base.promote(0, access)
+    policy = DeltaSettings(True, args.max_density, args.probe_every)
+    densities: list[float | None] = []
     for v in range(1, args.versions + 1):
         if gen is not None:
             if args.density is None:
                 gen.step(flat)
             else:
                 perturb(flat, args.density, seed=v * 10 + rank)
+        use_delta = refit_mode(policy, densities).delta  # the controller's refit-level choice
         _barrier(store, f"delta{v}", rank, args.timeout)
         t0 = time.monotonic()
-        rep = run_delta(t, sends, recvs, access, base, v, allowed=allowed,
-                        max_density=args.max_density, deadline=t0 + args.timeout)  # fmt: skip
+        if use_delta:
+            rep = run_delta(t, sends, recvs, access, base, v, allowed=allowed,
+                            max_density=args.max_density, deadline=t0 + args.timeout)  # fmt: skip
+        else:
+            rep = DeltaReport()
+            ex.run(args.timeout)
         delta_s = time.monotonic() - t0
         got = flat.clone() if rank in DST else None
         _barrier(store, f"dense{v}", rank, args.timeout)
@@ -132,11 +144,18 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None
         verified = got is None or torch.equal(got.view(torch.int16), flat.view(torch.int16))
         base.promote(v, access)
         sent = list(rep.sent.values())
+        changed = sum(m["changed"] for m in sent)
+        elements = sum(m["elements"] for m in sent)
+        if rank in SRC:
+            store.set(f"density{v}/{rank}", f"{changed} {elements}")
+        both = [store.get(f"density{v}/{r}").decode().split() for r in SRC]
+        c, e = sum(int(x[0]) for x in both), sum(int(x[1]) for x in both)
+        densities.append(c / e if e else None)
         out.put({"rank": rank, "version": v, "delta_s": delta_s, "dense_s": dense_s,
                  "encode_s": rep.encode_s, "apply_s": rep.apply_s, "verified": verified,
-                 "wire_bytes": rep.wire_bytes, "dense_bytes": report.sent_bytes,
-                 "changed": sum(m["changed"] for m in sent),
-                 "elements": sum(m["elements"] for m in sent),
+                 "wire_bytes": rep.wire_bytes if use_delta else report.sent_bytes,
+                 "dense_bytes": report.sent_bytes, "changed": changed, "elements": elements,
+                 "picked": "delta" if use_delta else "dense",
                  "delta_messages": sum(m["kind"] == KIND_DELTA for m in sent),
                  "messages": len(sent), "base_bytes": base.nbytes})  # fmt: skip
     _barrier(store, "end", rank, args.timeout)
@@ -154,6 +173,7 @@ def _summary(rows: list[dict], args: argparse.Namespace) -> dict:
     wire = sum(r["wire_bytes"] for r in src) / n
     dense_wire = sum(r["dense_bytes"] for r in src) / n
     changed, elements = sum(r["changed"] for r in src), sum(r["elements"] for r in src)
+    # wire bytes of the versions that were measured (went through the delta path)
     med, dmed = statistics.median(secs), statistics.median(dense)
     return {
         "bench": "delta",
@@ -162,12 +182,17 @@ def _summary(rows: list[dict], args: argparse.Namespace) -> dict:
         "lr": None if args.density is not None else args.lr,
         "forced_density": args.density,
         "versions": n,
+        "picked": [
+            next(r["picked"] for r in per_v[v] if r["rank"] == SRC[0]) for v in sorted(per_v)
+        ],
         "density": changed / elements if elements else None,
         "delta_messages": sum(r["delta_messages"] for r in src),
         "messages": sum(r["messages"] for r in src),
         "wire_bytes": int(wire),
         "dense_wire_bytes": int(dense_wire),
         "wire_ratio": wire / dense_wire if dense_wire else None,
+        "seconds_per_version": [round(x, 4) for x in secs],
+        "dense_seconds_per_version": [round(x, 4) for x in dense],
         "seconds": med,
         "dense_seconds": dmed,
         "time_ratio": med / dmed if dmed else None,
