@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
@@ -72,9 +74,11 @@ class DeltaRefits:
         committed: int,
         attempt: int,
         detail: dict,
+        host_slots: frozenset[int] = frozenset(),
     ) -> dict[int, pb.DeltaCommand]:
         """Slot -> its DeltaCommand for this attempt (empty: everything goes dense through
-        the executor); the decision's summary goes into `detail["delta"]`."""
+        the executor); the decision's summary goes into `detail["delta"]`. Only messages
+        between `host_slots` (CPU slots: the codec runs on host memory) take the delta path."""
         if not self.settings.enabled:
             return {}
         led = self.ledger(model)
@@ -83,6 +87,9 @@ class DeltaRefits:
             detail["delta"] = {"mode": mode.reason, "delta_messages": 0}
             return {}
         pd = self._plan(plan, staged_pools)
+        hosts = np.array(sorted(host_slots), dtype=np.int64)
+        on_host = np.isin(pd.columns.src_slot, hosts) & np.isin(pd.dst_slot, hosts)
+        pd = replace(pd, columns=replace(pd.columns, capable=pd.columns.capable & on_host))
         by_key = {(w.pool, w.rank): w for w in dest_workers}
         states = [
             led.destination(w.worker_id, w.registered_at)

@@ -1054,9 +1054,13 @@ class RefitCoordinator:
         with self.registry.lock:
             mdl = self.registry.models.get(run.model)
             committed = mdl.committed_version if mdl is not None else 0
+            host_slots = frozenset(
+                i for i, sl in self.registry.slots.items() if sl.device.startswith("cpu")
+            )
         deltas = self.delta.commands(
-            run.model, plan, ms.dest_workers, ms.staged_pools, committed, exec_id, run.detail
-        )
+            run.model, plan, ms.dest_workers, ms.staged_pools, committed, exec_id, run.detail,
+            host_slots,
+        )  # fmt: skip
         try:
             for agent_id, slots in ms.by_agent.items():
                 batched = agent_id in ms.batch_agents
