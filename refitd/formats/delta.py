@@ -199,9 +199,15 @@ def _encode_frame(
         bits = np.packbits(m2[bm], axis=1, bitorder="little")
         out[pos : pos + bits.size] = bits.reshape(-1)
         pos += bits.size
+    vals_bm = None
     if not sparse:
         m2[dn] = False  # dense blocks send every element; the rest their changed ones
-        changed_at = np.flatnonzero(mask)
+        if bm.size:  # bitmap values in block order through a boolean mask
+            only_bm = np.zeros(nb, dtype=bool)
+            only_bm[bm] = True
+            vals_bm = live[(m2 & only_bm[:, None]).reshape(-1)[:n]]
+            m2[bm] = False
+        changed_at = np.flatnonzero(mask)  # now: the changes of INDEX blocks only
         blk = changed_at // block
     if bm.size or dn.size:
         kind_at = kinds[blk]
@@ -210,10 +216,12 @@ def _encode_frame(
         at_bm, at_ix = changed_at[:0], changed_at
     out[pos : pos + 2 * at_ix.size].view("<u2")[:] = at_ix % block
     pos = _pad8(pos + 2 * at_ix.size)
-    for at in (at_bm, at_ix):
-        if at.size:
-            out[pos : pos + at.size * width].view(live.dtype)[:] = live[at]
-            pos += at.size * width
+    for at, vals in ((at_bm, vals_bm), (at_ix, None)):
+        if vals is None:
+            vals = live[at] if at.size else None
+        if vals is not None and vals.size:
+            out[pos : pos + vals.size * width].view(live.dtype)[:] = vals
+            pos += vals.size * width
     for first, end in _runs(dn):
         a, b = first * block, min(end * block, n)
         out[pos : pos + (b - a) * width].view(live.dtype)[:] = live[a:b]
@@ -280,6 +288,13 @@ class _Target:
     def put_range(self, a: int, b: int, values: np.ndarray) -> None:
         self.flat[a:b] = values
 
+    def put_mask(self, start: int, mask: np.ndarray, values: np.ndarray) -> None:
+        """values into the elements start + i where mask[i], in order."""
+        if isinstance(self.flat, np.ndarray):
+            self.flat[start : start + mask.size][mask] = values
+        else:
+            self.flat[start + np.flatnonzero(mask)] = values
+
 
 def _apply_frame(buf: np.ndarray, pos: int, dst: _Target, start: int, n: int, block: int,
                  dtype: np.dtype) -> tuple[int, int, np.ndarray]:  # fmt: skip
@@ -305,24 +320,27 @@ def _apply_frame(buf: np.ndarray, pos: int, dst: _Target, start: int, n: int, bl
     bits = _read(frame, at, bm.size * (block // 8), "bitmaps").reshape(bm.size, block // 8)
     at += bits.size
     flags = np.unpackbits(bits, axis=1, count=block, bitorder="little").view(bool)
-    rb, cb = np.nonzero(flags)
     if not np.array_equal(np.count_nonzero(flags, axis=1), counts[bm]):
         raise DeltaError(f"delta frame at byte {pos}: bitmap population differs from counts")
+    nbm = int(counts[bm].sum())
     nix = int(counts[ix].sum())
     ci = _read(frame, at, 2 * nix, "indices").view("<u2").astype(np.int64)
     at = _pad8(at + 2 * nix)
     ri = np.repeat(np.arange(ix.size), counts[ix])
-    if np.any(ci >= lens[ix][ri]) or np.any(cb >= lens[bm][rb]):
+    tail = bm.size and bm[-1] == nb - 1 and bool(flags[-1, lens[-1] :].any())
+    if tail or np.any(ci >= lens[ix][ri]):
         raise DeltaError(f"delta frame at byte {pos}: a changed index lies past its block")
     ndense = int(lens[dn].sum())
-    values = _read(frame, at, (cb.size + nix + ndense) * width, "values").view(dtype)
+    values = _read(frame, at, (nbm + nix + ndense) * width, "values").view(dtype)
     if _pad8(at + values.size * width) != nbytes:
         raise DeltaError(f"delta frame at byte {pos}: {nbytes} bytes, sections say otherwise")
-    v = 0
-    for blocks_of, rows, cols in ((bm, rb, cb), (ix, ri, ci)):
-        if cols.size:
-            dst.put(start + blocks_of[rows] * block + cols, values[v : v + cols.size])
-            v += cols.size
+    if nbm:  # bitmap values in block order: a boolean mask over the frame places them
+        frame_mask = np.zeros(nb * block, dtype=bool)
+        frame_mask.reshape(nb, block)[bm] = flags
+        dst.put_mask(start, frame_mask[:n], values[:nbm])
+    if nix:
+        dst.put(start + ix[ri] * block + ci, values[nbm : nbm + nix])
+    v = nbm + nix
     for first, end in _runs(dn):
         a, b = first * block, min(end * block, n)
         dst.put_range(start + a, start + b, values[v : v + b - a])
