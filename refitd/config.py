@@ -49,6 +49,17 @@ class Settings(BaseSettings):
     controller: str = Field(
         "127.0.0.1:50151", description="HOST:PORT of the controller (agents, clients, CLI)"
     )
+    # --- data plane of the node agent (docs/multihost.md)
+    data_plane_address: str = Field(
+        "",
+        description="address this host's transfer processes listen on for peers (default: "
+        "the local address of the route to the controller; never hostname resolution)",
+    )
+    data_plane_interface: str = Field(
+        "",
+        description="network interface of the data plane (its IPv4 address; Gloo binds it); "
+        "takes precedence over data_plane_address and GLOO_SOCKET_IFNAME",
+    )
     # --- embedded agent / slots
     cpu_slots: int = Field(2, ge=0, description="CPU device slots of the embedded local agent")
     devices: Annotated[list[str], NoDecode] = Field(

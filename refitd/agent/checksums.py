@@ -7,11 +7,12 @@ each sign-extended to 64 bits:
     H = sum_i w_i * (2 * A * i + 1)   (mod 2**64),   A = 0x9E3779B97F4A7C15
 
 computed with torch integer ops in blocks, so it runs on the tensor's device (CPU or CUDA)
-and never copies more than one block. Integer sums wrap, so the result does not depend on
-reduction order: deterministic on every device. Guarantees: any change confined to one word
-changes H (each weight is odd, |w_i - w'_i| < 2**33), and so does swapping two different
-words of a region under 4 GiB (the weight difference 2A(i - j) has too few factors of two
-to cancel). Like every linear checksum it can miss crafted multi-word changes; it guards
+and never copies more than one block; on CUDA with triton, one kernel pass
+(refitd.formats.grouped) computes the same value. Integer sums wrap, so the result does
+not depend on reduction order: deterministic on every device. Guarantees: any change
+confined to one word changes H (each weight is odd, |w_i - w'_i| < 2**33), and so does
+swapping two different words of a region under 4 GiB (the weight difference 2A(i - j) has
+too few factors of two to cancel). Like every linear checksum it can miss crafted multi-word changes; it guards
 against torn, misplaced or stale data, not against an adversary.
 """
 
@@ -56,6 +57,12 @@ class Checksummer:
     def tensor(self, region: torch.Tensor) -> torch.Tensor:
         """H of `region` (any strides, any dtype) as a 0-d int64 tensor on its device; the
         computation is queued on the current stream (no host sync)."""
+        if region.is_cuda and self.block_words is None:
+            from refitd.formats import grouped
+
+            fused = grouped.checksums([region])
+            if fused is not None:
+                return fused[0]
         flat = region.contiguous().reshape(-1).view(torch.uint8)
         if flat.storage_offset() % 4:
             flat = flat.clone()

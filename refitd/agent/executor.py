@@ -16,7 +16,8 @@ wire, k+1 is being packed (poster thread) and k-1 unpacked (receiver thread).
 Relays (program.py): a copy whose source is a destination tensor of this slot forwards
 what an earlier round delivered. Before packing (or zero-copy sending) a chunk of a message
 with relay copies, the poster waits until the receiver has completed (waited and unpacked)
-every receive of a smaller round; ordinary chunks never wait. Local relay copies run after
+the receives, in posting order, up to the last one writing what the message forwards (never
+more than every receive of a smaller round); ordinary chunks never wait. Local relay copies run after
 every receive completed. Sources are released once every chunk and local copy reading a
 source tensor is done: relays don't hold the trainer.
 
@@ -34,12 +35,13 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -57,7 +59,11 @@ from refitd.plan.wire import RAW, dtype_size, segment_nbytes
 from refitd.transport.base import P2POp, Transport, Work
 from refitd.transport.memory import StorageMovedError, torch_dtype
 
+if TYPE_CHECKING:
+    from refitd.formats.grouped import GroupedLanding
+
 WIRE_CHUNK = 32 << 20
+GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
 DEFAULT_STAGING_BYTES = 256 << 20
 TAG_CHUNK_BITS = 12
 
@@ -160,6 +166,22 @@ class ExecReport:
             "phases": dict(self.phases),
             "checksums": self.checksums,
         }
+
+
+@dataclass
+class LocalStep:
+    """Local copies prepared for a refit: a grouped launch (refitd.formats.grouped) and
+    one call per copy it did not take (`copies`, for verification); `grouped_plain`: the
+    plain copies inside the grouped launch, in the order of its checksums."""
+
+    grouped: GroupedLanding | None = None
+    calls: list[tuple[Callable[[], None], int]] = field(default_factory=list)
+    copies: list[Copy] = field(default_factory=list)
+    grouped_plain: list[Copy] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return self.grouped is None and not self.calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,12 +391,16 @@ class Executor:
             + [c.dst_tensor for c in program.local]
         )
         recv_rounds = sorted(c.message.round for c in self.recv_chunks)
+        feeds = self._feed_index()
         self._relay_wait: dict[int, int] = {}  # send chunk -> receives to complete first
         self._reads_source: dict[int, bool] = {}
         for m_chunks in self._by_message(self.send_chunks):
             m = m_chunks[0].message
             if any(self._is_relay(c) for c in m.copies):
+                # every receive of a smaller round holds everything it may forward; the
+                # prefix up to the last receive writing what it forwards is enough
                 n = bisect.bisect_left(recv_rounds, m.round)
+                n = min(n, max((feeds(c) for c in m.copies if self._is_relay(c)), default=n))
                 for ch in m_chunks:
                     self._relay_wait[id(ch)] = n
             for ch in m_chunks:
@@ -466,18 +492,50 @@ class Executor:
             out.setdefault(ch.message.id, []).append(ch)
         return list(out.values())
 
+    def _feed_index(self) -> Callable[[Copy], int]:
+        """For a relay copy: how many receive chunks, in posting order, complete the last
+        one that writes (part of) the region it forwards."""
+        order = sorted(self.recv_chunks, key=lambda c: c.key)
+        writes: dict[int, list[tuple[int, Copy]]] = {}
+        for i, ch in enumerate(order):
+            for p in ch.pieces:
+                writes.setdefault(p.copy.dst_tensor, []).append((i, p.copy))
+
+        def overlaps(a: Copy, b: Copy) -> bool:  # a's source region, b's destination region
+            return all(
+                ao < bo + bn and bo < ao + an
+                for ao, an, bo, bn in zip(a.src_offset, a.shape, b.dst_offset, b.shape, strict=True)
+            )
+
+        def feed(c: Copy) -> int:
+            hits = [i for i, w in writes.get(c.src_tensor, ()) if overlaps(c, w)]
+            return max(hits) + 1 if hits else len(order)
+
+        return feed
+
     def _is_relay(self, c: Copy) -> bool:
         return c.src_tensor in self._dest_tensors
 
-    def _local_plan(self, copies: list[Copy]) -> list[tuple[Callable[[], None], int]]:
-        """Each local copy as a ready-to-run call with its byte count: views are cut once
-        here, not per refit (the storage check before every run guards their validity)."""
-        out: list[tuple[Callable[[], None], int]] = []
+    def _local_plan(self, copies: list[Copy]) -> LocalStep:
+        """The local copies as a ready-to-run step: views are cut once here, not per refit
+        (the storage check before every run guards their validity). On CUDA with triton,
+        every copy the grouped kernels take (same-dtype plain copies, MXFP8 / block-FP8
+        conversions) lands in one launch per group; the others are one call each."""
+        grouped = None
+        if copies and self.device.type == "cuda" and os.environ.get(GROUPED_ENV, "1") != "0":
+            from refitd.formats import grouped as grouped_mod
+
+            if grouped_mod.available(self.device):
+                grouped = grouped_mod.GroupedLanding(self.device)
+        step = LocalStep(grouped)
         for c in copies:
             nbytes = math.prod(c.shape) * dtype_size(self._src_dtype(c))
             dst = self._tensors[c.dst_tensor]
             if dst.storage == PLAIN:
-                out.append(
+                if grouped is not None and grouped.add_copy(self._src_block(c), self._dst_block(c)):
+                    step.grouped_plain.append(c)
+                    continue
+                step.calls.append(
                     (functools.partial(self._dst_block(c).copy_, self._src_block(c)), nbytes)
                 )
             else:  # quantized storage: the destination region (views) is cut once too
@@ -486,10 +544,15 @@ class Executor:
                 region = formats.dest_region(
                     dst.storage, dst.data, dst.scales, c.dst_offset, c.shape, name=dst.name
                 )
-                out.append(
+                if grouped is not None and grouped.add_quantize(self._src_block(c), region):
+                    continue
+                step.calls.append(
                     (functools.partial(formats.copy_region, self._src_block(c), region), nbytes)
                 )
-        return out
+            step.copies.append(c)
+        if grouped is not None:
+            step.grouped = grouped.build() if grouped.regions else None
+        return step
 
     def _src_block(self, c: Copy) -> torch.Tensor:
         return block(self._tensors[c.src_tensor].data, c.src_offset, c.shape)
@@ -633,13 +696,26 @@ class Executor:
         values = iter(torch.stack([sums[k] for k in keys]).tolist() if keys else [])
         return {m.id: combine(next(values) for _ in m.copies) for m in messages}
 
-    def _check_local(self, copies: list[Copy]) -> None:
-        """Compare each local copy's destination block with its source (plain storage)."""
+    def _check_local(
+        self,
+        copies: list[Copy],
+        fused: torch.Tensor | None = None,
+        fused_copies: list[Copy] | None = None,
+    ) -> None:
+        """Compare each local copy's destination block with its source (plain storage);
+        `fused`: (source, landed) checksums the grouped copy kernel computed for
+        fused_copies."""
         plain = [c for c in copies if self._tensors[c.dst_tensor].storage == PLAIN]
+        pairs = [
+            torch.stack((self._source_sum(c), self._summer.tensor(self._dst_block(c))))
+            for c in plain
+        ]
+        if fused is not None and fused_copies:
+            plain += fused_copies
+            pairs.append(fused)
         if not plain:
             return
-        pairs = [(self._source_sum(c), self._summer.tensor(self._dst_block(c))) for c in plain]
-        values = torch.stack([torch.stack(pair) for pair in pairs]).tolist()
+        values = torch.cat([p.reshape(-1, 2) for p in pairs]).tolist()
         bad = [c for c, (a, b) in zip(plain, values, strict=True) if a != b]
         if bad:
             raise ExecutionError(
@@ -901,35 +977,49 @@ class Executor:
         tl = time.monotonic()
         phases["check_start_s"] = tl - t0
 
-        def run_local(
-            calls: list[tuple[Callable[[], None], int]], copies: list[Copy], what: str
-        ) -> None:
+        def run_local(step: LocalStep, what: str) -> None:
             try:
-                for call, nbytes in calls:
+                fused = None
+                timed = is_cuda and not step.empty
+                if timed:  # GPU time of the local copies next to the host's (phases)
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    events[0].record()
+                    t_launch = time.monotonic()
+                if step.grouped is not None:
+                    fused = step.grouped.run(hash=verify)
+                    report.local_bytes += step.grouped.nbytes
+                for call, nbytes in step.calls:
                     call()
                     report.local_bytes += nbytes
+                if timed:
+                    events[1].record()
+                    phases["local_launch_s"] = phases.get("local_launch_s", 0.0) + (
+                        time.monotonic() - t_launch
+                    )
                 if verify:
-                    self._check_local(copies)
-                if is_cuda and calls:  # local copies are async on the GPU
+                    self._check_local(step.copies, fused, step.grouped_plain)
+                if timed:  # local copies are async on the GPU
                     torch.cuda.current_stream(self.device).synchronize()
+                    gpu_s = events[0].elapsed_time(events[1]) / 1e3
+                    phases["local_gpu_s"] = phases.get("local_gpu_s", 0.0) + gpu_s
             except ExecutionError as e:
                 fail(e)
             except BaseException as e:
                 fail(ExecutionError(f"slot {self.program.slot}: {what} failed: {e}"))
 
-        run_local(self._local_direct, self._local_direct_copies, "local copy")
+        run_local(self._local_direct, "local copy")
         report.local_seconds = time.monotonic() - tl
         phases["local_s"] = report.local_seconds
         local_done.set()
         source_done(0)
-        if self._local_relay and not errors:
+        if not self._local_relay.empty and not errors:
             try:
                 wait_recvs(len(self.recv_chunks), f"slot {self.program.slot}: local relay copies")
             except BaseException as e:
                 fail(e)
             else:
                 tr = time.monotonic()
-                run_local(self._local_relay, self._local_relay_copies, "local relay copy")
+                run_local(self._local_relay, "local relay copy")
                 report.local_seconds += time.monotonic() - tr
         tj = time.monotonic()
         for t in threads:

@@ -54,6 +54,24 @@ def model_shapes(
     return [(f"layers.{k}.weight", (rows, cols)) for k in range(n)]
 
 
+def small_model_shapes(
+    count: int, lo: int = 64 << 10, hi: int = 1 << 20, cols: int = 256, seed: int = 5
+) -> list[tuple[str, tuple[int, int]]]:
+    """`count` BF16 tensors of lo..hi bytes (uniform in rows of `cols`), many small ones."""
+    g = torch.Generator().manual_seed(seed)
+    row = cols * 2
+    rows = torch.randint(lo // row, hi // row + 1, (count,), generator=g).tolist()
+    return [(f"small.{k}.weight", (r, cols)) for k, r in enumerate(rows)]
+
+
+def model_for(key: tuple[str, int]) -> tuple[list[tuple[str, tuple[int, int]]], int]:
+    """(model, source shards per tensor) of ("big", total bytes) or ("small", count)."""
+    kind, n = key
+    if kind == "small":
+        return small_model_shapes(n), 1
+    return model_shapes(n), 2
+
+
 def pattern(k: int, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
     """Global tensor k: distinct, exactly representable BF16 values from its index."""
     n = math.prod(shape)
@@ -62,14 +80,14 @@ def pattern(k: int, shape: tuple[int, ...], device: torch.device | str) -> torch
 
 
 def model_specs(
-    model: list[tuple[str, tuple[int, int]]], storage: str = PLAIN
+    model: list[tuple[str, tuple[int, int]]], storage: str = PLAIN, split: int = 2
 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Sources: two row shards per tensor (trainer ranks 0, 1); destinations: whole tensors
-    (inference rank 0) in `storage`; everything on slot 0."""
+    """Sources: `split` row shards per tensor (trainer ranks 0..split-1); destinations:
+    whole tensors (inference rank 0) in `storage`; everything on slot 0."""
     src, dst = [], []
     for name, (r, c) in model:
-        half = r // 2
-        for rank in range(2):
+        half = r // split
+        for rank in range(split):
             box = Box((rank * half, 0), (half, c), (0, 0))
             src.append(
                 TensorSpec(
@@ -132,14 +150,16 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))
 
 
-def _worker(conn: Connection, role: str, total_bytes: int, device: str, storage: str) -> None:
+def _worker(
+    conn: Connection, role: str, model_key: tuple[str, int], device: str, storage: str
+) -> None:
     """Trainer or inference process: allocate, register, then serve commands:
     ("fill", seed) (trainer: new weights), "snapshot", ("verify", seed), "close"."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    model = model_shapes(total_bytes)
-    src, dst = model_specs(model, storage)
+    model, split = model_for(model_key)
+    src, dst = model_specs(model, storage, split)
     index = {name: k for k, (name, _) in enumerate(model)}
     specs = src if role == "trainer" else dst
     tensors: list[torch.Tensor] = []
@@ -229,18 +249,28 @@ def ipc_refit(
     storage: str = PLAIN,
     refits: int = 5,
     timeout_s: float = 300.0,
+    *,
+    staged: bool = False,
+    verify: bool = False,
+    small: int = 0,
 ) -> dict:
     """Trainer -> inference on one device through a transfer process mapping worker memory;
-    `refits` timed refits, each of new weights (two versions alternate), median reported."""
+    `refits` timed refits, each of new weights (two versions alternate), median reported.
+
+    staged: the destinations are a staged pool's (the refit lands in the transfer process's
+    staging buffers, then `apply` copies them in place; both are timed). verify: after the
+    plain refits, as many refits with checksum verification, timed the same way
+    (verify_cost = their median over the plain median). small: a model of that many
+    64 KiB-1 MiB tensors per rank instead of total_bytes in large tensors.
+    """
     from refitd.agent.transfer_process import TransferProcessHandle
 
+    model_key = ("small", small) if small else ("big", total_bytes)
     ctx = mp.get_context("spawn")
     procs, conns = [], {}
     for role in ("trainer", "infer"):
         parent, child = ctx.Pipe()
-        p = ctx.Process(
-            target=_worker, args=(child, role, total_bytes, device, storage), daemon=True
-        )
+        p = ctx.Process(target=_worker, args=(child, role, model_key, device, storage), daemon=True)
         p.start()
         procs.append(p)
         conns[role] = parent
@@ -258,66 +288,54 @@ def ipc_refit(
             if not conn.poll(timeout_s):
                 raise TimeoutError(f"{role} process did not register within {timeout_s}s")
             mem[role] = conn.recv()
-        src, dst = model_specs(model_shapes(total_bytes), storage)
+        model, split = model_for(model_key)
+        src, dst = model_specs(model, storage, split)
         plan = build_plan("gpu", 1, src, dst, PlanConfig())
         program = plan.program(0)
         handles = {i: mem["trainer"][i] for i in range(len(src))}
         handles |= {len(src) + j: mem["infer"][j] for j in range(len(dst))}
         handle = TransferProcessHandle(0, device=device if device.startswith("cuda") else None)
         handle.connect(1, "", 0, 0, 1, "local", 30.0)
-        handle.load(plan.digest, program.to_bytes(), handles)
+        stage = [len(src) + j for j in range(len(dst))] if staged else None
+        handle.load(plan.digest, program.to_bytes(), handles, staged=stage)
         nbytes = sum(math.prod(c.shape) * 2 for c in program.local)
         rw_bytes = nbytes + sum(_stored_bytes(d) for d in dst)  # BF16 read + buffers written
         ask("trainer", ("fill", 7))
         handle.execute(plan.digest, 1, 1, timeout_s)  # warm: maps the handles
-        reports, walls, held = [], [], []
-        seed = 0
-        for k in range(refits):
-            seed = 1000 * (k % 2)
-            ask("trainer", ("fill", seed))
-            got: list[float] = []
-            t0 = time.monotonic()
-            reports.append(
-                handle.execute(
-                    plan.digest,
-                    k + 2,
-                    k + 2,
-                    timeout_s,
-                    on_sources_released=lambda g=got, t=t0: g.append(time.monotonic() - t),
-                )
-            )
-            walls.append(time.monotonic() - t0)
-            held += got
+        if staged:
+            handle.apply(plan.digest, 1, timeout_s)
+        run = _Runs(handle, plan.digest, ask, staged, timeout_s)
+        plain = run.timed(refits, first_id=2, verify=False)
+        checked = run.timed(refits, first_id=2 + refits, verify=True) if verify else None
         ref = _memcpy_seconds(handle, nbytes, device, timeout_s)
         snapshot_s = float(ask("trainer", "snapshot"))  # type: ignore[arg-type]
-        check = ask("infer", ("verify", seed))
-        seconds = statistics.median(r["seconds"] for r in reports)
-        held_s = statistics.median(r["sources_released_s"] for r in reports)
-        phases = {
-            k: round(statistics.median(r["phases"].get(k, 0.0) for r in reports), 6)
-            for k in reports[-1]["phases"]
-        }
-        return {
+        check = ask("infer", ("verify", run.seed))
+        seconds = plain["seconds"]
+        out = {
             "check": "ipc_refit",
             "device": device,
             "storage": storage,
+            "tensors": len(model),
+            "source_shards": len(src),
+            "staged": staged,
             "bytes": nbytes,
             "refits": refits,
-            "seconds": round(seconds, 6),
-            "seconds_all": [round(r["seconds"], 6) for r in reports],
-            "parent_wall_s": round(statistics.median(walls), 6),
+            **plain,
             "rw_bytes": rw_bytes,
             "gbps_rw": round(rw_bytes / seconds / 1e9, 2),
             "ref_memcpy_gbps_rw": round(2 * nbytes / ref / 1e9, 2),
             # memcpy time of the same read + written bytes over the refit's time
             "ratio": round(ref * rw_bytes / (2 * nbytes) / seconds, 3),
-            "trainer_held_s": round(held_s, 6),
-            "trainer_held_parent_s": round(statistics.median(held), 6) if held else None,
             "snapshot_copy_s": round(snapshot_s, 6),
-            "held_over_snapshot": round(held_s / snapshot_s, 3) if snapshot_s else None,
-            "phases": phases,
+            "held_over_snapshot": round(plain["trainer_held_s"] / snapshot_s, 3)
+            if snapshot_s
+            else None,
             **check,  # type: ignore[dict-item]
         }
+        if checked is not None:
+            out["verified_refits"] = checked
+            out["verify_cost"] = round(checked["seconds"] / seconds, 3)
+        return out
     finally:
         if handle is not None:
             handle.close()
@@ -331,6 +349,62 @@ def ipc_refit(
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+@dataclasses.dataclass
+class _Runs:
+    """Timed refits of one loaded plan (new weights each time, two versions alternating)."""
+
+    handle: object
+    digest: str
+    ask: object
+    staged: bool
+    timeout_s: float
+    seed: int = 0
+
+    def timed(self, refits: int, first_id: int, verify: bool) -> dict:
+        """Medians of `refits` refits: seconds (execute, plus apply when staged), parent
+        wall time, trainer held time, phases."""
+        reports, walls, held, applies = [], [], [], []
+        for k in range(refits):
+            self.seed = 1000 * (k % 2)
+            self.ask("trainer", ("fill", self.seed))  # type: ignore[operator]
+            got: list[float] = []
+            rid = first_id + k
+            t0 = time.monotonic()
+            reports.append(
+                self.handle.execute(  # type: ignore[attr-defined]
+                    self.digest,
+                    rid,
+                    rid,
+                    self.timeout_s,
+                    on_sources_released=lambda g=got, t=t0: g.append(time.monotonic() - t),
+                    verify=verify,
+                )
+            )
+            if self.staged:
+                applies.append(
+                    self.handle.apply(self.digest, rid, self.timeout_s)["seconds"]  # type: ignore[attr-defined]
+                )
+            walls.append(time.monotonic() - t0)
+            held += got
+        execs = [r["seconds"] for r in reports]
+        totals = [e + a for e, a in zip(execs, applies or [0.0] * refits, strict=True)]
+        out = {
+            "seconds": round(statistics.median(totals), 6),
+            "seconds_all": [round(t, 6) for t in totals],
+            "parent_wall_s": round(statistics.median(walls), 6),
+            "trainer_held_s": round(statistics.median(r["sources_released_s"] for r in reports), 6),
+            "trainer_held_parent_s": round(statistics.median(held), 6) if held else None,
+            "phases": {
+                k: round(statistics.median(r["phases"].get(k, 0.0) for r in reports), 6)
+                for k in reports[-1]["phases"]
+            },
+        }
+        if self.staged:
+            out["execute_s"] = round(statistics.median(execs), 6)
+            out["apply_s"] = round(statistics.median(applies), 6)
+        return out
 
 
 def _memcpy_seconds(handle, nbytes: int, device: str, timeout_s: float) -> float:

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
+from refitd.agent.dataplane import DataPlane, choose_data_plane
 from refitd.client.connection import Backoff, ControllerConnection, RefitError, security_for
 from refitd.transport.memory import reap_orphaned_segments
 
@@ -183,6 +184,8 @@ class SlotRunner:
             timeout_s=c.timeout_s or self.options.connect_timeout_s,
             slot_ranks=dict(c.comm_rank),
             store_token=c.store_token,
+            data_plane_address=self.agent.data_plane.address,
+            data_plane_interface=self.agent.data_plane.interface,
         )
         return Outcome(pb.REPORT_KIND_CONNECTED, seconds=time.perf_counter() - start)
 
@@ -283,13 +286,20 @@ class NodeAgent:
     """Registers with the controller and serves its commands until `stop` is set."""
 
     def __init__(
-        self, controller_address: str, host: str, devices: list[str], settings: Any = None
+        self,
+        controller_address: str,
+        host: str,
+        devices: list[str],
+        settings: Any = None,
+        data_plane: DataPlane | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a node agent needs at least one device slot (e.g. cpu:0)")
         self.address = controller_address
         self.host = host
         self.devices = list(devices)
+        # Chosen before anything starts: a loopback one with a remote controller refuses.
+        self.data_plane = data_plane or choose_data_plane(settings, controller_address)
         self.options = AgentOptions.from_settings(settings)
         self.agent_id = ""
         self.slots: dict[int, SlotRunner] = {}
@@ -347,6 +357,7 @@ class NodeAgent:
             pid=os.getpid(),
             agent_id=self.agent_id,
             batch_execute=True,
+            data_plane_address=self.data_plane.address,
         )
         resp = self._conn.call(self._conn.agents.RegisterAgent, req, f"register agent {self.host}")
         if len(resp.slot_ids) != len(self.devices):
@@ -478,6 +489,7 @@ class NodeAgent:
             pid=os.getpid(),
             agent_id=self.agent_id,
             batch_execute=True,
+            data_plane_address=self.data_plane.address,
         )
         self._conn.call(self._conn.agents.RegisterAgent, req, f"register agent {self.host}")
         log.info("agent %s: registered again after a transfer process restart", self.host)
@@ -538,6 +550,7 @@ def run_node_agent(
     devices: list[str],
     settings: Any,
     stop_event: threading.Event,
+    data_plane: DataPlane | None = None,
 ) -> None:
     """Run a node agent until stop_event is set (used by `refitd serve` and `refitd agent`)."""
-    NodeAgent(controller_address, host, devices, settings).run(stop_event)
+    NodeAgent(controller_address, host, devices, settings, data_plane).run(stop_event)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 
 from refitd.agent.executor import (
@@ -38,12 +39,15 @@ from refitd.plan.layout import PLAIN
 from refitd.plan.program import SlotProgram
 from refitd.transport.base import ConnectInfo, Transport, TransportError, create_transport
 from refitd.transport.memory import (
+    STATE_LIVE,
     MemoryHandle,
     MemoryMapper,
     StorageMovedError,
     check_all_live,
     shared_buffer,
 )
+
+_BULK_CHECK = 64  # handles from which the liveness check reads state words in bulk
 
 
 class TransferProcessError(RuntimeError):
@@ -66,6 +70,7 @@ class MappedResolver:
     staged: frozenset[int] = frozenset()
     _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
     _staging: dict[int, ResolvedTensor] = field(default_factory=dict)
+    _bulk: dict[tuple, dict[str, np.ndarray]] = field(default_factory=dict)
 
     def resolve(self, index: int) -> ResolvedTensor:
         if index in self.staged:
@@ -107,7 +112,38 @@ class MappedResolver:
         return t
 
     def check(self, indices: Any) -> None:
-        check_all_live(self.mapper, [self.handles[i] for i in indices if i in self.handles])
+        key = tuple(indices)
+        words = self._bulk.get(key)
+        if words is None and len(key) >= _BULK_CHECK:
+            words = self._bulk[key] = self._state_words(key)
+        if words is not None and self._all_live(words):
+            return
+        handles = [self.handles[i] for i in key if i in self.handles]
+        check_all_live(self.mapper, handles)  # names every stale tensor
+
+    def _state_words(self, indices: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """State segment -> liveness word indices of these handles and their scales."""
+        by_seg: dict[str, list[int]] = {}
+        for i in indices:
+            h = self.handles.get(i)
+            for part in (h, None if h is None else h.scales):
+                if part is not None and part.state_segment:
+                    by_seg.setdefault(part.state_segment, []).append(part.state_index)
+        return {n: np.asarray(w, dtype=np.int64) for n, w in by_seg.items()}
+
+    def _all_live(self, words: dict[str, np.ndarray]) -> bool:
+        """Every liveness word read at once per state segment: a refit of thousands of
+        tensors checks them in microseconds (check_all_live names the stale ones)."""
+        for name, index in words.items():
+            state = np.frombuffer(self.mapper._segment(name).mm, dtype="<u8")
+            try:
+                live = bool((state[index] == STATE_LIVE).all())
+            except IndexError:
+                live = False
+            del state  # releases the mapping's buffer export at once
+            if not live:
+                return False
+        return True
 
 
 @dataclass
@@ -158,6 +194,8 @@ class _TransferState:
                 world_size=cmd["world_size"],
                 timeout_s=cmd["timeout_s"],
                 store_token=cmd.get("store_token", ""),
+                local_address=cmd.get("data_plane_address", ""),
+                local_interface=cmd.get("data_plane_interface", ""),
             )
         )
         self.transport = transport
@@ -587,9 +625,12 @@ class TransferProcessHandle:
         slot_ranks: dict[int, int] | None = None,
         store_token: str = "",
         wait: bool = True,
+        data_plane_address: str = "",
+        data_plane_interface: str = "",
     ) -> Pending | None:
         """Join the refit communicator of `epoch` (all ranks must connect concurrently:
-        pass wait=False and call .result() on each)."""
+        pass wait=False and call .result() on each); peers reach this rank at the agent's
+        data-plane address (or interface)."""
         p = self.request(
             "connect",
             epoch=epoch,
@@ -601,6 +642,8 @@ class TransferProcessHandle:
             timeout_s=timeout_s,
             slot_ranks=slot_ranks,
             store_token=store_token,
+            data_plane_address=data_plane_address,
+            data_plane_interface=data_plane_interface,
         )
         if not wait:
             return p

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 
 from refitd.cli.daemon_process import start_daemon_process
 from refitd.config import add_settings_arguments, settings_from_args
@@ -15,6 +16,8 @@ from refitd.config import add_settings_arguments, settings_from_args
 AGENT_FIELDS = [
     "controller",
     "devices",
+    "data_plane_address",
+    "data_plane_interface",
     "cpu_slots",
     "rpc_timeout_s",
     "connect_timeout_s",
@@ -42,12 +45,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from refitd.agent.dataplane import DataPlaneError, choose_data_plane
     from refitd.agent.node import run_node_agent
 
     settings = settings_from_args(args)
-    stop = start_daemon_process(settings)
     host = args.hostname or socket.gethostname()
+    try:
+        plane = choose_data_plane(settings, settings.controller)
+    except DataPlaneError as e:
+        print(f"refitd agent {host}: refusing to start: {e}", file=sys.stderr, flush=True)
+        return 2
+    stop = start_daemon_process(settings)
     devices = settings.local_devices()
-    print(f"refitd agent {host}: slots {','.join(devices)} -> controller {settings.controller}")
-    run_node_agent(settings.controller, host, devices, settings, stop)
+    print(
+        f"refitd agent {host}: slots {','.join(devices)} -> controller {settings.controller}, "
+        f"data plane {plane.describe()}",
+        flush=True,
+    )
+    run_node_agent(settings.controller, host, devices, settings, stop, plane)
     return 0

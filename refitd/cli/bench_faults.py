@@ -3,8 +3,9 @@
 For each case (role x phase) kill -9 the member at that phase of a refit, `--runs` times,
 on one reused cluster (controller, node agent, 2 trainer and 2 inference rank processes):
 hangs past the timeouts, torn versions served, paused ranks never told how the refit ended
-(untold), versions or registry entries lost after a
-controller restart, and the time from the restart to the next committed refit. Prints a
+(untold), refits failed only by the barrier timeout although a trainer rank was dead (late),
+versions or registry entries lost after a controller restart, and the time from the restart
+to the next committed refit. Prints a
 table and one JSON line with the totals.
 """
 
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     t0 = time.monotonic()
     print(
-        f"{'case':22} {'runs':>4} {'hit':>4} {'hangs':>5} {'torn':>4} {'untold':>6} {'lost':>4} "
+        f"{'case':22} {'runs':>4} {'hit':>4} {'hangs':>5} {'torn':>4} {'untold':>6} {'late':>4} "
+        f"{'lost':>4} "
         f"{'unrec':>5} {'back med s':>10} {'recov med s':>11} {'recov max s':>11}",
         flush=True,
     )
@@ -65,10 +67,11 @@ def run(args: argparse.Namespace) -> int:
             for i in range(args.runs):
                 r = suite.run(role, phase)
                 results.append(r)
-                if args.verbose or r.hangs or r.torn or r.untold or r.lost or r.recovery_s is None:
+                bad_run = r.hangs or r.torn or r.untold or r.late or r.lost
+                if args.verbose or bad_run or r.recovery_s is None:
                     print(
                         f"  {role}:{phase} run {i + 1}: hit={r.hit} hangs={r.hangs} "
-                        f"torn={r.torn} untold={r.untold} lost={r.lost} back_s={r.back_s} recovery_s={r.recovery_s} "
+                        f"torn={r.torn} untold={r.untold} late={r.late} lost={r.lost} back_s={r.back_s} recovery_s={r.recovery_s} "
                         f"{r.notes}",
                         file=sys.stderr,
                     )
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                     "hangs": sum(r.hangs for r in results),
                     "torn": sum(r.torn for r in results),
                     "untold": sum(r.untold for r in results),
+                    "late": sum(r.late for r in results),
                     "lost": sum(r.lost for r in results),
                     "back_median_s": statistics.median(back) if back else None,
                     "recovery_median_s": statistics.median(rec) if rec else None,
@@ -102,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "hangs": sum(r["hangs"] for r in rows),
         "torn": sum(r["torn"] for r in rows),
         "untold": sum(r["untold"] for r in rows),
+        "late": sum(r["late"] for r in rows),
         "lost": sum(r["lost"] for r in rows),
         "unrecovered": sum(r["runs"] - r["recovered"] for r in rows),
         "recovery_max_s": worst,
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         "model_mb": args.mb,
     }
     print(json.dumps(totals))
-    bad = ("hangs", "torn", "untold", "lost", "unrecovered")
+    bad = ("hangs", "torn", "untold", "late", "lost", "unrecovered")
     ok = all(totals[k] == 0 for k in bad)
     return 0 if ok and worst < RECOVERY_TARGET_S else 1
 
@@ -122,7 +127,7 @@ def _print_row(row: dict) -> None:
 
     print(
         f"{row['case']:22} {row['runs']:>4} {row['hit']:>4} {row['hangs']:>5} {row['torn']:>4} "
-        f"{row['untold']:>6} {row['lost']:>4} {row['runs'] - row['recovered']:>5} {sec(row['back_median_s']):>10} {sec(row['recovery_median_s']):>11} "
+        f"{row['untold']:>6} {row['late']:>4} {row['lost']:>4} {row['runs'] - row['recovered']:>5} {sec(row['back_median_s']):>10} {sec(row['recovery_median_s']):>11} "
         f"{sec(row['recovery_max_s']):>11}",
         flush=True,
     )

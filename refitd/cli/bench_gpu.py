@@ -8,13 +8,21 @@
     (data + scales through CUDA IPC): addresses unchanged across refits, bytes equal to
     refitd.formats' quantizer of the expected tensor (and to the CPU torch reference on a
     slice);
-(c) nccl: the NCCL transport through the executor, one rank sending to itself;
-(d) kernels: Triton quantizers vs the torch reference and the copy bandwidth.
+(c) staged: the refit of (a) into a staged pool (staging buffers in the transfer process,
+    then applied in place), each refit timed with and without --verify-checksums style
+    verification (verify_cost = verified / unverified, target <= 1.3); (a) reports its
+    verify_cost too;
+(d) small: --small-count tensors of 64 KiB-1 MiB per rank through CUDA IPC (target >= 0.6);
+(e) nccl: the NCCL transport through the executor, one rank sending to itself;
+(f) kernels: Triton quantizers vs the torch reference and the copy bandwidth, and the
+    checksum kernel vs the CPU checksum (bit for bit) and the copy bandwidth.
+Local copies and conversions run as grouped Triton launches (refitd.formats.grouped).
 
 Imports torch, numpy, msgpack (and triton for (d)) only: no grpc, pydantic or fastapi.
-`--device cpu` runs (a) and (b) on CPU shared memory (a dry run of the same code path).
+`--device cpu` runs (a)-(d) on CPU shared memory (a dry run of the same code path).
 
-    refitd bench gpu [--gib 8] [--quant-gib 1] [--refits 5] [--only ipc,quant,nccl,kernels]
+    refitd bench gpu [--gib 8] [--quant-gib 1] [--refits 5] [--small-count 10000]
+                     [--only ipc,quant,staged,small,nccl,kernels]
     PYTHONPATH=. python3 -m refitd.cli.bench_gpu
 """
 
@@ -29,10 +37,13 @@ from collections.abc import Callable
 
 import torch
 
-PARTS = ("ipc", "quant", "nccl", "kernels")
+PARTS = ("ipc", "quant", "staged", "small", "nccl", "kernels")
+CPU_PARTS = ("ipc", "quant", "staged", "small")
 HELD_TARGET = 1.5
 IPC_RATIO_TARGET = 0.6
 QUANT_RATIO_TARGET = 0.7
+VERIFY_COST_TARGET = 1.3
+SMALL_RATIO_TARGET = 0.6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nccl-gib", type=float, default=2.0, help="bytes of the NCCL check")
     parser.add_argument("--refits", type=int, default=5, help="timed refits (median)")
+    parser.add_argument(
+        "--small-count", type=int, default=10000, help="tensors per rank of the small part"
+    )
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a dry run")
     parser.add_argument(
         "--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}"
@@ -75,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"bench": "gpu", "error": "no CUDA device (use --device cpu)"}))
         return 2
     if not cuda:
-        parts = [p for p in parts if p in ("ipc", "quant")]
+        parts = [p for p in parts if p in CPU_PARTS]
     out: dict = {
         "bench": "gpu",
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -84,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if "ipc" in parts:
         out["ipc"] = _attempt(
             lambda: gpu_checks.ipc_refit(
-                _gib(args.gib), args.device, "plain", args.refits, args.timeout
+                _gib(args.gib), args.device, "plain", args.refits, args.timeout, verify=True
             )
         )
     if "quant" in parts:
@@ -94,6 +108,19 @@ def run(args: argparse.Namespace) -> int:
                     _gib(args.quant_gib), args.device, s, max(2, args.refits), args.timeout
                 )
             )
+    if "staged" in parts:
+        out["staged"] = _attempt(
+            lambda: gpu_checks.ipc_refit(
+                _gib(args.gib), args.device, "plain", args.refits, args.timeout,
+                staged=True, verify=True,
+            )
+        )  # fmt: skip
+    if "small" in parts:
+        out["small"] = _attempt(
+            lambda: gpu_checks.ipc_refit(
+                0, args.device, "plain", args.refits, args.timeout, small=args.small_count
+            )
+        )
     if "nccl" in parts:
         out["nccl"] = _attempt(lambda: gpu_checks.nccl_self_transfer(_gib(args.nccl_gib)))
     if "kernels" in parts:
@@ -105,10 +132,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kernels() -> dict:
+    from refitd.agent import checksum_bench
     from refitd.formats import gpu_bench
 
     rows = gpu_bench.bench_quantizers()
-    return {"summary": gpu_bench.summarize(rows), "rows": rows}
+    summary = gpu_bench.summarize(rows)
+    hash_rows = checksum_bench.bench_checksum()
+    summary.update(gpu_bench.summarize_checksum(hash_rows))
+    return {"summary": summary, "rows": rows + hash_rows}
 
 
 def _print_table(out: dict) -> bool:
@@ -116,7 +147,7 @@ def _print_table(out: dict) -> bool:
     ok = True
     print(f"refitd bench gpu on {out['device']} (torch {out['torch']})")
     print(f"{'part':22} {'GB':>7} {'ms':>9} {'GB/s':>8} {'ref':>8} {'ratio':>6}  checks")
-    for key in ("ipc", "ipc_mxfp8", "ipc_fp8_block", "nccl"):
+    for key in ("ipc", "ipc_mxfp8", "ipc_fp8_block", "staged", "small", "nccl"):
         r = out.get(key)
         if r is None:
             continue
@@ -136,6 +167,10 @@ def _print_table(out: dict) -> bool:
             f"{key:22} {r['bytes'] / 1e9:7.2f} {r['seconds'] * 1e3:9.3f} {gbps:8.1f} "
             f"{ref:8.1f} {r['ratio']:6.3f}  {checks}"
         )
+        _targets(key, r)
+        extra = {k: r[k] for k in ("execute_s", "apply_s", "verify_cost", "tensors") if k in r}
+        if extra:
+            print(f"{'':22} {extra}")
         if "trainer_held_s" in r:
             print(
                 f"{'':22} trainer held {r['trainer_held_s'] * 1e3:.3f} ms, snapshot copy "
@@ -148,6 +183,8 @@ def _print_table(out: dict) -> bool:
             r["ratio"] >= IPC_RATIO_TARGET and r["held_over_snapshot"] <= HELD_TARGET
         )
     k = out.get("kernels")
+    if k is not None and "summary" in k:
+        ok = ok and k["summary"].get("checksum_bit_identical", True)
     if k is not None:
         if "error" in k:
             ok = False
@@ -176,6 +213,19 @@ def _print_table(out: dict) -> bool:
                 f"{r['name']} {r['shape']}" for r in rows if r["bit_identical"] is False
             ]
     return ok
+
+
+def _targets(key: str, r: dict) -> None:
+    """targets_met of the parts that have one (ipc's is set with its held time)."""
+    met = []
+    if key in ("ipc_mxfp8", "ipc_fp8_block"):
+        met.append(r["ratio"] >= QUANT_RATIO_TARGET)
+    if key == "small":
+        met.append(r["ratio"] >= SMALL_RATIO_TARGET)
+    if "verify_cost" in r:
+        r["verify_cost_target_met"] = r["verify_cost"] <= VERIFY_COST_TARGET
+    if met:
+        r["targets_met"] = all(met)
 
 
 def main(argv: list[str] | None = None) -> int:

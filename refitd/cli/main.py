@@ -27,6 +27,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "faults": ("refitd.cli.bench_faults", "kill -9 each member at each refit phase (recovery)"),
     "load": ("refitd.cli.bench_load", "1024 metadata workers of a large model, 1000 small refits"),
     "staged": ("refitd.cli.bench_staged", "pause window of a staged vs an in-place pool"),
+    "cluster": ("refitd.cli.bench_cluster", "refits across emulated hosts on shaped links (root)"),
+    "simulate": (
+        "refitd.cli.bench_simulate",
+        "replay a plan's messages on a link model (NICs, NVLink, fair sharing)",
+    ),
     "delta": ("refitd.cli.bench_delta", "delta refits vs dense refits of the same versions"),
 }
 

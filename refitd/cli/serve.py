@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 import threading
 
 from refitd.cli.daemon_process import start_daemon_process
@@ -27,17 +28,31 @@ def run(args: argparse.Namespace) -> int:
     from refitd.server.controller import Controller
 
     settings = settings_from_args(args)
+    devices = settings.local_devices()
+    plane = None
+    if settings.embedded_agent and devices:
+        from refitd.agent.dataplane import DataPlaneError, choose_data_plane
+
+        try:  # peers reach the embedded agent where agents reach the store
+            plane = choose_data_plane(
+                settings,
+                f"{settings.store_host}:{settings.grpc_port}",
+                reached_as=f"agents of other hosts reach this one at {settings.store_host} "
+                "(advertise_host, else host)",
+            )
+        except DataPlaneError as e:
+            print(f"refitd serve: embedded agent: refusing to start: {e}", file=sys.stderr)
+            return 2
     stop = start_daemon_process(settings)
     controller = Controller(settings).start()
     agent_thread = None
-    devices = settings.local_devices()
-    if settings.embedded_agent and devices:
+    if plane is not None:
         from refitd.agent.node import run_node_agent
 
         host = args.hostname or socket.gethostname()
         agent_thread = threading.Thread(
             target=run_node_agent,
-            args=(controller.grpc_address, host, devices, settings, stop),
+            args=(controller.grpc_address, host, devices, settings, stop, plane),
             name="local-agent",
             daemon=True,
         )
@@ -45,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"refitd serving: gRPC {controller.grpc_address}, status http://{controller.http_address}/"
         f", store {controller.store_address_str or 'off'}, state {controller.db.path}"
-        + (f", local agent slots {','.join(devices)}" if agent_thread else ""),
+        + (
+            f", local agent slots {','.join(devices)}, data plane {plane.describe()}"
+            if plane is not None
+            else ""
+        ),
         flush=True,
     )
     try:

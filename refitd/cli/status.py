@@ -101,6 +101,16 @@ def render(doc: dict[str, Any]) -> str:
         )
         if sm["agents_disconnected"]:
             lines.append(f"  disconnected agents: {', '.join(sm['agents_disconnected'][:20])}")
+    agents = doc.get("agents", [])
+    for a in agents[:20]:
+        state = "connected" if a["connected"] else "disconnected"
+        plane = a.get("data_plane_address") or "?"
+        lines.append(
+            f"  agent {a['agent_id']} on {a['host']} (data plane {plane}): {state}, "
+            f"{len(a['slots'])} slots"
+        )
+    if len(agents) > 20:
+        lines.append(f"  {len(agents) - 20} more agents")
     for r in doc["refits"][:10]:
         ph = r.get("phases") or {}
         phases = " ".join(f"{k} {v:.3f}s" for k, v in ph.items() if v)

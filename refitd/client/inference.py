@@ -19,6 +19,13 @@ With `staged=True` (the same on every rank of the pool) the refit lands in stagi
 of the node agent while the engine keeps serving; PAUSE comes only once every byte has
 landed, and the pause lasts for the copy from staging into the weights, then COMMIT. It
 costs a second copy of this rank's weights on its device.
+
+Order of work for each event: (1) the hook; (2) the new state (`state`, `served_version`,
+`committed_version`), seen at once by the thread that delivers the event (the `subscribe()`
+loop body, or the `on_update` callback); (3) the delivery; (4) once it returns, the state is
+published to every other thread, then the ack goes to the controller. So a thread that sees
+`served_version == v` knows the commit event of v was delivered, and a trainer's
+`refit(v, wait="served")` returns only after every inference rank got that far.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -56,6 +63,26 @@ class VersionEvent:
     version: int
     reason: str
     refit_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClientState:
+    """What an inference rank serves: state, served_version and committed_version."""
+
+    state: str = "new"
+    served_version: int | None = None
+    committed_version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Handled:
+    """An event whose hook ran, waiting for its delivery, then its ack."""
+
+    event: VersionEvent
+    ok: bool
+    message: str
+    moved: list[str]
+    numbered: bool  # has an event id (acked, and remembered for resuming)
 
 
 Hook = Callable[[int], None]
@@ -101,9 +128,9 @@ class InferenceClient(WorkerClient):
         self._pause = pause
         self._resume = resume
         self._incomplete = incomplete
-        self.served_version: int | None = None
-        self.committed_version: int = 0
-        self.state = "new"
+        self._latest = ClientState()  # after the newest event handled
+        self._published = ClientState()  # what other threads see (after its delivery)
+        self._delivering: tuple[int, ClientState] | None = None  # (thread id, its view)
         self._last_event = 0
         self._paused_in = 0  # refit id of the PAUSE being honoured
         self._stream: grpc.Future | None = None
@@ -111,7 +138,8 @@ class InferenceClient(WorkerClient):
         self._listener: threading.Thread | None = None
 
     def subscribe(self) -> Iterator[VersionEvent]:
-        """Events of this worker's pool, in order, each after its handshake step was acked.
+        """Events of this worker's pool, in order (see the module docstring for what the
+        client does around each one, and in which order).
 
         Reconnects with backoff when the controller goes away (registering again if it
         forgot this worker) and resumes after the last event seen. Ends on close().
@@ -126,9 +154,13 @@ class InferenceClient(WorkerClient):
                 for raw in stream:
                     backoff.reset()
                     self._streaming.set()
-                    event = self._handle(raw)
-                    if event is not None:
-                        yield event
+                    handled = self._handle(raw)
+                    if handled is None:
+                        continue
+                    try:
+                        yield handled.event  # delivered: the consumer's code runs here
+                    finally:
+                        self._settle(handled)
                 if self._closed.is_set():
                     return
             except grpc.RpcError as err:
@@ -165,16 +197,40 @@ class InferenceClient(WorkerClient):
         self._listener.start()
         return self._listener
 
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> str:
+        return self._view().state
+
+    @property
+    def served_version(self) -> int | None:
+        return self._view().served_version
+
+    @property
+    def committed_version(self) -> int:
+        return self._view().committed_version
+
+    def _view(self) -> ClientState:
+        """The published state; the thread delivering an event already sees its outcome."""
+        delivering = self._delivering
+        if delivering is not None and delivering[0] == threading.get_ident():
+            return delivering[1]
+        return self._published
+
     def _held_version(self) -> int:
-        return self.served_version or 0 if self.state == "serving" else 0
+        latest = self._latest
+        return latest.served_version or 0 if latest.state == "serving" else 0
 
     def _lease_by_stream(self) -> bool:
         return self._streaming.is_set()
 
     def _paused_refit_id(self) -> int:
-        return self._paused_in if self.state == "paused" else 0
+        return self._paused_in if self._latest.state == "paused" else 0
 
-    def _handle(self, raw: pb.VersionEvent) -> VersionEvent | None:
+    # ------------------------------------------------------------------ events
+    def _handle(self, raw: pb.VersionEvent) -> Handled | None:
+        """Run the event's hook and compute the state it leads to (visible to this thread
+        only until the event is delivered); None for an event seen before a reconnect."""
         if raw.event_id and raw.event_id <= self._last_event:
             return None  # replayed after a reconnect
         event = VersionEvent(
@@ -188,51 +244,66 @@ class InferenceClient(WorkerClient):
         )
         ok, message, moved = True, "", []
         try:
-            if event.kind == "hello":
-                self.committed_version = event.version
-            elif event.kind == "pause":
-                if self.state == "paused" and self._paused_in != event.refit_id:
-                    # Never told how the earlier refit ended: it may have written.
-                    log.warning(
-                        "%s: paused again without an answer for refit %s: the weights "
-                        "are untrusted until the next commit",
-                        self._who(),
-                        self._paused_in,
-                    )
-                    self.served_version = None
-                self.state = "paused"
-                self._paused_in = event.refit_id
-                if self._pause:
-                    self._pause(event.version)
+            after = self._run_hook(event, self._latest)
+            if event.kind == "pause":
                 moved = self.moved_tensors()
-            elif event.kind == "commit":
-                if self._resume:
-                    self._resume(event.version)
-                self.served_version = event.version
-                self.committed_version = event.version
-                self.state = "serving"
-            elif event.kind == "abort":
-                if self._resume and self.served_version is not None:
-                    self._resume(self.served_version)
-                self.state = "serving" if self.served_version is not None else "new"
-            elif event.kind == "incomplete":
-                self.served_version = None
-                self.state = "incomplete"
-                if self._incomplete:
-                    self._incomplete(event.version, event.reason)
         except Exception as exc:
             log.exception("%s: %s hook failed", self._who(), event.kind)
-            ok, message = False, f"{event.kind} hook failed: {exc!r}"
-        if raw.event_id and event.kind != "hello":
-            self._ack(event, ok, message, moved)
-        if raw.event_id:
-            self._last_event = raw.event_id
-        if moved:
+            ok, message, after = False, f"{event.kind} hook failed: {exc!r}", self._latest
+        self._latest = after
+        self._delivering = (threading.get_ident(), after)
+        return Handled(event, ok, message, moved, bool(raw.event_id))
+
+    def _run_hook(self, event: VersionEvent, now: ClientState) -> ClientState:
+        """Call the engine's hook for `event`; the state after it (unchanged on a raise)."""
+        if event.kind == "hello":
+            return replace(now, committed_version=event.version)
+        if event.kind == "pause":
+            served = now.served_version
+            if now.state == "paused" and self._paused_in != event.refit_id:
+                # Never told how the earlier refit ended: it may have written.
+                log.warning(
+                    "%s: paused again without an answer for refit %s: the weights "
+                    "are untrusted until the next commit",
+                    self._who(),
+                    self._paused_in,
+                )
+                served = None
+            self._paused_in = event.refit_id
+            after = self._latest = replace(now, state="paused", served_version=served)
+            if self._pause:  # paused even if it raises: the refit then ends with ABORT
+                self._pause(event.version)
+            return after
+        if event.kind == "commit":
+            if self._resume:
+                self._resume(event.version)
+            return ClientState("serving", event.version, event.version)
+        if event.kind == "abort":
+            if self._resume and now.served_version is not None:
+                self._resume(now.served_version)
+            return replace(now, state="serving" if now.served_version is not None else "new")
+        if event.kind == "incomplete":
+            after = self._latest = replace(now, state="incomplete", served_version=None)
+            if self._incomplete:
+                self._incomplete(event.version, event.reason)
+            return after
+        return now
+
+    def _settle(self, handled: Handled) -> None:
+        """After delivery: publish the state, then ack (so the controller, and a trainer
+        waiting with wait="served", hear of it only once every observer can see it)."""
+        self._published = self._latest
+        self._delivering = None
+        event = handled.event
+        if handled.numbered and event.kind != "hello":
+            self._ack(event, handled.ok, handled.message, handled.moved)
+        if handled.numbered:
+            self._last_event = event.event_id
+        if handled.moved:
             try:
                 self.refresh()
             except RefitError as err:
                 log.error("%s: registering moved tensors again failed: %s", self._who(), err)
-        return event
 
     def _ack(self, event: VersionEvent, ok: bool, message: str, moved: list[str]) -> None:
         req = pb.AckRequest(

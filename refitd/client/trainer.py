@@ -3,7 +3,9 @@ after each optimizer step.
 
 refit() returns as soon as this rank's weights have been read (wait="sources_read", the
 default), so the trainer can run its next step while the bytes land; wait="committed"
-returns once the version is committed on every destination pool.
+returns once the version landed in full and is in the version log; wait="served" once, in
+addition, every inference rank acked its COMMIT (it serves the version). docs/client.md
+defines each precisely.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ WAITS = {
     "sources_read": pb.WAIT_SOURCES_READ,
     "committed": pb.WAIT_COMMITTED,
     "accepted": pb.WAIT_ACCEPTED,
+    "served": pb.WAIT_SERVED,
 }
 STATES = {
     pb.REFIT_STATE_REQUESTED: "requested",
@@ -39,13 +42,18 @@ DEADLINE_MARGIN_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class RefitResult:
-    """The controller's answer: state is one of STATES' values ("committed", "superseded"...)."""
+    """The controller's answer: state is one of STATES' values ("committed", "superseded"...).
+
+    served: with wait="served", every inference rank acked the version's COMMIT (it serves
+    it); when False on a committed version, message names the ranks that did not.
+    """
 
     version: int
     state: str
     message: str
     seconds: float
     bytes: int
+    served: bool = False
 
     @property
     def gbps(self) -> float:
@@ -125,6 +133,7 @@ class TrainerClient(WorkerClient):
             message=resp.message,
             seconds=resp.seconds,
             bytes=resp.bytes,
+            served=resp.served,
         )
         if result.state == "failed":
             raise RefitError(f"refit of version {version} failed: {resp.message}")

@@ -7,7 +7,8 @@ timeout plus a margin is a hang), restarts the member and times the next committ
 Inference ranks check every version they serve bit for bit (a mismatch is a torn version);
 a rank paused by a refit must be told how it ended (commit, abort or incomplete) before it
 is paused again (an untold pause: a rank left paused without an answer); a controller
-restart must keep the committed version, its version log and the pools.
+restart must keep the committed version, its version log and the pools; a trainer rank
+killed before it asks must fail the refit at its lease, not at the barrier timeout (late).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class RunResult:
     torn: int = 0
     lost: int = 0
     untold: int = 0  # pauses never answered with commit, abort or incomplete
+    late: int = 0  # calls failed by the barrier timeout: a dead trainer rank not noticed
     recovery_s: float | None = None  # restart -> next committed refit on every rank
     back_s: float | None = None  # restart -> the member registered (connected) again
     notes: list[str] = field(default_factory=list)
@@ -264,12 +266,17 @@ class Cluster:
     def outcomes(self, version: int, trainers: list[Child]) -> dict[str, str | None]:
         """Each trainer's refit state for `version`, None when its call hung past its
         timeout (plus a margin)."""
+        lines = self.outcome_lines(version, trainers)
+        return {name: None if line is None else line.split()[2] for name, line in lines.items()}
+
+    def outcome_lines(self, version: int, trainers: list[Child]) -> dict[str, str | None]:
+        """Each trainer's "refit <v> <state> <seconds> <message>" line, None when its call
+        hung past its timeout (plus a margin)."""
         deadline = time.monotonic() + self.refit_timeout_s + HANG_MARGIN_S
-        out: dict[str, str | None] = {}
-        for t in trainers:
-            line = t.expect(f"refit {version} ", max(0.0, deadline - time.monotonic()))
-            out[t.name] = None if line is None else line.split()[2]
-        return out
+        return {
+            t.name: t.expect(f"refit {version} ", max(0.0, deadline - time.monotonic()))
+            for t in trainers
+        }
 
     def refit(self, timeout_s: float = RECOVERY_DEADLINE_S) -> tuple[int, bool]:
         """Refit the next version until one commits on every rank (or `timeout_s`)."""
@@ -337,10 +344,16 @@ class FaultSuite:
         else:
             c.step(v)
             res.hit = self._kill_at(c, role, victim, phase, v)
-        states = c.outcomes(v, survivors)
+        lines = c.outcome_lines(v, survivors)
+        states = {n: None if line is None else line.split()[2] for n, line in lines.items()}
         res.hangs += sum(1 for s in states.values() if s is None)
         if res.hangs:
             res.notes.append(f"v{v} hung: {states}")
+        # A trainer rank dead before it asks fails the refit when its lease expires (naming
+        # it), long before the barrier timeout.
+        late = [line for line in lines.values() if line and "barrier timeout" in line]
+        res.late += len(late)
+        res.notes.extend(f"noticed only at the barrier timeout: {line}" for line in late)
         # The agent restarts a transfer process at once: time it from the kill.
         restart = self.killed_at if role == "transfer" else time.monotonic()
         try:

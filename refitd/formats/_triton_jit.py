@@ -46,14 +46,15 @@ def _load_f32_bits(ptrs, mask, SRC_BF16: tl.constexpr):
 
 
 @triton.jit
-def mxfp8_kernel(
+def mxfp8_tile(
     x_ptr,
     q_ptr,
     s_ptr,
     M,
     C,
     NB,
-    n_col_programs,
+    pid_m,
+    pid_c,
     sxm,
     sxc,
     sqm,
@@ -65,9 +66,8 @@ def mxfp8_kernel(
     SRC_BF16: tl.constexpr,
     FAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_m = pid // n_col_programs
-    pid_c = pid % n_col_programs
+    """One (BLOCK_M x BLOCK_C) tile of an MXFP8 quantization (shared by the per-tensor and
+    the grouped kernels, so both compute the same codes)."""
     NBB: tl.constexpr = BLOCK_C // 32
     srows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     rows = srows[:, :, None]
@@ -107,6 +107,88 @@ def mxfp8_kernel(
 
 
 @triton.jit
+def mxfp8_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    C,
+    NB,
+    n_col_programs,
+    sxm,
+    sxc,
+    sqm,
+    sqc,
+    ssm,
+    ssc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SRC_BF16: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    mxfp8_tile(
+        x_ptr, q_ptr, s_ptr, M, C, NB, pid // n_col_programs, pid % n_col_programs,
+        sxm, sxc, sqm, sqc, ssm, ssc, BLOCK_M, BLOCK_C, SRC_BF16, FAST,
+    )  # fmt: skip
+
+
+@triton.jit
+def fp8_block_tile(
+    xb,
+    qb,
+    s_tile,
+    R,
+    C,
+    tr,
+    tc,
+    sxr,
+    sxc,
+    sqr,
+    sqc,
+    SUB_R: tl.constexpr,
+    TILE: tl.constexpr,
+    SRC_BF16: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """One 128x128 tile of a block-FP8 quantization: xb / qb point at the tile's matrix,
+    s_tile at its scale (shared by the per-tensor and the grouped kernels)."""
+    cols = tc * TILE + tl.arange(0, TILE)
+    cmask = cols < C
+    acc = tl.zeros((SUB_R, TILE), dtype=tl.int32)
+    for i in tl.static_range(0, TILE, SUB_R):
+        rows = (tr * TILE + i + tl.arange(0, SUB_R)).to(tl.int64)
+        m = (rows[:, None] < R) & cmask[None, :]
+        bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
+        acc = tl.maximum(acc, bits & 0x7FFFFFFF)
+    amax = tl.max(tl.max(acc, axis=1), axis=0)
+    nonfinite = amax >= 0x7F800000
+    tiny = amax < (27 << 23)
+    scale = (amax.to(tl.float32, bitcast=True).to(tl.float64) / 448.0).to(tl.float32)
+    scale = tl.where(amax == 0, 1.0, scale)
+    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    tl.store(s_tile, tl.where(nonfinite, nan, scale))
+    for i in tl.static_range(0, TILE, SUB_R):
+        rows = (tr * TILE + i + tl.arange(0, SUB_R)).to(tl.int64)
+        m = (rows[:, None] < R) & cmask[None, :]
+        bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
+        x = bits.to(tl.float32, bitcast=True)
+        if tiny:
+            p = (x.to(tl.float64) / scale.to(tl.float64)).to(tl.float32)
+        else:
+            p = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+        if FAST:
+            p = tl.minimum(tl.maximum(p, -448.0), 448.0)
+            code = p.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            bits = p.to(tl.int32, bitcast=True)
+            absb = bits & 0x7FFFFFFF
+            code = _e4m3_code(absb >> 23, absb & 0x7FFFFF, (bits >> 24) & 0x80)
+        code = tl.where(nonfinite, 0x7F, code)
+        tl.store(qb + rows[:, None] * sqr + cols[None, :] * sqc, code.to(tl.uint8), mask=m)
+
+
+@triton.jit
 def fp8_block_kernel(
     x_ptr,
     q_ptr,
@@ -134,38 +216,7 @@ def fp8_block_kernel(
     rest = pid // TC
     tr = rest % TR
     b = (rest // TR).to(tl.int64)
-    cols = tc * TILE + tl.arange(0, TILE)
-    cmask = cols < C
-    xb = x_ptr + b * sxb
-    qb = q_ptr + b * sqb
-    acc = tl.zeros((SUB_R, TILE), dtype=tl.int32)
-    for i in tl.static_range(0, TILE, SUB_R):
-        rows = (tr * TILE + i + tl.arange(0, SUB_R)).to(tl.int64)
-        m = (rows[:, None] < R) & cmask[None, :]
-        bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
-        acc = tl.maximum(acc, bits & 0x7FFFFFFF)
-    amax = tl.max(tl.max(acc, axis=1), axis=0)
-    nonfinite = amax >= 0x7F800000
-    tiny = amax < (27 << 23)
-    scale = (amax.to(tl.float32, bitcast=True).to(tl.float64) / 448.0).to(tl.float32)
-    scale = tl.where(amax == 0, 1.0, scale)
-    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    tl.store(s_ptr + b * ssb + tr * ssr + tc * ssc, tl.where(nonfinite, nan, scale))
-    for i in tl.static_range(0, TILE, SUB_R):
-        rows = (tr * TILE + i + tl.arange(0, SUB_R)).to(tl.int64)
-        m = (rows[:, None] < R) & cmask[None, :]
-        bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
-        x = bits.to(tl.float32, bitcast=True)
-        if tiny:
-            p = (x.to(tl.float64) / scale.to(tl.float64)).to(tl.float32)
-        else:
-            p = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-        if FAST:
-            p = tl.minimum(tl.maximum(p, -448.0), 448.0)
-            code = p.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        else:
-            bits = p.to(tl.int32, bitcast=True)
-            absb = bits & 0x7FFFFFFF
-            code = _e4m3_code(absb >> 23, absb & 0x7FFFFF, (bits >> 24) & 0x80)
-        code = tl.where(nonfinite, 0x7F, code)
-        tl.store(qb + rows[:, None] * sqr + cols[None, :] * sqc, code.to(tl.uint8), mask=m)
+    fp8_block_tile(
+        x_ptr + b * sxb, q_ptr + b * sqb, s_ptr + b * ssb + tr * ssr + tc * ssc,
+        R, C, tr, tc, sxr, sxc, sqr, sqc, SUB_R, TILE, SRC_BF16, FAST,
+    )  # fmt: skip

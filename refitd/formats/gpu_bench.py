@@ -161,6 +161,22 @@ def bench_quantizers(device: str = "cuda") -> list[dict]:
     return rows
 
 
+def summarize_checksum(rows: list[dict]) -> dict:
+    """Checksum kernel GB/s and ratio to the copy, and whether every check held."""
+    checks = [r for r in rows if r["name"].startswith("check checksum")]
+    timed = {r["name"].split(" 1 GiB")[0]: r for r in rows if r["gbps"] is not None}
+    kernel = timed.get("checksum kernel", {})
+    return {
+        "checksum_bit_identical": all(r["bit_identical"] for r in checks)
+        and all(r["bit_identical"] for r in timed.values()),
+        "checksum_checks": len(checks),
+        "checksum_checks_on_kernel": sum(" kernel" in r["name"] for r in checks),
+        "checksum_gbps_read": kernel.get("gbps"),
+        "checksum_ratio_to_copy": kernel.get("ratio"),
+        "checksum_torch_gbps_read": timed.get("checksum torch ops", {}).get("gbps"),
+    }
+
+
 def _format(v: object) -> str:
     return f"{v:.1f}" if isinstance(v, float) else str(v)
 

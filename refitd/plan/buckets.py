@@ -9,6 +9,8 @@ and destinations are not all hit by everyone in the same round.
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, SEGMENT_ALIGN
@@ -135,3 +137,46 @@ def successive_rounds(need: np.ndarray, pair: np.ndarray, k: np.ndarray) -> np.n
     span = int(v.max() - v.min()) + 1
     shifted = v - v.min() + pair * span
     return np.maximum.accumulate(shifted) - pair * span + v.min() + k
+
+
+def serial_rounds(
+    pair_src: np.ndarray,
+    pair_dst: np.ndarray,
+    msg_pair: np.ndarray,
+    msg_bytes: np.ndarray,
+    n_slots: int,
+) -> np.ndarray:
+    """Rounds of messages (given in pair order) from a list schedule in which every slot
+    moves one message at a time, sending or receiving (an executor that runs one transfer
+    per slot at a time, e.g. NCCL on one stream): whenever both ends of pairs are idle, the
+    pair with the most bytes goes next and sends all its messages back to back. Time is
+    counted in bytes (every link alike). A message's round is the rank of its start time,
+    so every slot meets its messages in schedule order and has at most one per round."""
+    if not msg_pair.size:
+        return np.zeros(0, np.int64)
+    pair_bytes = np.bincount(msg_pair, weights=msg_bytes, minlength=pair_src.size).astype(np.int64)
+    start = _list_schedule(pair_src.tolist(), pair_dst.tolist(), pair_bytes.tolist(), n_slots)
+    first = np.r_[0, np.flatnonzero(np.diff(msg_pair)) + 1]
+    run = np.diff(np.r_[first, msg_pair.size])
+    before = np.cumsum(msg_bytes) - msg_bytes
+    before -= np.repeat(before[first], run)
+    msg_start = np.asarray(start, dtype=np.int64)[msg_pair] + before
+    return np.unique(msg_start, return_inverse=True)[1].astype(np.int64)
+
+
+def _list_schedule(src: list[int], dst: list[int], nbytes: list[int], n_slots: int) -> list[int]:
+    """Start (in bytes) of each pair: largest ready pair first, both ends idle."""
+    free = [0] * n_slots
+    start = [0] * len(src)
+    heap = [(0, -b, p) for p, b in enumerate(nbytes)]
+    heapq.heapify(heap)
+    while heap:
+        at, neg, p = heapq.heappop(heap)
+        s, d = src[p], dst[p]
+        ready = max(free[s], free[d])
+        if ready > at:  # an end got busy since: retry when it is idle
+            heapq.heappush(heap, (ready, neg, p))
+            continue
+        start[p] = ready
+        free[s] = free[d] = ready + nbytes[p]
+    return start

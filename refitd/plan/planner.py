@@ -63,7 +63,10 @@ WIRE_NAMES = (RAW, MXFP8, FP8_BLOCK)
 @dataclass
 class PlanConfig:
     """How to plan. fanout: peers a slot sends to concurrently (lanes of the schedule);
-    relay: let destination replicas forward blocks (see the module docstring)."""
+    relay: let destination replicas forward blocks (see the module docstring);
+    schedule: "lanes" (rounds from `fanout` lanes per source) or "serial" (rounds from a
+    schedule in which each slot moves one message at a time, as NCCL on one stream runs
+    them: buckets.serial_rounds)."""
 
     bucket_bytes: int = 64 << 20
     sender_quantization: bool = False
@@ -72,6 +75,11 @@ class PlanConfig:
     name_map: NameMap | None = None
     fanout: int = 4
     relay: bool = False
+    schedule: str = "lanes"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("lanes", "serial"):
+            raise PlanError(f"unknown schedule {self.schedule!r}; known: lanes, serial")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +148,13 @@ def _sort_by(*keys: np.ndarray) -> np.ndarray:
         combined += k * span
         span *= hi + 1
     return np.argsort(combined, kind="stable")
+
+
+PIECE_KEY = 1 << 32  # (copy id, row offset of a piece) -> one int64 key
+
+
+def _sans_pool(g: Geo) -> tuple:
+    return (g.global_shape, g.dtype, g.storage, g.local_shape, g.boxes)
 
 
 def _side(table: SpecTable, base: int) -> _Side:
@@ -482,10 +497,15 @@ class _Planner:
         nrep_s = np.array([len(x) for x in s_reps], np.int64)
         k_of = np.array([k for k, _, _ in dboxes], np.int64)
         j_of = np.array([j for _, j, _ in dboxes], np.int64)
-        # klass: (destination geometry, its box, source box) -> the same block
-        key = (np.array(d_geo, np.int64)[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(
-            sboxes
-        ) + si
+        # klass: (destination geometry, its box, source box) -> the same block. The pool is
+        # no part of it: same-geometry tensors of different pools are replicas too (one
+        # pool may relay to another).
+        shape_ids: dict[tuple, int] = {}
+        d_shape = np.array(
+            [shape_ids.setdefault(_sans_pool(dst.geos[g]), len(shape_ids)) for g in d_geo],
+            np.int64,
+        )
+        key = (d_shape[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(sboxes) + si
         _, klass = np.unique(key, return_inverse=True)
         klass = klass.reshape(-1)
         nklass = int(klass.max()) + 1 if klass.size else 0
@@ -690,6 +710,21 @@ class _Messages:
     dst: np.ndarray  # [M] destination slot
     nbytes: np.ndarray  # [M]
     round_of_copy: np.ndarray  # [copies before splitting] last round carrying it
+    piece_key: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted
+    piece_round: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def need_of(self, feed: np.ndarray, step: np.ndarray | None) -> np.ndarray:
+        """Round after which a relay piece may go: after the round of the feed's piece
+        with the same rows (a copy cut along dim 0 is cut the same way for its relays, so
+        piece k is forwarded while piece k+1 is still on the wire), else after the feed's
+        last piece."""
+        need = self.round_of_copy[feed] + 1
+        if step is None or not self.piece_key.size:
+            return need
+        key = feed * PIECE_KEY + step
+        i = np.minimum(np.searchsorted(self.piece_key, key), self.piece_key.size - 1)
+        hit = self.piece_key[i] == key
+        return np.where(hit, self.piece_round[i] + 1, need)
 
     def pair_last_round(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Per (src, dst) slot pair, the last round of its messages here (-1 if none)."""
@@ -864,7 +899,7 @@ class Plan:
         if feeds is None:
             order = _sort_by(rs, rd, table.dst[rows])
         else:
-            need = feeds.round_of_copy[table.feed[rows]] + 1
+            need = feeds.need_of(table.feed[rows], step)
             order = _sort_by(rs, rd, need, table.dst[rows])
             need = need[order]
         t = table.take(rows[order])
@@ -882,7 +917,15 @@ class Plan:
         p_src, p_dst = rs[pair_first], rd[pair_first]
         p_msgs = np.bincount(mp, minlength=pair_first.size)
         k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
-        if feeds is None:
+        if feeds is None and cfg.schedule == "serial":
+            m_round = bk.serial_rounds(
+                self._dense[t.src[pair_first]],
+                self._dense[t.dst[pair_first]],
+                mp,
+                np.add.reduceat(rnb, ms) if ms.size else rnb[:0],
+                slots.size,
+            )
+        elif feeds is None:
             p_round = bk.assign_rounds(
                 self._dense[t.src[pair_first]],
                 self._dense[t.dst[pair_first]],
@@ -903,9 +946,14 @@ class Plan:
             cid = t.cid[o]
             first = np.r_[0, np.flatnonzero(np.diff(cid)) + 1]
             round_of_copy[cid[first]] = np.maximum.reduceat(piece_round[o], first)
-        return _Messages(
+        out = _Messages(
             t, rnb, ms, me, m_round, p_src[mp], p_dst[mp], csum[me] - csum[ms], round_of_copy
         )
+        if need_rounds and step is not None:  # rounds of the pieces of cut copies
+            key = t.cid * PIECE_KEY + step[order]
+            o = np.argsort(key, kind="stable")
+            out.piece_key, out.piece_round = key[o], piece_round[o]
+        return out
 
     def _split(
         self, t: _CopyTable, idx: np.ndarray, nb: np.ndarray
@@ -948,6 +996,17 @@ class Plan:
                 readers.setdefault((t.pool, t.rank), set()).add(slot)
             self._readers = {k: sorted(v) for k, v in readers.items()}
         return list(self._readers.get((pool, rank), []))
+
+    def message_columns(self) -> dict[str, np.ndarray]:
+        """Every remote message as columns, row = message id: src and dst slot, round, wire
+        bytes, relay (it forwards received blocks). For tools such as the link model."""
+        return {
+            "src": self._m_src.copy(),
+            "dst": self._m_dst.copy(),
+            "round": self._m_round.copy(),
+            "nbytes": self._m_bytes.copy(),
+            "relay": self._remote.feed[self._m_start] >= 0,
+        }
 
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""

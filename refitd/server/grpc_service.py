@@ -40,7 +40,13 @@ GRPC_CODES = {
     ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
-WAITS = (pb.WAIT_UNSPECIFIED, pb.WAIT_SOURCES_READ, pb.WAIT_COMMITTED, pb.WAIT_ACCEPTED)
+WAITS = (
+    pb.WAIT_UNSPECIFIED,
+    pb.WAIT_SOURCES_READ,
+    pb.WAIT_COMMITTED,
+    pb.WAIT_ACCEPTED,
+    pb.WAIT_SERVED,
+)
 
 
 def _translated(fn: F) -> F:
@@ -119,7 +125,8 @@ class RefitServicer(pbg.RefitServicer):
     @_translated
     def UnregisterWorker(self, request: pb.UnregisterWorkerRequest, context: Any) -> Any:
         check_id(request.worker_id, "worker_id")
-        self.c.registry.unregister_worker(request.worker_id)
+        w = self.c.registry.unregister_worker(request.worker_id)
+        self.c.refits.source_gone(w, "unregistered")
         self.c.refresh_gauges()
         return pb.UnregisterWorkerResponse()
 
@@ -208,6 +215,7 @@ class AgentControlServicer(pbg.AgentControlServicer):
             request.host, [s.device for s in request.slots], request.pid, request.agent_id
         )
         agent.batch_execute = request.batch_execute
+        agent.data_plane_address = request.data_plane_address
         self.c.refresh_gauges()
         return pb.RegisterAgentResponse(
             agent_id=agent.agent_id,
@@ -221,6 +229,9 @@ class AgentControlServicer(pbg.AgentControlServicer):
             agent = self.c.registry.agent(request.agent_id)
         except ControlError as e:
             context.abort(GRPC_CODES[e.kind], e.message)
+        # The lease counts from here: between RegisterAgent and this stream an agent spawns
+        # its transfer processes (each imports torch), which on a busy host outlasts a lease.
+        agent.last_seen = time.monotonic()
         stream = self.c.refits.agents.open(agent.agent_id)
         agent.connected = True
         self.c.refresh_gauges()

@@ -59,7 +59,14 @@ from refitd.server.errors import ControlError, ErrorKind, precondition
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import ControllerPlan, PlanCache, PlanOptions, make_digest, make_plan
 from refitd.server.registry import Registry, Worker
-from refitd.server.streams import AgentHub, EventHub, Gather, GatherBoard, PhaseFailed
+from refitd.server.streams import (
+    AckTally,
+    AgentHub,
+    EventHub,
+    Gather,
+    GatherBoard,
+    PhaseFailed,
+)
 
 log = logging.getLogger("refitd.controller")
 
@@ -73,6 +80,7 @@ STATE_NAMES = {
     pb.REFIT_STATE_SUPERSEDED: "superseded",
 }
 FINAL = (pb.REFIT_STATE_COMMITTED, pb.REFIT_STATE_FAILED, pb.REFIT_STATE_SUPERSEDED)
+OUTCOMES_KEPT = 256  # ended versions remembered per model (one outcome per version)
 ATTEMPT_SHIFT = 40  # execute/abort ids: refit_id | attempt << 40 (a retry is a new attempt)
 
 
@@ -109,6 +117,8 @@ class RefitRun:
     rank_read: dict[int, threading.Event] = field(default_factory=dict)
     finished: threading.Event = field(default_factory=threading.Event)
     handed_back: bool = False  # a rank's Refit returned before the end: its weights may change
+    lost: str = ""  # a source rank left during the barrier: why the run fails at once
+    commit_acks: CommitAcks | None = None  # set before the run turns COMMITTED
     attempt: int = 0
     started: float = 0.0
     seconds: float = 0.0
@@ -180,6 +190,9 @@ class ModelRefits:
     running: RefitRun | None = None
     driver: threading.Thread | None = None
     catch_up: bool = False  # a destination rank lacks the committed version
+    # Failed and superseded versions (newest OUTCOMES_KEPT): a rank asking later for one
+    # gets its recorded outcome instead of starting a second run of the same version.
+    ended: dict[int, RefitRun] = field(default_factory=dict)
 
 
 @dataclass
@@ -249,12 +262,14 @@ class RetryBudget:
 
 @dataclass
 class CommitAcks:
-    """COMMIT acks collected after a commit, off the critical path."""
+    """COMMIT acks collected after a commit, off the critical path (waited for only by
+    Refit calls with WAIT_SERVED)."""
 
-    gather: Gather
+    gather: AckTally
     gid: int
     version: int
     deadline: float
+    timeout_s: float
 
 
 class RefitCoordinator:
@@ -338,6 +353,19 @@ class RefitCoordinator:
             m = self._models.get(model)
         return m.running if m else None
 
+    def pending(self, model: str) -> list[dict[str, object]]:
+        """Versions of `model` requested and waiting (for their barrier, or their turn),
+        each with the source ranks that asked for it."""
+        with self._lock:
+            m = self._models.get(model)
+        if m is None:
+            return []
+        with m.cond:
+            return [
+                {"version": v, "asked": sorted(r.asked), "pool_size": r.pool_size}
+                for v, r in sorted(m.pending.items())
+            ]
+
     # ------------------------------------------------------------------ Refit RPC
     def request(
         self, worker_id: str, version: int, wait: int, timeout_s: float
@@ -362,6 +390,9 @@ class RefitCoordinator:
                     f"version {version} of model {w.model!r} is not newer than the committed "
                     f"version {committed}"
                 )
+            ended = m.ended.get(version)
+            if ended is not None:  # one outcome per version: every rank gets the same one
+                return self._response(ended)
             if run is None and m.running is not None and version < m.running.version:
                 raise precondition(
                     f"version {version} of model {w.model!r} is older than the running "
@@ -381,7 +412,8 @@ class RefitCoordinator:
             if wait == pb.WAIT_ACCEPTED:
                 run.handed_back = True
                 return self._response(run)
-            ready = run.finished if wait == pb.WAIT_COMMITTED else run.rank_event(w.rank)
+            final = wait in (pb.WAIT_COMMITTED, pb.WAIT_SERVED)
+            ready = run.finished if final else run.rank_event(w.rank)
         waited = timeout_s or self.settings.refit_wait_timeout_s
         deadline = time.monotonic() + waited
         while True:
@@ -400,7 +432,41 @@ class RefitCoordinator:
                 f"version {run.version} of model {run.model!r}: still "
                 f"{STATE_NAMES[run.state]} after {waited:g}s; the refit goes on",
             )
+        if wait == pb.WAIT_SERVED and response.state == pb.REFIT_STATE_COMMITTED:
+            response.served, response.message = self._await_served(run, deadline)
         return response
+
+    def _await_served(self, run: RefitRun, deadline: float) -> tuple[bool, str]:
+        """WAIT_SERVED: (True, "") once every destination rank acked COMMIT of the run;
+        else, once each has acked, refused or been lost, or at the commit timeout (or the
+        call's deadline, whichever is first): (False, naming every rank that did not ack
+        and why). Every rank not named serves the version; it stays committed anyway."""
+        acks = run.commit_acks
+        if acks is None:
+            return False, f"version {run.version}: no COMMIT acks are collected for it"
+        failed, silent = acks.gather.settle(
+            max(0.0, min(deadline, acks.deadline) - time.monotonic())
+        )
+        if not failed and not silent:
+            return True, ""
+        why = [failed[k] for k in sorted(failed)]
+        if silent:
+            names = []
+            for wid in silent:
+                try:
+                    names.append(self.registry.worker(wid).describe())
+                except ControlError:
+                    names.append(f"worker {wid} (gone)")
+            within = (
+                f"within {acks.timeout_s:g}s (commit timeout)"
+                if time.monotonic() >= acks.deadline
+                else "before the call's timeout"
+            )
+            why.append(f"no COMMIT ack {within} from {', '.join(names)}")
+        return False, (
+            f"version {run.version} is committed, but not served by every destination rank: "
+            + "; ".join(why)
+        )
 
     def _response(self, run: RefitRun) -> pb.RefitResponse:
         return pb.RefitResponse(
@@ -473,6 +539,33 @@ class RefitCoordinator:
             f"{run.version} (barrier timeout {self.settings.barrier_timeout_s:g}s)"
         )
 
+    def source_gone(self, w: Worker, cause: str) -> None:
+        """A source rank left (lease expired, or unregistered): every refit of its model
+        still in its barrier fails at once, naming it, instead of at the barrier timeout.
+        Pending runs end here; the running one (early pause) fails in _await_barrier."""
+        if w.role != "source":
+            return
+        with self._lock:
+            m = self._models.get(w.model)
+        if m is None:
+            return
+        with m.cond:
+            waiting = [r for r in m.pending.values() if not r.barrier_done]
+            if m.running is not None and not m.running.barrier_done:
+                waiting.append(m.running)
+            for run in waiting:
+                if run.source_pool != w.pool or run.final:
+                    continue
+                missing = sorted(set(range(run.pool_size)) - run.asked)
+                run.lost = (
+                    f"{w.describe()} {cause} while version {run.version} waited in its "
+                    f"barrier (ranks {missing} of pool {run.source_pool} had not asked)"
+                )
+                if m.pending.get(run.version) is run:
+                    del m.pending[run.version]
+                    self._end(m, run, pb.REFIT_STATE_FAILED, run.lost)
+            m.cond.notify_all()
+
     def _supersede_older(self, m: ModelRefits, run: RefitRun) -> None:
         for older in [r for r in m.pending.values() if r.version < run.version]:
             del m.pending[older.version]
@@ -490,6 +583,8 @@ class RefitCoordinator:
         deadline = run.first_ask + self.settings.barrier_timeout_s
         with m.cond:
             while not run.barrier_done:
+                if run.lost:
+                    raise PhaseFailed(run.lost)
                 if any(r.barrier_done for r in m.pending.values()):
                     raise _Switch()
                 left = deadline - time.monotonic()
@@ -690,7 +785,8 @@ class RefitCoordinator:
             self.db.mark_refit(run.refit_id, "transferring")
 
     def _commit(self, m: ModelRefits, run: RefitRun, ms: Membership, last_done: float) -> None:
-        """LANDED -> version log -> COMMITTED; COMMIT events go out, acks are settled later."""
+        """LANDED -> version log -> COMMITTED; COMMIT events go out, their acks are settled
+        later (off the critical path; Refit calls with WAIT_SERVED wait for them)."""
         gone = set(w.worker_id for w in ms.dest_workers) - set(
             self.events.subscribed(w.worker_id for w in ms.dest_workers)
         )
@@ -709,20 +805,26 @@ class RefitCoordinator:
         density = (run.detail.get("delta") or {}).get("density")
         self.delta.committed(run.model, run.version, ms.plan.digest, ms.dest_workers, density)
         run.detail["control_end_s"] = time.monotonic() - last_done
+        # The acks are awaited from the start (WAIT_SERVED callers wait on them from the
+        # moment the run is COMMITTED), the events go out right after.
+        g = AckTally(f"commit of version {run.version}")
+        for w in ms.dest_workers:
+            g.pending.add(w.worker_id)
+            g.members[w.worker_id] = w.worker_id
+        timeout = self.settings.commit_timeout_s
+        acks = CommitAcks(g, self.board.add(g), run.version, time.monotonic() + timeout, timeout)
+        with self._lock:
+            self._commit_acks.append(acks)
         with m.cond:
+            run.commit_acks = acks
             self._set_final(run, pb.REFIT_STATE_COMMITTED, "")
-        g = Gather(f"commit of version {run.version}")
-        gid = self.board.add(g)
         for w in ms.dest_workers:
             if w.paused_in == run.refit_id:
                 w.paused_in = 0
             ev = self._event(run, pb.EVENT_KIND_COMMIT)
             ev.pool = w.pool
-            self.events.send(w.worker_id, ev, g)
-        with self._lock:
-            self._commit_acks.append(
-                CommitAcks(g, gid, run.version, time.monotonic() + self.settings.commit_timeout_s)
-            )
+            if not self.events.send(w.worker_id, ev, g):
+                g.lose(w.worker_id, f"{w.describe()} lost its subscription before its COMMIT")
         self._record(run, pb.REFIT_STATE_COMMITTED, "")
 
     def _settle_commit_acks(self) -> None:
@@ -737,13 +839,9 @@ class RefitCoordinator:
             self.events.forget(g)
             self.board.remove(acks.gid)
             with g.cond:
-                failure, missing = g.failure, sorted(str(k) for k in g.pending)
-            if failure or missing:
-                log.warning(
-                    "version %s: COMMIT not acknowledged: %s",
-                    acks.version,
-                    failure or f"no ack from workers {missing}",
-                )
+                why = [*g.failed.values(), *(f"no ack from worker {k}" for k in sorted(g.pending))]
+            if why:
+                log.warning("version %s: COMMIT not acknowledged: %s", acks.version, "; ".join(why))
 
     # ------------------------------------------------------------------ membership
     def _source_pool_complete(self, run: RefitRun) -> bool:
@@ -1308,6 +1406,12 @@ class RefitCoordinator:
         streaming = set(self.events.subscribed(w.worker_id for w in workers))
         workers = [w for w in workers if w.worker_id not in streaming]
         agents = [a for a in agents if self.agents.connected(a.agent_id)]
+        with reg.lock:  # again: a stream opened (or a re-registration) meanwhile renews it
+            agents = [
+                a
+                for a in (reg.agents.get(x.agent_id) for x in agents)
+                if a is not None and a.last_seen and a.last_seen < cutoff
+            ]
         for w in workers:
             reason = f"{w.describe()} missed its heartbeats for {timeout:g}s (lease expired)"
             log.warning("%s; unregistering it", reason)
@@ -1316,6 +1420,7 @@ class RefitCoordinator:
             except ControlError:
                 continue
             self.board.member_gone(w.worker_id, reason)
+            self.source_gone(w, f"missed its heartbeats for {timeout:g}s (lease expired)")
         for a in agents:
             reason = (
                 f"agent {a.agent_id} on host {a.host!r} missed its heartbeats for {timeout:g}s "
@@ -1331,6 +1436,7 @@ class RefitCoordinator:
             if run.final:
                 return
             self._set_final(run, state, reason)
+            self._remember(m, run)
         self._record(run, state, reason)
 
     def _end(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
@@ -1338,7 +1444,18 @@ class RefitCoordinator:
         if run.final:
             return
         self._set_final(run, state, reason)
+        self._remember(m, run)
         self._record(run, state, reason)
+
+    @staticmethod
+    def _remember(m: ModelRefits, run: RefitRun) -> None:
+        """Keep a failed or superseded version's outcome (caller holds m.cond); a committed
+        one needs no entry: asking for it again is refused as not newer than committed."""
+        if run.state == pb.REFIT_STATE_COMMITTED:
+            return
+        m.ended[run.version] = run
+        while len(m.ended) > OUTCOMES_KEPT:
+            del m.ended[min(m.ended)]
 
     def _set_final(self, run: RefitRun, state: int, reason: str) -> None:
         if run.started and not run.seconds:

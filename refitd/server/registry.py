@@ -95,6 +95,7 @@ class Agent:
     incarnation: int
     connected: bool = False  # its Commands stream is open
     batch_execute: bool = False  # takes one ExecuteCommand for all its slots
+    data_plane_address: str = ""  # where its transfer processes accept peers
 
 
 class Registry:

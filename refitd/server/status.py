@@ -135,6 +135,7 @@ def _models(c: Controller, model_filter: str, with_ranks: bool) -> list[dict[str
         if model_filter and m.name != model_filter:
             continue
         running = c.refits.running(m.name)
+        pending = c.refits.pending(m.name)
         pools = []
         for p in sorted(m.pools.values(), key=lambda p: (p.role != "source", p.name)):
             rows = [
@@ -161,6 +162,7 @@ def _models(c: Controller, model_filter: str, with_ranks: bool) -> list[dict[str
                 "running": None
                 if running is None
                 else {"version": running.version, "state": STATE_NAMES[running.state]},
+                "pending": pending,
                 "versions": c.db.versions(m.name, 10),
                 "pools": pools,
                 "plan": _plan_traffic(c, m.name),
@@ -182,6 +184,7 @@ def status_document(
                 "agent_id": a.agent_id,
                 "host": a.host,
                 "pid": a.pid,
+                "data_plane_address": a.data_plane_address,
                 "connected": c.refits.agents.connected(a.agent_id),
                 "slots": list(a.slot_ids),
             }

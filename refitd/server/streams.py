@@ -85,6 +85,10 @@ class Gather:
                 self.failure = reason
             self.cond.notify_all()
 
+    def lose(self, member: str, reason: str) -> None:
+        """`member` left or refused: the phase fails (AckTally records it and goes on)."""
+        self.fail(reason)
+
     def involves(self, member: str) -> bool:
         with self.cond:
             if member in self.watch:
@@ -111,6 +115,31 @@ class Gather:
                 raise PhaseFailed(self.failure)
 
 
+@dataclass
+class AckTally(Gather):
+    """Answers of every member, each failure recorded on its own: a member lost or
+    refusing does not end the wait for the others (the COMMIT acks of a version)."""
+
+    failed: dict = field(default_factory=dict)  # member -> why it will not answer
+
+    def lose(self, member: str, reason: str) -> None:
+        with self.cond:
+            if member in self.pending:
+                self.pending.discard(member)
+                self.failed[member] = reason
+                if not self.pending:
+                    self.cond.notify_all()
+
+    def settle(self, timeout_s: float) -> tuple[dict[str, str], list[str]]:
+        """Wait until every member answered or failed, `timeout_s` at most: (the failed
+        members and why, the members still silent)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while self.pending and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(left)
+            return dict(self.failed), sorted(str(k) for k in self.pending)
+
+
 class GatherBoard:
     """The gathers in progress, so a member that leaves fails the ones waiting for it."""
 
@@ -135,7 +164,7 @@ class GatherBoard:
             gathers = list(self._gathers.values())
         for g in gathers:
             if g.involves(member):
-                g.fail(reason)
+                g.lose(member, reason)
 
 
 class EventHub:
@@ -203,12 +232,15 @@ class EventHub:
             return  # an ack nobody waits for (late, or HELLO/COMMIT of an ended refit)
         gather, worker_id = entry
         if req.moved_tensors:
-            gather.fail(
+            gather.lose(
+                worker_id,
                 f"{describe} reports moved storage of tensors {list(req.moved_tensors)}; it "
-                f"must re-register them"
+                f"must re-register them",
             )
         elif not req.ok:
-            gather.fail(f"{describe} refused {gather.what}: {req.message or 'no reason given'}")
+            gather.lose(
+                worker_id, f"{describe} refused {gather.what}: {req.message or 'no reason given'}"
+            )
         else:
             gather.complete(worker_id)
 

@@ -6,6 +6,7 @@ fix the registration without reading controller logs.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 
@@ -128,6 +129,14 @@ def check_register_agent(req: pb.RegisterAgentRequest) -> None:
     if req.pid < 0:
         raise invalid(f"field pid of agent on host {req.host!r} must be >= 0, got {req.pid}")
     check_optional_id(req.agent_id, f"field agent_id of agent on host {req.host!r}")
+    if req.data_plane_address:
+        try:
+            ipaddress.ip_address(req.data_plane_address)
+        except ValueError:
+            raise invalid(
+                f"field data_plane_address of agent on host {req.host!r} must be an IP "
+                f"address, got {req.data_plane_address[:64]!r}"
+            ) from None
 
 
 def check_report(req: pb.AgentReport, slots: list[int]) -> None:

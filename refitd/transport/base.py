@@ -36,6 +36,8 @@ class ConnectInfo:
     world_size: int
     timeout_s: float
     store_token: str = ""
+    local_address: str = ""  # the agent's data-plane address: peers connect to it
+    local_interface: str = ""  # or its interface (chosen by name)
 
 
 @dataclass(frozen=True, slots=True)

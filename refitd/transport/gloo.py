@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
+import os
+import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ def epoch_prefix(info: ConnectInfo) -> str:
 def open_store(info: ConnectInfo) -> dist.Store:
     """A client of the controller's rendezvous TCPStore, scoped to info's epoch."""
     timeout = datetime.timedelta(seconds=info.timeout_s)
+    start = time.monotonic()
     try:
         store = dist.TCPStore(
             info.store_host,
@@ -36,10 +40,62 @@ def open_store(info: ConnectInfo) -> dist.Store:
         )
     except Exception as e:  # torch raises several types (RuntimeError, DistNetworkError)
         raise TransportError(
-            f"rank {info.rank}: cannot reach rendezvous store {info.store_host}:{info.store_port} "
-            f"within {info.timeout_s}s: {e}"
+            f"rank {info.rank}: cannot reach rendezvous store {info.store_host}:{info.store_port}"
+            f" ({outcome(time.monotonic() - start, info.timeout_s)}): {e}"
         ) from e
     return dist.PrefixStore(epoch_prefix(info), store)
+
+
+def outcome(elapsed_s: float, timeout_s: float) -> str:
+    """'timed out after 20.0s' or 'failed after 0.03s (timeout 20s)': which one it was."""
+    if elapsed_s >= 0.95 * timeout_s:
+        return f"timed out after {elapsed_s:.1f}s"
+    return f"failed after {elapsed_s:.2f}s of its {timeout_s:g}s timeout"
+
+
+PEER_RE = re.compile(r"remote=(\[[^\]]*\]:\d+|[^\s,]+)")
+
+
+def describe_failure(
+    what: str, info: ConnectInfo, local: str, elapsed_s: float, error: BaseException
+) -> str:
+    """What failed, where (this rank's address, the peer's when the error names it) and
+    after how long, e.g. a refused connection after 0.03 s rather than "not formed in 20 s"."""
+    text = str(error).strip().splitlines()
+    first = text[0] if text else repr(error)
+    peer = PEER_RE.search(str(error))
+    where = f"rank {info.rank}/{info.world_size} at {local}"
+    if peer:
+        where += f" -> peer {peer.group(1)}"
+    why = first if len(first) < 400 else first[:400] + "..."
+    hint = ""
+    if peer and _is_loopback(peer.group(1).strip("[]").rsplit(":", 1)[0].strip("[]")):
+        hint = (
+            "; the peer advertised a loopback address: set its agent's --data-plane-address "
+            "or --data-plane-interface"
+        )
+    elif elapsed_s >= 0.95 * info.timeout_s:
+        hint = "; a peer did not join (its agent down or unreachable?)"
+    return (
+        f"{where}: {what} of epoch {info.epoch} {outcome(elapsed_s, info.timeout_s)}: {why}{hint}"
+    )
+
+
+def gloo_device(info: ConnectInfo) -> tuple[object, str]:
+    """The Gloo device peers connect to, and where it listens (for messages): the agent's
+    data-plane interface or address; else GLOO_SOCKET_IFNAME; else loopback for a loopback
+    store; else torch's default device (hostname resolution: only without an agent)."""
+    create = dist.ProcessGroupGloo.create_device
+    if info.local_interface:
+        return create(interface=info.local_interface), f"{info.local_interface}"
+    if info.local_address:
+        return create(hostname=info.local_address), info.local_address
+    env_if = (os.environ.get("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
+    if env_if:
+        return create(interface=env_if), env_if
+    if _is_loopback(info.store_host):
+        return create(hostname="127.0.0.1"), "127.0.0.1"
+    return dist.ProcessGroupGloo.create_default_device(), "the host name's address"
 
 
 def _is_loopback(host: str) -> bool:
@@ -87,16 +143,21 @@ class GlooTransport(Transport):
         store = open_store(info)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=info.timeout_s)
-        if _is_loopback(info.store_host):
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        else:
-            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        start = time.monotonic()
+        try:
+            device, local = gloo_device(info)
+        except Exception as e:
+            raise TransportError(
+                f"rank {info.rank}: no gloo device on the data plane "
+                f"({info.local_interface or info.local_address or 'default'}): {e}"
+            ) from e
+        opts._devices = [device]
         try:
             self._pg = dist.ProcessGroupGloo(store, info.rank, info.world_size, opts)
         except Exception as e:
+            elapsed = time.monotonic() - start
             raise TransportError(
-                f"rank {info.rank}/{info.world_size}: gloo communicator of epoch {info.epoch} "
-                f"not formed within {info.timeout_s}s (a peer did not join?): {e}"
+                describe_failure("gloo communicator", info, local, elapsed, e)
             ) from e
         self._info = info
 

@@ -10,12 +10,28 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from refitd.transport.base import ConnectInfo, P2POp, Transport, TransportError, Work, check_buffer
-from refitd.transport.gloo import open_store
+from refitd.transport.gloo import describe_failure, open_store
+from refitd.transport.netif import interface_of
+
+
+def nccl_interface(info: ConnectInfo) -> str:
+    """NCCL reads NCCL_SOCKET_IFNAME itself; when unset, point it at the agent's data-plane
+    interface (named, or the one holding its data-plane address) before the first init."""
+    if os.environ.get("NCCL_SOCKET_IFNAME"):
+        return os.environ["NCCL_SOCKET_IFNAME"]
+    iface = info.local_interface
+    if not iface and info.local_address:
+        iface = interface_of(info.local_address)
+    if iface:
+        os.environ["NCCL_SOCKET_IFNAME"] = iface
+    return iface
 
 
 class _NcclWork:
@@ -55,12 +71,14 @@ class NcclTransport(Transport):
         store = open_store(info)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=info.timeout_s)
+        local = nccl_interface(info) or info.local_address or "NCCL's default interface"
+        start = time.monotonic()
         try:
             self._pg = dist.ProcessGroupNCCL(store, info.rank, info.world_size, opts)
         except Exception as e:
+            elapsed = time.monotonic() - start
             raise TransportError(
-                f"rank {info.rank}/{info.world_size}: nccl communicator of epoch {info.epoch} "
-                f"not formed within {info.timeout_s}s: {e}"
+                describe_failure("nccl communicator", info, local, elapsed, e)
             ) from e
         self._info = info
 

@@ -3,7 +3,11 @@
 Registers zeros for the TINY model's shards on `device`, follows version events and prints
 one line per event on stdout: "ready <current_version>", "paused <v>", "commit <v> ok" or
 "commit <v> mismatch <what>", "abort <v>", "incomplete <v> <reason>". With a gate
-directory, the pause hook of version v waits (up to 60 s) for the file <gate>/<v>.
+directory, the pause hook of version v waits (up to 60 s) for the file <gate>/<v>. With a
+resume gate, the resume hook of v prints "resuming <v>" and waits (up to 60 s) for the file
+<resume gate>/<v>; --resume-delay makes every resume that slow (a slow engine). With
+--queries it answers each "query" line on stdin with "served <served_version> <state>",
+read on the main thread (not the one delivering events).
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+def wait_for(path: str) -> None:
+    """Until the file exists (the test's gate), 60 s at most."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("address")
@@ -35,6 +46,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu:1")
     p.add_argument("--pool", default="infer")
     p.add_argument("--gate", default="")
+    p.add_argument("--resume-gate", default="")
+    p.add_argument("--resume-delay", type=float, default=0.0)
+    p.add_argument("--queries", action="store_true")
     args = p.parse_args()
     gen = WeightGenerator(SEED)
     shards = rank_shards(TINY, ParallelLayout(), 0)
@@ -43,10 +57,13 @@ def main() -> None:
     def pause(version: int) -> None:
         say(f"paused {version}")
         if args.gate:
-            gate = os.path.join(args.gate, str(version))
-            deadline = time.monotonic() + 60
-            while not os.path.exists(gate) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_for(os.path.join(args.gate, str(version)))
+
+    def resume(version: int) -> None:
+        if args.resume_gate:
+            say(f"resuming {version}")
+            wait_for(os.path.join(args.resume_gate, str(version)))
+        time.sleep(args.resume_delay)  # a slow engine, not a synchronisation
 
     client = InferenceClient(
         args.address,
@@ -56,6 +73,7 @@ def main() -> None:
         pool_size=1,
         device=args.device,
         pause=pause,
+        resume=resume,
         incomplete=lambda v, reason: say(f"incomplete {v} {reason}"),
     )
     reg = client.register({n: Placed(t) for n, t in dst.items()})
@@ -70,7 +88,11 @@ def main() -> None:
 
     client.on_update(on_event)
     say(f"ready {reg.current_version}")
-    threading.Event().wait()
+    if not args.queries:
+        threading.Event().wait()
+    for line in sys.stdin:
+        if line.strip() == "query":
+            say(f"served {client.served_version} {client.state}")
 
 
 if __name__ == "__main__":

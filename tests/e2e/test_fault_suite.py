@@ -2,9 +2,11 @@
 
 Each case kills a real process (trainer rank, transfer process, node agent, controller) at
 a refit phase and checks the suite's outcome: the kill landed in that phase, no surviving
-call hung past its timeout, every served version was bit for bit, nothing was lost across
-a controller restart, every paused rank was told how its refit ended, and a refit committed after the restart (its time is the bench's
-business: `refitd bench faults`, target under 10 s).
+call hung past its timeout, a trainer rank killed before it asks failed the refit at its
+lease (not at the barrier timeout), every served version was bit for bit, nothing was lost
+across a controller restart, every paused rank was told how its refit ended, and a refit
+committed after the restart (its time is the bench's business: `refitd bench faults`,
+target under 10 s).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def suite() -> Iterator[FaultSuite]:
 @pytest.mark.parametrize(
     "role,phase",
     [
+        ("trainer", "before"),
         ("trainer", "transfer"),
         ("transfer", "transfer"),
         ("inference", "commit"),
@@ -44,6 +47,7 @@ def test_kill_member_at_phase(suite: FaultSuite, role: str, phase: str) -> None:
     assert r.hangs == 0, r.notes
     assert r.torn == 0, r.notes
     assert r.untold == 0, r.notes
+    assert r.late == 0, r.notes
     assert r.lost == 0, r.notes
     assert r.recovery_s is not None, r.notes
     assert suite.cluster is not None and not suite.cluster.mismatches

@@ -3,14 +3,18 @@ processes and worker processes linking refitd.client; weights checked bit for bi
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
+from refitd._proto import refitd_pb2 as pb
+from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.client import InferenceClient, Placed, RefitError, TrainerClient
 from refitd.demo.gpt import GptConfig, ParallelLayout, WeightGenerator, rank_shards
 from refitd.demo.run import Daemon, Demo
@@ -60,12 +64,30 @@ def _mismatches(gen: WeightGenerator, shards, tensors, version: int) -> list[str
     return [m for s in shards if (m := gen.mismatch(tensors[s.name], s, version))]
 
 
+def _pending(daemon: Daemon, model: str) -> list[int]:
+    """Versions of `model` requested and waiting, from the controller's status."""
+    with grpc.insecure_channel(daemon.address) as ch:
+        doc = json.loads(pbg.RefitStub(ch).GetStatus(pb.StatusRequest(model=model), timeout=5).json)
+    return [p["version"] for m in doc["models"] for p in m["pending"]]
+
+
+def _until(what: str, pred, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s:g}s"
+        time.sleep(0.02)
+
+
 def test_refit_during_a_running_one_coalesces_to_newest(daemon: Daemon) -> None:
     gen = WeightGenerator(7)
-    gate = threading.Event()
-    shards, src, dst, trainer, infer, events = _pair(
-        daemon, "coalesce", pause=lambda v: gate.wait(30) if v == 1 else None
-    )
+    gate, paused = threading.Event(), threading.Event()
+
+    def pause(v: int) -> None:
+        if v == 1:  # v1 waits in PAUSE on our hook until v2 and v3 are requested
+            paused.set()
+            gate.wait(30)
+
+    shards, src, dst, trainer, infer, events = _pair(daemon, "coalesce", pause=pause)
     try:
         _fill(gen, shards, src, 1)
         results: dict[int, object] = {}
@@ -75,27 +97,26 @@ def test_refit_during_a_running_one_coalesces_to_newest(daemon: Daemon) -> None:
 
         threads = [threading.Thread(target=ask, args=(v,)) for v in (1, 2, 3)]
         threads[0].start()
-        time.sleep(1.0)  # v1 now waits in PAUSE on our hook
+        assert paused.wait(60), "v1 never paused the inference rank"
         threads[1].start()
-        time.sleep(0.5)
+        _until("v2 pending", lambda: _pending(daemon, "coalesce") == [2])
         threads[2].start()
-        time.sleep(0.5)
+        _until("v3 pending", lambda: _pending(daemon, "coalesce") == [2, 3])
         _fill(gen, shards, src, 3)  # v1's bytes: not yet read (pool paused before transfer)
         gate.set()
         for t in threads:
             t.join(90)
         states = {v: r.state for v, r in results.items()}
         assert states == {1: "committed", 2: "superseded", 3: "committed"}
-        deadline = time.monotonic() + 10
-        while infer.served_version != 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert infer.served_version == 3
+        # served_version is published only after the commit event was delivered.
+        _until("v3 served", lambda: infer.served_version == 3, 10)
         assert _mismatches(gen, shards, dst, 3) == []
         commits = [e.version for e in events if e.kind == "commit"]
         assert commits == [1, 3]
         ids = [e.event_id for e in events]
         assert ids == sorted(ids)
     finally:
+        gate.set()
         infer.close()
         trainer.close()
 

@@ -183,3 +183,22 @@ def test_spec_table_incremental_equals_lists():
     renamed = [*dst_o[:-1], mspec("inf", 5, 15, "c", (8,), canonical="b")]
     assert plan_digest("m", 1, ts, td, cfg) != plan_digest("m", 1, src_o, renamed, cfg)
     assert len(ts) == len(src) and len(td.geos) < len(dst)
+
+
+def test_relays_across_pools_of_the_same_layout():
+    """Two pools of the same layout (one replica each) are replicas of each other: one
+    source copy feeds one pool, which forwards to the other (the trainer sends each byte
+    once, not once per pool). Bit for bit through the in-memory oracle."""
+    shape = (64, 12)
+    src = tp_side("train", 2, 1, 2, shape, 0, 0)
+    dst = tp_side("pool-a", 2, 1, 1, shape, 0, 10) + tp_side("pool-b", 2, 1, 1, shape, 0, 20)
+    direct = run_and_check(src, dst, PlanConfig(bucket_bytes=256))
+    plan = run_and_check(src, dst, PlanConfig(bucket_bytes=256, relay=True))
+    assert check_relay_rule(plan, len(src)) == plan.stats.relay_copies > 0
+    assert plan.stats.source_max_send_bytes * 2 == direct.stats.source_max_send_bytes
+    # Each source block is cut into several messages; its relays are cut the same way and
+    # go one round after their piece, while later pieces are still on the wire.
+    sends = [m for s in plan.slots() for m in plan.program(s).sends]
+    relay_rounds = [m.round for m in sends if any(c.src_tensor >= len(src) for c in m.copies)]
+    direct_rounds = [m.round for m in sends if all(c.src_tensor < len(src) for c in m.copies)]
+    assert min(relay_rounds) == 1 < max(direct_rounds)

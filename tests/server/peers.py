@@ -39,7 +39,8 @@ class EchoAgent:
     """A node agent over real gRPC whose slots answer every command at once.
 
     fail_execute: slot -> message reported as FAILED on execute; silent: slots that never
-    answer an execute (to drive a timeout).
+    answer an execute (to drive a timeout); fail_connect: slot -> message reported as FAILED
+    on connect.
     """
 
     address: str
@@ -47,6 +48,7 @@ class EchoAgent:
     devices: list[str]
     fail_execute: dict[int, str] = field(default_factory=dict)
     silent: set[int] = field(default_factory=set)
+    fail_connect: dict[int, str] = field(default_factory=dict)
     commands: list[pb.AgentCommand] = field(default_factory=list)
     programs: dict[int, SlotProgram] = field(default_factory=dict)
 
@@ -91,7 +93,10 @@ class EchoAgent:
                 which = cmd.WhichOneof("command")
                 if which == "connect":
                     for slot in self.slot_ids:
-                        if slot in cmd.connect.comm_rank:
+                        if slot in self.fail_connect:
+                            msg = self.fail_connect[slot]
+                            self._report(cmd, slot, pb.REPORT_KIND_FAILED, message=msg)
+                        elif slot in cmd.connect.comm_rank:
                             self._report(cmd, slot, pb.REPORT_KIND_CONNECTED)
                 elif which == "load":
                     self.programs[cmd.load.slot] = SlotProgram.from_bytes(cmd.load.program)

@@ -1,10 +1,11 @@
 """Leases over real gRPC: a silent agent is dropped within heartbeat_timeout_s and the
-running refit fails on it; a trainer rank that dies before asking never blocks the others
-beyond the barrier timeout."""
+running refit fails on it; a trainer rank that dies before asking fails the refit when its
+lease expires, naming it (not at the barrier timeout)."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +17,8 @@ from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.controller import Controller
 
-from .conftest import controller_settings, make_cluster
-from .test_refit_states import last_event
+from .conftest import Cluster, controller_settings, make_cluster
+from .test_refit_states import last_event, status
 
 pytestmark = pytest.mark.slow
 
@@ -61,31 +62,118 @@ def test_silent_agent_is_dropped_and_fails_the_refit(short_leases: Controller) -
         ch.close()
 
 
-def test_dead_trainer_rank_fails_the_barrier_in_time(short_leases: Controller) -> None:
-    ch = grpc.insecure_channel(short_leases.grpc_address)
+def test_dead_trainer_rank_fails_the_barrier_at_its_lease(tmp_path: Path) -> None:
+    """Rank 0 asks (and heartbeats); rank 1 never asks and stops heartbeating (it died):
+    the refit fails when rank 1's lease expires, naming it, not at the barrier timeout."""
+    c = Controller(
+        controller_settings(
+            tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, barrier_timeout_s=60.0
+        )
+    ).start()
+    ch = grpc.insecure_channel(c.grpc_address)
     stub = pbg.RefitStub(ch)
-    cl = make_cluster(short_leases, stub)
+    cl = make_cluster(c, stub)
+    alive = threading.Event()
+
+    def heartbeat_rank0() -> None:
+        while not alive.wait(0.2):
+            stub.Heartbeat(pb.HeartbeatRequest(worker_id=cl.trainers[0]), timeout=5)
+
+    beats = threading.Thread(target=heartbeat_rank0, daemon=True)
+    beats.start()
     try:
         doc = json.loads(stub.GetStatus(pb.StatusRequest(model=cl.model), timeout=5).json)
         epoch0 = doc["models"][0]["epoch"]
         t0 = time.monotonic()
         (r,) = cl.refit(1, ranks=[0])  # rank 1 never asks (it died)
+        elapsed = time.monotonic() - t0
         assert r.state == pb.REFIT_STATE_FAILED
-        assert "ranks [1] of pool trainer never asked for version 1" in r.message
-        assert time.monotonic() - t0 < 4.0
-        # Its lease expires (no heartbeats): it leaves the pool and the epoch moves on.
-        doc_epoch = None
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            doc = json.loads(stub.GetStatus(pb.StatusRequest(model=cl.model), timeout=5).json)
-            m = doc["models"][0]
-            trainer = next((p for p in m["pools"] if p["name"] == "trainer"), None)
-            if trainer is None or trainer["registered"] < 2:
-                doc_epoch = m["epoch"]
-                break
-            time.sleep(0.1)
-        assert doc_epoch is not None, "silent trainer ranks were never expired"
-        assert doc_epoch > epoch0
+        assert f"worker {cl.trainers[1]} (rank 1 of pool 'trainer')" in r.message, r.message
+        assert "lease expired" in r.message and "barrier" in r.message, r.message
+        assert "rank 0 of" not in r.message, r.message
+        assert elapsed < 1.5 + 5.0, elapsed  # its lease (+ margin), far from the 60 s barrier
+        # It left the pool and the epoch moved on.
+        doc = json.loads(stub.GetStatus(pb.StatusRequest(model=cl.model), timeout=5).json)
+        m = doc["models"][0]
+        trainer = next(p for p in m["pools"] if p["name"] == "trainer")
+        assert [x["rank"] for x in trainer["ranks"]] == [0]
+        assert m["epoch"] > epoch0
     finally:
+        alive.set()
+        beats.join(5)
         cl.stop()
         ch.close()
+        c.stop()
+
+
+def test_trainer_rank_that_unregisters_fails_the_barrier_at_once(
+    cluster: Cluster, stub: pbg.RefitStub
+) -> None:
+    """close() of a trainer rank while rank 0 waits for it in the barrier: the refit fails
+    at once, naming the rank that left (the barrier timeout would name 'never asked')."""
+    out: list = []
+    asking = threading.Thread(target=lambda: out.extend(cluster.refit(1, ranks=[0])))
+    asking.start()
+    deadline = time.monotonic() + 10
+    while status(stub, cluster.model)["models"][0]["running"] is None:
+        assert time.monotonic() < deadline, "rank 0's request never started a refit"
+        time.sleep(0.01)
+    stub.UnregisterWorker(pb.UnregisterWorkerRequest(worker_id=cluster.trainers[1]), timeout=5)
+    asking.join(30)
+    (r,) = out
+    assert r.state == pb.REFIT_STATE_FAILED
+    assert f"worker {cluster.trainers[1]} (rank 1 of pool 'trainer') unregistered" in r.message
+    assert "barrier timeout" not in r.message, r.message
+
+
+def test_agent_lease_counts_from_its_command_stream(tmp_path: Path) -> None:
+    """A real agent spawns its transfer processes between RegisterAgent and opening its
+    command stream, which on a loaded host takes longer than a lease: once the stream is
+    open and it heartbeats, it must not be dropped for the time before."""
+    c = Controller(
+        controller_settings(tmp_path, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    ).start()
+    ch = grpc.insecure_channel(c.grpc_address)
+    agents = pbg.AgentControlStub(ch)
+    stop = threading.Event()
+    try:
+        resp = agents.RegisterAgent(
+            pb.RegisterAgentRequest(host="slow", slots=[pb.SlotInfo(device="cpu:0")], pid=1),
+            timeout=10,
+        )
+        time.sleep(1.0)  # the slow start itself (two leases), not a synchronisation
+        stream = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
+        ended = threading.Event()
+
+        def read() -> None:
+            try:
+                for _ in stream:
+                    pass
+                ended.set()  # closed by the controller
+            except grpc.RpcError:
+                pass  # cancelled by the test
+
+        threading.Thread(target=read, daemon=True).start()
+
+        def beat() -> None:
+            while not stop.wait(0.1):
+                agents.AgentHeartbeat(pb.AgentHeartbeatRequest(agent_id=resp.agent_id), timeout=5)
+
+        threading.Thread(target=beat, daemon=True).start()
+        stub = pbg.RefitStub(ch)
+        deadline = time.monotonic() + 10
+        while not any(a["connected"] for a in status_doc(stub)["agents"]):
+            assert time.monotonic() < deadline, "the agent never connected"
+            time.sleep(0.01)
+        # The lease watcher runs every 0.1 s: several passes while it heartbeats.
+        assert not ended.wait(1.0), "the controller dropped a heartbeating agent"
+        assert any(a["connected"] for a in status_doc(stub)["agents"])
+        stream.cancel()
+    finally:
+        stop.set()
+        ch.close()
+        c.stop()
+
+
+def status_doc(stub: pbg.RefitStub) -> dict:
+    return json.loads(stub.GetStatus(pb.StatusRequest(), timeout=5).json)

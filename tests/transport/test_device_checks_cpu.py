@@ -23,6 +23,19 @@ def test_ipc_refit_on_cpu_shared_memory(storage: str) -> None:
     assert out["bytes"] > 0 and out["seconds"] > 0 and out["snapshot_copy_s"] > 0
 
 
+def test_staged_verified_and_many_small_refits_on_cpu_shared_memory() -> None:
+    """The bench's staged pool with checksum verification, and its many-small-tensor model
+    (here 40 tensors of 64 KiB-1 MiB), through the same path on the CPU."""
+    out = ipc_refit(4 << 20, device="cpu", refits=2, timeout_s=60.0, staged=True, verify=True)
+    assert out["verified"] and out["data_ptrs_unchanged"], out
+    assert out["staged"] and out["apply_s"] > 0 and out["verify_cost"] > 0, out
+    assert out["verified_refits"]["seconds"] > 0
+    small = ipc_refit(0, device="cpu", refits=2, timeout_s=60.0, small=40)
+    assert small["verified"] and small["data_ptrs_unchanged"], small
+    assert small["tensors"] == 40 and small["source_shards"] == 40
+    assert 40 * (64 << 10) <= small["bytes"] <= 40 * (1 << 20)
+
+
 def test_bench_gpu_imports_without_grpc_pydantic_fastapi() -> None:
     blocked = "import sys\nfor m in ('grpc', 'pydantic', 'fastapi', 'pydantic_settings'):\n"
     blocked += "    sys.modules[m] = None\n"

@@ -1,0 +1,193 @@
+"""Grouped landing (refitd.formats.grouped): many regions copied, hashed or quantized in one
+launch, bit for bit against the per-region torch reference and the CPU checksum.
+
+The region-layout logic runs everywhere. The kernels run on a CUDA device (gpu tests), or
+on the CPU in Triton's interpreter when TRITON_INTERPRET=1 is set and triton is installed
+(tiny shapes only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _fp8_data import special_tensor
+
+from refitd.agent.checksums import MASK, Checksummer, checksum
+from refitd.formats import dest_region, fp8_block_quantize, grouped, mxfp8_quantize
+from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
+
+HAS_CUDA = torch.cuda.is_available() and grouped.available(torch.device("cuda"))
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not grouped.triton_installed(),
+    reason="set TRITON_INTERPRET=1 with triton installed to run the kernels on CPU",
+)
+
+
+def _bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bit patterns (NaN/Inf patterns included) viewed as dtype."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def test_word_rows_splits_views_into_rows_of_words() -> None:
+    big = torch.zeros(40, 300, dtype=torch.bfloat16)
+    other = torch.zeros(50, 320, dtype=torch.bfloat16)
+    layout = grouped.word_rows(big[3:20, 10:110], other[5:22, 100:200])
+    assert layout is not None
+    addrs, rows, words, strides = layout
+    assert (rows, words, strides) == (17, 50, (150, 160))
+    assert addrs == (big[3:20, 10:110].data_ptr(), other[5:22, 100:200].data_ptr())
+    # contiguous: one row; a 3-d view whose outer dims collapse: rows of the inner run
+    assert grouped.word_rows(big)[1:3] == (1, 40 * 150)  # type: ignore[index]
+    cube = torch.zeros(4, 6, 8, dtype=torch.float32)
+    assert grouped.word_rows(cube[:, :, :4])[1:] == (24, 4, (8,))  # type: ignore[index]
+    # refused: rows of 3 bf16 (not whole words), a transposed view, odd addresses
+    assert grouped.word_rows(big[:, 1:4]) is None
+    assert grouped.word_rows(big.t()) is None
+    assert grouped.word_rows(big.view(-1)[1:101]) is None
+    assert grouped.word_rows(torch.zeros(0)) is None
+
+
+def test_checksums_fall_back_without_cuda() -> None:
+    x = torch.arange(100, dtype=torch.int32)
+    assert grouped.checksums([x]) is None  # CPU tensors: the torch path
+    assert Checksummer()(x) == checksum(x)
+
+
+def _copies(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source view, destination view) pairs: contiguous, strided rows, 1-row, 3-d."""
+    src = _bits((40, 300), torch.bfloat16, 1).to(device)
+
+    def zeros(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return [
+        (_bits((1000,), torch.bfloat16, 2).to(device), zeros(1000)),
+        (src[3:20, 10:110], zeros(50, 320)[5:22, 100:200]),
+        (src, zeros(60, 300)[10:50]),
+        (_bits((7, 33), torch.int32, 3).to(device), zeros(7, 33, dtype=torch.int32)),
+        (src[2:3, 4:8], zeros(3, 4)[1:2]),
+        (
+            _bits((3, 5, 64), torch.float32, 4).to(device)[:, :, 8:40],
+            zeros(3, 5, 32, dtype=torch.float32),
+        ),
+    ]
+
+
+def _check_copy_and_hash(device: str) -> None:
+    dev = torch.device(device)
+    g = grouped.GroupedLanding(dev)
+    pairs = []
+    for s, d in _copies(device):
+        assert g.add_copy(s, d), tuple(s.shape)
+        pairs.append((s, d))
+    g.build()
+    for rnd in range(3):  # new source bytes each time: on CUDA runs 2, 3 replay a graph
+        for i, (s, d) in enumerate(pairs):
+            s.copy_(_bits(tuple(s.shape), s.dtype, seed=100 * rnd + i).to(device))
+            d.fill_(rnd + 1)
+        sums = g.run(hash=True)
+        assert sums is not None
+        for i, (s, d) in enumerate(pairs):
+            assert torch.equal(s.view(torch.uint8), d.view(torch.uint8)), (rnd, i)
+            want = checksum(s.cpu())
+            src_sum, dst_sum = (int(v) & MASK for v in sums[i].tolist())
+            assert src_sum == want and dst_sum == want, (rnd, i, hex(src_sum), hex(want))
+    if dev.type == "cuda":
+        assert g.graph_error is None and True in g._graphs
+    h = grouped.GroupedLanding(dev)
+    for s, _ in pairs:
+        assert h.add_copy(s, s)
+    only = h.build().hash_only().tolist()
+    assert [v & MASK for v in only] == [checksum(s.cpu()) for s, _ in pairs]
+
+
+QUANT_CASES = [
+    ("mxfp8", (64, 200), (0, 0), (64, 200)),
+    ("mxfp8", (64, 256), (16, 64), (20, 128)),
+    ("mxfp8", (3, 5, 100), (1, 0, 0), (2, 5, 100)),
+    ("fp8_block", (300, 260), (128, 0), (172, 260)),
+    ("fp8_block", (256, 384), (0, 128), (256, 128)),
+    ("fp8_block", (2, 130, 129), (0, 0, 0), (2, 130, 129)),
+]
+
+
+def _check_quantize(
+    device: str, fast: bool, dtypes: tuple[torch.dtype, ...], own_launch: int | None = None
+) -> None:
+    dev = torch.device(device)
+    g = grouped.GroupedLanding(dev, fast=fast)
+    if own_launch is not None:  # regions from this size take the per-tensor kernel
+        g.own_launch_elements = own_launch
+    landed = []
+    for n, (fmt, shape, off, size) in enumerate(QUANT_CASES):
+        for dtype in dtypes:
+            block = 32 if fmt == "mxfp8" else 128
+            full = special_tensor(shape, dtype, seed=n, block=block).to(dev)
+            data = torch.full(shape, 0xAB, dtype=torch.uint8, device=dev)
+            if fmt == "mxfp8":
+                scales = torch.full(mxfp8_scale_shape(shape), 7, dtype=torch.uint8, device=dev)
+            else:
+                scales = torch.full(fp8_block_scale_shape(shape), 7.0, device=dev)
+            region = dest_region(fmt, data, scales, off, size)
+            src = full[tuple(slice(o, o + k) for o, k in zip(off, size, strict=True))]
+            assert g.add_quantize(src, region), (fmt, shape, dtype)
+            landed.append((fmt, src, region))
+    assert g.regions == len(landed)
+    g.build()
+    for _ in range(3):  # on CUDA the later runs replay a graph
+        for _, _, region in landed:
+            region.values.fill_(0xAB)
+        g.run()
+    for fmt, src, region in landed:
+        want_data, want_scales = (mxfp8_quantize if fmt == "mxfp8" else fp8_block_quantize)(
+            src.cpu()
+        )
+        assert torch.equal(region.values.cpu(), want_data), (fmt, tuple(src.shape), src.dtype)
+        got = region.scales.cpu()
+        if got.dtype == torch.float32:
+            got, want_scales = got.view(torch.int32), want_scales.view(torch.int32)
+        assert torch.equal(got, want_scales), (fmt, tuple(src.shape), src.dtype)
+
+
+@interpreter
+def test_grouped_kernels_in_interpreter() -> None:
+    _check_copy_and_hash("cpu")
+    _check_quantize("cpu", fast=False, dtypes=(torch.bfloat16,))
+    _check_quantize("cpu", fast=False, dtypes=(torch.bfloat16,), own_launch=20000)
+
+
+@pytest.mark.gpu
+@gpu
+def test_grouped_copy_and_checksums_on_gpu() -> None:
+    _check_copy_and_hash("cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("own_launch", [None, 20000])
+def test_grouped_quantizers_on_gpu(fast: bool, own_launch: int | None) -> None:
+    _check_quantize("cuda", fast, (torch.bfloat16, torch.float32, torch.float16), own_launch)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_checksum_equals_cpu_checksum() -> None:
+    """The Checksummer on CUDA (kernel where the region is rows of words, torch ops
+    otherwise) equals the CPU checksum bit for bit."""
+    for dtype in (torch.bfloat16, torch.float32, torch.int32, torch.uint8, torch.float16):
+        for shape in [(1,), (2,), (3, 2), (33, 64), (129, 257), (3, 5, 100), (2048, 1024)]:
+            x = _bits(shape, dtype, seed=shape[-1]).cuda()
+            views = [x, x[..., 1:], x.transpose(0, -1)]
+            if x.dim() >= 2:
+                views.append(x[1:, : max(1, x.shape[-1] // 2)])
+            for v in views:
+                assert Checksummer()(v) == checksum(v.cpu()), (dtype, tuple(v.shape))
+    big = _bits((1 << 22,), torch.int32, 9).cuda()  # crosses the torch path's block size
+    assert Checksummer()(big) == Checksummer(block_words=1 << 20)(big) == checksum(big.cpu())

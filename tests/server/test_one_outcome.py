@@ -1,0 +1,52 @@
+"""One outcome per version: every trainer rank asking for version v gets v's single result.
+
+A version that failed (here: its communicator could not be formed, reported at once) is
+not run a second time by a later Refit(v) from another rank of the pool: that rank gets
+the recorded failure, and the next version runs normally.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from refitd._proto import refitd_pb2 as pb
+from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.server.controller import Controller
+
+from .conftest import make_cluster
+
+REFUSED = "gloo communicator of epoch 1 failed after 0.03s: Connection refused"
+
+
+def test_a_failed_version_is_the_answer_of_every_rank(
+    controller: Controller, stub: pbg.RefitStub
+) -> None:
+    cl = make_cluster(controller, stub)
+    try:
+        bad = cl.agent.slot_ids[1]
+        cl.agent.fail_connect[bad] = REFUSED
+        t0 = time.monotonic()
+        (first,) = cl.refit(1, ranks=[1])  # the first rank to ask starts the run (early pause)
+        assert isinstance(first, pb.RefitResponse), first
+        assert first.state == pb.REFIT_STATE_FAILED
+        assert REFUSED in first.message, first.message
+        # It failed when the failure was reported, not at a timeout.
+        assert time.monotonic() - t0 < controller.settings.connect_timeout_s
+        connects = cl.agent.kinds().count("connect")
+        del cl.agent.fail_connect[bad]  # a second run of v1 would now succeed: it must not run
+        (late,) = cl.refit(1, ranks=[0])
+        assert isinstance(late, pb.RefitResponse), late
+        assert (late.state, late.message) == (first.state, first.message)
+        assert cl.agent.kinds().count("connect") == connects  # no second run of version 1
+        both = cl.refit(1)  # asked again by every rank: still the one outcome
+        assert all(isinstance(r, pb.RefitResponse) for r in both), both
+        assert {(r.state, r.message) for r in both} == {(first.state, first.message)}
+        out = cl.refit(2)
+        assert all(r.state == pb.REFIT_STATE_COMMITTED for r in out), out
+        err = cl.refit(1, ranks=[0])[0]  # older than the committed version now
+        assert isinstance(err, grpc.RpcError)
+        assert "not newer than the committed version 2" in err.details()
+    finally:
+        cl.stop()
