@@ -56,13 +56,14 @@ from refitd.agent.segments import (
 from refitd.plan.layout import PLAIN
 from refitd.plan.program import Copy, Message, SlotProgram
 from refitd.plan.wire import RAW, dtype_size, segment_nbytes
-from refitd.transport.base import P2POp, Transport, Work
+from refitd.transport.base import DoneWork, P2POp, Transport, Work
 from refitd.transport.memory import StorageMovedError, torch_dtype
 
 if TYPE_CHECKING:
     from refitd.formats.grouped import GroupedLanding
 
 WIRE_CHUNK = 32 << 20
+_SKIPPED = torch.empty(0, dtype=torch.uint8)  # marks a receive chunk of a skipped message
 GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
 DEFAULT_STAGING_BYTES = 256 << 20
 TAG_CHUNK_BITS = 12
@@ -747,9 +748,12 @@ class Executor:
         With verify, fills report.checksums and checks local copies (module docstring).
         `skip`: message ids moved elsewhere this refit (delta refits), on both ends."""
         t0 = time.monotonic()
-        if skip and (self._relay_wait or self._local_relay_copies):
+        relayed = [
+            m.id for m in self.program.sends if m.id in skip and any(map(self._is_relay, m.copies))
+        ]
+        if relayed:  # a relay forwards what this refit delivered: it cannot go first
             raise ExecutionError(
-                f"slot {self.program.slot}: a plan with relays cannot skip messages"
+                f"slot {self.program.slot}: relay messages {relayed[:4]} cannot be skipped"
             )
         self.resolver.check(self._index_list)
         abort = abort or threading.Event()
@@ -846,7 +850,8 @@ class Executor:
                     ops: list[P2POp] = []
                     posted: list[tuple[Chunk, torch.Tensor, bool, bool]] = []
                     for ch in recvs:
-                        if ch.message.id in skip:
+                        if ch.message.id in skip:  # landed before the executor ran
+                            posted.append((ch, _SKIPPED, False, False))
                             continue
                         zc = self._zc_recv[id(ch)]
                         buf = (
@@ -884,18 +889,19 @@ class Executor:
                         posted.append((ch, buf, zc is None, True))
                     if abort.is_set():
                         return
-                    if not ops:  # every message of this step went another way (skip)
-                        continue
                     try:
-                        works = self.transport.batch(ops)  # type: ignore[union-attr]
+                        works = iter(self.transport.batch(ops) if ops else [])  # type: ignore[union-attr]
                     except Exception as e:
                         ch0 = posted[0][0]
                         raise ExecutionError(
                             f"{describe(ch0, 'send' if posted[0][3] else 'recv')}: {e}"
                         ) from e
-                    for (ch, buf, staged, is_send), w in zip(posted, works, strict=True):
+                    for ch, buf, staged, is_send in posted:
+                        if buf is _SKIPPED:  # counted in posting order by the receiver
+                            recv_q.put(_Posted(ch, DoneWork(), buf, False))
+                            continue
                         stat("send" if is_send else "recv", ch, not staged)
-                        (send_q if is_send else recv_q).put(_Posted(ch, w, buf, staged))
+                        (send_q if is_send else recv_q).put(_Posted(ch, next(works), buf, staged))
             except BaseException as e:
                 fail(e)
             finally:
@@ -929,6 +935,11 @@ class Executor:
             partial: dict[Copy, torch.Tensor] = {}
             try:
                 while (item := recv_q.get()) is not None:
+                    if item.buf is _SKIPPED:
+                        with progress:
+                            recvs_done[0] += 1
+                            progress.notify_all()
+                        continue
                     tw = time.monotonic()
                     try:
                         item.work.wait(deadline - time.monotonic())

@@ -2,8 +2,8 @@
 
 Per message: its id, source slot and whether it is delta-capable (every copy lands without
 conversion: refitd.plan.wire.delta_capable; not into a staged pool, whose staging buffer is
-not the memory the version log speaks of; not in a plan with relays, whose receive order the
-executor counts); and the destination workers ((pool, rank)) each message writes.
+not the memory the version log speaks of; no relay copy, which forwards what this refit
+delivers and so runs in the executor after the delta path); and the destination workers ((pool, rank)) each message writes.
 """
 
 from __future__ import annotations
@@ -45,14 +45,12 @@ def plan_delta(plan: Plan, staged_pools: Collection[str]) -> PlanDelta:
     mids, src, dst, capable = [], [], [], []
     pm, pw = [], []
     workers: dict[tuple[str, int], int] = {}
-    relay = False
     key = hashlib.sha256()
     for slot in plan.slots():
         program = plan.program(slot)
         tensors = program.tensors
         dest_here = {c.dst_tensor for m in program.recvs for c in m.copies}
         dest_here |= {c.dst_tensor for c in program.local}
-        relay = relay or any(c.src_tensor in dest_here for m in program.sends for c in m.copies)
         key.update(repr((slot, program.sends, program.recvs, program.local)).encode())
         key.update(repr(sorted((i, _layout(t)) for i, t in tensors.items())).encode())
         for m in program.sends:
@@ -64,7 +62,7 @@ def plan_delta(plan: Plan, staged_pools: Collection[str]) -> PlanDelta:
             seen: set[int] = set()
             for c in m.copies:
                 s, d = tensors[c.src_tensor], tensors[c.dst_tensor]
-                ok = ok and d.pool not in staged_pools
+                ok = ok and d.pool not in staged_pools and c.src_tensor not in dest_here
                 ok = ok and delta_capable(c.wire, s.dtype, d.storage, d.dtype)
                 w = workers.setdefault((d.pool, d.rank), len(workers))
                 if w not in seen:
@@ -74,7 +72,7 @@ def plan_delta(plan: Plan, staged_pools: Collection[str]) -> PlanDelta:
             capable.append(ok)
     cols = MessageColumns(
         np.array(src, dtype=np.int64),
-        np.array(capable, dtype=bool) & (not relay),
+        np.array(capable, dtype=bool),
         np.array(pm, dtype=np.int64),
         np.array(pw, dtype=np.int64),
     )

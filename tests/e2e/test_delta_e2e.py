@@ -4,7 +4,8 @@ other slots. Versions come from FP32 master weights moved by +-lr (BF16 publishe
 Five successive delta refits land bit for bit; an inference rank that restarted (a new
 registration with fresh memory) gets its messages dense and lands bit for bit while the
 other pool keeps receiving deltas; the refit records say what went as a delta and the
-achieved density."""
+achieved density. With relays (the default) a replica fed by another's relay gets dense
+through the executor: test_relay_fed_replica_dense_and_bit_for_bit."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def delta_daemon() -> Iterator[Daemon]:
         cpu_slots=3,
         extra_args=[
             *("--delta-refits", "--verify-checksums", "--pause-timeout-s", "20"),
-            *("--heartbeat-timeout-s", "30"),
+            *("--heartbeat-timeout-s", "30", "--no-relay"),
         ],
     )
     d.start()
@@ -148,3 +149,30 @@ def test_restarted_destination_gets_dense_and_lands(delta_daemon: Daemon) -> Non
         ia.close()
         ib.close()
         tr.client.close()
+
+
+def test_relay_fed_replica_dense_and_bit_for_bit() -> None:
+    """With relays on, the directly fed pool gets deltas and the relay-fed one its relayed
+    (dense) messages through the executor, after the delta path: both bit for bit."""
+    d = Daemon(
+        cpu_slots=3,
+        extra_args=["--delta-refits", "--verify-checksums", "--heartbeat-timeout-s", "30"],
+    )
+    d.start()
+    tr = Trainer(d.address, "deltarelay", lr=1e-6)
+    a, b = tr.fresh(), tr.fresh()
+    ia = _infer(d, "deltarelay", "a", "cpu:1", a)
+    ib = _infer(d, "deltarelay", "b", "cpu:2", b)
+    try:
+        for v in range(1, 4):
+            if v > 1:
+                tr.step()
+            tr.refit(v)
+            assert _same(a, tr.src) == [] and _same(b, tr.src) == [], v
+        x = _records(d, "deltarelay")[3]["delta"]
+        assert x["sent_as_delta"] > 0, x
+    finally:
+        ia.close()
+        ib.close()
+        tr.client.close()
+        d.stop()
