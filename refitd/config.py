@@ -81,6 +81,12 @@ class Settings(BaseSettings):
     # --- data plane sizing
     bucket_bytes: int = Field(64 * MiB, gt=0, description="largest message of a plan")
     staging_bytes: int = Field(256 * MiB, gt=0, description="cap on staging buffers per slot")
+    snapshot_bytes: int = Field(
+        2048 * MiB,
+        ge=0,
+        description="cap on the snapshot of a slot's sources (pools registered with snapshot); "
+        "above it the slot reads live trainer memory and the refit's record says so",
+    )
     sender_quantization: bool = Field(
         False, description="quantize on the sender (MXFP8/FP8 on the wire) for quantized storage"
     )

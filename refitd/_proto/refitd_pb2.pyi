@@ -118,7 +118,7 @@ class TensorRegistration(_message.Message):
     def __init__(self, name: _Optional[str] = ..., canonical: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., local_shape: _Optional[_Iterable[int]] = ..., boxes: _Optional[_Iterable[_Union[Box, _Mapping]]] = ..., storage: _Optional[str] = ..., memory: _Optional[bytes] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("model", "pool", "role", "rank", "pool_size", "host", "device", "pid", "tensors", "worker_id", "held_version", "paused_refit_id", "staged")
+    __slots__ = ("model", "pool", "role", "rank", "pool_size", "host", "device", "pid", "tensors", "worker_id", "held_version", "paused_refit_id", "staged", "snapshot")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class RegisterWorkerRequest(_message.Message):
     HELD_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     model: str
     pool: str
     role: Role
@@ -145,7 +146,8 @@ class RegisterWorkerRequest(_message.Message):
     held_version: int
     paused_refit_id: int
     staged: bool
-    def __init__(self, model: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., pool_size: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRegistration, _Mapping]]] = ..., worker_id: _Optional[str] = ..., held_version: _Optional[int] = ..., paused_refit_id: _Optional[int] = ..., staged: _Optional[bool] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, model: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., pool_size: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRegistration, _Mapping]]] = ..., worker_id: _Optional[str] = ..., held_version: _Optional[int] = ..., paused_refit_id: _Optional[int] = ..., staged: _Optional[bool] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "epoch", "current_version", "slot", "heartbeat_interval_s")
@@ -353,14 +355,16 @@ class ConnectCommand(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., world_size: _Optional[int] = ..., comm_rank: _Optional[_Mapping[int, int]] = ..., transport: _Optional[str] = ..., timeout_s: _Optional[float] = ..., store_token: _Optional[str] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
-    __slots__ = ("index", "memory", "staged")
+    __slots__ = ("index", "memory", "staged", "snapshot")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     index: int
     memory: bytes
     staged: bool
-    def __init__(self, index: _Optional[int] = ..., memory: _Optional[bytes] = ..., staged: _Optional[bool] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, index: _Optional[int] = ..., memory: _Optional[bytes] = ..., staged: _Optional[bool] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class LoadProgramCommand(_message.Message):
     __slots__ = ("model", "digest", "slot", "program", "handles")
@@ -455,7 +459,7 @@ class AgentCommand(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., connect: _Optional[_Union[ConnectCommand, _Mapping]] = ..., load: _Optional[_Union[LoadProgramCommand, _Mapping]] = ..., execute: _Optional[_Union[ExecuteCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ..., apply: _Optional[_Union[ApplyCommand, _Mapping]] = ...) -> None: ...
 
 class AgentReport(_message.Message):
-    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more", "checksums", "delta")
+    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more", "checksums", "snapshot_bytes", "snapshot_fallback", "delta")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -468,6 +472,8 @@ class AgentReport(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     slot: int
@@ -481,8 +487,10 @@ class AgentReport(_message.Message):
     message: str
     more: _containers.RepeatedCompositeFieldContainer[AgentReport]
     checksums: _containers.RepeatedCompositeFieldContainer[MessageChecksum]
+    snapshot_bytes: int
+    snapshot_fallback: str
     delta: DeltaOutcome
-    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[MessageChecksum, _Mapping]]] = ..., delta: _Optional[_Union[DeltaOutcome, _Mapping]] = ...) -> None: ...
+    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[MessageChecksum, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_fallback: _Optional[str] = ..., delta: _Optional[_Union[DeltaOutcome, _Mapping]] = ...) -> None: ...
 
 class DeltaMessageStat(_message.Message):
     __slots__ = ("message_id", "delta", "changed", "elements", "nbytes", "dense_nbytes")

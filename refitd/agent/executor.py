@@ -571,6 +571,8 @@ class Executor:
             return None
         p = ch.pieces[0]
         src = self._src_block(p.copy)
+        if src.device != self.device:  # a host snapshot of GPU sources: staged to the device
+            return None
         views = self._piece_views(src, p, src.element_size())
         if (
             len(views) == 1

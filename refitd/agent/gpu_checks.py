@@ -253,6 +253,7 @@ def ipc_refit(
     staged: bool = False,
     verify: bool = False,
     small: int = 0,
+    snapshot: bool = False,
 ) -> dict:
     """Trainer -> inference on one device through a transfer process mapping worker memory;
     `refits` timed refits, each of new weights (two versions alternate), median reported.
@@ -261,7 +262,9 @@ def ipc_refit(
     staging buffers, then `apply` copies them in place; both are timed). verify: after the
     plain refits, as many refits with checksum verification, timed the same way
     (verify_cost = their median over the plain median). small: a model of that many
-    64 KiB-1 MiB tensors per rank instead of total_bytes in large tensors.
+    64 KiB-1 MiB tensors per rank instead of total_bytes in large tensors. snapshot: the
+    trainer's sources are copied into the slot's snapshot (device memory where it fits)
+    before the trainer is released, and the refit reads the snapshot.
     """
     from refitd.agent.transfer_process import TransferProcessHandle
 
@@ -297,7 +300,11 @@ def ipc_refit(
         handle = TransferProcessHandle(0, device=device if device.startswith("cuda") else None)
         handle.connect(1, "", 0, 0, 1, "local", 30.0)
         stage = [len(src) + j for j in range(len(dst))] if staged else None
-        handle.load(plan.digest, program.to_bytes(), handles, staged=stage)
+        snap = list(range(len(src))) if snapshot else None
+        loaded = handle.load(
+            plan.digest, program.to_bytes(), handles, staged=stage, snapshot=snap,
+            snapshot_bytes=2 * total_bytes if snapshot else None,
+        )  # fmt: skip
         nbytes = sum(math.prod(c.shape) * 2 for c in program.local)
         rw_bytes = nbytes + sum(_stored_bytes(d) for d in dst)  # BF16 read + buffers written
         ask("trainer", ("fill", 7))
@@ -332,6 +339,8 @@ def ipc_refit(
             else None,
             **check,  # type: ignore[dict-item]
         }
+        if snapshot:
+            out["snapshot"] = loaded.get("snapshot")
         if checked is not None:
             out["verified_refits"] = checked
             out["verify_cost"] = round(checked["seconds"] / seconds, 3)

@@ -31,6 +31,7 @@ import grpc
 from refitd._proto import refitd_pb2 as pb
 from refitd.agent.dataplane import DataPlane, choose_data_plane
 from refitd.client.connection import Backoff, ControllerConnection, RefitError, security_for
+from refitd.limits import raise_nofile_limit
 from refitd.transport.memory import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class AgentOptions:
     load_timeout_s: float = 60.0
     transfer_timeout_s: float = 300.0
     staging_bytes: int = 256 << 20
+    snapshot_bytes: int = 2 << 30
     heartbeat_timeout_s: float = 10.0
     reconnect_max_s: float = 1.0
 
@@ -59,6 +61,7 @@ class AgentOptions:
             load_timeout_s=settings.load_timeout_s,
             transfer_timeout_s=settings.transfer_timeout_s,
             staging_bytes=settings.staging_bytes,
+            snapshot_bytes=settings.snapshot_bytes,
             heartbeat_timeout_s=settings.heartbeat_timeout_s,
         )
 
@@ -75,6 +78,8 @@ class Outcome:
     message: str = ""
     checksums: tuple[pb.MessageChecksum, ...] = ()
     delta: pb.DeltaOutcome | None = None
+    snapshot_bytes: int = 0
+    snapshot_fallback: str = ""
 
 
 class SlotRunner:
@@ -200,6 +205,8 @@ class SlotRunner:
             timeout_s=self.options.load_timeout_s,
             staged=[h.index for h in c.handles if h.staged],
             model=c.model,
+            snapshot=[h.index for h in c.handles if h.snapshot],
+            snapshot_bytes=self.options.snapshot_bytes,
         )
         return Outcome(pb.REPORT_KIND_LOADED, seconds=time.perf_counter() - start)
 
@@ -245,8 +252,11 @@ class SlotRunner:
         )
         sums = result.get("checksums") or {}
         d = result.get("delta")
+        snap = result.get("snapshot") or {}
         return Outcome(
             pb.REPORT_KIND_DONE,
+            snapshot_bytes=int(snap.get("bytes", 0)),
+            snapshot_fallback=str(snap.get("fallback", "")),
             bytes_sent=int(result["sent_bytes"]),
             bytes_received=int(result["recv_bytes"]),
             bytes_local=int(result["local_bytes"]),
@@ -440,6 +450,8 @@ class NodeAgent:
                 message=outcome.message,
                 checksums=outcome.checksums,
                 delta=outcome.delta,
+                snapshot_bytes=outcome.snapshot_bytes,
+                snapshot_fallback=outcome.snapshot_fallback,
             )
         )
 
@@ -553,4 +565,5 @@ def run_node_agent(
     data_plane: DataPlane | None = None,
 ) -> None:
     """Run a node agent until stop_event is set (used by `refitd serve` and `refitd agent`)."""
+    raise_nofile_limit()
     NodeAgent(controller_address, host, devices, settings, data_plane).run(stop_event)

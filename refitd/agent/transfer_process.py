@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import torch
 
 from refitd.agent.executor import (
@@ -35,19 +34,22 @@ from refitd.agent.executor import (
     ExecutorConfig,
 )
 from refitd.agent.segments import ResolvedTensor
+from refitd.agent.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
+from refitd.limits import raise_nofile_limit
 from refitd.plan.layout import PLAIN
 from refitd.plan.program import SlotProgram
 from refitd.transport.base import ConnectInfo, Transport, TransportError, create_transport
 from refitd.transport.memory import (
-    STATE_LIVE,
+    LivenessCheck,
     MemoryHandle,
     MemoryMapper,
     StorageMovedError,
-    check_all_live,
+    check_live_words,
+    liveness_check,
     shared_buffer,
 )
 
-_BULK_CHECK = 64  # handles from which the liveness check reads state words in bulk
+DEFAULT_SNAPSHOT_BYTES = 2 << 30
 
 
 class TransferProcessError(RuntimeError):
@@ -70,7 +72,7 @@ class MappedResolver:
     staged: frozenset[int] = frozenset()
     _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
     _staging: dict[int, ResolvedTensor] = field(default_factory=dict)
-    _bulk: dict[tuple, dict[str, np.ndarray]] = field(default_factory=dict)
+    _checks: dict[tuple[int, ...], LivenessCheck] = field(default_factory=dict)
 
     def resolve(self, index: int) -> ResolvedTensor:
         if index in self.staged:
@@ -113,37 +115,11 @@ class MappedResolver:
 
     def check(self, indices: Any) -> None:
         key = tuple(indices)
-        words = self._bulk.get(key)
-        if words is None and len(key) >= _BULK_CHECK:
-            words = self._bulk[key] = self._state_words(key)
-        if words is not None and self._all_live(words):
-            return
-        handles = [self.handles[i] for i in key if i in self.handles]
-        check_all_live(self.mapper, handles)  # names every stale tensor
-
-    def _state_words(self, indices: tuple[int, ...]) -> dict[str, np.ndarray]:
-        """State segment -> liveness word indices of these handles and their scales."""
-        by_seg: dict[str, list[int]] = {}
-        for i in indices:
-            h = self.handles.get(i)
-            for part in (h, None if h is None else h.scales):
-                if part is not None and part.state_segment:
-                    by_seg.setdefault(part.state_segment, []).append(part.state_index)
-        return {n: np.asarray(w, dtype=np.int64) for n, w in by_seg.items()}
-
-    def _all_live(self, words: dict[str, np.ndarray]) -> bool:
-        """Every liveness word read at once per state segment: a refit of thousands of
-        tensors checks them in microseconds (check_all_live names the stale ones)."""
-        for name, index in words.items():
-            state = np.frombuffer(self.mapper._segment(name).mm, dtype="<u8")
-            try:
-                live = bool((state[index] == STATE_LIVE).all())
-            except IndexError:
-                live = False
-            del state  # releases the mapping's buffer export at once
-            if not live:
-                return False
-        return True
+        prepared = self._checks.get(key)
+        if prepared is None:
+            prepared = liveness_check([self.handles[i] for i in key if i in self.handles])
+            self._checks[key] = prepared
+        check_live_words(self.mapper, prepared)
 
 
 @dataclass
@@ -156,6 +132,8 @@ class _Loaded:
     model: str = ""
     filled: int | None = None  # refit id whose execute filled the staging buffers in full
     delta: Any = None  # (ProgramAccess, DeltaBase) of delta refits, made on first use
+    snapshot: Snapshot | None = None  # snapshot release of this slot's sources (snapshot.py)
+    snapshot_request: tuple[tuple[int, ...], int] = ((), 0)  # (tensors asked, cap) at load
 
 
 class _TransferState:
@@ -213,11 +191,15 @@ class _TransferState:
             if i in program.tensors and program.tensors[i].slot == program.slot
         )
         raw = {int(i): b for i, b in cmd["handles"].items()}
+        wanted = tuple(sorted(int(i) for i in cmd.get("snapshot") or ()))
+        cap = cmd.get("snapshot_bytes")
+        cap = DEFAULT_SNAPSHOT_BYTES if cap is None else int(cap)
         old = self.loaded.get(cmd["digest"])
         if (
             old is not None
             and old.source == (cmd["program"], raw)
             and old.resolver.staged == staged
+            and old.snapshot_request == (wanted, cap)
         ):
             # Reloaded after a reconnect: keep the mappings and the staging buffers (a
             # filled staging is what a retried apply copies).
@@ -239,14 +221,23 @@ class _TransferState:
             wire_chunk=cmd.get("wire_chunk") or WIRE_CHUNK,
             staged_chunk=cmd.get("staged_chunk"),
         )
-        entry = _Loaded(program, resolver, config, source=(cmd["program"], raw), model=model)
+        snapshot = prepare_snapshot(program, resolver, wanted, cap) if wanted else None
+        entry = _Loaded(
+            program,
+            resolver,
+            config,
+            source=(cmd["program"], raw),
+            model=model,
+            snapshot=snapshot,
+            snapshot_request=(wanted, cap),
+        )
         for other in list(self.loaded.values()):
             # a newer plan of the same layout (a new epoch) keeps the sender's delta base
             if other.model == model and other.delta is not None and _same_sends(other, program):
                 entry.delta = (None, other.delta[1])
                 other.delta = None
         self.loaded[cmd["digest"]] = entry
-        return {}
+        return {} if snapshot is None else {"snapshot": snapshot.to_dict()}
 
     def apply(self, cmd: dict) -> dict:
         """Copy the staging buffers of a loaded plan into live memory (a staged pool is
@@ -276,12 +267,20 @@ class _TransferState:
         if entry is None:
             raise ExecutionError(f"plan {digest!r} is not loaded in this transfer process")
         if entry.executor is None:
+            snap = entry.snapshot
+            resolver: Any = entry.resolver
+            device = None
+            if snap is not None and snap.active:
+                resolver = SnapshotResolver(entry.resolver, snap)
+                live = [entry.resolver.resolve(i).data for i in sorted(snap.indices)[:1]]
+                device = live[0].device if live else None
             entry.executor = Executor(
                 entry.program,
-                entry.resolver,
+                resolver,
                 self.transport,
                 self.slot_ranks,
                 entry.config,
+                device=device,
             )
         return entry.executor
 
@@ -318,15 +317,25 @@ class _TransferState:
 
         def body() -> None:
             try:
+                t0 = time.monotonic()
+                snap = entry.snapshot if entry is not None else None
+                on_released: Callable[[], None] | None = released
+                if snap is not None and snap.active:
+                    # the trainer is released after a local copy (snapshot.py)
+                    entry.resolver.check(snap.checked)  # type: ignore[union-attr]
+                    snap.capture()
+                    released_s = time.monotonic() - t0
+                    released()
+                    on_released = None
                 ex = self.executor(cmd["digest"])
                 delta = cmd.get("delta")
                 skip: frozenset[int] = frozenset()
                 drep = None
-                if delta and entry is not None:
-                    drep = self.run_delta(entry, delta, cmd)
+                if delta and entry is not None:  # reads the snapshot when there is one
+                    drep = self.run_delta(entry, ex, delta, cmd)
                     skip = frozenset(delta["send"]) | frozenset(delta["recv"])
                 report: ExecReport = ex.run(
-                    cmd["timeout_s"], released, self.abort, verify=bool(cmd.get("verify")),
+                    cmd["timeout_s"], on_released, self.abort, verify=bool(cmd.get("verify")),
                     skip=skip,
                 )  # fmt: skip
                 if entry is not None and not self.abort.is_set():
@@ -340,6 +349,11 @@ class _TransferState:
                         out["checksums"]["send"].update(drep.pop("send_sums"))
                         out["checksums"]["recv"].update(drep.pop("recv_sums"))
                 out.update(version=cmd.get("version"), refit_id=cmd.get("refit_id"))
+                if snap is not None:
+                    out["snapshot"] = snap.to_dict()
+                    if snap.active:
+                        out["sources_released_s"] = released_s
+                        out["seconds"] = time.monotonic() - t0
                 reply = {"rid": rid, "ok": True, "report": out}
             except BaseException as e:
                 reply = _error(rid, e)
@@ -350,7 +364,7 @@ class _TransferState:
         self.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
         self.running.start()
 
-    def run_delta(self, entry: _Loaded, delta: dict, cmd: dict) -> dict:
+    def run_delta(self, entry: _Loaded, ex: Executor, delta: dict, cmd: dict) -> dict:
         """This slot's messages of the delta path (refitd.agent.delta_exchange), before the
         executor runs the others: promote the base the controller reports committed, then
         exchange; returns what the controller records."""
@@ -361,8 +375,9 @@ class _TransferState:
             raise ExecutionError("delta refit: no connected transport")
         if entry.delta is None or entry.delta[0] is None:
             ranks = self.slot_ranks
+            resolver = ex.resolver  # sources from the snapshot when the slot takes one
             access = ProgramAccess(
-                entry.program, entry.resolver.resolve, lambda s: s if ranks is None else ranks[s]
+                entry.program, resolver.resolve, lambda s: s if ranks is None else ranks[s]
             )
             entry.delta = (access, DeltaBase() if entry.delta is None else entry.delta[1])
         access, base = entry.delta
@@ -489,6 +504,7 @@ def _error(rid: int, e: BaseException) -> dict:
 
 def transfer_process_main(conn: Connection, slot: int, device: str | None) -> None:
     """Entry point of a transfer process: serve commands until close or the pipe closes."""
+    raise_nofile_limit()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if device is not None and device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -661,15 +677,19 @@ class TransferProcessHandle:
         staged_chunk: int | None = None,
         staged: list[int] | None = None,
         model: str = "",
-    ) -> None:
+        snapshot: list[int] | None = None,
+        snapshot_bytes: int | None = None,
+    ) -> dict:
         """Cache a slot program and the memory handles of its tensors under `digest`.
 
         wire_chunk and staged_chunk must be the same on every slot of a plan (defaults:
         executor.ExecutorConfig's). `staged`: plan tensor indices written into staging
         buffers (allocated here; those of the model's older plans are freed) and copied
-        in place by `apply`.
+        in place by `apply`. `snapshot`: source tensors to copy into a snapshot before the
+        trainer is released (at most snapshot_bytes per slot, else live reads; the reply's
+        "snapshot" says which).
         """
-        self.request(
+        return self.request(
             "load",
             digest=digest,
             program=program,
@@ -679,6 +699,8 @@ class TransferProcessHandle:
             staged_chunk=staged_chunk,
             staged=staged or [],
             model=model,
+            snapshot=snapshot or [],
+            snapshot_bytes=snapshot_bytes,
         ).result(timeout_s)
 
     def apply(self, digest: str, refit_id: int, timeout_s: float) -> dict:

@@ -24,6 +24,7 @@ AGENT_FIELDS = [
     "load_timeout_s",
     "transfer_timeout_s",
     "staging_bytes",
+    "snapshot_bytes",
     "heartbeat_timeout_s",
     "log_level",
     "tls_ca",

@@ -29,7 +29,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from refitd.agent.transfer_process import TransferProcessHandle, wait_execute
+from refitd.agent.transfer_process import TransferProcessHandle
 from refitd.plan.layout import MXFP8, PLAIN, TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.planner import PlanConfig, build_plan
@@ -84,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time verified refits (checksums of sources and landed bytes)",
     )
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="snapshot release: source slots copy their sources, release, then send",
+    )
+    parser.add_argument(
+        "--snapshot-bytes", type=parse_bytes, default=parse_bytes("4GiB"), help="cap per slot"
+    )
 
 
 def _pattern(k: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -94,7 +102,9 @@ def _pattern(k: int, shape: tuple[int, ...]) -> torch.Tensor:
     ).reshape(shape) / 64
 
 
-def _specs(args: argparse.Namespace, n_tensors: int, rows: int) -> tuple[list, list, dict]:
+def _specs(
+    args: argparse.Namespace, n_tensors: int, rows: int, cols: int = COLS
+) -> tuple[list, list, dict]:
     src_tp = args.src or args.src_slots
     dst_tp = args.dst or args.dst_slots
     for side, tp, slots in (("src", src_tp, args.src_slots), ("dst", dst_tp, args.dst_slots)):
@@ -110,7 +120,7 @@ def _specs(args: argparse.Namespace, n_tensors: int, rows: int) -> tuple[list, l
     shapes: dict[str, tuple[int, int]] = {}
     for k in range(n_tensors):
         name = f"layers.{k}.weight"
-        shape = (rows, COLS)
+        shape = (rows, cols)
         shapes[name] = shape
         dim = k % 2  # column- then row-parallel
         for rank in range(args.src_slots):
@@ -154,15 +164,25 @@ def run(args: argparse.Namespace) -> int:
     # a SIGTERM (e.g. from `timeout`) unwinds through `finally`, so shared memory is unlinked
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     n_tensors = max(1, round(args.bytes / args.tensor_bytes))
-    rows = max(64, args.bytes // n_tensors // (COLS * 2) // 64 * 64)
-    src, dst, shapes = _specs(args, n_tensors, rows)
+    # tensors below 64 x COLS BF16 elements get fewer columns (64 rows, cols a multiple of 64)
+    cols = min(COLS, max(64, args.tensor_bytes // (2 * 64) // 64 * 64))
+    rows = max(64, args.bytes // n_tensors // (cols * 2) // 64 * 64)
+    src, dst, shapes = _specs(args, n_tensors, rows, cols)
     model_bytes = sum(math.prod(s) * 2 for s in shapes.values())
     config = PlanConfig(
         bucket_bytes=args.bucket, sender_quantization=args.wire == "mxfp8", relay=args.relay
     )
     plan = build_plan("bench", 1, src, dst, config)
     slots = plan.slots()
-    arena = SharedTensorArena(prefix="refitd-bench")
+    # one arena per slot, as one worker process per slot would have: a slot's tensors sit
+    # side by side in shared memory, not interleaved with other ranks'
+    arenas: dict[int, SharedTensorArena] = {}
+
+    def arena_of(slot: int) -> SharedTensorArena:
+        if slot not in arenas:
+            arenas[slot] = SharedTensorArena(prefix="refitd-bench")
+        return arenas[slot]
+
     handles: list[TransferProcessHandle] = []
     store = None
     try:
@@ -178,15 +198,17 @@ def run(args: argparse.Namespace) -> int:
             g = _pattern(k, shapes[name])
             for i in by_name[name]:
                 tensors[i] = _block(g, src[i]).clone()
-                mem |= arena.register({f"t{i}": tensors[i]})
+                mem |= arena_of(src[i].slot).register({f"t{i}": tensors[i]})
         for j, d in enumerate(dst):
             i = len(src) + j
             dtype = torch.uint8 if d.storage == MXFP8 else torch.bfloat16
             tensors.append(torch.zeros(d.local_shape, dtype=dtype))
-            mem |= arena.register({f"t{i}": tensors[i]})
+            mem |= arena_of(d.slot).register({f"t{i}": tensors[i]})
             if d.storage == MXFP8:
                 scales[i] = torch.zeros(mxfp8_scale_shape(d.local_shape), dtype=torch.uint8)
-        smem = arena.register({f"s{i}": t for i, t in scales.items()}) if scales else {}
+        smem = {}
+        for i, t in scales.items():
+            smem |= arena_of(dst[i - len(src)].slot).register({f"s{i}": t})
         for i in scales:
             mem[f"t{i}"] = dataclasses.replace(mem[f"t{i}"], scales=smem[f"s{i}"])
 
@@ -219,39 +241,59 @@ def run(args: argparse.Namespace) -> int:
         else:
             for h in handles:
                 h.connect(1, "", 0, 0, 1, "local", 10.0)
+        snapshots: dict[int, dict] = {}
         for h in handles:
             prog = plan.program(h.slot)
             if args.transport == "local" and (prog.sends or prog.recvs):
                 raise SystemExit("--transport local: this layout needs copies between slots")
-            h.load(
+            reply = h.load(
                 plan.digest,
                 prog.to_bytes(),
                 {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
                 staging_bytes=args.staging,
                 wire_chunk=args.wire_chunk,
                 staged_chunk=args.staged_chunk,
+                snapshot=list(range(len(src))) if args.snapshot else None,
+                snapshot_bytes=args.snapshot_bytes,
             )
+            if reply.get("snapshot"):
+                snapshots[h.slot] = reply["snapshot"]
+        blocked: list[float] = []
 
         def refit(refit_id: int, verify: bool = False) -> tuple[float, list[dict]]:
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
+            released: dict[int, float] = {}
             pend = [
                 h.start_execute(plan.digest, refit_id, refit_id, args.timeout, verify)
                 for h in handles
             ]
-            reports = [wait_execute(p, args.timeout) for p in pend]
-            return time.monotonic() - t0, reports
+            reports = [
+                p.result(args.timeout + 10.0, lambda m, s=h.slot: released.setdefault(s, m["t"]))[
+                    "report"
+                ]
+                for h, p in zip(handles, pend, strict=True)
+            ]
+            seconds = time.monotonic() - t0
+            # the trainer waits for the last slot reading it (the event's wall time)
+            src_slots = {s.slot for s in src}
+            if not verify:
+                blocked.append(max(released.get(s, wall0 + seconds) - wall0 for s in src_slots))
+            return seconds, reports
 
         refit(1)
+        blocked.clear()
         # refits and references alternate, medians compared: load from other processes on
         # the machine hits both alike
         runs: list[float] = []
         refs: list[float] = []
+        memcpys: list[float] = []
         verified: list[float] = []
         mismatch: str | None = None
         for k in range(max(1, args.repeat)):
             seconds, reports = refit(2 + 2 * k)
             runs.append(seconds)
             refs.append(_reference(args, handles, plan, rank_of, reports))
+            memcpys.append(_memcpy_reference(args, handles, src))
             if args.verify:
                 vseconds, vreports = refit(3 + 2 * k, verify=True)
                 verified.append(vseconds)
@@ -279,6 +321,14 @@ def run(args: argparse.Namespace) -> int:
             "staging_peak_bytes": max(r["staging_peak_bytes"] for r in reports),
             "staging_cap_bytes": args.staging,
             "sources_released_s": round(max(r["sources_released_s"] for r in reports), 4),
+            # trainer_blocked_s: refit start -> its last source slot released it (median);
+            # over a memcpy of each source slot's bytes, all slots at once, same run
+            "trainer_blocked_s": round(statistics.median(blocked), 4),
+            "memcpy_s": round(statistics.median(memcpys), 4),
+            "trainer_blocked_over_memcpy": round(
+                statistics.median(blocked) / max(statistics.median(memcpys), 1e-9), 3
+            ),
+            "snapshot": _snapshot_summary(args, snapshots),
             "messages": sum(len(r["messages"]) for r in reports) // 2,
             "zero_copy_chunks": sum(m["zero_copy_chunks"] for r in reports for m in r["messages"]),
             "staged_chunks": sum(m["staged_chunks"] for r in reports for m in r["messages"]),
@@ -309,7 +359,35 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for h in handles:
             h.close()
-        arena.close()
+        for a in arenas.values():
+            a.close()
+
+
+def _snapshot_summary(args, snapshots: dict[int, dict]) -> dict | None:
+    if not args.snapshot:
+        return None
+    return {
+        "bytes": sum(s["bytes"] for s in snapshots.values()),
+        "fallback": sorted({s["fallback"] for s in snapshots.values() if s["fallback"]}),
+    }
+
+
+def _memcpy_reference(args, handles, src) -> float:
+    """Seconds of a memcpy of each source slot's source bytes, all slots at once (what a
+    snapshot release must at least cost the trainer)."""
+    per_slot: dict[int, int] = defaultdict(int)
+    for s in src:
+        per_slot[s.slot] += math.prod(s.local_shape) * 2
+    by_slot = {h.slot: h for h in handles}
+    for slot, n in per_slot.items():
+        by_slot[slot].probe(args.timeout, prepare=True, memcpy=n).result(args.timeout)
+    t0 = time.monotonic()
+    pend = [by_slot[slot].probe(args.timeout, memcpy=n) for slot, n in per_slot.items()]
+    for p in pend:
+        p.result(args.timeout)
+    seconds = time.monotonic() - t0
+    _release(args, handles)
+    return seconds
 
 
 def _compare_checksums(plan, handles, reports) -> str | None:

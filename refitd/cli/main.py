@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from refitd.limits import raise_nofile_limit
+
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("refitd.cli.serve", "run the controller and the local node agent"),
@@ -61,6 +63,7 @@ def _chosen(argv: list[str], name: str, is_bench: bool) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    raise_nofile_limit()
     args = build_parser(argv).parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)
 

@@ -66,6 +66,12 @@ class TrainerClient(WorkerClient):
     on_move decides what refit() does when a registered tensor's storage moved since
     registration: "reregister" (default) registers the moved tensors again first; "error"
     raises RefitError naming them.
+
+    snapshot=True (the same on every rank of the pool): each slot copies the bytes it reads
+    into a snapshot first and releases the trainer then, so refit(wait="sources_read")
+    returns after a local copy and the trainer may write its weights while they are sent.
+    The snapshot is capped per slot (setting snapshot_bytes); a slot above the cap reads
+    live memory as without snapshot, and the refit's record (/v1/status) says why.
     """
 
     ROLE = pb.ROLE_SOURCE
@@ -82,6 +88,7 @@ class TrainerClient(WorkerClient):
         on_move: str = "reregister",
         rpc_timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
+        snapshot: bool = False,
     ) -> None:
         if on_move not in ("reregister", "error"):
             raise ValueError(f"on_move must be 'reregister' or 'error', got {on_move!r}")
@@ -97,6 +104,7 @@ class TrainerClient(WorkerClient):
             connect_timeout_s,
         )
         self.on_move = on_move
+        self.snapshot = snapshot
 
     def refit(
         self, version: int, wait: str = "sources_read", timeout: float | None = None

@@ -23,6 +23,7 @@ import torch
 from refitd._proto import refitd_pb2 as pb
 from refitd.client.connection import Backoff, ControllerConnection, RefitError
 from refitd.client.tensors import LocalTensor, MegatronCoords, collect
+from refitd.limits import raise_nofile_limit
 from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class WorkerClient:
         self.device = device
         self.host = host or socket.gethostname()
         self.connect_timeout_s = connect_timeout_s
+        raise_nofile_limit()  # sockets and shared-memory segments count against it
         self._conn = ControllerConnection(controller, rpc_timeout_s)
         self._arena = SharedTensorArena(prefix=f"refitd-{pool}-{rank}")
         self._tensors: list[LocalTensor] = []
@@ -76,6 +78,7 @@ class WorkerClient:
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.staged = False  # InferenceClient(staged=True): the pool refits through staging
+        self.snapshot = False  # TrainerClient(snapshot=True): released after a local snapshot
 
     # ------------------------------------------------------------------ registration
     @property
@@ -164,6 +167,7 @@ class WorkerClient:
             held_version=held_version,
             paused_refit_id=paused_refit_id,
             staged=self.staged,
+            snapshot=self.snapshot,
         )
         resp = self._conn.call(self._conn.refit.RegisterWorker, req, f"register {self._who()}")
         self._registration = Registration(

@@ -44,6 +44,7 @@ class Daemon:
 
     cpu_slots: int = DEMO_SLOTS
     extra_args: list[str] = field(default_factory=list)
+    preexec_fn: Callable[[], Any] | None = None  # run in the child before exec (e.g. rlimits)
     grpc_port: int = 0
     http_port: int = 0
     process: subprocess.Popen | None = None
@@ -71,7 +72,9 @@ class Daemon:
             *self.extra_args,
         ]  # fmt: skip
         self._log = open(os.path.join(self._tmp.name, "serve.log"), "w+b")  # noqa: SIM115
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=self.preexec_fn
+        )
         self._wait_ready(ready_timeout_s)
         return self
 

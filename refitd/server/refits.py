@@ -217,6 +217,7 @@ class Membership:
     readers: dict[int, frozenset[int]]  # source rank -> slots reading it
     members: frozenset[str]  # destination workers and agents: losing one fails the refit
     staged_pools: frozenset[str] = frozenset()  # written through staging, applied at the end
+    snapshot_pools: frozenset[str] = frozenset()  # sources copied to a snapshot, then released
 
     def in_place(self) -> list[Worker]:
         """Destination workers written in place by the transfer (paused before it)."""
@@ -950,6 +951,7 @@ class RefitCoordinator:
             readers,
             members,
             frozenset(p.name for p in dests if p.staged),
+            frozenset([src.name] if src.snapshot else []),
         )
 
     # ------------------------------------------------------------------ agents
@@ -1039,7 +1041,10 @@ class RefitCoordinator:
                     )
                     handles = [
                         pb.TensorHandle(
-                            index=i, memory=memory.get(key, b""), staged=key[0] in ms.staged_pools
+                            index=i,
+                            memory=memory.get(key, b""),
+                            staged=key[0] in ms.staged_pools,
+                            snapshot=key[0] in ms.snapshot_pools,
                         )
                         for i, key in payload.tensors
                     ]
@@ -1146,6 +1151,12 @@ class RefitCoordinator:
                 for c in r.checksums:
                     sums[c.sent][c.message_id] = (r.slot, c.checksum)
                 self.delta.reported(run.model, plan.digest, exec_id, r)
+                if r.snapshot_bytes or r.snapshot_fallback:
+                    snaps = run.detail.setdefault("snapshot", {})
+                    snaps[str(r.slot)] = {
+                        "bytes": r.snapshot_bytes,
+                        "fallback": r.snapshot_fallback,
+                    }
                 last_done[0] = time.monotonic()
 
         timeout = self.settings.transfer_timeout_s

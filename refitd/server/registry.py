@@ -53,6 +53,7 @@ class Pool:
     size: int
     ranks: dict[int, str] = field(default_factory=dict)  # rank -> worker_id
     staged: bool = False  # destination pool receiving into staging buffers (apply on commit)
+    snapshot: bool = False  # source pool released after its slots copied it (snapshot.py)
     # canonical -> (global shape, first rank registering it); None: rebuild after a removal
     shapes: dict[str, tuple[tuple[int, ...], int]] | None = None
 
@@ -263,6 +264,7 @@ class Registry:
             model.pools[req.pool] = pool
         pool.size = req.pool_size
         pool.staged = req.staged
+        pool.snapshot = req.snapshot
         old_id = pool.ranks.get(req.rank)
         if req.worker_id and req.worker_id != old_id and req.worker_id in self.workers:
             raise precondition(
@@ -314,15 +316,27 @@ class Registry:
         return worker
 
     def _check_staged(self, pool: Pool | None, req: pb.RegisterWorkerRequest, role: str) -> None:
-        """Staged mode is a destination pool's choice, the same for all its ranks."""
+        """Staged mode is a destination pool's choice, snapshot a source pool's; the same for
+        all ranks of the pool."""
         if req.staged and role != "destination":
             raise invalid(
                 f"rank {req.rank} of pool {req.pool!r} sets staged, but only destination "
                 "(inference) pools can be staged"
             )
+        if req.snapshot and role != "source":
+            raise invalid(
+                f"rank {req.rank} of pool {req.pool!r} sets snapshot, but only source "
+                "(trainer) pools can be snapshotted"
+            )
         if pool is None:
             return
         others = sorted(r for r in pool.ranks if r != req.rank)
+        if others and pool.snapshot != req.snapshot:
+            raise precondition(
+                f"rank {req.rank} of pool {req.pool!r} registers snapshot={req.snapshot}, but "
+                f"ranks {others} of the pool registered snapshot={pool.snapshot}: all ranks of "
+                "a pool must agree on snapshot"
+            )
         if others and pool.staged != req.staged:
             mode = {True: "staged", False: "in-place"}
             raise precondition(

@@ -209,7 +209,7 @@ def specs_from_request(req: pb.RegisterWorkerRequest, slot: int) -> list[TensorS
     seen: set[str] = set()
     specs = []
     for t in req.tensors:
-        where = f"tensor {t.name!r} of rank {req.rank} in pool {req.pool!r}"
+        where = _Where(t.name, req.rank, req.pool)
         if not t.name:
             raise invalid(f"a tensor of rank {req.rank} in pool {req.pool!r} has an empty name")
         check_text(t.name, MAX_TENSOR_NAME, f"field name of a tensor of rank {req.rank}")
@@ -220,26 +220,39 @@ def specs_from_request(req: pb.RegisterWorkerRequest, slot: int) -> list[TensorS
     return specs
 
 
+class _Where:
+    """ "tensor 'x' of rank R in pool 'p'", formatted only when an error message needs it
+    (a registration may hold 100,000 tensors)."""
+
+    __slots__ = ("name", "pool", "rank")
+
+    def __init__(self, name: str, rank: int, pool: str) -> None:
+        self.name, self.rank, self.pool = name, rank, pool
+
+    def __str__(self) -> str:
+        return f"tensor {self.name!r} of rank {self.rank} in pool {self.pool!r}"
+
+
 def _spec(
-    req: pb.RegisterWorkerRequest, t: pb.TensorRegistration, slot: int, where: str
+    req: pb.RegisterWorkerRequest, t: pb.TensorRegistration, slot: int, where: _Where | str
 ) -> TensorSpec:
     gshape = tuple(t.global_shape)
     lshape = tuple(t.local_shape)
     ndim = len(gshape)
     if ndim > MAX_DIMS:
         raise invalid(f"{where}: global_shape has {ndim} dims, at most {MAX_DIMS}")
-    if any(d < 0 for d in gshape):
+    if gshape and min(gshape) < 0:
         raise invalid(f"{where}: global_shape {list(gshape)} has a negative dim")
-    if any(d > MAX_DIM for d in gshape):
+    if gshape and max(gshape) > MAX_DIM:
         raise invalid(f"{where}: global_shape {list(gshape)} has a dim above {MAX_DIM}")
     if len(lshape) != ndim:
         raise invalid(
             f"{where}: local_shape {list(lshape)} has {len(lshape)} dims, global_shape "
             f"{list(gshape)} has {ndim}"
         )
-    if any(d < 0 for d in lshape):
+    if lshape and min(lshape) < 0:
         raise invalid(f"{where}: local_shape {list(lshape)} has a negative dim")
-    if any(d > MAX_DIM for d in lshape):
+    if lshape and max(lshape) > MAX_DIM:
         raise invalid(f"{where}: local_shape {list(lshape)} has a dim above {MAX_DIM}")
     if t.dtype not in DTYPE_SIZES:
         raise invalid(f"{where}: unknown dtype {t.dtype[:64]!r}; known: {sorted(DTYPE_SIZES)}")
@@ -249,7 +262,8 @@ def _spec(
             f"{where}: global_shape {list(gshape)} of {t.dtype} is {nbytes} bytes, at most "
             f"{MAX_TENSOR_BYTES}"
         )
-    check_text(t.canonical, MAX_TENSOR_NAME, f"{where}: field canonical", empty_ok=True)
+    if len(t.canonical) > MAX_TENSOR_NAME or CONTROL_RE.search(t.canonical):
+        check_text(t.canonical, MAX_TENSOR_NAME, f"{where}: field canonical", empty_ok=True)
     if len(t.memory) > MAX_HANDLE_BYTES:
         raise invalid(
             f"{where}: field memory is {len(t.memory)} bytes, a handle is at most "
@@ -290,7 +304,9 @@ def _spec(
     )
 
 
-def _box(b: pb.Box, i: int, gshape: tuple[int, ...], lshape: tuple[int, ...], where: str) -> Box:
+def _box(
+    b: pb.Box, i: int, gshape: tuple[int, ...], lshape: tuple[int, ...], where: _Where | str
+) -> Box:
     ndim = len(gshape)
     off, shp, loff = tuple(b.offset), tuple(b.shape), tuple(b.local_offset)
     for field, v in (("offset", off), ("shape", shp), ("local_offset", loff)):
@@ -324,7 +340,7 @@ def _overlap(
     return all(x < y + ty and y < x + sx for x, y, sx, ty in zip(a0, b0, s, t, strict=True))
 
 
-def _check_disjoint(boxes: tuple[Box, ...], where: str) -> None:
+def _check_disjoint(boxes: tuple[Box, ...], where: _Where | str) -> None:
     """Boxes of one tensor may overlap neither in the global nor in the local tensor."""
     if len(boxes) > MAX_BOXES_PAIRWISE:
         return  # the planner's sweep checks large placements

@@ -16,30 +16,44 @@ creator), so the creator holds a shared flock on each segment for its lifetime a
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import ctypes
+import dataclasses
 import mmap
-import os
-import secrets
+import operator
 import struct
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgpack
 import torch
 
+from refitd.transport.shm import (
+    SHM_DIR,
+    Segment,
+    StorageMovedError,
+    new_segment_name,
+    reap_orphaned_segments,
+)
+
+__all__ = [
+    "SHM_DIR",
+    "MemoryHandle",
+    "MemoryMapper",
+    "SharedTensorArena",
+    "StorageMovedError",
+    "reap_orphaned_segments",
+]
+
 SHM = "shm"
 CUDA_IPC = "cuda_ipc"
-SHM_DIR = "/dev/shm"
-ALIGN = 4096
+ALIGN = 64  # bytes between storages in a segment: a cache line, any element size
+SEGMENT_BYTES = 1 << 30
+STATE_WORDS = 1 << 20  # liveness words per state segment
 STATE_WORD = 8
 STATE_LIVE = 1
 STATE_STALE = 2
 HANDLE_FORMAT_VERSION = 1
-
-
-class StorageMovedError(RuntimeError):
-    """A registered tensor's storage moved or was released: it must be registered again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +139,12 @@ class MemoryHandle:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16"."""
-    return str(dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES: Mapping[torch.dtype, str] = types.MappingProxyType(
+    {d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -136,94 +155,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-class _Segment:
-    """One POSIX shared-memory segment (a file under /dev/shm), mapped read-write."""
-
-    def __init__(self, name: str, size: int, create: bool) -> None:
-        self.name = name
-        self.path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        try:
-            fd = os.open(self.path, flags, 0o600)
-        except FileNotFoundError:
-            raise StorageMovedError(
-                f"shared memory segment {name!r} is gone (worker exited or closed its arena); "
-                "the worker must register its tensors again"
-            ) from None
-        self._owner_fd: int | None = None
-        try:
-            if create:
-                fcntl.flock(fd, fcntl.LOCK_SH)  # "my creator lives": released when it dies
-                os.ftruncate(fd, size)
-            else:
-                size = os.fstat(fd).st_size
-            self.size = size
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
-        if create:
-            self._owner_fd = fd
-        else:
-            os.close(fd)
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8) if size else torch.empty(0)
-
-    def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        if self._owner_fd is not None:
-            os.close(self._owner_fd)
-            self._owner_fd = None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def reap_orphaned_segments(prefix: str = "refitd", shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink this user's `prefix-*-PID-HEX` segments whose creator is gone: no process holds
-    the creator's flock (it dies with the process, in any PID namespace) and PID is not a
-    live process here. Mappings that still use a segment keep it until they unmap."""
-    removed: list[str] = []
-    uid = os.getuid()
-    try:
-        entries = list(os.scandir(shm_dir))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        head, _, tail = entry.name.rpartition("-")
-        _, _, pid = head.rpartition("-")
-        if not entry.name.startswith(prefix + "-") or len(tail) != 12 or not pid.isdigit():
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != uid or _pid_alive(int(pid)):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its creator (or a fork of it) still holds it
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-            removed.append(entry.name)
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _new_segment_name(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
 @dataclass
 class _Registration:
     tensor: torch.Tensor
@@ -231,110 +162,139 @@ class _Registration:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     state_index: int
+    state: Segment
 
 
 @dataclass
 class SharedTensorArena:
     """Worker-side owner of the shared memory behind registered tensors.
 
-    `register({name: tensor})` moves CPU storages into a new owner-only (0600) segment in
+    `register({name: tensor})` moves CPU storages into owner-only (0600) shared memory in
     place (`tensor.set_` under no_grad: same Python object, new address, same values) and
     exports CUDA storages as IPC handles. Tensors that share a storage keep sharing it.
+
+    Storages are packed into a few large segments (`segment_bytes` each, sparse: only the
+    bytes placed in them use memory; a storage larger than that gets a segment of its own),
+    so descriptors and mappings grow with the bytes registered, not with the tensor count.
+    Space of a storage registered again after it moved is not reused until close().
     """
 
     prefix: str = "refitd"
-    max_tensors: int = 65536
-    _segments: list[_Segment] = field(default_factory=list)
-    _state: _Segment | None = None
+    segment_bytes: int = SEGMENT_BYTES
+    state_words: int = STATE_WORDS
+    _segments: list[Segment] = field(default_factory=list)
+    _state: Segment | None = None
+    _full_states: list[Segment] = field(default_factory=list)
     _regs: dict[str, _Registration] = field(default_factory=dict)
     _next_state: int = 0
+    _open: Segment | None = None  # the segment new storages go into
+    _used: int = 0  # bytes of _open already placed
 
     def register(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, MemoryHandle]:
         """Place `tensors` in shared memory (CPU) or export them (CUDA); return their handles."""
-        state = self._state_segment()
-        cpu = {n: t for n, t in tensors.items() if t.device.type == "cpu"}
-        handles = self._register_cpu(cpu) if cpu else {}
         for name, t in tensors.items():
-            if t.device.type == "cuda":
-                handles[name] = self._register_cuda(name, t)
-            elif t.device.type != "cpu":
+            if not (t.is_cpu or t.is_cuda):
                 raise ValueError(f"tensor {name!r}: device {t.device} cannot be shared")
-        for name, t in tensors.items():
-            idx = self._next_state
-            if idx >= self.max_tensors:
-                raise ValueError(f"arena full: more than {self.max_tensors} registrations")
-            self._next_state += 1
-            struct.pack_into("<Q", state.mm, idx * STATE_WORD, STATE_LIVE)
-            self._regs[name] = _Registration(
-                t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), idx
-            )
-            h = handles[name]
-            handles[name] = MemoryHandle(
-                **{
-                    **{f: getattr(h, f) for f in h.__dataclass_fields__},
-                    "state_segment": state.name,
-                    "state_index": idx,
-                    "data_ptr": t.data_ptr(),
-                }
-            )
-        return {n: handles[n] for n in tensors}
-
-    def _state_segment(self) -> _Segment:
         if self._state is None:
             reap_orphaned_segments()  # a new worker on a host clears what killed ones left
-            self._state = _Segment(
-                _new_segment_name(self.prefix + "-state"), self.max_tensors * STATE_WORD, True
+        cpu = {n: t for n, t in tensors.items() if t.is_cpu}
+        placed = self._register_cpu(cpu) if cpu else {}
+        handles: dict[str, MemoryHandle] = {}
+        for name, t in tensors.items():
+            state, idx = self._state_word()
+            struct.pack_into("<Q", state.buf, idx * STATE_WORD, STATE_LIVE)
+            shape, strides, ptr = tuple(t.shape), t.stride(), t.data_ptr()
+            self._regs[name] = _Registration(t, ptr, shape, strides, idx, state)
+            if t.is_cuda:
+                h = self._register_cuda(name, t)
+                handles[name] = dataclasses.replace(h, state_segment=state.name, state_index=idx)
+                continue
+            seg, offset, nbytes = placed[name]
+            handles[name] = MemoryHandle(
+                SHM,
+                seg.name,
+                offset,
+                nbytes,
+                dtype_name(t.dtype),
+                shape,
+                strides,
+                t.storage_offset() - offset // t.element_size(),
+                ptr,
+                -1,
+                (),
+                state.name,
+                idx,
+                name,
             )
-        return self._state
+        return handles
 
-    def _register_cpu(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, MemoryHandle]:
-        storages: dict[int, torch.UntypedStorage] = {}
+    def _state_word(self) -> tuple[Segment, int]:
+        """The next free liveness word (a new state segment when the current one is full)."""
+        if self._state is None or self._next_state >= self.state_words:
+            if self._state is not None:
+                self._full_states.append(self._state)
+            self._state = Segment(
+                new_segment_name(self.prefix + "-state"), self.state_words * STATE_WORD, True
+            )
+            self._next_state = 0
+        self._next_state += 1
+        return self._state, self._next_state - 1
+
+    def _place(self, nbytes: int) -> tuple[Segment, int]:
+        """Room for nbytes: in the open segment, else in a new one."""
+        need = ((nbytes or 1) + ALIGN - 1) & -ALIGN
+        if self._open is None or self._used + need > self._open.size:
+            seg = Segment(new_segment_name(self.prefix), max(self.segment_bytes, need), True)
+            self._segments.append(seg)
+            self._open, self._used = seg, 0
+        offset = self._used
+        self._used += need
+        return self._open, offset
+
+    def _register_cpu(
+        self, tensors: Mapping[str, torch.Tensor]
+    ) -> dict[str, tuple[Segment, int, int]]:
+        """Move the storages of `tensors` into segments; name -> (segment, byte offset of its
+        storage there, storage bytes). Bytes are copied with memmove: a torch copy per small
+        storage costs more than the copy itself."""
+        # Taken before any tensor moves: one tensor object may be registered under two names.
+        before: dict[str, tuple[int, int]] = {}
+        where: dict[int, tuple[Segment, int, int]] = {}
         for name, t in tensors.items():
             if t.layout != torch.strided:
                 raise ValueError(f"tensor {name!r}: layout cannot be shared")
             s = t.untyped_storage()
-            storages.setdefault(s.data_ptr(), s)
-        offsets: dict[int, int] = {}
-        size = 0
-        for ptr, s in storages.items():
-            offsets[ptr] = size
-            size += -(-max(s.nbytes(), 1) // ALIGN) * ALIGN
-        seg = _Segment(_new_segment_name(self.prefix), size, True)
-        self._segments.append(seg)
-        new_storage: dict[int, torch.UntypedStorage] = {}
-        for ptr, s in storages.items():
-            view = seg.bytes[offsets[ptr] : offsets[ptr] + s.nbytes()]
-            view.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
-            new_storage[ptr] = view.untyped_storage()
-        handles: dict[str, MemoryHandle] = {}
-        # Taken before any tensor moves: one tensor object may be registered under two names.
-        where = {
-            name: (t.untyped_storage().data_ptr(), t.storage_offset())
-            for name, t in tensors.items()
-        }
+            ptr = s.data_ptr()
+            before[name] = (ptr, t.storage_offset())
+            if ptr not in where:
+                n = s.nbytes()
+                seg, offset = self._place(n)
+                where[ptr] = (seg, offset, n)
+        spans: dict[str, tuple[Segment, int, int]] = {}
+        for seg, offset, n in where.values():
+            _, lo, hi = spans.get(seg.name, (seg, offset, offset + n))
+            spans[seg.name] = (seg, min(lo, offset), max(hi, offset + n))
+        for seg, lo, hi in spans.values():
+            seg.reserve(lo, hi - lo)
+        for ptr, (seg, offset, n) in where.items():
+            ctypes.memmove(seg.address + offset, ptr, n)
+        out: dict[str, tuple[Segment, int, int]] = {}
         moved: set[int] = set()
+        storages: dict[str, torch.UntypedStorage] = {}
         with torch.no_grad():
             for name, t in tensors.items():
-                old_ptr, storage_offset = where[name]
-                base_elems = offsets[old_ptr] // t.element_size()
-                if offsets[old_ptr] % t.element_size():
-                    raise AssertionError("storage offset not aligned to element size")
+                old_ptr, storage_offset = before[name]
+                seg, offset, _ = out[name] = where[old_ptr]
                 if id(t) not in moved:
                     moved.add(id(t))
-                    t.set_(new_storage[old_ptr], base_elems + storage_offset, t.size(), t.stride())
-                handles[name] = MemoryHandle(
-                    kind=SHM,
-                    segment=seg.name,
-                    offset=0,
-                    nbytes=seg.size,
-                    dtype=dtype_name(t.dtype),
-                    shape=tuple(t.shape),
-                    strides=tuple(t.stride()),
-                    storage_offset=t.storage_offset(),
-                    data_ptr=t.data_ptr(),
-                    name=name,
-                )
-        return handles
+                    size = t.element_size()
+                    if offset % size:
+                        raise AssertionError("storage offset not aligned to element size")
+                    storage = storages.get(seg.name)
+                    if storage is None:
+                        storage = storages[seg.name] = seg.bytes.untyped_storage()
+                    t.set_(storage, offset // size + storage_offset, t.size(), t.stride())
+        return out
 
     def _register_cuda(self, name: str, t: torch.Tensor) -> MemoryHandle:
         storage = t.untyped_storage()
@@ -384,10 +344,7 @@ class SharedTensorArena:
                 or tuple(t.stride()) != reg.strides
             ):
                 moved.append(name)
-                if self._state is not None:
-                    struct.pack_into(
-                        "<Q", self._state.mm, reg.state_index * STATE_WORD, STATE_STALE
-                    )
+                struct.pack_into("<Q", reg.state.buf, reg.state_index * STATE_WORD, STATE_STALE)
         return moved
 
     def names(self) -> list[str]:
@@ -395,13 +352,14 @@ class SharedTensorArena:
 
     def close(self) -> None:
         """Mark every handle stale and unlink the segments (mappings stay valid until unmapped)."""
-        if self._state is not None:
-            for reg in self._regs.values():
-                struct.pack_into("<Q", self._state.mm, reg.state_index * STATE_WORD, STATE_STALE)
-            self._state.unlink()
-        for seg in self._segments:
+        for reg in self._regs.values():
+            struct.pack_into("<Q", reg.state.buf, reg.state_index * STATE_WORD, STATE_STALE)
+        for seg in [*self._full_states, *([self._state] if self._state else []), *self._segments]:
             seg.unlink()
         self._segments.clear()
+        self._full_states.clear()
+        self._state = None
+        self._open = None
         self._regs.clear()
 
 
@@ -409,29 +367,54 @@ class SharedTensorArena:
 class MemoryMapper:
     """Transfer-side cache of mapped segments and CUDA IPC storages (one per process/owner)."""
 
-    _segments: dict[str, _Segment] = field(default_factory=dict)
+    _segments: dict[str, Segment] = field(default_factory=dict)
     _cuda: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    _typed_views: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def _segment(self, name: str) -> _Segment:
+    def _segment(self, name: str) -> Segment:
         seg = self._segments.get(name)
         if seg is None:
-            seg = _Segment(name, 0, False)
+            seg = Segment(name, 0, False)
             self._segments[name] = seg
         return seg
+
+    def _typed(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole segment viewed as `dtype`, once per (segment, dtype)."""
+        key = (name, dtype)
+        typed = self._typed_views.get(key)
+        if typed is None:
+            raw = self._segment(name).bytes
+            typed = raw[: raw.numel() - raw.numel() % _itemsize(dtype)].view(dtype)
+            self._typed_views[key] = typed
+        return typed
 
     def map_handle(self, handle: MemoryHandle) -> torch.Tensor:
         """A tensor over the worker's bytes (no copy), after checking the handle is live."""
         self.check_live(handle)
         dtype = torch_dtype(handle.dtype)
         if handle.kind == SHM:
-            seg = self._segment(handle.segment)
-            if handle.offset + handle.nbytes > seg.size:
-                raise StorageMovedError(
-                    f"tensor {handle.name!r}: segment {handle.segment!r} is smaller than its handle"
+            typed = self._typed(handle.segment, dtype)
+            itemsize = typed.element_size()
+            first = handle.offset // itemsize + handle.storage_offset
+            if len(handle.shape) != len(handle.strides):
+                raise ValueError(f"tensor {handle.name!r}: handle shape and strides differ in rank")
+            extent = sum(map(operator.mul, handle.shape, handle.strides)) - sum(handle.strides)
+            if (
+                handle.offset % itemsize
+                or handle.storage_offset < 0
+                or min(handle.strides, default=0) < 0
+                or handle.offset + handle.nbytes > typed.numel() * itemsize
+                or (
+                    0 not in handle.shape
+                    and (first + extent + 1) * itemsize > handle.offset + handle.nbytes
                 )
-            raw = seg.bytes[handle.offset : handle.offset + handle.nbytes]
-            typed = raw[: handle.nbytes - handle.nbytes % _itemsize(dtype)].view(dtype)
-            return typed.as_strided(handle.shape, handle.strides, handle.storage_offset)
+            ):
+                raise StorageMovedError(
+                    f"tensor {handle.name!r}: its handle does not fit segment {handle.segment!r} "
+                    f"(offset {handle.offset}, {handle.nbytes} bytes, shape {handle.shape}, "
+                    f"strides {handle.strides}, storage offset {handle.storage_offset})"
+                )
+            return typed.as_strided(handle.shape, handle.strides, first)
         if handle.kind == CUDA_IPC:
             return self._map_cuda(handle, dtype)
         raise ValueError(f"tensor {handle.name!r}: unknown memory kind {handle.kind!r}")
@@ -464,12 +447,17 @@ class MemoryMapper:
         typed = base[: handle.nbytes - handle.nbytes % _itemsize(dtype)].view(dtype)
         return typed.as_strided(handle.shape, handle.strides, handle.storage_offset)
 
+    def state_words(self, name: str) -> torch.Tensor:
+        """The liveness words of a state segment (int64 view of its mapping)."""
+        raw = self._segment(name).bytes
+        return raw[: raw.numel() - raw.numel() % STATE_WORD].view(torch.int64)
+
     def check_live(self, handle: MemoryHandle) -> None:
         """Raise StorageMovedError if the worker marked this registration stale."""
         if not handle.state_segment:
             return
         seg = self._segment(handle.state_segment)
-        (state,) = struct.unpack_from("<Q", seg.mm, handle.state_index * STATE_WORD)
+        (state,) = struct.unpack_from("<Q", seg.buf, handle.state_index * STATE_WORD)
         if state != STATE_LIVE:
             raise StorageMovedError(
                 f"tensor {handle.name!r}: its storage moved or was released since registration "
@@ -478,6 +466,7 @@ class MemoryMapper:
 
     def close(self) -> None:
         self._segments.clear()
+        self._typed_views.clear()
         self._cuda.clear()
 
 
@@ -491,19 +480,44 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> None:
-    """Check every handle (and its scales) is live; one error naming all stale tensors."""
-    stale: list[str] = []
+LivenessCheck = list[tuple[str, torch.Tensor, list[str]]]  # (state segment, indices, names)
+
+
+def liveness_check(handles: Iterable[MemoryHandle]) -> LivenessCheck:
+    """The liveness words of `handles` (and their scales) grouped per state segment, ready
+    for `check_live_words` (prepared once, checked before every refit)."""
+    by_state: dict[str, tuple[list[int], list[str]]] = {}
     for h in handles:
         for part in (h, h.scales):
-            if part is None:
+            if part is None or not part.state_segment:
                 continue
-            try:
-                mapper.check_live(part)
-            except StorageMovedError:
-                stale.append(part.name)
+            idx, names = by_state.setdefault(part.state_segment, ([], []))
+            idx.append(part.state_index)
+            names.append(part.name)
+    return [
+        (seg, torch.tensor(idx, dtype=torch.int64), names) for seg, (idx, names) in by_state.items()
+    ]
+
+
+def check_live_words(mapper: MemoryMapper, check: LivenessCheck) -> None:
+    """Raise StorageMovedError naming every stale tensor of a prepared check; the words
+    are read in one gather per state segment (a slot may hold 100,000 tensors)."""
+    stale: list[str] = []
+    for seg_name, idx, names in check:
+        words = mapper.state_words(seg_name)
+        if idx.numel() and (int(idx.max()) >= words.numel() or int(idx.min()) < 0):
+            raise StorageMovedError(
+                f"state segment {seg_name!r} is smaller than its handles say: register again"
+            )
+        bad = (words[idx] != STATE_LIVE).nonzero().flatten()
+        stale += [names[i] for i in bad.tolist()]
     if stale:
         raise StorageMovedError(
             f"registered storage moved or released for {stale}: the worker must register "
             "these tensors again before the next refit"
         )
+
+
+def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> None:
+    """Check every handle (and its scales) is live; one error naming all stale tensors."""
+    check_live_words(mapper, liveness_check(handles))

@@ -1,0 +1,63 @@
+"""File descriptors: mapping segments keeps none, packing tensors keeps one per segment, and
+every refitd process raises its soft RLIMIT_NOFILE to the hard limit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from refitd.transport.memory import MemoryMapper, SharedTensorArena
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_mapping_many_segments_keeps_no_descriptor() -> None:
+    # 4 KiB segments: each 4 KiB tensor gets its own
+    arena = SharedTensorArena(prefix="refitd-fdtest", segment_bytes=4096)
+    tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(200)}
+    try:
+        before = _fds()
+        handles = arena.register(tensors)
+        assert len({h.segment for h in handles.values()}) == 200
+        owned = _fds() - before
+        assert owned <= 200 + 2  # the creator's flock descriptor per segment, and the state
+        mapper = MemoryMapper()
+        before = _fds()
+        mapped = {n: mapper.map_handle(h) for n, h in handles.items()}
+        assert _fds() == before
+        assert all(torch.equal(mapped[n], t) for n, t in tensors.items())
+        mapped["t7"][3] = -1.0  # the same bytes
+        assert tensors["t7"][3].item() == -1.0
+    finally:
+        arena.close()
+
+
+def test_small_tensors_share_one_segment() -> None:
+    arena = SharedTensorArena(prefix="refitd-fdtest")
+    tensors = {f"t{i}": torch.arange(i + 1, dtype=torch.float64) for i in range(3000)}
+    ints = {f"i{i}": torch.arange(i % 7 + 1, dtype=torch.int16) for i in range(3000)}
+    try:
+        handles = arena.register(tensors) | arena.register(ints)
+        assert len({h.segment for h in handles.values()}) == 1
+        mapper = MemoryMapper()
+        for n, t in (tensors | ints).items():
+            assert torch.equal(mapper.map_handle(handles[n]), t), n
+    finally:
+        arena.close()
+
+
+def test_processes_raise_the_soft_descriptor_limit_to_the_hard_one() -> None:
+    code = (
+        "import resource; from refitd.limits import raise_nofile_limit;"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048));"
+        "print(*raise_nofile_limit())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.split() == ["2048", "2048"]
