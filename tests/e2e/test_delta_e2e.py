@@ -45,7 +45,7 @@ def delta_daemon() -> Iterator[Daemon]:
 class Trainer:
     """One trainer rank holding every tensor (TP1), versions from FP32 masters."""
 
-    def __init__(self, address: str, model: str, lr: float) -> None:
+    def __init__(self, address: str, model: str, lr: float, snapshot: bool = False) -> None:
         self.shards = rank_shards(TINY, ParallelLayout(), 0)
         self.gens = {
             s.name: VersionGenerator(_numel(s.local_shape), lr, seed=i)
@@ -55,7 +55,9 @@ class Trainer:
             s.name: self.gens[s.name].current(torch.empty(s.local_shape, dtype=torch.bfloat16))
             for s in self.shards
         }
-        self.client = TrainerClient(address, model, rank=0, pool_size=1, device="cpu:0")
+        self.client = TrainerClient(
+            address, model, rank=0, pool_size=1, device="cpu:0", snapshot=snapshot
+        )
         self.client.register(self.src)
 
     def step(self) -> None:
@@ -176,3 +178,25 @@ def test_relay_fed_replica_dense_and_bit_for_bit() -> None:
         ib.close()
         tr.client.close()
         d.stop()
+
+
+def test_delta_refits_read_the_snapshot(delta_daemon: Daemon) -> None:
+    """A snapshot trainer pool: the delta path encodes from the slot's snapshot (the trainer
+    is released after the local copy); three delta refits land bit for bit."""
+    d = delta_daemon
+    tr = Trainer(d.address, "deltasnap", lr=1e-6, snapshot=True)
+    dst = tr.fresh()
+    infer = _infer(d, "deltasnap", "engine", "cpu:1", dst)
+    try:
+        for v in range(1, 5):
+            if v > 1:
+                tr.step()
+            tr.refit(v)
+            assert _same(dst, tr.src) == [], v
+        rec = _records(d, "deltasnap")
+        for v in (2, 3, 4):
+            assert rec[v]["delta"]["sent_as_delta"] > 0, rec[v]["delta"]
+            assert all(s["bytes"] > 0 for s in rec[v]["snapshot"].values()), rec[v]
+    finally:
+        infer.close()
+        tr.client.close()
