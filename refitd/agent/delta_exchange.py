@@ -1,11 +1,13 @@
 """Delta messages of one slot: only the elements that changed since the base cross the wire.
 
 A message the controller allows as a delta (every destination it writes holds exactly the
-sender's base version) is exchanged here, before the executor runs the other messages, in
-two steps that every slot takes in the same order, all operations posted at once so no pair
-of slots can wait on each other: a 16-byte header per message (kind, payload bytes), then
-the payload in chunks of at most wire_chunk bytes. Tags are the executor's (message id,
-chunk index): a message goes either here or through the executor, never both.
+sender's base version) is exchanged here, before the executor runs the other messages: a
+16-byte header per message (kind, payload bytes), then the payload in chunks of at most
+wire_chunk bytes. Every operation is posted without blocking (all header receives first;
+each message's header and payload as soon as it is encoded, so encoding message k overlaps
+the wire time of k - 1; payload receives as their headers arrive; landing message k
+overlaps the arrival of later ones), so no pair of slots can wait on each other. Tags are
+the executor's (message id, chunk index): a message goes here or through the executor.
 
 Payload of a DELTA message: u32 copies | u32 0 | u64 bytes per copy | per copy (8-aligned)
 the segment delta of refitd.formats.delta_segment. A message whose measured density is above
@@ -274,13 +276,16 @@ def run_delta(
     rep = DeltaReport()
     what = describe or (lambda m, d: f"{d} of delta message {m.mid} with rank {m.peer}")
     summer = Checksummer()
-    payloads: dict[int, torch.Tensor] = {}
-    headers: dict[int, torch.Tensor] = {}
     base.start(version)
-    for m in sends:
+    got = {m.mid: torch.zeros(HEADER, dtype=torch.uint8) for m in recvs}
+    header_works = transport.batch(
+        [P2POp(False, got[m.mid], m.peer, _tag(m.mid, 0)) for m in recvs]
+    )
+    keep: list[torch.Tensor] = []  # buffers of posted sends, alive until they complete
+    sent: list[tuple[Work, str]] = []
+    for m in sends:  # encode message k while message k - 1 is on the wire
+        te = time.monotonic()
         kind, payload, st, lives = _encode_message(m, access, base, max_density, m.mid in allowed)
-        payloads[m.mid] = payload
-        headers[m.mid] = torch.tensor([kind, payload.numel()], dtype=torch.int64).view(torch.uint8)
         rep.sent[m.mid] = {"kind": kind, "changed": st.changed, "elements": st.elements,
                            "nbytes": payload.numel(), "dense_nbytes": st.dense_nbytes}  # fmt: skip
         if verify:
@@ -288,40 +293,37 @@ def run_delta(
                 lives = [segment_streams(access.wire(r), access.shape(r), access.src_dtype(r),
                                          base.pending_full[r]) for r in m.rows]  # fmt: skip
             rep.send_sums[m.mid] = combine(_stream_sum(summer, live) for live in lives)
-    rep.encode_s = time.monotonic() - t0
-    got = {m.mid: torch.zeros(HEADER, dtype=torch.uint8) for m in recvs}
-    ops = [P2POp(False, got[m.mid], m.peer, _tag(m.mid, 0)) for m in recvs]
-    ops += [P2POp(True, headers[m.mid], m.peer, _tag(m.mid, 0)) for m in sends]
-    labels = [what(m, "recv") for m in recvs] + [what(m, "send") for m in sends]
-    _wait_all(list(zip(transport.batch(ops), labels, strict=True)), deadline)
-    kinds: dict[int, int] = {}
-    ops, labels, inbox = [], [], {}
-    for m in recvs:
+        rep.encode_s += time.monotonic() - te
+        header = torch.tensor([kind, payload.numel()], dtype=torch.int64).view(torch.uint8)
+        ops = [P2POp(True, header, m.peer, _tag(m.mid, 0))]
+        for i, a in enumerate(range(0, payload.numel(), wire_chunk), 1):
+            ops.append(P2POp(True, payload[a : a + wire_chunk], m.peer, _tag(m.mid, i)))
+        keep += [header, payload]
+        sent += [(w, what(m, "send")) for w in transport.batch(ops)]
+        rep.wire_bytes += HEADER + payload.numel()
+    posted: list[tuple[DeltaMessage, int, torch.Tensor, list[Work]]] = []
+    for m, w in zip(recvs, header_works, strict=True):
+        _wait_all([(w, what(m, "recv"))], deadline)
         kind, n = torch.frombuffer(bytearray(got[m.mid].numpy().tobytes()), dtype=torch.int64)
-        kinds[m.mid] = int(kind)
-        inbox[m.mid] = buf = torch.empty(int(n), dtype=torch.uint8)
-        for i, a in enumerate(range(0, int(n), wire_chunk), 1):
-            ops.append(P2POp(False, buf[a : a + wire_chunk], m.peer, _tag(m.mid, i)))
-            labels.append(what(m, "recv"))
-    for m in sends:
-        buf = payloads[m.mid]
-        rep.wire_bytes += HEADER + buf.numel()
-        for i, a in enumerate(range(0, buf.numel(), wire_chunk), 1):
-            ops.append(P2POp(True, buf[a : a + wire_chunk], m.peer, _tag(m.mid, i)))
-            labels.append(what(m, "send"))
-    _wait_all(list(zip(transport.batch(ops), labels, strict=True)), deadline)
-    ta = time.monotonic()
-    for m in recvs:
+        buf = torch.empty(int(n), dtype=torch.uint8)
+        ops = [P2POp(False, buf[a : a + wire_chunk], m.peer, _tag(m.mid, i))
+               for i, a in enumerate(range(0, int(n), wire_chunk), 1)]  # fmt: skip
+        posted.append((m, int(kind), buf, transport.batch(ops) if ops else []))
+    for m, kind, buf, works in posted:  # land message k while later ones arrive
+        _wait_all([(w, what(m, "recv")) for w in works], deadline)
+        ta = time.monotonic()
         try:
-            st = _land(m, kinds[m.mid], inbox[m.mid], access)
+            st = _land(m, kind, buf, access)
         except Exception as e:
             raise DeltaExchangeError(f"{what(m, 'recv')}: landing failed: {e}") from e
-        rep.received[m.mid] = {"kind": kinds[m.mid], "changed": st.changed,
-                               "elements": st.elements, "nbytes": inbox[m.mid].numel()}  # fmt: skip
+        rep.received[m.mid] = {"kind": kind, "changed": st.changed,
+                               "elements": st.elements, "nbytes": buf.numel()}  # fmt: skip
         if verify:
             rep.recv_sums[m.mid] = combine(_stream_sum(summer, _dst_streams(access, r))
                                            for r in m.rows)  # fmt: skip
-    rep.apply_s = time.monotonic() - ta
+        rep.apply_s += time.monotonic() - ta
+    _wait_all(sent, deadline)
+    del keep
     rep.seconds = time.monotonic() - t0
     return rep
 

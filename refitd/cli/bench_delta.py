@@ -22,6 +22,8 @@ import datetime
 import json
 import multiprocessing as mp
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -55,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-every", type=int, default=8)
     parser.add_argument("--host", default="127.0.0.1", help="address of the Gloo store")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--link-bit",
+        type=float,
+        default=None,
+        help="run the ranks on emulated hosts whose links are shaped to this rate (bit/s; root)",
+    )
 
 
 def specs(total: int, tensor_bytes: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -81,8 +89,16 @@ def _barrier(store: dist.TCPStore, name: str, rank: int, timeout_s: float) -> No
     store.wait([f"{name}/{r}" for r in range(4)], datetime.timedelta(seconds=timeout_s))
 
 
-def _rank(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
-    """One slot: dense refits through the executor, delta refits through the exchange."""
+def _rank(
+    rank: int,
+    port: int,
+    args: argparse.Namespace,
+    out: mp.Queue | _Printer,
+    store_host: str | None = None,
+    local: str = "",
+) -> None:
+    """One slot: dense refits through the executor, delta refits through the exchange. With
+    store_host, rank 0 serves the store there (the ranks in their own namespaces)."""
     from refitd.agent.delta_access import ProgramAccess
     from refitd.agent.delta_exchange import KIND_DELTA, DeltaBase, DeltaReport, run_delta
     from refitd.agent.executor import DirectResolver, Executor
@@ -106,9 +122,12 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None
     gen = VersionGenerator(total, args.lr, seed=rank) if rank in SRC else None
     if gen is not None:
         gen.current(flat)
-    store = dist.TCPStore(args.host, port, 4, False, datetime.timedelta(seconds=args.timeout))
+    host = store_host or args.host
+    timeout = datetime.timedelta(seconds=args.timeout)
+    master = store_host is not None and rank == 0
+    store = dist.TCPStore(host, port, 4, master, timeout, wait_for_workers=False)
     t = GlooTransport()
-    t.connect(ConnectInfo(0, args.host, port, rank, 4, args.timeout))
+    t.connect(ConnectInfo(0, host, port, rank, 4, args.timeout, local_address=local))
     ex = Executor(program, DirectResolver(tensors), t)
     access = ProgramAccess(program, lambda i: tensors[i], lambda s: s)
     base = DeltaBase()
@@ -178,6 +197,7 @@ def _summary(rows: list[dict], args: argparse.Namespace) -> dict:
     return {
         "bench": "delta",
         "transport": "gloo",
+        "link_bit": args.link_bit,
         "bytes": args.bytes,
         "lr": None if args.density is not None else args.lr,
         "forced_density": args.density,
@@ -207,7 +227,58 @@ def _summary(rows: list[dict], args: argparse.Namespace) -> dict:
     }
 
 
+class _Printer:
+    """A rank's results as JSON lines on stdout (a rank in a network namespace)."""
+
+    def put(self, row: dict) -> None:
+        print(json.dumps(row), flush=True)
+
+
+def rank_main(config: str) -> None:
+    """Entry of a rank started in a namespace: python -c '...rank_main(CONFIG_JSON)'."""
+    c = json.loads(config)
+    _rank(c["rank"], c["port"], argparse.Namespace(**c["args"]), _Printer(), c["store"],
+          c["local"])  # fmt: skip
+
+
+def _run_netns(args: argparse.Namespace) -> list[dict]:
+    """The four ranks on four emulated hosts (network namespaces on a private bridge, every
+    link shaped by tc tbf to --link-bit per direction); nothing leaves the machine."""
+    from refitd.demo.netns import Network, unavailable
+
+    why = unavailable()
+    if why:
+        raise RuntimeError(f"bench delta --link-bit: {why}")
+    rows: list[dict] = []
+    with Network([f"d{r}" for r in range(4)]) as net:
+        net.shape(args.link_bit)
+        store = net.hosts["d0"].address
+        code = "import sys; from refitd.cli.bench_delta import rank_main; rank_main(sys.argv[1])"
+        procs = []
+        for r in range(4):
+            cfg = {"rank": r, "port": 29650, "args": vars(args) | {"host": store},
+                   "store": store, "local": net.hosts[f"d{r}"].address}  # fmt: skip
+            cfg["args"] = {k: v for k, v in cfg["args"].items() if not k.startswith("_")}
+            argv = net.command(f"d{r}", [sys.executable, "-c", code, json.dumps(cfg)])
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+        try:
+            for p in procs:
+                out, _ = p.communicate(timeout=args.timeout)
+                if p.returncode:
+                    raise RuntimeError(f"a bench rank failed (exit {p.returncode})")
+                rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.link_bit:
+        rows = _run_netns(args)
+        print(json.dumps(_summary(rows, args)))
+        return 0 if all(r["verified"] for r in rows) else 1
     store = dist.TCPStore(args.host, 0, 5, True, datetime.timedelta(seconds=args.timeout),
                           wait_for_workers=False)  # fmt: skip
     ctx = mp.get_context("spawn")
