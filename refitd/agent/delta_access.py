@@ -13,6 +13,7 @@ import torch
 from refitd.agent.delta_exchange import DeltaMessage
 from refitd.agent.segments import ResolvedTensor, block, decode_segment, encode_segment
 from refitd.formats.fp8 import torch_dtype
+from refitd.plan.program import DTYPES
 from refitd.plan.wire import segment_nbytes
 
 
@@ -30,24 +31,18 @@ class ProgramAccess:
         self._dtypes: list[str] = []
         self.sends: dict[int, DeltaMessage] = {}
         self.recvs: dict[int, DeltaMessage] = {}
-        tensors = program.tensors  # type: ignore[attr-defined]
+        # rows are the program's copy rows: its sends' copies, then its receives' copies
+        codes = program.copies.src_dtype.tolist()  # type: ignore[attr-defined]
         for side, msgs in (("send", program.sends), ("recv", program.recvs)):  # type: ignore[attr-defined]
             for m in msgs:
                 rows = []
                 for c in m.copies:
                     rows.append(len(self._copies))
                     self._copies.append(c)
-                    spec = tensors.get(c.src_tensor)
-                    self._dtypes.append(spec.dtype if spec is not None else "")
+                    self._dtypes.append(DTYPES[codes[len(self._dtypes)]])
                 peer = peer_rank(m.dst_slot if side == "send" else m.src_slot)
                 dm = DeltaMessage(int(m.id), peer, tuple(rows))
                 (self.sends if side == "send" else self.recvs)[int(m.id)] = dm
-
-    def set_src_dtypes(self, dtype_of: Callable[[int], str]) -> None:
-        """Receiver side: source dtypes by copy row (the receiver does not hold the sources)."""
-        for r in range(len(self._copies)):
-            if not self._dtypes[r]:
-                self._dtypes[r] = dtype_of(r)
 
     def messages(self, side: str, mids: Iterable[int]) -> list[DeltaMessage]:
         table = self.sends if side == "send" else self.recvs

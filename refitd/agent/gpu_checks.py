@@ -458,7 +458,7 @@ def nccl_self_transfer(total_bytes: int = 4 << 30, timeout_s: float = 300.0) -> 
         Message(mid, mid, 0, 0, (c,), message_nbytes((c,), specs))
         for mid, c in enumerate(local.local)
     ]
-    program = SlotProgram(plan.digest, 0, specs, tuple(msgs), tuple(msgs), ())
+    program = SlotProgram.from_objects(plan.digest, 0, specs, tuple(msgs), tuple(msgs), ())
     store = dist.TCPStore(
         "127.0.0.1",
         0,

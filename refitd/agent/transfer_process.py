@@ -37,7 +37,7 @@ from refitd.agent.segments import ResolvedTensor
 from refitd.agent.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
 from refitd.limits import raise_nofile_limit
 from refitd.plan.layout import PLAIN
-from refitd.plan.program import SlotProgram
+from refitd.plan.program import STORAGES, ProgramError, SlotProgram
 from refitd.transport.base import ConnectInfo, Transport, TransportError, create_transport
 from refitd.transport.memory import (
     LivenessCheck,
@@ -139,8 +139,9 @@ class _Loaded:
 class _TransferState:
     """Everything a transfer process holds between commands."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, slot: int | None = None) -> None:
         self.conn = conn
+        self.slot = slot
         self.send_lock = threading.Lock()
         self.mapper = MemoryMapper()
         self.transport: Transport | None = None
@@ -181,15 +182,16 @@ class _TransferState:
         return {}
 
     def load(self, cmd: dict) -> dict:
-        program = SlotProgram.from_bytes(cmd["program"])
+        try:
+            program = SlotProgram.from_bytes(cmd["program"], self.slot)
+        except ProgramError as e:
+            raise ExecutionError(f"cannot load the program of plan {cmd['digest']!r}: {e}") from e
         if program.digest != cmd["digest"]:
             raise ExecutionError(f"program digest {program.digest!r} != {cmd['digest']!r}")
         # The program lists tensors of other slots too; only this slot's are staged here.
-        staged = frozenset(
-            i
-            for i in map(int, cmd.get("staged") or ())
-            if i in program.tensors and program.tensors[i].slot == program.slot
-        )
+        table = program.table  # the tensors held on this slot
+        mine = set(table.index.tolist())
+        staged = frozenset(i for i in map(int, cmd.get("staged") or ()) if i in mine)
         raw = {int(i): b for i, b in cmd["handles"].items()}
         wanted = tuple(sorted(int(i) for i in cmd.get("snapshot") or ()))
         cap = cmd.get("snapshot_bytes")
@@ -213,7 +215,13 @@ class _TransferState:
                 if entry.model == model and entry.resolver.staged:
                     del self.loaded[digest]
         handles = {i: MemoryHandle.from_bytes(b) for i, b in raw.items()}
-        storages = {i: s.storage for i, s in program.tensors.items()}
+        storages = dict(
+            zip(
+                table.index.tolist(),
+                [STORAGES[k] for k in table.storage.tolist()],
+                strict=True,
+            )
+        )
         resolver = MappedResolver(self.mapper, handles, storages, staged)
         resolver.stage()
         config = ExecutorConfig(
@@ -508,7 +516,7 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None) -> No
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if device is not None and device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    state = _TransferState(conn)
+    state = _TransferState(conn, slot)
     handlers: dict[str, Callable[[dict], dict]] = {
         "connect": state.connect,
         "load": state.load,

@@ -41,7 +41,8 @@ from refitd.plan.balance import Choices, choose_replicas
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, TensorSpec
 from refitd.plan.names import Link, NameMap, resolve_links
-from refitd.plan.program import Copy, Message, SlotProgram
+from refitd.plan.program import SlotProgram
+from refitd.plan.programs import CopyCols, Messages, PlanTensors, ProgramIndex
 from refitd.plan.relay import RelayCandidates, choose_relays
 from refitd.plan.table import Geo, SpecTable
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, RAW, dtype_size
@@ -670,7 +671,17 @@ def _build(
     _check_blocks(table, tensors)
     if config.relay and n_copies:
         _add_relays(planner, table, group, relayable, n_src)
-    return Plan(model, epoch, digest, tensors, table, slot_all, config, sources_count=n_src)
+    return Plan(
+        model,
+        epoch,
+        digest,
+        tensors,
+        table,
+        slot_all,
+        config,
+        sources_count=n_src,
+        tables=(sources, destinations),
+    )
 
 
 def _add_relays(
@@ -795,10 +806,12 @@ class Plan:
         slot_of_tensor: np.ndarray,
         config: PlanConfig,
         sources_count: int,
+        tables: tuple[SpecTable, SpecTable] | None = None,
     ) -> None:
         self.model, self.epoch, self.digest, self.tensors = model, epoch, digest, tensors
         self.config = config
         self._n_src = sources_count
+        self._tables = tables
         self._slot_of = slot_of_tensor
         slots = np.unique(slot_of_tensor)
         self._dense = np.searchsorted(slots, slot_of_tensor)
@@ -868,7 +881,7 @@ class Plan:
         self._recv_load = recv
         self._all_slots = slots
         self._readers: dict[tuple[str, int], list[int]] | None = None
-        self._by_slot: tuple[np.ndarray, ...] | None = None
+        self._index: ProgramIndex | None = None
 
     def _messages(
         self,
@@ -1021,80 +1034,53 @@ class Plan:
         """`tensors[:source_count]` are source specs, the rest destination specs."""
         return self._n_src
 
-    def _copies(self, t: _CopyTable, lo: int, hi: int) -> tuple[Copy, ...]:
-        if hi <= lo:
-            return ()
-        nds = t.ndim[lo:hi].tolist()
-        if min(nds) == max(nds):  # one rank for all (the common case): bulk conversion
-            nd = nds[0]
-            cut = slice(0, nd)
-            return tuple(
-                Copy(s, tuple(so), d, tuple(do), tuple(sh), WIRE_NAMES[w])
-                for s, so, d, do, sh, w in zip(
-                    t.src[lo:hi].tolist(),
-                    t.src_loc[lo:hi, cut].tolist(),
-                    t.dst[lo:hi].tolist(),
-                    t.dst_loc[lo:hi, cut].tolist(),
-                    t.shape[lo:hi, cut].tolist(),
-                    t.wire[lo:hi].tolist(),
-                    strict=True,
+    def program_index(self) -> ProgramIndex:
+        """Per-slot positions of all messages and copies, built once per plan."""
+        if self._index is None:
+            tables = self._tables or (
+                SpecTable.from_specs(self.tensors[: self._n_src]),
+                SpecTable.from_specs(self.tensors[self._n_src :]),
+            )
+            counts = (self._n_src, len(self.tensors) - self._n_src)
+            tensors = PlanTensors.of(tables, counts, self._slot_of, self._remote.shape.shape[1])
+            d = tensors.local_shape.shape[1]
+
+            def cols(t: _CopyTable) -> CopyCols:
+                def pad(a: np.ndarray, fill: int) -> np.ndarray:
+                    extra = d - a.shape[1]
+                    return (
+                        a if extra <= 0 else np.pad(a, ((0, 0), (0, extra)), constant_values=fill)
+                    )
+
+                return CopyCols(
+                    t.src,
+                    t.dst,
+                    pad(t.src_loc, 0),
+                    pad(t.dst_loc, 0),
+                    pad(t.shape, 1),
+                    t.ndim,
+                    t.wire,
                 )
+
+            msgs = Messages(
+                self._m_round,
+                self._m_src,
+                self._m_dst,
+                self._m_start,
+                self._m_end,
+                self._m_bytes,
             )
-        return tuple(
-            Copy(s, tuple(so[:nd]), d, tuple(do[:nd]), tuple(sh[:nd]), WIRE_NAMES[w])
-            for s, so, d, do, sh, w, nd in zip(
-                t.src[lo:hi].tolist(),
-                t.src_loc[lo:hi].tolist(),
-                t.dst[lo:hi].tolist(),
-                t.dst_loc[lo:hi].tolist(),
-                t.shape[lo:hi].tolist(),
-                t.wire[lo:hi].tolist(),
-                nds,
-                strict=True,
+            self._index = ProgramIndex(
+                self.digest, cols(self._remote), cols(self._local), msgs, tensors
             )
-        )
+        return self._index
 
     def program(self, slot: int) -> SlotProgram:
-        """What the transfer process of `slot` executes, messages ordered by (round, id)."""
+        """What the transfer process of `slot` executes (columns), messages ordered by
+        (round, id)."""
+        return self.program_index().program(slot)
 
-        def msgs(ids: np.ndarray) -> tuple[Message, ...]:
-            return tuple(
-                Message(
-                    id=int(m),
-                    round=int(self._m_round[m]),
-                    src_slot=int(self._m_src[m]),
-                    dst_slot=int(self._m_dst[m]),
-                    copies=self._copies(self._remote, int(self._m_start[m]), int(self._m_end[m])),
-                    nbytes=int(self._m_bytes[m]),
-                )
-                for m in ids.tolist()
-            )
-
-        if self._by_slot is None:  # message ids per sending / receiving slot, in order
-            by_src = np.argsort(self._m_src, kind="stable")
-            by_dst = np.argsort(self._m_dst, kind="stable")
-            self._by_slot = (by_src, self._m_src[by_src], by_dst, self._m_dst[by_dst])
-        by_src, src_sorted, by_dst, dst_sorted = self._by_slot
-
-        def of(order: np.ndarray, keys: np.ndarray) -> np.ndarray:
-            lo, hi = np.searchsorted(keys, [slot, slot + 1])
-            return order[lo:hi]
-
-        sends = msgs(of(by_src, src_sorted))
-        recvs = msgs(of(by_dst, dst_sorted))
-        lmask = np.flatnonzero(self._slot_of[self._local.src] == slot)
-        local = self._copies(self._local.take(lmask), 0, lmask.size)
-        used: set[int] = set()
-        for m in (*sends, *recvs):
-            for c in m.copies:
-                used.update((c.src_tensor, c.dst_tensor))
-        for c in local:
-            used.update((c.src_tensor, c.dst_tensor))
-        return SlotProgram(
-            digest=self.digest,
-            slot=slot,
-            tensors={i: self.tensors[i] for i in sorted(used)},
-            sends=sends,
-            recvs=recvs,
-            local=local,
-        )
+    def programs(self, slots: Sequence[int] | None = None) -> dict[int, SlotProgram]:
+        """The programs of `slots` (default: every slot), from one index pass."""
+        index = self.program_index()
+        return {s: index.program(s) for s in (self.slots() if slots is None else slots)}

@@ -1,9 +1,10 @@
 """In-memory reference executor (NumPy): the oracle of the planner's tests.
 
-Replays every slot's program: local copies, then each message packed into a byte buffer
-segment by segment (SEGMENT_ALIGN-aligned, raw wire) and unpacked at its receiver, round
-by round so relays (copies forwarded by a destination replica) are checked against the
-round rule, exactly as an agent would run it.
+Replays every slot's program as it travels: each program is encoded to bytes and decoded
+again (program_codec), then read column by column: local copies, then each message packed
+into a byte buffer segment by segment (SEGMENT_ALIGN-aligned, raw wire) and unpacked at its
+receiver, round by round so relays (copies forwarded by a destination replica) are checked
+against the round rule, exactly as an agent would run it.
 """
 
 from __future__ import annotations
@@ -11,16 +12,38 @@ from __future__ import annotations
 import numpy as np
 
 from refitd.plan.planner import Plan
-from refitd.plan.program import Copy, Message
+from refitd.plan.program import WIRES, SlotProgram
 from refitd.plan.wire import RAW, aligned
 
 
-def _region(c_off: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(c_off, shape, strict=True))
+class _Rows:
+    """Copy rows of one program as Python values (the oracle favours clarity)."""
+
+    def __init__(self, p: SlotProgram) -> None:
+        c = p.copies
+        self.src, self.dst = c.src.tolist(), c.dst.tolist()
+        self.nd = c.ndim.tolist()
+        self.so, self.do, self.sh = c.src_off.tolist(), c.dst_off.tolist(), c.shape.tolist()
+        self.wire = c.wire.tolist()
+
+    def region(self, i: int, dst: bool) -> tuple[slice, ...]:
+        off = (self.do if dst else self.so)[i]
+        return tuple(slice(off[k], off[k] + self.sh[i][k]) for k in range(self.nd[i]))
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.sh[i][: self.nd[i]])
+
+
+def shipped_programs(plan: Plan) -> dict[int, SlotProgram]:
+    """Every slot's program after a trip through its wire encoding."""
+    return {s: SlotProgram.from_bytes(p.to_bytes(), s) for s, p in plan.programs().items()}
 
 
 def execute(
-    plan: Plan, src_arrays: dict[int, np.ndarray], dst_arrays: dict[int, np.ndarray]
+    plan: Plan,
+    src_arrays: dict[int, np.ndarray],
+    dst_arrays: dict[int, np.ndarray],
+    programs: dict[int, SlotProgram] | None = None,
 ) -> None:
     """Run the plan: dst_arrays (by plan tensor index) are written in place from
     src_arrays; a destination of another dtype receives the value cast (astype).
@@ -29,59 +52,72 @@ def execute(
     round packed before any of them is unpacked (so a relay that forwards data of its own
     round or a later one reads stale bytes and the oracle catches it); local relays last.
     """
-    programs = [plan.program(s) for s in plan.slots()]
+    programs = programs if programs is not None else shipped_programs(plan)
     arrays = {**src_arrays, **dst_arrays}
+    rows = {s: _Rows(p) for s, p in programs.items()}
     local_relays = []
-    for p in programs:
-        for c in p.local:
-            if c.src_tensor in src_arrays:
-                _store(arrays[c.dst_tensor], c, _read(arrays, c))
+    sends, recvs = [], {}
+    for s, p in programs.items():
+        r = rows[s]
+        for i in range(p.local_start, len(p.copies)):
+            if r.src[i] in src_arrays:
+                _copy(arrays, r, i, _read(arrays, r, i))
             else:
-                local_relays.append(c)
-    recvs = {m.id: m for p in programs for m in p.recvs}
-    sends = sorted((m for p in programs for m in p.sends), key=lambda m: (m.round, m.id))
-    if sorted(recvs) != sorted(m.id for m in sends):
+                local_relays.append((r, i))
+        m = p.send
+        sends += [
+            (int(m.round[k]), int(m.id[k]), r, int(m.start[k]), int(m.end[k]), int(m.nbytes[k]))
+            for k in range(len(m))
+        ]
+        m = p.recv
+        for k in range(len(m)):
+            recvs[int(m.id[k])] = (r, int(m.start[k]), int(m.end[k]))
+    sends.sort(key=lambda x: (x[0], x[1]))
+    if sorted(recvs) != sorted(x[1] for x in sends):
         raise AssertionError("sent and received message ids differ")
     i = 0
     while i < len(sends):
         j = i
-        while j < len(sends) and sends[j].round == sends[i].round:
+        while j < len(sends) and sends[j][0] == sends[i][0]:
             j += 1
-        wire = [(m.id, _pack(arrays, m)) for m in sends[i:j]]
+        wire = [(x[1], _pack(arrays, *x[1:])) for x in sends[i:j]]
         for mid, buf in wire:
-            _unpack(arrays, recvs[mid], buf)
+            _unpack(arrays, *recvs[mid], buf)
         i = j
-    for c in local_relays:
-        _store(arrays[c.dst_tensor], c, _read(arrays, c))
+    for r, k in local_relays:
+        _copy(arrays, r, k, _read(arrays, r, k))
 
 
-def _read(arrays: dict[int, np.ndarray], c: Copy) -> np.ndarray:
-    return arrays[c.src_tensor][_region(c.src_offset, c.shape)]
+def _read(arrays: dict[int, np.ndarray], r: _Rows, i: int) -> np.ndarray:
+    return arrays[r.src[i]][r.region(i, False)]
 
 
-def _pack(arrays: dict[int, np.ndarray], m: Message) -> bytes:
-    buf = bytearray(m.nbytes)
+def _copy(arrays: dict[int, np.ndarray], r: _Rows, i: int, data: np.ndarray) -> None:
+    dst = arrays[r.dst[i]]
+    dst[r.region(i, True)] = data.astype(dst.dtype, copy=False)
+
+
+def _pack(
+    arrays: dict[int, np.ndarray], mid: int, r: _Rows, lo: int, hi: int, nbytes: int
+) -> bytes:
+    buf = bytearray(nbytes)
     at = 0
-    for c in m.copies:
-        if c.wire != RAW:
-            raise ValueError(f"simulate runs raw wire only, got {c.wire!r}")
-        raw = np.ascontiguousarray(_read(arrays, c)).tobytes()
+    for i in range(lo, hi):
+        if WIRES[r.wire[i]] != RAW:
+            raise ValueError(f"simulate runs raw wire only, got {WIRES[r.wire[i]]!r}")
+        raw = np.ascontiguousarray(_read(arrays, r, i)).tobytes()
         buf[at : at + len(raw)] = raw
         at += aligned(len(raw))
-    if at != m.nbytes:
-        raise AssertionError(f"message {m.id}: packed {at} bytes, nbytes says {m.nbytes}")
+    if at != nbytes:
+        raise AssertionError(f"message {mid}: packed {at} bytes, nbytes says {nbytes}")
     return bytes(buf)
 
 
-def _unpack(arrays: dict[int, np.ndarray], m: Message, buf: bytes) -> None:
+def _unpack(arrays: dict[int, np.ndarray], r: _Rows, lo: int, hi: int, buf: bytes) -> None:
     at = 0
-    for c in m.copies:
-        src_dtype = arrays[c.src_tensor].dtype
-        n = int(np.prod(c.shape, dtype=np.int64)) * src_dtype.itemsize
+    for i in range(lo, hi):
+        src_dtype = arrays[r.src[i]].dtype
+        n = int(np.prod(r.shape(i), dtype=np.int64)) * src_dtype.itemsize
         data = np.frombuffer(buf, dtype=src_dtype, count=n // src_dtype.itemsize, offset=at)
-        _store(arrays[c.dst_tensor], c, data.reshape(c.shape))
+        _copy(arrays, r, i, data.reshape(r.shape(i)))
         at += aligned(n)
-
-
-def _store(dst: np.ndarray, c: Copy, data: np.ndarray) -> None:
-    dst[_region(c.dst_offset, c.shape)] = data.astype(dst.dtype, copy=False)

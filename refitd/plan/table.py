@@ -130,6 +130,10 @@ class SpecTable:
             np.frombuffer(self._slot, dtype=np.int32).astype(np.int64),
         )
 
+    def ranks(self) -> np.ndarray:
+        """Worker rank per spec, as int64."""
+        return np.frombuffer(self._rank, dtype=np.int32).astype(np.int64)
+
     def digest_into(self, h: hashlib._Hash) -> None:
         """Feed everything that identifies these registrations into a hash (the pool is
         part of each geometry)."""

@@ -23,6 +23,7 @@ from refitd.plan.errors import PlanError
 from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
+from refitd.plan.program import SlotProgram
 from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 
@@ -69,12 +70,16 @@ class ControllerPlan:
         if payload is not None:
             return payload
         with self.gc_pause or contextlib.nullcontext():
-            prog = self.plan.program(slot)
-            payload = LoadPayload(
-                prog.to_bytes(), tuple((i, spec.key) for i, spec in prog.tensors.items())
-            )
+            payload = self._payload(self.plan.program(slot))
         with self._lock:
             return self._payloads.setdefault(slot, payload)
+
+    def _payload(self, prog: SlotProgram) -> LoadPayload:
+        """Encoded program and the registration keys of its tensors (those held on its
+        slot: the only ones whose memory the slot maps)."""
+        tensors = self.plan.tensors
+        own = prog.table.index.tolist()
+        return LoadPayload(prog.to_bytes(), tuple((i, tensors[i].key) for i in own))
 
     def program_bytes(self, slot: int) -> bytes:
         return self.load_payload(slot).program

@@ -319,7 +319,6 @@ class RefitCoordinator:
         # starves the gRPC threads of the GIL: heartbeats queue unanswered meanwhile. No
         # lease expires while programs are built, nor for as long again after (at most
         # heartbeat_timeout_s), while the queued heartbeats are answered.
-        self._leases_held_until = 0.0
         for refit_id in db.interrupt_unfinished("the controller restarted during the refit"):
             log.warning("refit %s was interrupted by a controller restart: failed", refit_id)
         self.history: list[RefitRecord] = list(reversed(db.refits(settings.history_size)))
@@ -1026,7 +1025,6 @@ class RefitCoordinator:
         if not todo:
             return
         g, gid = self._gather("load program", ms)
-        started = time.monotonic()
         try:
             with self.registry.lock:
                 memory = self._memory_index(ms.model)
@@ -1035,10 +1033,6 @@ class RefitCoordinator:
                     if slot not in todo:
                         continue
                     payload = plan.load_payload(slot)
-                    now = time.monotonic()
-                    self._leases_held_until = now + min(
-                        now - started, self.settings.heartbeat_timeout_s
-                    )
                     handles = [
                         pb.TensorHandle(
                             index=i,
@@ -1406,8 +1400,6 @@ class RefitCoordinator:
                 log.exception("lease watcher")
 
     def _expire(self, cutoff: float) -> None:
-        if time.monotonic() < self._leases_held_until:
-            return
         timeout = self.settings.heartbeat_timeout_s
         reg = self.registry
         with reg.lock:
@@ -1550,7 +1542,7 @@ def compare_checksums(
                 (s.pool, s.rank, s.name)
                 for m in program.recvs
                 if m.id == mid
-                for s in (program.tensors[c.dst_tensor] for c in m.copies)
+                for s in (plan.tensors[c.dst_tensor] for c in m.copies)
             }
         )
         names = ", ".join(f"({p!r}, {r}, {n!r})" for p, r, n in tensors[:8])

@@ -36,7 +36,7 @@ def check_relay_rule(plan: Plan, n_src: int) -> int:
                 relays += 1
                 spec = p.tensors[c.src_tensor]
                 assert spec.slot == slot and spec.storage == "plain"
-                assert spec.dtype == p.tensors[c.dst_tensor].dtype
+                assert spec.dtype == plan.tensors[c.dst_tensor].dtype
                 written = np.zeros(spec.local_shape, bool)
                 for r in p.recvs:
                     if r.round >= m.round:
@@ -135,6 +135,7 @@ def test_relay_round_rule_is_enforced_by_the_oracle():
     plan = run_and_check(src, dst, PlanConfig(relay=True))
     assert plan.stats.relay_copies > 0
     plan._m_round[:] = 0  # every message in one round: relays no longer after their feeds
+    plan._index = None  # programs are cached per plan: rebuild them from these rounds
     full = np.arange(32, dtype=np.float32).reshape(shape)
     dst_arrays = {1 + i: np.zeros(shape, np.float32) for i in range(3)}
     execute(plan, {0: full}, dst_arrays)

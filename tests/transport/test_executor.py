@@ -13,18 +13,18 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refitd.agent.chunks import CopyInfo
 from refitd.agent.executor import (
     DirectResolver,
     ExecReport,
-    ExecutionError,
     Executor,
     ExecutorConfig,
-    chunk_message,
+    chunk_messages,
     flat_range_views,
 )
 from refitd.agent.segments import ResolvedTensor
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.program import Copy, Message
+from refitd.plan.program import Copy, Message, ProgramError, ProgramTensor, SlotProgram
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport
@@ -48,21 +48,38 @@ def test_flat_range_views_cover_the_range_in_order(shape: list[int], data: st.Da
     assert all(v.data_ptr() >= base.data_ptr() for v in views)  # views, not copies
 
 
+def _chunks(copies, nbytes, wire_chunk, staged_chunk=None, lands=None, direct_min=1 << 40):
+    """Chunks of one message 0 -> 1 of bf16 1-D copies between two tensors of 100."""
+    m = Message(7, 0, 0, 1, copies, nbytes)
+    specs = {
+        0: ProgramTensor("a", 0, 0, "bfloat16", "plain", (100,)),
+        1: ProgramTensor("b", 0, 1, "bfloat16", "plain", (100,)),
+    }
+    p = SlotProgram.from_objects("d", 0, specs, (m,), (), ())
+    info = CopyInfo.of(p, direct_min)
+    if lands is not None:
+        info.lands_direct[:] = lands
+    return chunk_messages(p.send, info, wire_chunk, staged_chunk)
+
+
 def test_chunks_split_large_segments_and_group_small_ones() -> None:
     small = Copy(0, (0,), 1, (0,), (10,))  # 20 bytes -> 32 on the wire
     big = Copy(0, (0,), 1, (0,), (100,))  # 200 bytes
     copies = (small, small, big, small)
-    m = Message(7, 0, 0, 1, copies, 32 + 32 + 208 + 32)
-    chunks = chunk_message(m, lambda c: "bfloat16", wire_chunk=64)
+    n = 32 + 32 + 208 + 32
+    chunks = _chunks(copies, n, wire_chunk=64)
     assert [c.nbytes for c in chunks] == [52, 64, 64, 64, 8, 20]
-    assert [len(c.pieces) for c in chunks] == [2, 1, 1, 1, 1, 1]
+    assert [len(c.rows) for c in chunks] == [2, 1, 1, 1, 1, 1]
     # segments that are staged on landing are cut finer; direct ones keep wire_chunk
-    staged = chunk_message(m, lambda c: "bfloat16", 64, 32, lambda c: c is not big)
+    staged = _chunks(copies, n, 64, 32, lands=[True, True, False, True])
     assert [c.nbytes for c in staged] == [20, 20, 32, 32, 32, 32, 32, 32, 8, 20]
-    direct = chunk_message(m, lambda c: "bfloat16", 64, 32, lambda c: True)
+    direct = _chunks(copies, n, 64, 32, lands=True)
     assert [c.nbytes for c in direct] == [20, 20, 64, 64, 64, 8, 20]
-    with pytest.raises(ExecutionError, match="plan says"):
-        chunk_message(Message(1, 0, 0, 1, copies, 5), lambda c: "bfloat16", 64)
+    # a contiguous copy of at least direct_min bytes gets a chunk of its own
+    own = _chunks(copies, n, 1024, 1024, direct_min=200)
+    assert [c.nbytes for c in own] == [52, 200, 20]
+    with pytest.raises(ProgramError, match=r"send\.nbytes"):
+        _chunks(copies, 5, 64)
 
 
 def _programs(src, dst, bucket_bytes=64 << 20):
@@ -70,11 +87,13 @@ def _programs(src, dst, bucket_bytes=64 << 20):
     return {slot: plan.program(slot) for slot in plan.slots()}
 
 
-def _resolvers(specs_by_slot, tensors):
+def _resolvers(specs_by_slot, tensors, names=None):
+    """Resolvers over each slot's own tensors, named pool/rank/name (names by plan index;
+    programs carry no names)."""
     return {
         slot: DirectResolver(
             {
-                i: ResolvedTensor(f"{s.pool}/{s.rank}/{s.name}", tensors[i])
+                i: ResolvedTensor(f"{s.pool}/{s.rank}/{names[i] if names else i}", tensors[i])
                 for i, s in p.tensors.items()
             }
         )
@@ -154,7 +173,7 @@ def test_moved_storage_is_refused_before_any_byte_moves() -> None:
     src, dst = make_model(1, 1, [0], [0])
     tensors = _tensors(src, dst, globals_for(3))
     (program,) = _programs(src, dst).values()
-    resolver = _resolvers({0: program}, tensors)[0]
+    resolver = _resolvers({0: program}, tensors, [s.name for s in src + dst])[0]
     with torch.no_grad():
         tensors[len(src)].set_(torch.zeros_like(tensors[len(src)]))
     before = tensors[len(src)].clone()
@@ -162,3 +181,44 @@ def test_moved_storage_is_refused_before_any_byte_moves() -> None:
     with pytest.raises(StorageMovedError, match="infer/0/col"):
         ex.run(5.0)
     assert torch.equal(tensors[len(src)], before)
+
+
+def test_adjacent_small_tensors_move_as_one_zero_copy_run() -> None:
+    """Many small tensors laid back to back in one buffer on each side (as in an arena):
+    a chunk of many copies is one run of memory at both ends, so it goes without staging;
+    the same tensors in separate buffers are staged, packed in bulk. Both land bit for bit."""
+    from refitd.plan.layouts import make_spec, megatron_layout
+
+    n, shape = 48, (4, 32)  # 256 B bf16 tensors: no alignment padding between segments
+
+    def side(pool: str, slot: int) -> list:
+        return [
+            make_spec(
+                model="m", pool=pool, rank=0, slot=slot, name=f"w{k}", global_shape=shape,
+                dtype="bfloat16", layout=megatron_layout(shape),
+            )
+            for k in range(n)
+        ]  # fmt: skip
+
+    src, dst = side("train", 0), side("infer", 1)
+    programs = _programs(src, dst)
+    g = torch.arange(n * 128, dtype=torch.float32).reshape(n, *shape).to(torch.bfloat16)
+    for adjacent in (True, False):
+        if adjacent:
+            arena = [torch.zeros(n, *shape, dtype=torch.bfloat16) for _ in range(2)]
+            tensors = [arena[0][k] for k in range(n)] + [arena[1][k] for k in range(n)]
+        else:
+            tensors = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2 * n)]
+        for k in range(n):
+            tensors[k].copy_(g[k])
+        results = _run_ranks(programs, _resolvers(programs, tensors), ExecutorConfig(), 2)
+        msgs = [m for res in results.values() for m in res.messages]
+        assert all(isinstance(r, ExecReport) for r in results.values()), results
+        assert all(torch.equal(tensors[n + k], g[k]) for k in range(n))
+        zc = sum(m.zero_copy_chunks for m in msgs)
+        staged = sum(m.staged_chunks for m in msgs)
+        if adjacent:
+            assert zc > 0 and staged == 0, (zc, staged)
+            assert all(r.staging_peak_bytes == 0 for r in results.values())
+        else:
+            assert zc == 0 and staged > 0, (zc, staged)

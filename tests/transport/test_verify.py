@@ -87,10 +87,7 @@ def _resolvers(plan: Plan, tensors: list[torch.Tensor]) -> dict[int, DirectResol
     for slot in plan.slots():
         p = plan.program(slot)
         out[slot] = DirectResolver(
-            {
-                i: ResolvedTensor(f"{s.pool}/{s.rank}/{s.name}", tensors[i])
-                for i, s in p.tensors.items()
-            }
+            {i: ResolvedTensor(plan.tensors[i].name, tensors[i]) for i in p.tensors}
         )
     return out
 
@@ -163,7 +160,7 @@ def test_verified_refit_agrees_and_a_stale_sender_checksum_is_named() -> None:
     mid = min(sent1)
     program = plan.program(landed2[mid][0])
     (m,) = [m for m in program.recvs if m.id == mid]
-    d = program.tensors[m.copies[0].dst_tensor]
+    d = plan.tensors[m.copies[0].dst_tensor]
     assert (
         f"message {mid} from slot {m.src_slot} to slot {m.dst_slot}: sent "
         f"{sent1[mid][1]:#018x} != landed {landed2[mid][1]:#018x}"

@@ -1,0 +1,286 @@
+"""Chunks of a slot program's messages, computed from its columns (both ends agree).
+
+A message's copies' segments, laid end to end (wire.segment_nbytes each), are cut into
+chunks; each chunk is one send matched by one receive. Rules, from the program alone:
+- a raw segment whose blocks are contiguous in both tensors (by their registered local
+  shapes), that lands in a plain destination of its dtype, and whose payload is at least
+  `direct_min` bytes gets chunks of its own, cut at wire_chunk: it can go straight from the
+  source tensor into the destination tensor (zero-copy);
+- any segment larger than its chunk size (wire_chunk when it lands direct, else
+  staged_chunk) gets chunks of its own;
+- other consecutive segments share a chunk of at most staged_chunk bytes.
+Per-copy attributes are computed for all copies at once (`CopyInfo`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from refitd.plan import buckets as bk
+from refitd.plan.program import (
+    DTYPES,
+    FLAG_LANDS_DIRECT,
+    FLAG_SRC_CONTIGUOUS,
+    MessageColumns,
+    SlotProgram,
+)
+from refitd.plan.wire import DTYPE_SIZES
+
+WIRE_CHUNK = 32 << 20
+DIRECT_MIN = 1 << 20
+TAG_CHUNK_BITS = 12
+_ESIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], np.int64)
+
+
+class ExecutionError(RuntimeError):
+    """A refit of one slot failed: which message, which peer, why."""
+
+
+@dataclass(slots=True)
+class CopyInfo:
+    """Per copy row: source dtype name code, wire bytes, payload bytes, flags."""
+
+    src_dtype: np.ndarray
+    seg_bytes: np.ndarray
+    payload: np.ndarray
+    lands_direct: np.ndarray
+    own_chunk: np.ndarray
+    relay: np.ndarray
+
+    @classmethod
+    def of(cls, p: SlotProgram, direct_min: int) -> CopyInfo:
+        c = p.copies
+        if not len(c):
+            z = np.zeros(0, np.int64)
+            return cls(z, z, z, z.astype(bool), z.astype(bool), z.astype(bool))
+        sdt = c.src_dtype.astype(np.int64)
+        esize = _ESIZE[sdt]
+        wire = c.wire.astype(np.int64)
+        seg = bk.segment_nbytes(wire, c.shape, c.ndim.astype(np.int64), esize)
+        payload = np.where(wire == bk.WIRE_RAW, c.shape.prod(axis=1) * esize, seg)
+        lands = (c.flags & FLAG_LANDS_DIRECT) != 0
+        both = FLAG_LANDS_DIRECT | FLAG_SRC_CONTIGUOUS
+        own = ((c.flags & both) == both) & (payload >= direct_min)
+        # relays read a destination tensor of this slot (one it receives or copies into)
+        recv_lo = int(p.recv.start[0]) if len(p.recv) else p.local_start
+        relay = np.isin(c.src, np.unique(c.dst[recv_lo:]))
+        return cls(sdt, seg, payload, lands, own, relay)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Bytes of one message sent as one transport op. rows: the copy rows whose segment
+    pieces it carries, at chunk offsets `offs`; a chunk that is one piece of a larger
+    segment has split=True and seg_start where the piece starts in the segment."""
+
+    mid: int
+    round: int
+    src_slot: int
+    dst_slot: int
+    index: int
+    nbytes: int
+    rows: list[int]
+    offs: list[int]
+    split: bool = False
+    seg_start: int = 0
+    msg_nbytes: int = 0
+    cache: dict = field(default_factory=dict)  # views per staging buffer (executor)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.round, self.index, self.mid)
+
+    @property
+    def tag(self) -> int:
+        return ((self.mid << TAG_CHUNK_BITS) | self.index) & 0x7FFFFFFF
+
+
+def chunk_messages(
+    msgs: MessageColumns,
+    info: CopyInfo,
+    wire_chunk: int = WIRE_CHUNK,
+    staged_chunk: int | None = None,
+) -> list[Chunk]:
+    """Every message's chunks, messages in order (see the module docstring)."""
+    staged_chunk = staged_chunk or wire_chunk
+    if wire_chunk % 16 or staged_chunk % 16:
+        raise ValueError("wire_chunk and staged_chunk must be multiples of 16")
+    cut = _Cutter(info, wire_chunk, staged_chunk)
+    out: list[Chunk] = []
+    for k in range(len(msgs)):
+        out += cut.message(
+            Chunk(
+                int(msgs.id[k]),
+                int(msgs.round[k]),
+                int(msgs.src_slot[k]),
+                int(msgs.dst_slot[k]),
+                0,
+                0,
+                [],
+                [],
+                msg_nbytes=int(msgs.nbytes[k]),
+            ),
+            int(msgs.start[k]),
+            int(msgs.end[k]),
+        )
+    return out
+
+
+class _Cutter:
+    """Cuts one message at a time (copy attributes as Python lists, read once)."""
+
+    def __init__(self, info: CopyInfo, wire_chunk: int, staged_chunk: int) -> None:
+        self.seg = info.seg_bytes.tolist()
+        self.pay = info.payload.tolist()
+        self.lands = info.lands_direct.tolist()
+        self.own = info.own_chunk.tolist()
+        self.wire_chunk, self.staged_chunk = wire_chunk, staged_chunk
+
+    def message(self, m: Chunk, lo: int, hi: int) -> list[Chunk]:
+        """Chunks of the message whose copies are rows [lo, hi); `m` carries its fields."""
+        chunks: list[Chunk] = []
+        rows: list[int] = []
+        offs: list[int] = []
+
+        def new(n: int, r: list[int], o: list[int], split: bool = False, at: int = 0) -> None:
+            chunks.append(
+                Chunk(
+                    m.mid,
+                    m.round,
+                    m.src_slot,
+                    m.dst_slot,
+                    len(chunks),
+                    n,
+                    r,
+                    o,
+                    split,
+                    at,
+                    m.msg_nbytes,
+                )
+            )
+
+        group_start = off = 0
+        for i in range(lo, hi):
+            total = self.seg[i]
+            size = self.wire_chunk if self.lands[i] else self.staged_chunk
+            if total > size or self.own[i]:
+                if rows:
+                    new(offs[-1] + self.pay[rows[-1]], rows, offs)
+                    rows, offs = [], []
+                p = self.pay[i]
+                for s in range(0, p, size):
+                    n = min(size, p - s)
+                    new(n, [i], [0], n != p, s)
+            else:
+                if rows and off + total - group_start > self.staged_chunk:
+                    new(offs[-1] + self.pay[rows[-1]], rows, offs)
+                    rows, offs = [], []
+                if not rows:
+                    group_start = off
+                rows.append(i)
+                offs.append(off - group_start)
+            off += total
+        if rows:
+            new(offs[-1] + self.pay[rows[-1]], rows, offs)
+        if off != m.msg_nbytes:
+            raise ExecutionError(
+                f"message {m.mid} ({m.src_slot}->{m.dst_slot}): copies need {off} bytes on "
+                f"the wire but the plan says {m.msg_nbytes}"
+            )
+        return chunks
+
+
+def flat_range_views(t: torch.Tensor, e0: int, e1: int) -> list[torch.Tensor]:
+    """Views covering elements [e0, e1) of `t` in row-major order, fewest blocks possible."""
+    if e0 >= e1:
+        return []
+    if t.dim() == 0:
+        return [t.reshape(1)]
+    if t.dim() == 1:
+        return [t[e0:e1]]
+    if t.is_contiguous():
+        return [t.reshape(-1)[e0:e1]]
+    inner = t.numel() // t.shape[0]
+    i0, r0 = divmod(e0, inner)
+    i1, r1 = divmod(e1, inner)
+    if i0 == i1:
+        return flat_range_views(t[i0], r0, r1)
+    out: list[torch.Tensor] = []
+    if r0:
+        out += flat_range_views(t[i0], r0, inner)
+        i0 += 1
+    if i1 > i0:
+        out.append(t[i0:i1])
+    if r1:
+        out += flat_range_views(t[i1], 0, r1)
+    return out
+
+
+class StagingRing:
+    """Staging buffers of `chunk` bytes, a ring per side: the k-th staged chunk of a side
+    uses buffer k mod n, so views into it are cut once. Chunks complete in posting order on
+    each side, so waiting for buffer k mod n is waiting for chunk k - n. Buffers are
+    allocated on first use and reused across refits; sends and receives get half the cap
+    each. `peak_bytes`: what was ever allocated, never more than the cap."""
+
+    def __init__(
+        self, cap_bytes: int, chunk: int, device: torch.device, most: int | None = None
+    ) -> None:
+        """`most`: the most staged chunks either side has (no more buffers are useful)."""
+        self.chunk = chunk
+        self.device = device
+        self.per_side = (cap_bytes // 2) // chunk
+        if self.per_side < 1:
+            raise ValueError(
+                f"staging cap {cap_bytes} bytes is below two wire chunks ({2 * chunk} bytes)"
+            )
+        if most is not None:
+            self.per_side = min(self.per_side, max(most, 1))
+        self._bufs: dict[str, list[torch.Tensor | None]] = {
+            s: [None] * self.per_side for s in ("send", "recv")
+        }
+        self._busy: dict[str, list[bool]] = {s: [False] * self.per_side for s in ("send", "recv")}
+        self._cv = threading.Condition()
+        self.peak_bytes = 0
+
+    def slot_of(self, ordinal: int) -> int:
+        return ordinal % self.per_side
+
+    def reset(self) -> None:
+        with self._cv:
+            for s in self._busy:
+                self._busy[s] = [False] * self.per_side
+
+    def acquire(
+        self, side: str, slot: int, deadline: float, abort: threading.Event, what: str
+    ) -> torch.Tensor:
+        with self._cv:
+            while self._busy[side][slot]:
+                if abort.is_set():
+                    raise ExecutionError("aborted while waiting for a staging buffer")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutionError(
+                        f"{what}: timed out waiting for a free {side} staging buffer (earlier "
+                        "messages still in flight: a peer is slow, stuck or absent)"
+                    )
+                self._cv.wait(min(left, 0.1))
+            self._busy[side][slot] = True
+            buf = self._bufs[side][slot]
+            if buf is None:
+                pin = self.device.type == "cpu" and torch.cuda.is_available()
+                buf = torch.empty(self.chunk, dtype=torch.uint8, device=self.device, pin_memory=pin)
+                self._bufs[side][slot] = buf
+                n = sum(b is not None for s in self._bufs.values() for b in s)
+                self.peak_bytes = self.chunk * n
+            return buf
+
+    def release(self, side: str, slot: int) -> None:
+        with self._cv:
+            self._busy[side][slot] = False
+            self._cv.notify_all()

@@ -1,0 +1,359 @@
+"""The bytes side of a slot program: views of its regions, pack, unpack, local copies.
+
+Everything here is prepared once per (program, mapped tensors) from the program's columns:
+block views of every copy's regions, the views into each staging buffer a chunk uses, the
+zero-copy views of chunks whose bytes are one contiguous run in memory (one large copy, or
+several copies of adjacent regions, e.g. tensors of one arena). A refit then packs a chunk
+with one `torch._foreach_copy_` over ready view lists, and unpacks it the same way; only
+quantized segments (sender- or receiver-side conversion) go one copy at a time through
+refitd.formats.
+
+Verification keys checksums by (message id, copy row) (see executor.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from refitd.agent.checksums import Checksummer, combine
+from refitd.agent.chunks import Chunk, CopyInfo, ExecutionError, flat_range_views
+from refitd.agent.segments import ResolvedTensor, block, decode_segment, encode_segment
+from refitd.plan.layout import PLAIN
+from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
+from refitd.transport.memory import torch_dtype
+
+if TYPE_CHECKING:
+    from refitd.formats.grouped import GroupedLanding
+
+_Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int64 checksum
+_RAW = 0
+
+
+@dataclass
+class LocalStep:
+    """Local copies prepared for a refit: a grouped launch (refitd.formats.grouped, CUDA)
+    and, for the copies it did not take, one `_foreach_copy_` over plain destinations plus
+    one call per quantized destination. `rows`: the copies outside the grouped launch (for
+    verification); `grouped_plain`: the plain copies inside it, in the order of its
+    checksums; `nbytes`: the bytes of the copies outside it."""
+
+    grouped: GroupedLanding | None = None
+    dst: list[torch.Tensor] = field(default_factory=list)
+    src: list[torch.Tensor] = field(default_factory=list)
+    slow: list[tuple[Callable[..., Any], torch.Tensor, Any]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    grouped_plain: list[int] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.grouped is None and not self.dst and not self.slow
+
+
+@dataclass(slots=True)
+class _Views:
+    """A staged chunk's ready work for one staging buffer."""
+
+    dst: list[torch.Tensor]  # foreach_copy_ destinations
+    src: list[torch.Tensor]
+    slow: list[tuple[int, int]]  # (copy row, chunk offset): quantized, one at a time
+
+
+def _run_view(views: list[torch.Tensor], nbytes: int) -> torch.Tensor | None:
+    """One uint8 view over `views` when they are contiguous, in one storage, back to back
+    and `nbytes` long in all; else None."""
+    if not views or any(not v.is_contiguous() for v in views):
+        return None
+    storage = views[0].untyped_storage()
+    pos = views[0].data_ptr()
+    for v in views:
+        if v.untyped_storage().data_ptr() != storage.data_ptr() or v.data_ptr() != pos:
+            return None
+        pos += v.numel() * v.element_size()
+    if pos - views[0].data_ptr() != nbytes:
+        return None
+    if len(views) == 1:
+        return views[0].reshape(-1).view(torch.uint8)
+    out = torch.empty(0, dtype=torch.uint8, device=views[0].device)
+    return out.set_(storage, views[0].data_ptr() - storage.data_ptr(), (nbytes,))
+
+
+class SlotData:
+    """Regions of one slot program over resolved tensors (see the module docstring)."""
+
+    def __init__(
+        self, program: SlotProgram, info: CopyInfo, tensors: dict[int, ResolvedTensor]
+    ) -> None:
+        self.p = program
+        self.info = info
+        self.tensors = tensors
+        self.summer = Checksummer()
+        c = program.copies
+        self._src_t = c.src.tolist()
+        self._dst_t = c.dst.tolist()
+        self._nd = c.ndim.tolist()
+        self._src_off = c.src_off.tolist()
+        self._dst_off = c.dst_off.tolist()
+        self._shape = c.shape.tolist()
+        self._wire = c.wire.tolist()
+        self._dtype = [torch_dtype(DTYPES[d]) for d in info.src_dtype.tolist()]
+        self._pay = info.payload.tolist()
+        self._seg = info.seg_bytes.tolist()
+        self._src_views: dict[int, torch.Tensor] = {}
+        self._dst_views: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ regions
+    def shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self._shape[i][: self._nd[i]])
+
+    def src_block(self, i: int) -> torch.Tensor:
+        v = self._src_views.get(i)
+        if v is None:
+            nd = self._nd[i]
+            t = self.tensors[self._src_t[i]].data
+            v = self._src_views[i] = block(t, tuple(self._src_off[i][:nd]), self.shape(i))
+        return v
+
+    def dst_block(self, i: int) -> torch.Tensor:
+        v = self._dst_views.get(i)
+        if v is None:
+            nd = self._nd[i]
+            t = self.tensors[self._dst_t[i]].data
+            v = self._dst_views[i] = block(t, tuple(self._dst_off[i][:nd]), self.shape(i))
+        return v
+
+    def plain_raw_dst(self, i: int) -> bool:
+        return self._wire[i] == _RAW and self.tensors[self._dst_t[i]].storage == PLAIN
+
+    def _piece(self, region: torch.Tensor, ch: Chunk, i: int) -> list[torch.Tensor]:
+        """Views of the part of a copy's region that chunk `ch` carries."""
+        if not ch.split:
+            return [region]
+        size = self._dtype[i].itemsize  # segment bytes are in the source dtype
+        return flat_range_views(region, ch.seg_start // size, (ch.seg_start + ch.nbytes) // size)
+
+    # ------------------------------------------------------------------ zero-copy
+    def zero_copy_send(self, ch: Chunk) -> torch.Tensor | None:
+        if any(self._wire[i] != _RAW for i in ch.rows):
+            return None
+        views = [v for i in ch.rows for v in self._piece(self.src_block(i), ch, i)]
+        if not ch.split and any(self._pay[i] != self._seg[i] for i in ch.rows[:-1]):
+            return None  # alignment padding between segments
+        return _run_view(views, ch.nbytes)
+
+    def zero_copy_recv(self, ch: Chunk) -> torch.Tensor | None:
+        for i in ch.rows:
+            d = self.tensors[self._dst_t[i]]
+            if not self.plain_raw_dst(i) or d.data.dtype != self._dtype[i]:
+                return None
+        if not ch.split and any(self._pay[i] != self._seg[i] for i in ch.rows[:-1]):
+            return None
+        views = [v for i in ch.rows for v in self._piece(self.dst_block(i), ch, i)]
+        return _run_view(views, ch.nbytes)
+
+    # ------------------------------------------------------------------ pack / unpack
+    def _stage_views(self, buf: torch.Tensor, ch: Chunk, i: int, off: int, region: torch.Tensor):
+        """Views of the staging buffer matching _piece(region) (raw wire)."""
+        out = []
+        pos = off
+        for v in self._piece(region, ch, i):
+            n = v.numel() * self._dtype[i].itemsize
+            out.append(buf[pos : pos + n].view(self._dtype[i]).view(v.shape))
+            pos += n
+        return out
+
+    def _views(self, ch: Chunk, buf: torch.Tensor, send: bool) -> _Views:
+        key = (send, buf.data_ptr())
+        w = ch.cache.get(key)
+        if w is not None:
+            return w
+        w = _Views([], [], [])
+        for i, off in zip(ch.rows, ch.offs, strict=True):
+            if send and self._wire[i] == _RAW:
+                region = self.src_block(i)
+                w.dst += self._stage_views(buf, ch, i, off, region)
+                w.src += self._piece(region, ch, i)
+            elif not send and self.plain_raw_dst(i):
+                region = self.dst_block(i)
+                w.src += self._stage_views(buf, ch, i, off, region)
+                w.dst += self._piece(region, ch, i)
+            else:
+                w.slow.append((i, off))
+        ch.cache[key] = w
+        return w
+
+    def pack(self, ch: Chunk, buf: torch.Tensor, sums: _Sums | None) -> None:
+        """Pack a staged chunk; with `sums`, checksum encoded segments (raw: source_sums)."""
+        w = self._views(ch, buf, True)
+        if w.dst:
+            torch._foreach_copy_(w.dst, w.src)
+        for i, off in w.slow:
+            src = self.src_block(i)
+            wire = WIRES[self._wire[i]]
+            if not ch.split:
+                seg = buf[off : off + self._seg[i]]
+                encode_segment(wire, src, seg)
+                if sums is not None:
+                    sums[(ch.mid, i)] = self.summer.tensor(seg)
+            else:  # a quantized segment larger than a chunk is encoded whole, then sliced
+                scratch = torch.empty(self._seg[i], dtype=torch.uint8, device=buf.device)
+                encode_segment(wire, src, scratch)
+                buf[: ch.nbytes].copy_(scratch[ch.seg_start : ch.seg_start + ch.nbytes])
+                if sums is not None and ch.seg_start == 0:
+                    sums[(ch.mid, i)] = self.summer.tensor(scratch)
+
+    def unpack(
+        self, ch: Chunk, buf: torch.Tensor, partial: dict[int, torch.Tensor], sums: _Sums | None
+    ) -> None:
+        """Unpack a staged chunk; with `sums`, checksum the segments it decodes (landed)."""
+        w = self._views(ch, buf, False)
+        if w.dst:
+            torch._foreach_copy_(w.dst, w.src)
+        for i, off in w.slow:
+            seg = buf[off : off + ch.nbytes] if ch.split else buf[off : off + self._seg[i]]
+            if ch.split:
+                acc = partial.get(i)
+                if acc is None:
+                    acc = partial[i] = torch.empty(
+                        self._seg[i], dtype=torch.uint8, device=buf.device
+                    )
+                acc[ch.seg_start : ch.seg_start + ch.nbytes].copy_(seg)
+                if ch.seg_start + ch.nbytes < self._pay[i]:
+                    continue
+                seg = partial.pop(i)
+            if sums is not None:  # a raw segment without its alignment padding
+                n = self._pay[i] if self._wire[i] == _RAW else None
+                sums[(ch.mid, i)] = self.summer.tensor(seg[:n])
+            dst = self.tensors[self._dst_t[i]]
+            nd = self._nd[i]
+            decode_segment(
+                WIRES[self._wire[i]],
+                seg,
+                self.shape(i),
+                self._dtype[i],
+                dst,
+                tuple(self._dst_off[i][:nd]),
+            )
+
+    # ------------------------------------------------------------------ local copies
+    def local_plan(self, rows: list[int], grouped: GroupedLanding | None = None) -> LocalStep:
+        """Local copies as a ready-to-run step: views are cut once here, not per refit.
+        With `grouped` (CUDA with triton), every copy its kernels take (same-dtype plain
+        copies, MXFP8 / block-FP8 conversions) lands in one launch per group."""
+        step = LocalStep()
+        for i in rows:
+            d = self.tensors[self._dst_t[i]]
+            if d.storage == PLAIN:
+                if grouped is not None and grouped.add_copy(self.src_block(i), self.dst_block(i)):
+                    step.grouped_plain.append(i)
+                    continue
+                step.dst.append(self.dst_block(i))
+                step.src.append(self.src_block(i))
+            else:
+                from refitd import formats
+
+                nd = self._nd[i]
+                region = formats.dest_region(
+                    d.storage,
+                    d.data,
+                    d.scales,
+                    tuple(self._dst_off[i][:nd]),
+                    self.shape(i),
+                    name=d.name,
+                )
+                if grouped is not None and grouped.add_quantize(self.src_block(i), region):
+                    continue
+                step.slow.append((formats.copy_region, self.src_block(i), region))
+            step.rows.append(i)
+        step.nbytes = self.local_bytes(step.rows)
+        if grouped is not None and grouped.regions:
+            step.grouped = grouped.build()
+        return step
+
+    def local_bytes(self, rows: list[int]) -> int:
+        return sum(math.prod(self.shape(i)) * self._dtype[i].itemsize for i in rows)
+
+    # ------------------------------------------------------------------ verification
+    def source_sum(self, i: int) -> torch.Tensor:
+        """Sender checksum of a raw copy: its source block as a plain destination will hold
+        it (cast to the destination dtype when it differs), else as the raw segment."""
+        src = self.src_block(i)
+        c = self.p.copies
+        dst_dtype = torch_dtype(DTYPES[int(c.dst_dtype[i])])
+        if int(c.flags[i]) & FLAG_DST_PLAIN and dst_dtype != src.dtype:
+            src = src.to(dst_dtype)
+        return self.summer.tensor(src)
+
+    def source_sums(self, ch: Chunk, sums: _Sums) -> None:
+        """Sender checksums of the raw copies that start in ch (encoded ones: pack)."""
+        if ch.seg_start:
+            return
+        for i in ch.rows:
+            if self._wire[i] == _RAW:
+                sums[(ch.mid, i)] = self.source_sum(i)
+
+    def landed(self, ch: Chunk, sums: _Sums) -> None:
+        """Read back the destination blocks of the plain raw copies that ch completes."""
+        for i in ch.rows:
+            if not self.plain_raw_dst(i):
+                continue  # checked on its segment in unpack
+            if not ch.split or ch.seg_start + ch.nbytes == self._pay[i]:
+                sums[(ch.mid, i)] = self.summer.tensor(self.dst_block(i))
+
+    def message_sums(self, m: MessageColumns, sums: _Sums) -> dict[int, int]:
+        """One checksum per message: its copies' checksums combined in order."""
+        keys = [
+            (int(m.id[k]), i) for k in range(len(m)) for i in range(int(m.start[k]), int(m.end[k]))
+        ]
+        missing = [k for k in keys if k not in sums]
+        if missing:
+            mid, i = missing[0]
+            raise ExecutionError(
+                f"slot {self.p.slot}: message {mid}: no checksum for the copy of tensor "
+                f"{self._src_t[i]} -> {self._dst_t[i]} ({len(missing)} copies missing)"
+            )
+        values = iter(torch.stack([sums[k] for k in keys]).tolist() if keys else [])
+        return {
+            int(m.id[k]): combine(next(values) for _ in range(int(m.end[k] - m.start[k])))
+            for k in range(len(m))
+        }
+
+    def check_local(
+        self,
+        rows: list[int],
+        fused: torch.Tensor | None = None,
+        fused_rows: list[int] | None = None,
+    ) -> None:
+        """Compare each local copy's destination block with its source (plain storage);
+        `fused`: (source, landed) checksums the grouped copy kernel computed for
+        fused_rows."""
+        plain = [i for i in rows if self.tensors[self._dst_t[i]].storage == PLAIN]
+        pairs = [
+            torch.stack((self.source_sum(i), self.summer.tensor(self.dst_block(i)))) for i in plain
+        ]
+        if fused is not None and fused_rows:
+            plain += fused_rows
+            pairs.append(fused)
+        if not plain:
+            return
+        values = torch.cat([p.reshape(-1, 2) for p in pairs]).tolist()
+        bad = [i for i, (a, b) in zip(plain, values, strict=True) if a != b]
+        if bad:
+            raise ExecutionError(
+                f"slot {self.p.slot}: checksum mismatch of {len(bad)} local copies: "
+                + "; ".join(
+                    f"{self.describe(self._src_t[i])} at {self._src_off[i][: self._nd[i]]} -> "
+                    f"{self.describe(self._dst_t[i])} at {self._dst_off[i][: self._nd[i]]} "
+                    f"{list(self.shape(i))}"
+                    for i in bad[:8]
+                )
+            )
+
+    def describe(self, index: int) -> str:
+        s = self.p.tensors[index]  # a tensor of this slot: its name came with its handle
+        return f"{self.tensors[index].name!r} (pool {s.pool}, rank {s.rank})"

@@ -1,0 +1,307 @@
+"""Every slot's program from a plan's columns, in one vectorised pass grouped by slot.
+
+A plan keeps its remote copies in message order and its messages by id; a slot's program
+is the slices of those columns that it sends, receives and copies locally, plus the rows of
+the plan's tensor table that they touch. The sort by slot is done once per plan
+(`ProgramIndex`); each program is then a handful of NumPy takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from refitd.plan.program import (
+    DTYPES,
+    STORAGES,
+    CopyColumns,
+    MessageColumns,
+    SlotProgram,
+    TensorColumns,
+    copy_flags,
+    narrow_dtypes,
+)
+from refitd.plan.table import SpecTable
+
+
+def _ranges(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(start[k], end[k]) for all k."""
+    lens = end - start
+    total = int(lens.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    first = np.cumsum(lens) - lens
+    return np.repeat(start - first, lens) + np.arange(total)
+
+
+@dataclass(slots=True)
+class PlanTensors:
+    """The plan's tensors as columns (program tensor tables are slices of these)."""
+
+    slot: np.ndarray
+    rank: np.ndarray
+    pool: np.ndarray
+    dtype: np.ndarray
+    storage: np.ndarray
+    ndim: np.ndarray
+    local_shape: np.ndarray  # [T, D]
+    pools: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls, tables: Sequence[SpecTable], counts: Sequence[int], slot: np.ndarray, dims: int
+    ) -> PlanTensors:
+        """From the sides' SpecTables (in plan index order, the first `counts` rows of
+        each): attributes are read per distinct geometry, then gathered."""
+        geos = [g for t in tables for g in t.geos]
+        pools = sorted({g.pool for g in geos})
+        pool_id = {p: i for i, p in enumerate(pools)}
+        d = max([dims, 1] + [len(g.local_shape) for g in geos])
+        n = max(len(geos), 1)
+        g_pool = np.zeros(n, np.int64)
+        g_dtype = np.zeros(n, np.uint8)
+        g_storage = np.zeros(n, np.uint8)
+        g_ndim = np.zeros(n, np.uint8)
+        g_shape = np.ones((n, d), np.int64)
+        dt_id = {x: i for i, x in enumerate(DTYPES)}
+        st_id = {x: i for i, x in enumerate(STORAGES)}
+        for i, g in enumerate(geos):
+            g_pool[i] = pool_id[g.pool]
+            g_dtype[i] = dt_id[g.dtype]
+            g_storage[i] = st_id[g.storage]
+            g_ndim[i] = len(g.local_shape)
+            g_shape[i, : len(g.local_shape)] = g.local_shape
+        parts, ranks, base = [], [], 0
+        for t, n_rows in zip(tables, counts, strict=True):  # tables may have grown since
+            parts.append(t.columns()[1][:n_rows] + base)
+            ranks.append(t.ranks()[:n_rows])
+            base += len(t.geos)
+        gid = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return cls(
+            slot=slot,
+            rank=np.concatenate(ranks) if ranks else np.zeros(0, np.int64),
+            pool=g_pool[gid],
+            dtype=g_dtype[gid],
+            storage=g_storage[gid],
+            ndim=g_ndim[gid],
+            local_shape=g_shape[gid],
+            pools=tuple(pools),
+        )
+
+
+@dataclass(slots=True)
+class CopyCols:
+    """Plan-wide copy columns (remote copies in message order, or local copies)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    src_loc: np.ndarray
+    dst_loc: np.ndarray
+    shape: np.ndarray
+    ndim: np.ndarray
+    wire: np.ndarray
+
+    def take(self, rows: np.ndarray) -> CopyColumns:
+        return CopyColumns(
+            src=self.src[rows],
+            dst=self.dst[rows],
+            src_off=self.src_loc[rows],
+            dst_off=self.dst_loc[rows],
+            shape=self.shape[rows],
+            ndim=self.ndim[rows].astype(np.uint8),
+            wire=self.wire[rows].astype(np.uint8),
+        )
+
+
+@dataclass(slots=True)
+class Messages:
+    """Plan-wide message columns, indexed by message id."""
+
+    round: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    nbytes: np.ndarray
+
+
+def _copy_table(remote: CopyCols, local: CopyCols, t: PlanTensors, rows: np.ndarray) -> CopyColumns:
+    """Rows `rows` of remote copies then local ones (local rows offset by the remote
+    count); dtypes and flags are computed per plan copy, before the take."""
+    both = {
+        f: np.concatenate([getattr(remote, f), getattr(local, f)])
+        for f in ("src", "dst", "src_loc", "dst_loc", "shape", "ndim", "wire")
+    }
+    src, dst, ndim = both["src"], both["dst"], both["ndim"].astype(np.uint8)
+    flags = copy_flags(
+        both["wire"],
+        t.dtype[src],
+        t.dtype[dst],
+        t.storage[dst] == 0,
+        both["shape"],
+        t.local_shape[src],
+        t.local_shape[dst],
+        ndim,
+    )
+    return CopyColumns(
+        src=src[rows],
+        dst=dst[rows],
+        src_off=both["src_loc"][rows],
+        dst_off=both["dst_loc"][rows],
+        shape=both["shape"][rows],
+        ndim=ndim[rows],
+        wire=both["wire"].astype(np.uint8)[rows],
+        src_dtype=t.dtype[src][rows],
+        dst_dtype=t.dtype[dst][rows],
+        flags=flags[rows],
+    )
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """Position of every element inside its group, for groups of `counts` in order."""
+    total = int(counts.sum())
+    return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+class ProgramIndex:
+    """Every slot's program, built in one pass over the plan's columns.
+
+    Program copy rows are laid out slot after slot (sends' copies, receives' copies, local
+    copies) in one set of columns taken once from the plan's; a program is then slices
+    (views) of those columns, of the message columns ordered by slot, and of the tensor
+    rows each slot touches."""
+
+    def __init__(
+        self, digest: str, remote: CopyCols, local: CopyCols, msgs: Messages, tensors: PlanTensors
+    ) -> None:
+        self.digest, self.tensors = digest, tensors
+        self.slots = np.unique(tensors.slot)
+        n_slots = self.slots.size
+        send = self._side(msgs, msgs.src)
+        recv = self._side(msgs, msgs.dst)
+        lslot = np.searchsorted(self.slots, tensors.slot[local.src])
+        l_order = np.argsort(lslot, kind="stable")
+        l_cnt = np.bincount(lslot, minlength=n_slots)
+        total = send["copies"] + recv["copies"] + l_cnt
+        base = np.cumsum(total) - total
+        rows = np.empty(int(total.sum()), np.int64)
+        rows[np.repeat(base, send["copies"]) + _within(send["copies"])] = send["rows"]
+        at = base + send["copies"]
+        rows[np.repeat(at, recv["copies"]) + _within(recv["copies"])] = recv["rows"]
+        at = at + recv["copies"]
+        rows[np.repeat(at, l_cnt) + _within(l_cnt)] = l_order + remote.src.size
+        self.copies = _copy_table(remote, local, tensors, rows)
+        self.copy_lo, self.copy_hi = base, base + total
+        self.local_start = send["copies"] + recv["copies"]
+        self.send = self._messages(msgs, send, np.zeros(n_slots, np.int64))
+        self.recv = self._messages(msgs, recv, send["copies"])
+        self._send_lo, self._send_hi = send["lo"].tolist(), send["hi"].tolist()
+        self._recv_lo, self._recv_hi = recv["lo"].tolist(), recv["hi"].tolist()
+        self._tables(n_slots)
+        self._narrow()
+
+    def _narrow(self) -> None:
+        """Per slot and integer column, the narrowest travelling dtype (program_codec):
+        one maximum per slot and column, from reduceat over the slot-major columns."""
+        cols: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        c = self.copies
+        for name in ("src", "dst", "src_off", "dst_off", "shape"):
+            cols[f"copies.{name}"] = (getattr(c, name), self.copy_lo)
+        for side, m, lo in (("send", self.send, self._send_lo), ("recv", self.recv, self._recv_lo)):
+            for f in fields(MessageColumns):
+                cols[f"{side}.{f.name}"] = (getattr(m, f.name), np.array(lo, np.int64))
+        for name in ("index", "slot", "rank", "pool", "local_shape"):
+            cols[f"tensors.{name}"] = (self.table_cols[name], self.table_lo)
+        self.narrow: dict[str, list[str]] = {}
+        for name, (a, lo) in cols.items():
+            flat = a.max(axis=1) if a.ndim == 2 and a.shape[1] else a.reshape(-1)
+            padded = np.r_[flat, 0]  # an empty slot's range starts at the end
+            top = np.maximum.reduceat(padded, np.minimum(lo, flat.size)) if lo.size else lo
+            self.narrow[name] = narrow_dtypes(top).tolist()
+
+    def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
+        """Messages of one direction grouped by this end's slot, ids ascending."""
+        order = np.argsort(slot_of_msg, kind="stable")
+        slot = np.searchsorted(self.slots, slot_of_msg[order])
+        lens = msgs.end[order] - msgs.start[order]
+        n = self.slots.size
+        return {
+            "order": order,
+            "lens": lens,
+            "rows": _ranges(msgs.start[order], msgs.end[order]),
+            "msgs": np.bincount(slot, minlength=n),
+            "copies": np.bincount(slot, weights=lens, minlength=n).astype(np.int64),
+        }
+
+    def _messages(self, msgs: Messages, side: dict, offset: np.ndarray) -> MessageColumns:
+        """Message columns of all slots back to back, start/end relative to each program."""
+        o, lens, cnt = side["order"], side["lens"], side["msgs"]
+        end = np.cumsum(lens)
+        slot_base = np.cumsum(side["copies"]) - side["copies"]
+        end = end - np.repeat(slot_base - offset, cnt)
+        self_lo = np.cumsum(cnt) - cnt
+        m = MessageColumns(
+            id=o.astype(np.int64),
+            round=msgs.round[o],
+            src_slot=msgs.src[o],
+            dst_slot=msgs.dst[o],
+            start=end - lens,
+            end=end,
+            nbytes=msgs.nbytes[o],
+        )
+        side["lo"], side["hi"] = self_lo, self_lo + cnt
+        return m
+
+    def _tables(self, n_slots: int) -> None:
+        """Per slot, its own tensors in plan index order; their columns taken once. Empty
+        shards (a zero-sized local shape) are left out: nothing reads or writes them, so
+        their slot maps no memory for them."""
+        t = self.tensors
+        k = np.searchsorted(self.slots, t.slot)
+        held = np.flatnonzero(t.local_shape.prod(axis=1) > 0)
+        idx = held[np.argsort(k[held], kind="stable")]
+        k = k[held]
+        counts = np.bincount(k, minlength=n_slots)
+        self.table_cols = {
+            "index": idx,
+            "slot": t.slot[idx],
+            "rank": t.rank[idx],
+            "pool": t.pool[idx],
+            "dtype": t.dtype[idx],
+            "storage": t.storage[idx],
+            "ndim": t.ndim[idx],
+            "local_shape": t.local_shape[idx],
+        }
+        self.table_hi = np.cumsum(counts)
+        self.table_lo = self.table_hi - counts
+
+    def program(self, slot: int) -> SlotProgram:
+        k = int(np.searchsorted(self.slots, slot))
+        if k >= self.slots.size or int(self.slots[k]) != slot:
+            raise KeyError(f"slot {slot} holds no tensor of this plan")
+        a, b = int(self.copy_lo[k]), int(self.copy_hi[k])
+        c = self.copies
+        copies = CopyColumns(*(getattr(c, f.name)[a:b] for f in fields(CopyColumns)))
+        ta, tb = int(self.table_lo[k]), int(self.table_hi[k])
+        table = TensorColumns(
+            **{n: col[ta:tb] for n, col in self.table_cols.items()}, pools=self.tensors.pools
+        )
+        return SlotProgram(
+            digest=self.digest,
+            slot=slot,
+            wire_dtypes={n: d[k] for n, d in self.narrow.items()},
+            table=table,
+            copies=copies,
+            send=self._slice(self.send, self._send_lo[k], self._send_hi[k]),
+            recv=self._slice(self.recv, self._recv_lo[k], self._recv_hi[k]),
+            local_start=int(self.local_start[k]),
+        )
+
+    @staticmethod
+    def _slice(m: MessageColumns, lo: int, hi: int) -> MessageColumns:
+        return MessageColumns(
+            m.id[lo:hi], m.round[lo:hi], m.src_slot[lo:hi], m.dst_slot[lo:hi],
+            m.start[lo:hi], m.end[lo:hi], m.nbytes[lo:hi],
+        )  # fmt: skip

@@ -1,0 +1,160 @@
+"""Columnar slot programs: round trip, replay of shipped programs, rejection of bad bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refitd.plan.layouts import Shard, dtensor_layout, make_spec
+from refitd.plan.planner import PlanConfig, build_plan
+from refitd.plan.program import PROGRAM_FORMAT_VERSION, ProgramError, SlotProgram
+from refitd.plan.program_codec import encode
+
+from .oracle import run_and_check
+from .test_layouts_plan import tp_side
+
+FEW = settings(max_examples=12, deadline=None)
+
+
+def _plan(tp_s=2, tp_d=3, dp_d=2, relay=True, bucket=256):
+    src = tp_side("train", tp_s, 1, 1, (48, 8), 0, 0)
+    src += tp_side("train", tp_s, 1, 1, (48,), 0, 0, name="bias")
+    dst = tp_side("inf", tp_d, dp_d, 1, (48, 8), 0, 20)
+    dst += tp_side("inf", tp_d, dp_d, 1, (48,), 0, 20, name="bias")
+    return src, dst, PlanConfig(bucket_bytes=bucket, relay=relay)
+
+
+@FEW
+@given(
+    tp_s=st.sampled_from([1, 2, 4]),
+    tp_d=st.sampled_from([1, 2, 3]),
+    dp_d=st.sampled_from([1, 2, 3]),
+    relay=st.booleans(),
+    bucket=st.sampled_from([64, 256, 1 << 20]),
+)
+def test_programs_round_trip_and_replay(tp_s, tp_d, dp_d, relay, bucket):
+    """Every program survives its encoding unchanged, the one-pass builder gives the same
+    programs as the per-slot one, and the oracle replays the decoded programs bit for bit
+    (run_and_check ships every program through bytes)."""
+    src, dst, cfg = _plan(tp_s, tp_d, dp_d, relay, bucket)
+    plan = run_and_check(src, dst, cfg)
+    every = plan.programs()
+    assert sorted(every) == plan.slots()
+    for slot, p in every.items():
+        assert p == plan.program(slot)
+        back = SlotProgram.from_bytes(p.to_bytes(), slot)
+        assert back == p
+        assert back.sends == p.sends and back.recvs == p.recvs and back.local == p.local
+        for i, t in back.tensors.items():
+            spec = plan.tensors[i]
+            assert (t.pool, t.rank, t.slot, t.dtype, t.local_shape) == (
+                spec.pool,
+                spec.rank,
+                spec.slot,
+                spec.dtype,
+                spec.local_shape,
+            )
+
+
+def _err(data: bytes, slot: int) -> str:
+    with pytest.raises(ProgramError) as e:
+        SlotProgram.from_bytes(data, slot)
+    msg = str(e.value)
+    assert f"slot program for slot {slot}: field '" in msg, msg
+    return msg
+
+
+@FEW
+@given(data=st.data())
+def test_truncated_and_corrupted_programs_are_rejected(data):
+    src, dst, cfg = _plan()
+    plan = build_plan("m", 1, src, dst, cfg)
+    slot = data.draw(st.sampled_from(plan.slots()))
+    raw = plan.program(slot).to_bytes()
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    _err(raw[:cut], slot)
+    pos = data.draw(st.integers(0, len(raw) - 1))
+    flip = data.draw(st.integers(1, 255))
+    bad = bytearray(raw)
+    bad[pos] ^= flip
+    _err(bytes(bad), slot)
+
+
+def test_version_mismatch_and_wrong_slot_name_the_field():
+    src, dst, cfg = _plan()
+    plan = build_plan("m", 1, src, dst, cfg)
+    raw = bytearray(plan.program(0).to_bytes())
+    assert "field 'slot'" in _err(bytes(raw), 21)
+    raw[4:6] = (PROGRAM_FORMAT_VERSION + 1).to_bytes(2, "little")
+    msg = _err(bytes(raw), 0)
+    assert "field 'version'" in msg and f"reads {PROGRAM_FORMAT_VERSION}" in msg
+
+
+def test_inconsistent_columns_are_rejected_by_field():
+    """Columns with valid checksums but wrong contents: the semantic checks name the field."""
+    src, dst, cfg = _plan(relay=False)
+    plan = build_plan("m", 1, src, dst, cfg)
+    p = plan.program(0)
+    assert len(p.copies) and len(p.send)
+
+    def bad(**changes):
+        cols = dataclasses.replace(p.copies, **changes)
+        return encode(dataclasses.replace(p, copies=cols, wire_dtypes=None))
+
+    off = p.copies.src_off.copy()
+    off[0, 0] += 10_000
+    assert "field 'copies.src_off'" in _err(bad(src_off=off), 0)
+    idx = p.copies.src.copy()
+    idx[0] = 10_000
+    assert re.search(r"field 'copies.src'.*tensor 10000", _err(bad(src=idx), 0))
+    wire = p.copies.wire.copy()
+    wire[0] = 9
+    assert "field 'copies.wire'" in _err(bad(wire=wire), 0)
+    nb = p.send.nbytes.copy()
+    nb[0] += 16
+    sends = dataclasses.replace(p.send, nbytes=nb)
+    msg = _err(encode(dataclasses.replace(p, send=sends, wire_dtypes=None)), 0)
+    assert "field 'send.nbytes'" in msg
+
+
+def test_slot_with_an_empty_shard_and_no_copies():
+    """A rank whose shard is empty (torch.chunk of 3 rows over 4 ranks) holds a tensor with
+    zero copies: its slot's program is empty, ships and decodes."""
+    shape = (3, 8)
+    src = [
+        make_spec(
+            model="m",
+            pool="t",
+            rank=0,
+            slot=0,
+            name="w",
+            global_shape=shape,
+            dtype="float32",
+            layout=dtensor_layout(shape, (1,), (0,), [Shard(0)]),
+        )
+    ]
+    dst = [
+        make_spec(
+            model="m",
+            pool="i",
+            rank=r,
+            slot=10 + r,
+            name="w",
+            global_shape=shape,
+            dtype="float32",
+            layout=dtensor_layout(shape, (4,), (r,), [Shard(0)]),
+        )
+        for r in range(4)
+    ]
+    plan = run_and_check(src, dst, PlanConfig())
+    p = plan.program(13)
+    assert len(p.copies) == 0 and len(p.send) == len(p.recv) == 0
+    assert SlotProgram.from_bytes(p.to_bytes(), 13) == p
+    # the slot's one tensor is an empty shard: nothing to copy, no memory to map
+    (empty,) = [t for t in plan.tensors if t.slot == 13]
+    assert empty.local_shape == (0, 8)
+    assert len(p.tensors) == 0
