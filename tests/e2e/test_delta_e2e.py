@@ -21,6 +21,8 @@ from refitd.demo.gpt import GptConfig, ParallelLayout, rank_shards
 from refitd.demo.run import Daemon
 from refitd.demo.versions import VersionGenerator
 
+from .test_faults_e2e import wait_subscribed
+
 pytestmark = pytest.mark.slow
 
 TINY = GptConfig(layers=2, hidden=64, ffn=256, vocab=512)
@@ -94,6 +96,7 @@ def _infer(d: Daemon, model: str, pool: str, device: str, dst: dict) -> Inferenc
     c = InferenceClient(d.address, model, pool, rank=0, pool_size=1, device=device)
     c.register({n: Placed(t) for n, t in dst.items()})
     c.on_update(lambda e: None)
+    wait_subscribed(d.address, model)  # it can pause before the first refit
     return c
 
 
