@@ -117,7 +117,7 @@ def _rank(
     tensors, at = {}, 0
     for i, s in sorted(mine.items()):
         n = s.local_shape[0] * s.local_shape[1]
-        tensors[i] = ResolvedTensor(s.name, flat[at : at + n].view(s.local_shape))
+        tensors[i] = ResolvedTensor(f"tensor {i}", flat[at : at + n].view(s.local_shape))
         at += n
     gen = VersionGenerator(total, args.lr, seed=rank) if rank in SRC else None
     if gen is not None:
