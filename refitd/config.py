@@ -124,6 +124,17 @@ class Settings(BaseSettings):
         description="verify landed versions: per-message checksums of sources and of what "
         "landed, compared by the controller (a mismatch fails the attempt)",
     )
+    delta_refits: bool = Field(
+        False,
+        description="send only the elements that changed since the last committed version "
+        "where every destination provably holds it (docs/delta.md); others go dense",
+    )
+    delta_max_density: float = Field(
+        0.4, ge=0, le=1, description="a refit or message with more changed elements goes dense"
+    )
+    delta_probe_every: int = Field(
+        8, ge=1, description="after a refit went dense by density, measure again this often"
+    )
     # --- liveness
     heartbeat_interval_s: float = Field(1.0, gt=0, description="worker/agent heartbeat period")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="lease: dead after this silence")

@@ -381,7 +381,7 @@ class LoadProgramCommand(_message.Message):
     def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., program: _Optional[bytes] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
 
 class ExecuteCommand(_message.Message):
-    __slots__ = ("model", "digest", "slot", "version", "refit_id", "timeout_s", "slots", "verify")
+    __slots__ = ("model", "digest", "slot", "version", "refit_id", "timeout_s", "slots", "verify", "delta")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +390,7 @@ class ExecuteCommand(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     model: str
     digest: str
     slot: int
@@ -398,7 +399,24 @@ class ExecuteCommand(_message.Message):
     timeout_s: float
     slots: _containers.RepeatedScalarFieldContainer[int]
     verify: bool
-    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., slots: _Optional[_Iterable[int]] = ..., verify: _Optional[bool] = ...) -> None: ...
+    delta: _containers.RepeatedCompositeFieldContainer[DeltaCommand]
+    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., slots: _Optional[_Iterable[int]] = ..., verify: _Optional[bool] = ..., delta: _Optional[_Iterable[_Union[DeltaCommand, _Mapping]]] = ...) -> None: ...
+
+class DeltaCommand(_message.Message):
+    __slots__ = ("slot", "send", "recv", "allowed", "promote", "max_density")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SEND_FIELD_NUMBER: _ClassVar[int]
+    RECV_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DENSITY_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    send: _containers.RepeatedScalarFieldContainer[int]
+    recv: _containers.RepeatedScalarFieldContainer[int]
+    allowed: _containers.RepeatedScalarFieldContainer[int]
+    promote: int
+    max_density: float
+    def __init__(self, slot: _Optional[int] = ..., send: _Optional[_Iterable[int]] = ..., recv: _Optional[_Iterable[int]] = ..., allowed: _Optional[_Iterable[int]] = ..., promote: _Optional[int] = ..., max_density: _Optional[float] = ...) -> None: ...
 
 class AbortCommand(_message.Message):
     __slots__ = ("refit_id", "reason")
@@ -441,7 +459,7 @@ class AgentCommand(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., connect: _Optional[_Union[ConnectCommand, _Mapping]] = ..., load: _Optional[_Union[LoadProgramCommand, _Mapping]] = ..., execute: _Optional[_Union[ExecuteCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ..., apply: _Optional[_Union[ApplyCommand, _Mapping]] = ...) -> None: ...
 
 class AgentReport(_message.Message):
-    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more", "checksums", "snapshot_bytes", "snapshot_fallback")
+    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more", "checksums", "snapshot_bytes", "snapshot_fallback", "delta")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +474,7 @@ class AgentReport(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     slot: int
     command_id: int
@@ -470,7 +489,40 @@ class AgentReport(_message.Message):
     checksums: _containers.RepeatedCompositeFieldContainer[MessageChecksum]
     snapshot_bytes: int
     snapshot_fallback: str
-    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[MessageChecksum, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_fallback: _Optional[str] = ...) -> None: ...
+    delta: DeltaOutcome
+    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[MessageChecksum, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_fallback: _Optional[str] = ..., delta: _Optional[_Union[DeltaOutcome, _Mapping]] = ...) -> None: ...
+
+class DeltaMessageStat(_message.Message):
+    __slots__ = ("message_id", "delta", "changed", "elements", "nbytes", "dense_nbytes")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    message_id: int
+    delta: bool
+    changed: int
+    elements: int
+    nbytes: int
+    dense_nbytes: int
+    def __init__(self, message_id: _Optional[int] = ..., delta: _Optional[bool] = ..., changed: _Optional[int] = ..., elements: _Optional[int] = ..., nbytes: _Optional[int] = ..., dense_nbytes: _Optional[int] = ...) -> None: ...
+
+class DeltaOutcome(_message.Message):
+    __slots__ = ("base_version", "pending_version", "base_bytes", "encode_s", "apply_s", "sent")
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    base_version: int
+    pending_version: int
+    base_bytes: int
+    encode_s: float
+    apply_s: float
+    sent: _containers.RepeatedCompositeFieldContainer[DeltaMessageStat]
+    def __init__(self, base_version: _Optional[int] = ..., pending_version: _Optional[int] = ..., base_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., apply_s: _Optional[float] = ..., sent: _Optional[_Iterable[_Union[DeltaMessageStat, _Mapping]]] = ...) -> None: ...
 
 class MessageChecksum(_message.Message):
     __slots__ = ("message_id", "sent", "checksum")

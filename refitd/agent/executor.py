@@ -33,6 +33,7 @@ mismatch); those into quantized storage are not checked.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import os
 import queue
 import threading
@@ -58,9 +59,11 @@ from refitd.agent.chunks import (
 from refitd.agent.segments import ResolvedTensor
 from refitd.agent.slotdata import LocalStep, SlotData
 from refitd.plan.layout import PLAIN
-from refitd.plan.program import SlotProgram
-from refitd.transport.base import P2POp, Transport, Work
+from refitd.plan.program import MessageColumns, SlotProgram
+from refitd.transport.base import DoneWork, P2POp, Transport, Work
 from refitd.transport.memory import StorageMovedError, torch_dtype
+
+_SKIPPED = torch.empty(0, dtype=torch.uint8)  # marks a receive chunk of a skipped message
 
 GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -372,10 +375,23 @@ class Executor:
         on_sources_released: Callable[[], None] | None = None,
         abort: threading.Event | None = None,
         verify: bool = False,
+        skip: frozenset[int] = frozenset(),
     ) -> ExecReport:
         """One refit of this slot; raises ExecutionError (or StorageMovedError) on failure.
-        With verify, fills report.checksums and checks local copies (module docstring)."""
+        With verify, fills report.checksums and checks local copies (module docstring).
+        `skip`: message ids moved elsewhere this refit (delta refits), on both ends."""
         t0 = time.monotonic()
+        p = self.program
+        relayed = [
+            int(p.send.id[k])
+            for k in range(len(p.send))
+            if int(p.send.id[k]) in skip
+            and self.info.relay[int(p.send.start[k]) : int(p.send.end[k])].any()
+        ]
+        if relayed:  # a relay forwards what this refit delivered: it cannot go first
+            raise ExecutionError(
+                f"slot {self.program.slot}: relay messages {relayed[:4]} cannot be skipped"
+            )
         self.resolver.check(self._index_list)
         abort = abort or threading.Event()
         self.pool.reset()
@@ -386,7 +402,10 @@ class Executor:
         if has_messages and self.transport is None:
             raise ExecutionError(f"slot {self.program.slot}: program has messages but no transport")
         errors: list[BaseException] = []
-        sends_left = [self._source_chunks]
+        sends_left = [
+            self._source_chunks
+            - sum(self._reads_source[id(c)] for c in self.send_chunks if c.mid in skip)
+        ]
         released = threading.Event()
         lock = threading.Lock()
         progress = threading.Condition(lock)
@@ -466,6 +485,9 @@ class Executor:
                     ops: list[P2POp] = []
                     posted: list[tuple[Chunk, torch.Tensor, int, bool]] = []
                     for ch in recvs:
+                        if ch.mid in skip:  # landed before the executor ran
+                            posted.append((ch, _SKIPPED, -1, False))
+                            continue
                         zc = self._zc_recv[id(ch)]
                         ring = self._ring.get(id(ch), -1)
                         buf = (
@@ -478,6 +500,8 @@ class Executor:
                         ops.append(P2POp(False, buf[: ch.nbytes], self._peer(ch.src_slot), ch.tag))
                         posted.append((ch, buf, ring, False))
                     for ch in sends:
+                        if ch.mid in skip:
+                            continue
                         need = self._relay_wait.get(id(ch))
                         if need is not None:
                             wait_recvs(need, describe(ch, "send"))
@@ -503,15 +527,18 @@ class Executor:
                     if abort.is_set():
                         return
                     try:
-                        works = self.transport.batch(ops)  # type: ignore[union-attr]
+                        works = iter(self.transport.batch(ops) if ops else [])  # type: ignore[union-attr]
                     except Exception as e:
                         ch0 = posted[0][0]
                         raise ExecutionError(
                             f"{describe(ch0, 'send' if posted[0][3] else 'recv')}: {e}"
                         ) from e
-                    for (ch, buf, ring, is_send), w in zip(posted, works, strict=True):
+                    for ch, buf, ring, is_send in posted:
+                        if buf is _SKIPPED:  # counted in posting order by the receiver
+                            recv_q.put(_Posted(ch, DoneWork(), buf, -1))
+                            continue
                         stat("send" if is_send else "recv", ch, ring < 0)
-                        (send_q if is_send else recv_q).put(_Posted(ch, w, buf, ring))
+                        (send_q if is_send else recv_q).put(_Posted(ch, next(works), buf, ring))
             except BaseException as e:
                 fail(e)
             finally:
@@ -545,6 +572,11 @@ class Executor:
             partial: dict[int, torch.Tensor] = {}
             try:
                 while (item := recv_q.get()) is not None:
+                    if item.buf is _SKIPPED:
+                        with progress:
+                            recvs_done[0] += 1
+                            progress.notify_all()
+                        continue
                     tw = time.monotonic()
                     try:
                         item.work.wait(deadline - time.monotonic())
@@ -660,8 +692,8 @@ class Executor:
             phases.update(busy)
         if send_sums is not None and recv_sums is not None:
             report.checksums = {
-                "send": self.data.message_sums(self.program.send, send_sums),
-                "recv": self.data.message_sums(self.program.recv, recv_sums),
+                "send": self.data.message_sums(_without(self.program.send, skip), send_sums),
+                "recv": self.data.message_sums(_without(self.program.recv, skip), recv_sums),
             }
             phases["checksums_s"] = time.monotonic() - t1
             t1 = time.monotonic()
@@ -669,3 +701,11 @@ class Executor:
         report.staging_peak_bytes = self.pool.peak_bytes
         report.messages = sorted(stats.values(), key=lambda s: (s.direction, s.id))
         return report
+
+
+def _without(m: MessageColumns, skip: frozenset[int]) -> MessageColumns:
+    """The messages not in `skip` (they went through the delta path)."""
+    if not skip:
+        return m
+    keep = ~np.isin(m.id, np.fromiter(skip, dtype=np.int64, count=len(skip)))
+    return MessageColumns(*(getattr(m, f.name)[keep] for f in dataclasses.fields(m)))

@@ -77,6 +77,7 @@ class Outcome:
     seconds: float = 0.0
     message: str = ""
     checksums: tuple[pb.MessageChecksum, ...] = ()
+    delta: pb.DeltaOutcome | None = None
     snapshot_bytes: int = 0
     snapshot_fallback: str = ""
 
@@ -230,6 +231,16 @@ class SlotRunner:
                 self.slot, cmd.command_id, c.refit_id, Outcome(pb.REPORT_KIND_SOURCES_RELEASED)
             )
 
+        mine = next((d for d in c.delta if d.slot == self.slot), None)
+        delta = None
+        if mine is not None:
+            delta = {
+                "send": list(mine.send),
+                "recv": list(mine.recv),
+                "allowed": list(mine.allowed),
+                "promote": mine.promote,
+                "max_density": mine.max_density,
+            }
         result = self.process.execute(
             digest=c.digest,
             version=c.version,
@@ -237,8 +248,10 @@ class SlotRunner:
             timeout_s=c.timeout_s or self.options.transfer_timeout_s,
             on_sources_released=released,
             verify=c.verify,
+            delta=delta,
         )
         sums = result.get("checksums") or {}
+        d = result.get("delta")
         snap = result.get("snapshot") or {}
         return Outcome(
             pb.REPORT_KIND_DONE,
@@ -253,7 +266,30 @@ class SlotRunner:
                 for side in ("send", "recv")
                 for mid, h in sums.get(side, {}).items()
             ),
+            delta=None if d is None else _delta_outcome(d),
         )
+
+
+def _delta_outcome(d: dict) -> pb.DeltaOutcome:
+    """The delta path's result of one execute, for the controller's record and ledger."""
+    return pb.DeltaOutcome(
+        base_version=int(d["base_version"]),
+        pending_version=int(d["pending_version"]),
+        base_bytes=int(d["base_bytes"]),
+        encode_s=float(d["encode_s"]),
+        apply_s=float(d["apply_s"]),
+        sent=[
+            pb.DeltaMessageStat(
+                message_id=int(mid),
+                delta=bool(m["kind"]),
+                changed=int(m["changed"]),
+                elements=int(m["elements"]),
+                nbytes=int(m["nbytes"]),
+                dense_nbytes=int(m["dense_nbytes"]),
+            )
+            for mid, m in d["sent"].items()
+        ],
+    )
 
 
 class NodeAgent:
@@ -413,6 +449,7 @@ class NodeAgent:
                 seconds=outcome.seconds,
                 message=outcome.message,
                 checksums=outcome.checksums,
+                delta=outcome.delta,
                 snapshot_bytes=outcome.snapshot_bytes,
                 snapshot_fallback=outcome.snapshot_fallback,
             )

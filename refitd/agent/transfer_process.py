@@ -131,6 +131,7 @@ class _Loaded:
     source: tuple[bytes, dict[int, bytes]] = (b"", {})  # program and handles as loaded
     model: str = ""
     filled: int | None = None  # refit id whose execute filled the staging buffers in full
+    delta: Any = None  # (ProgramAccess, DeltaBase) of delta refits, made on first use
     snapshot: Snapshot | None = None  # snapshot release of this slot's sources (snapshot.py)
     snapshot_request: tuple[tuple[int, ...], int] = ((), 0)  # (tensors asked, cap) at load
 
@@ -229,7 +230,7 @@ class _TransferState:
             staged_chunk=cmd.get("staged_chunk"),
         )
         snapshot = prepare_snapshot(program, resolver, wanted, cap) if wanted else None
-        self.loaded[cmd["digest"]] = _Loaded(
+        entry = _Loaded(
             program,
             resolver,
             config,
@@ -238,6 +239,12 @@ class _TransferState:
             snapshot=snapshot,
             snapshot_request=(wanted, cap),
         )
+        for other in list(self.loaded.values()):
+            # a newer plan of the same layout (a new epoch) keeps the sender's delta base
+            if other.model == model and other.delta is not None and _same_sends(other, program):
+                entry.delta = (None, other.delta[1])
+                other.delta = None
+        self.loaded[cmd["digest"]] = entry
         return {} if snapshot is None else {"snapshot": snapshot.to_dict()}
 
     def apply(self, cmd: dict) -> dict:
@@ -328,12 +335,27 @@ class _TransferState:
                     released_s = time.monotonic() - t0
                     released()
                     on_released = None
-                report: ExecReport = self.executor(cmd["digest"]).run(
-                    cmd["timeout_s"], on_released, self.abort, verify=bool(cmd.get("verify"))
-                )
+                ex = self.executor(cmd["digest"])
+                delta = cmd.get("delta")
+                skip: frozenset[int] = frozenset()
+                drep = None
+                if delta and entry is not None:  # reads the snapshot when there is one
+                    drep = self.run_delta(entry, ex, delta, cmd)
+                    skip = frozenset(delta["send"]) | frozenset(delta["recv"])
+                report: ExecReport = ex.run(
+                    cmd["timeout_s"], on_released, self.abort, verify=bool(cmd.get("verify")),
+                    skip=skip,
+                )  # fmt: skip
                 if entry is not None and not self.abort.is_set():
                     entry.filled = cmd.get("refit_id")
                 out = report.to_dict()
+                if drep is not None:
+                    out["delta"] = drep
+                    out["sent_bytes"] += drep["wire_bytes"]
+                    out["recv_bytes"] += drep["recv_bytes"]
+                    if out.get("checksums") is not None:
+                        out["checksums"]["send"].update(drep.pop("send_sums"))
+                        out["checksums"]["recv"].update(drep.pop("recv_sums"))
                 out.update(version=cmd.get("version"), refit_id=cmd.get("refit_id"))
                 if snap is not None:
                     out["snapshot"] = snap.to_dict()
@@ -349,6 +371,54 @@ class _TransferState:
         self.busy.set()
         self.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
         self.running.start()
+
+    def run_delta(self, entry: _Loaded, ex: Executor, delta: dict, cmd: dict) -> dict:
+        """This slot's messages of the delta path (refitd.agent.delta_exchange), before the
+        executor runs the others: promote the base the controller reports committed, then
+        exchange; returns what the controller records."""
+        from refitd.agent.delta_access import ProgramAccess
+        from refitd.agent.delta_exchange import DeltaBase, run_delta
+
+        if self.transport is None:
+            raise ExecutionError("delta refit: no connected transport")
+        if entry.delta is None or entry.delta[0] is None:
+            ranks = self.slot_ranks
+            resolver = ex.resolver  # sources from the snapshot when the slot takes one
+            access = ProgramAccess(
+                entry.program, resolver.resolve, lambda s: s if ranks is None else ranks[s]
+            )
+            entry.delta = (access, DeltaBase() if entry.delta is None else entry.delta[1])
+        access, base = entry.delta
+        promoted = base.promote(int(delta["promote"]), access) if delta["promote"] >= 0 else False
+        t0 = time.monotonic()
+        rep = run_delta(
+            self.transport,
+            access.messages("send", delta["send"]),
+            access.messages("recv", delta["recv"]),
+            access,
+            base,
+            int(cmd.get("version") or 0),
+            allowed=frozenset(delta["allowed"]),
+            max_density=float(delta["max_density"]),
+            deadline=t0 + float(cmd["timeout_s"]),
+            wire_chunk=entry.config.wire_chunk,
+            verify=bool(cmd.get("verify")),
+        )
+        return {
+            "promoted": promoted,
+            "base_version": base.version,
+            "pending_version": base.pending_version,
+            "base_bytes": base.nbytes,
+            "sent": rep.sent,
+            "received": rep.received,
+            "encode_s": rep.encode_s,
+            "apply_s": rep.apply_s,
+            "seconds": rep.seconds,
+            "wire_bytes": rep.wire_bytes,
+            "recv_bytes": sum(m["nbytes"] for m in rep.received.values()),
+            "send_sums": rep.send_sums,
+            "recv_sums": rep.recv_sums,
+        }
 
     def probe(self, cmd: dict) -> dict:
         """Raw reference for benchmarks, in seconds: per peer one large contiguous buffer
@@ -421,6 +491,15 @@ def _probe_buffer(n: int, dev: torch.device) -> torch.Tensor:
     if dev.type == "cpu":
         return shared_buffer(n).fill_(1)
     return torch.ones(n, dtype=torch.uint8, device=dev)
+
+
+def _same_sends(old: _Loaded, program: SlotProgram) -> bool:
+    """Whether a program sends the same copies of the same source tensors as a loaded one
+    (the rows of the sender's delta base mean the same regions)."""
+    if old.program.sends != program.sends:
+        return False
+    srcs = {c.src_tensor for m in program.sends for c in m.copies}
+    return all(old.program.tensors.get(i) == program.tensors.get(i) for i in srcs)
 
 
 def _error(rid: int, e: BaseException) -> dict:
@@ -641,7 +720,13 @@ class TransferProcessHandle:
         return bool(self.request("unload", digest=digest).result(timeout_s)["unloaded"])
 
     def start_execute(
-        self, digest: str, version: int, refit_id: int, timeout_s: float, verify: bool = False
+        self,
+        digest: str,
+        version: int,
+        refit_id: int,
+        timeout_s: float,
+        verify: bool = False,
+        delta: dict | None = None,
     ) -> Pending:
         return self.request(
             "execute",
@@ -650,6 +735,7 @@ class TransferProcessHandle:
             refit_id=refit_id,
             timeout_s=timeout_s,
             verify=verify,
+            delta=delta,
         )
 
     def execute(
@@ -660,10 +746,12 @@ class TransferProcessHandle:
         timeout_s: float,
         on_sources_released: Callable[[], None] | None = None,
         verify: bool = False,
+        delta: dict | None = None,
     ) -> dict:
         """Run one refit of a loaded plan; returns the ExecReport as a dict (with verify,
-        its "checksums")."""
-        p = self.start_execute(digest, version, refit_id, timeout_s, verify)
+        its "checksums"; with delta, {"send", "recv", "allowed": message ids, "promote":
+        version committed everywhere or -1, "max_density"}: the delta path's "delta")."""
+        p = self.start_execute(digest, version, refit_id, timeout_s, verify, delta)
         return wait_execute(p, timeout_s, on_sources_released)
 
     def abort(self, timeout_s: float = 10.0, refit_id: int = 0) -> None:

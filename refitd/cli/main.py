@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "refitd.cli.bench_simulate",
         "replay a plan's messages on a link model (NICs, NVLink, fair sharing)",
     ),
+    "delta": ("refitd.cli.bench_delta", "delta refits vs dense refits of the same versions"),
 }
 
 

@@ -82,3 +82,12 @@ def segment_parts(wire: str, shape: tuple[int, ...], src_dtype: str) -> tuple[in
 def segment_nbytes(wire: str, shape: tuple[int, ...], src_dtype: str) -> int:
     """Bytes one copy occupies in a message, alignment padding included."""
     return sum(aligned(p) for p in segment_parts(wire, shape, src_dtype))
+
+
+def delta_capable(wire: str, src_dtype: str, storage: str, dst_dtype: str) -> bool:
+    """Whether a copy's destination holds the wire's elements unchanged, so a delta of them
+    can land in place: raw into plain storage of the source dtype, MXFP8 into MXFP8, block
+    FP8 into block FP8 (a cast, quantization or dequantization on landing cannot)."""
+    if wire == RAW:
+        return storage == "plain" and src_dtype == dst_dtype
+    return wire in (MXFP8, FP8_BLOCK) and storage == wire

@@ -54,6 +54,7 @@ from refitd.config import Settings
 from refitd.plan.gc_pause import GcPause
 from refitd.plan.planner import Plan
 from refitd.server.database import RefitRecord, StateDB
+from refitd.server.delta_refits import DeltaRefits
 from refitd.server.errors import ControlError, ErrorKind, precondition
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import ControllerPlan, PlanCache, PlanOptions, make_digest, make_plan
@@ -292,6 +293,7 @@ class RefitCoordinator:
         self.events = EventHub(self.board)
         self.agents = AgentHub(self.board)
         self.plans = PlanCache(settings.plan_cache_size)
+        self.delta = DeltaRefits(settings)  # delta refits (docs/delta.md); off by default
         # Plan and program builds of this controller share one pause of the cyclic GC.
         self.gc_pause = GcPause()
         self.plan_options = PlanOptions(
@@ -668,6 +670,7 @@ class RefitCoordinator:
                 if plan is not None:
                     self._abort(plan, run, reason)
                 if written:
+                    self.delta.failed(run.model, written.values())  # torn: the retry is dense
                     if retry.first_error == "":
                         retry.first_error = reason
                         retry.until = time.monotonic() + s.refit_retry_budget_s
@@ -799,6 +802,8 @@ class RefitCoordinator:
         self.registry.set_committed(run.model, run.version)
         for w in ms.dest_workers:
             w.holds = run.version
+        density = (run.detail.get("delta") or {}).get("density")
+        self.delta.committed(run.model, run.version, ms.plan.digest, ms.dest_workers, density)
         run.detail["control_end_s"] = time.monotonic() - last_done
         # The acks are awaited from the start (WAIT_SERVED callers wait on them from the
         # moment the run is COMMITTED), the events go out right after.
@@ -1139,6 +1144,7 @@ class RefitCoordinator:
                 run.bytes += r.bytes_sent + r.bytes_local
                 for c in r.checksums:
                     sums[c.sent][c.message_id] = (r.slot, c.checksum)
+                self.delta.reported(run.model, plan.digest, exec_id, r)
                 if r.snapshot_bytes or r.snapshot_fallback:
                     snaps = run.detail.setdefault("snapshot", {})
                     snaps[str(r.slot)] = {
@@ -1148,6 +1154,16 @@ class RefitCoordinator:
                 last_done[0] = time.monotonic()
 
         timeout = self.settings.transfer_timeout_s
+        with self.registry.lock:
+            mdl = self.registry.models.get(run.model)
+            committed = mdl.committed_version if mdl is not None else 0
+            host_slots = frozenset(
+                i for i, sl in self.registry.slots.items() if sl.device.startswith("cpu")
+            )
+        deltas = self.delta.commands(
+            run.model, plan, ms.dest_workers, ms.staged_pools, committed, exec_id, run.detail,
+            host_slots,
+        )  # fmt: skip
         try:
             for agent_id, slots in ms.by_agent.items():
                 batched = agent_id in ms.batch_agents
@@ -1163,6 +1179,7 @@ class RefitCoordinator:
                             refit_id=exec_id,
                             timeout_s=timeout,
                             verify=verify,
+                            delta=[deltas[s] for s in batch if s in deltas],
                         )
                     )
                     keys = [
@@ -1179,6 +1196,7 @@ class RefitCoordinator:
         finally:
             self.agents.forget(g)
             self.board.remove(gid)
+            self.delta.finish_attempt(exec_id, run.detail)
         if verify:
             t = time.monotonic()
             mismatch = compare_checksums(plan.plan, sums[True], sums[False])
@@ -1310,6 +1328,7 @@ class RefitCoordinator:
                 run.start_transfer({})
             wrote = True
             self._transfer(ms, run, m)
+            self.delta.committed(m.name, version, plan.digest, behind, None, how="catch_up")
             for w in behind:
                 w.holds = version
                 ev = self._event(run, pb.EVENT_KIND_COMMIT)

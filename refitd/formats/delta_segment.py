@@ -1,0 +1,72 @@
+"""Deltas of wire segments: a segment's parts as streams at the wire's element granularity.
+
+raw: one stream of source-dtype elements (2-byte BF16/FP16, 4-byte FP32 ...); mxfp8: the E4M3
+bytes and the E8M0 scales; fp8_block: the E4M3 bytes and the FP32 scales. A delta lands in
+place in a destination region whose storage holds exactly these elements (delta_capable):
+a destination that converts on landing (a cast, a quantization or a dequantization) cannot
+apply one without a base of its own, so such copies always go dense.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from refitd.formats.delta import DeltaStats, apply_parts, encode_parts
+from refitd.formats.fp8 import torch_dtype
+from refitd.formats.region import DestRegion
+from refitd.formats.transform import split_parts
+from refitd.plan.layout import PLAIN
+from refitd.plan.wire import FP8_BLOCK, MXFP8, RAW, delta_capable, segment_parts
+
+__all__ = [
+    "apply_segment_delta",
+    "delta_capable",
+    "encode_segment_delta",
+    "region_streams",
+    "segment_streams",
+]
+
+
+def segment_streams(
+    wire: str, shape: tuple[int, ...], src_dtype: str, seg: torch.Tensor
+) -> list[torch.Tensor]:
+    """Typed views of a segment's parts, one per delta stream, in wire order."""
+    parts = split_parts(seg, segment_parts(wire, tuple(shape), src_dtype))
+    if wire == RAW:
+        return [parts[0].view(torch_dtype(src_dtype))]
+    if wire == MXFP8:
+        return parts
+    if wire == FP8_BLOCK:
+        return [parts[0], parts[1].view(torch.float32)]
+    raise ValueError(f"delta: unknown wire format {wire!r}")
+
+
+def region_streams(dst: DestRegion) -> list[torch.Tensor]:
+    """The destination views a segment delta lands in, in wire order."""
+    if dst.storage == PLAIN:
+        return [dst.values]
+    if dst.scales is None:
+        raise ValueError(f"a {dst.storage} destination region needs its scales view")
+    return [dst.values, dst.scales]
+
+
+def encode_segment_delta(
+    wire: str,
+    shape: tuple[int, ...],
+    src_dtype: str,
+    base_seg: torch.Tensor,
+    live_seg: torch.Tensor,
+) -> tuple[np.ndarray, DeltaStats]:
+    """The delta from the base version's segment to the live one (both encoded segments)."""
+    return encode_parts(
+        segment_streams(wire, shape, src_dtype, base_seg),
+        segment_streams(wire, shape, src_dtype, live_seg),
+    )
+
+
+def apply_segment_delta(
+    delta: np.ndarray | bytes | memoryview, dst: DestRegion, *, name: str = "destination"
+) -> DeltaStats:
+    """Apply a segment delta in place to a destination region holding the base version."""
+    return apply_parts(delta, region_streams(dst), name=name)
