@@ -22,6 +22,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 PREFIX = "rfm"  # every namespace and veth of these networks starts with it
 OWNERS = Path("/run/refitd-netns")  # run id -> pid of the process that made it
 ETC_NETNS = Path("/etc/netns")
@@ -43,16 +45,6 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
     return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale() -> list[str]:
     """Remove namespaces (and their /etc/netns entries) of runs whose process is gone."""
     out = _ip("netns", "list", check=False).stdout.split()
@@ -66,7 +58,7 @@ def clean_stale() -> list[str]:
             pid = int(owner.read_text())
         except (OSError, ValueError):
             pid = 0
-        if pid and _alive(pid):
+        if pid and psutil.pid_exists(pid):
             continue
         _delete_ns(name)
         removed.append(name)

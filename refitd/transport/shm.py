@@ -18,6 +18,7 @@ import os
 import secrets
 import weakref
 
+import psutil
 import torch
 
 SHM_DIR = "/dev/shm"
@@ -125,16 +126,6 @@ def new_segment_name(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap_orphaned_segments(prefix: str = "refitd", shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink this user's `prefix-*-PID-HEX` segments whose creator is gone: no process holds
     the creator's flock (it dies with the process, in any PID namespace) and PID is not a
@@ -155,7 +146,7 @@ def reap_orphaned_segments(prefix: str = "refitd", shm_dir: str = SHM_DIR) -> li
         except OSError:
             continue
         try:
-            if os.fstat(fd).st_uid != uid or _pid_alive(int(pid)):
+            if os.fstat(fd).st_uid != uid or psutil.pid_exists(int(pid)):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
