@@ -71,17 +71,24 @@ def trainer_rank(rank: int, port: int, controller: str, results: Any) -> None:
             dist.destroy_process_group()
 
 
-def _fsdp_linear(weight: torch.Tensor) -> torch.nn.Module:
+def _fsdp_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, mesh: Any = None
+) -> torch.nn.Module:
+    """A BF16 nn.Linear holding `weight` (and `bias`), sharded by FSDP2 over a 4-rank mesh
+    and resharded, so each rank registers its real FSDP2 shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    lin = torch.nn.Linear(9, 5, bias=False, dtype=torch.bfloat16)
+    out_f, in_f = weight.shape
+    lin = torch.nn.Linear(in_f, out_f, bias=bias is not None, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(weight)
-    fully_shard(lin, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+        if bias is not None:
+            lin.bias.copy_(bias)
+    fully_shard(lin, mesh=mesh or init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
     # FSDP2 re-pads uneven shards at its lazy init (the first forward): register after it.
-    lin(torch.zeros(1, 9, dtype=torch.bfloat16))
-    # A root module stays unsharded after its forward: reshard, so rows 2, 2, 1, 0 register.
+    lin(torch.zeros(1, in_f, dtype=torch.bfloat16))
+    # A root module stays unsharded after its forward: reshard, so the shards register.
     lin.reshard()
     return lin
 
@@ -107,7 +114,6 @@ def empty_shard_trainer_rank(rank: int, port: int, controller: str, results: Any
     DTensor adapter, ranks 1 and 2 pass their DTensors to register() directly."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from clients.dtensor_adapter import register_dtensor_module
@@ -124,13 +130,7 @@ def empty_shard_trainer_rank(rank: int, port: int, controller: str, results: Any
         for name in ("e", "router"):
             dt = distribute_tensor(weights[name], mesh, [Shard(0)])
             module.register_parameter(name, torch.nn.Parameter(dt))
-        lin = torch.nn.Linear(12, 6, dtype=torch.bfloat16)
-        with torch.no_grad():
-            lin.weight.copy_(weights["fsdp.weight"])
-            lin.bias.copy_(weights["fsdp.bias"])
-        fully_shard(lin, mesh=mesh)
-        lin(torch.zeros(1, 12, dtype=torch.bfloat16))  # FSDP2's lazy init re-pads the shards
-        lin.reshard()  # a root module stays unsharded after its forward
+        lin = _fsdp_linear(weights["fsdp.weight"], weights["fsdp.bias"], mesh)
         module.fsdp = lin
         shapes = {n: tuple(p.to_local().shape) for n, p in module.named_parameters()}
         trainer = TrainerClient(controller, "empty", rank=rank, pool_size=4, device=f"cpu:{rank}")
