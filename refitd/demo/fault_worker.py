@@ -20,7 +20,13 @@ import time
 import torch
 
 from refitd.client import InferenceClient, MegatronCoords, Placed, RefitError, TrainerClient
-from refitd.demo.gpt import GptConfig, ParallelLayout, WeightGenerator, rank_shards
+from refitd.demo.gpt import (
+    GptConfig,
+    ParallelLayout,
+    WeightGenerator,
+    megatron_parameter,
+    rank_shards,
+)
 
 SEED = 77
 TP = 2
@@ -55,14 +61,7 @@ def trainer(args: argparse.Namespace) -> None:
     cfg = model_config(args.mb)
     gen = WeightGenerator(SEED)
     shards = rank_shards(cfg, layout, args.rank)
-    tensors: dict[str, torch.Tensor] = {}
-    for s in shards:
-        p = torch.nn.Parameter(torch.zeros(s.local_shape, dtype=torch.bfloat16), False)
-        if s.partition_dim >= 0:
-            p.tensor_model_parallel = True  # type: ignore[attr-defined]
-            p.partition_dim = s.partition_dim  # type: ignore[attr-defined]
-            p.partition_stride = s.partition_stride  # type: ignore[attr-defined]
-        tensors[s.name] = p
+    tensors: dict[str, torch.Tensor] = {s.name: megatron_parameter(s) for s in shards}
     client = TrainerClient(
         args.address, args.model, TRAINER_POOL, args.rank, TP, args.device, rpc_timeout_s=5.0
     )

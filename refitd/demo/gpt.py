@@ -104,6 +104,17 @@ class Shard:
     layer_offset: int
 
 
+def megatron_parameter(shard: Shard) -> torch.nn.Parameter:
+    """A zeroed BF16 parameter for `shard`, carrying the Megatron TP attributes
+    (tensor_model_parallel, partition_dim, partition_stride) when it is split over TP."""
+    p = torch.nn.Parameter(torch.zeros(shard.local_shape, dtype=torch.bfloat16), False)
+    if shard.partition_dim >= 0:
+        p.tensor_model_parallel = True  # type: ignore[attr-defined]
+        p.partition_dim = shard.partition_dim  # type: ignore[attr-defined]
+        p.partition_stride = shard.partition_stride  # type: ignore[attr-defined]
+    return p
+
+
 def stage_layers(cfg: GptConfig, pp: int, pp_rank: int) -> range:
     """Global layer indices of a PP stage (the first stages take one more if uneven)."""
     base, extra = divmod(cfg.layers, pp)

@@ -82,20 +82,13 @@ class Ranks:
         import torch
 
         from refitd.client import InferenceClient, MegatronCoords, Placed, TrainerClient
-        from refitd.demo.gpt import ParallelLayout, rank_shards
+        from refitd.demo.gpt import ParallelLayout, megatron_parameter, rank_shards
 
         layout = ParallelLayout(tp=spec.size)
         shards = rank_shards(self.config, layout, spec.rank)
         a = self.args
         if spec.pool == "trainer":
-            tensors: dict[str, Any] = {}
-            for s in shards:
-                p = torch.nn.Parameter(torch.zeros(s.local_shape, dtype=torch.bfloat16), False)
-                if s.partition_dim >= 0:
-                    p.tensor_model_parallel = True  # type: ignore[attr-defined]
-                    p.partition_dim = s.partition_dim  # type: ignore[attr-defined]
-                    p.partition_stride = s.partition_stride  # type: ignore[attr-defined]
-                tensors[s.name] = p
+            tensors: dict[str, Any] = {s.name: megatron_parameter(s) for s in shards}
             client = TrainerClient(a.address, a.model, spec.pool, spec.rank, spec.size,
                                    spec.device, rpc_timeout_s=a.rpc_timeout)  # fmt: skip
             _register(client, tensors, MegatronCoords(tp_rank=spec.rank, tp_size=spec.size))

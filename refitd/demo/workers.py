@@ -20,7 +20,13 @@ import grpc
 import torch
 
 from refitd.client import InferenceClient, MegatronCoords, Placed, RefitError, TrainerClient
-from refitd.demo.gpt import GptConfig, ParallelLayout, WeightGenerator, rank_shards
+from refitd.demo.gpt import (
+    GptConfig,
+    ParallelLayout,
+    WeightGenerator,
+    megatron_parameter,
+    rank_shards,
+)
 
 REGISTER_RETRY_S = 60.0
 
@@ -49,15 +55,11 @@ def _tensors(spec: WorkerSpec) -> tuple[dict[str, Any], MegatronCoords, list]:
     coords = MegatronCoords(tp_rank=tp_rank, tp_size=spec.layout.tp, layer_offset=offset)
     tensors: dict[str, Any] = {}
     for s in shards:
-        t = torch.zeros(s.local_shape, dtype=torch.bfloat16)
         if spec.placement == "megatron":
-            p = torch.nn.Parameter(t, requires_grad=False)
-            if s.partition_dim >= 0:
-                p.tensor_model_parallel = True
-                p.partition_dim = s.partition_dim
-                p.partition_stride = s.partition_stride
-            tensors[s.name] = p
-        elif spec.placement == "boxes":
+            tensors[s.name] = megatron_parameter(s)
+            continue
+        t = torch.zeros(s.local_shape, dtype=torch.bfloat16)
+        if spec.placement == "boxes":
             tensors[s.name] = Placed(t, s.global_shape, s.boxes, canonical=s.canonical)
         else:
             tensors[s.name] = t

@@ -15,7 +15,7 @@ import torch
 from _inference_worker import SEED, TINY  # a sibling: run as a script from this folder
 
 from refitd.client import MegatronCoords, RefitError, TrainerClient
-from refitd.demo.gpt import ParallelLayout, WeightGenerator, rank_shards
+from refitd.demo.gpt import ParallelLayout, WeightGenerator, megatron_parameter, rank_shards
 
 
 def say(line: str) -> None:
@@ -33,14 +33,7 @@ def main() -> None:
     args = p.parse_args()
     gen = WeightGenerator(SEED)
     shards = rank_shards(TINY, ParallelLayout(tp=args.size), args.rank)
-    tensors: dict[str, torch.Tensor] = {}
-    for s in shards:
-        t = torch.nn.Parameter(torch.zeros(s.local_shape, dtype=torch.bfloat16), False)
-        if s.partition_dim >= 0:
-            t.tensor_model_parallel = True  # type: ignore[attr-defined]
-            t.partition_dim = s.partition_dim  # type: ignore[attr-defined]
-            t.partition_stride = s.partition_stride  # type: ignore[attr-defined]
-        tensors[s.name] = t
+    tensors: dict[str, torch.Tensor] = {s.name: megatron_parameter(s) for s in shards}
     client = TrainerClient(
         args.address, args.model, "trainer", args.rank, args.size, args.device, rpc_timeout_s=10
     )
