@@ -97,11 +97,14 @@ class SnapshotResolver:
 
 
 def source_indices(program: SlotProgram) -> set[int]:
-    """Tensors this slot reads as sources (relays, which read destinations, excluded)."""
-    dests = {c.dst_tensor for m in program.recvs for c in m.copies}
-    dests |= {c.dst_tensor for c in program.local}
-    srcs = {c.src_tensor for m in program.sends for c in m.copies}
-    srcs |= {c.src_tensor for c in program.local}
+    """Tensors this slot reads as sources (relays, which read destinations, excluded).
+    Copy rows are laid out sends, then receives, then local copies (the program codec
+    checks it), so both sets come from slices of the copy columns."""
+    c = program.copies
+    send_end = int(program.send.end[-1]) if len(program.send) else 0
+    local = slice(program.local_start, len(c))
+    dests = set(c.dst[send_end : program.local_start].tolist()) | set(c.dst[local].tolist())
+    srcs = set(c.src[:send_end].tolist()) | set(c.src[local].tolist())
     return srcs - dests
 
 
