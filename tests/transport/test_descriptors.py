@@ -3,7 +3,6 @@ every refitd process raises its soft RLIMIT_NOFILE to the hard limit."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -11,30 +10,44 @@ import torch
 
 from refitd.transport.memory import MemoryMapper, SharedTensorArena
 
+# Run in a fresh interpreter: descriptors are counted for the whole process, and threads
+# left by earlier tests in the pytest process may open or close some meanwhile.
+_MAPPING_CHECK = """
+import os, torch
+from refitd.transport.memory import MemoryMapper, SharedTensorArena
 
-def _fds() -> int:
+def fds():
     return len(os.listdir("/proc/self/fd"))
+
+# 4 KiB segments: each 4 KiB tensor gets its own
+arena = SharedTensorArena(prefix="refitd-fdtest", segment_bytes=4096)
+tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(200)}
+try:
+    before = fds()
+    handles = arena.register(tensors)
+    assert len({h.segment for h in handles.values()}) == 200
+    owned = fds() - before
+    # the creator's flock descriptor per segment, and the state
+    assert owned <= 200 + 2, owned
+    mapper = MemoryMapper()
+    before = fds()
+    mapped = {n: mapper.map_handle(h) for n, h in handles.items()}
+    assert fds() == before, (fds(), before)
+    assert all(torch.equal(mapped[n], t) for n, t in tensors.items())
+    mapped["t7"][3] = -1.0  # the same bytes
+    assert tensors["t7"][3].item() == -1.0
+finally:
+    arena.close()
+print("checked")
+"""
 
 
 def test_mapping_many_segments_keeps_no_descriptor() -> None:
-    # 4 KiB segments: each 4 KiB tensor gets its own
-    arena = SharedTensorArena(prefix="refitd-fdtest", segment_bytes=4096)
-    tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(200)}
-    try:
-        before = _fds()
-        handles = arena.register(tensors)
-        assert len({h.segment for h in handles.values()}) == 200
-        owned = _fds() - before
-        assert owned <= 200 + 2  # the creator's flock descriptor per segment, and the state
-        mapper = MemoryMapper()
-        before = _fds()
-        mapped = {n: mapper.map_handle(h) for n, h in handles.items()}
-        assert _fds() == before
-        assert all(torch.equal(mapped[n], t) for n, t in tensors.items())
-        mapped["t7"][3] = -1.0  # the same bytes
-        assert tensors["t7"][3].item() == -1.0
-    finally:
-        arena.close()
+    out = subprocess.run(
+        [sys.executable, "-c", _MAPPING_CHECK], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["checked"]
 
 
 def test_small_tensors_share_one_segment() -> None:
