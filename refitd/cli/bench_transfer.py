@@ -374,15 +374,21 @@ def _snapshot_summary(args, snapshots: dict[int, dict]) -> dict | None:
 
 def _memcpy_reference(args, handles, src) -> float:
     """Seconds of a memcpy of each source slot's source bytes, all slots at once (what a
-    snapshot release must at least cost the trainer)."""
+    snapshot release must at least cost the trainer), copied --ref-chunk bytes at a time."""
     per_slot: dict[int, int] = defaultdict(int)
     for s in src:
         per_slot[s.slot] += math.prod(s.local_shape) * 2
     by_slot = {h.slot: h for h in handles}
-    for slot, n in per_slot.items():
-        by_slot[slot].probe(args.timeout, prepare=True, memcpy=n).result(args.timeout)
+    # in --ref-chunk pieces, as the local reference: two whole copies of a 2 GiB slot would
+    # double the run's shared memory (a 4 GiB run was killed for memory on a 24 GiB host)
+    sizes = {
+        s: {"memcpy": min(n, args.ref_chunk), "repeat": _ref_sizes(n, args.ref_chunk)[1]}
+        for s, n in per_slot.items()
+    }
+    for slot, size in sizes.items():
+        by_slot[slot].probe(args.timeout, prepare=True, **size).result(args.timeout)
     t0 = time.monotonic()
-    pend = [by_slot[slot].probe(args.timeout, memcpy=n) for slot, n in per_slot.items()]
+    pend = [by_slot[slot].probe(args.timeout, **size) for slot, size in sizes.items()]
     for p in pend:
         p.result(args.timeout)
     seconds = time.monotonic() - t0
