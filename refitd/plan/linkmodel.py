@@ -22,6 +22,9 @@ much of that order runs at once is the transport's (ExecMode):
   a slot's poster stops at a chunk of a relay message until all its receives of smaller
   rounds ended (the executor's relay rule), so later posts of that slot wait too.
 
+Sharing.UNEVEN replaces max-min fairness with strict priority by receiver, the other end of
+what TCP does on a shaped link; it brackets the measured time from above (docs/simulate.md).
+
 lower_bound: the busiest resource's bytes over its rate (NIC send or receive, NVLink send or
 receive), the time no schedule can beat on this topology.
 """
@@ -42,6 +45,16 @@ class ExecMode(StrEnum):
     STREAM = "stream"
     GROUP = "group"
     POSTED = "posted"
+
+
+class Sharing(StrEnum):
+    """How concurrent flows share a resource. FAIR: max-min fair (the fluid ideal).
+    UNEVEN: strict priority by receiving resource (the lower first), the extreme of TCP
+    flows from one sender that do not share a shaped link evenly (one runs while the
+    other waits); a real run lies between the two."""
+
+    FAIR = "fair"
+    UNEVEN = "uneven"
 
 
 @dataclass(frozen=True)
@@ -227,6 +240,21 @@ def fair_rates(res_out: np.ndarray, res_in: np.ndarray, cap: np.ndarray) -> np.n
         live[idx[stop]] = False
 
 
+def priority_rates(
+    res_out: np.ndarray, res_in: np.ndarray, cap: np.ndarray, order: np.ndarray
+) -> np.ndarray:
+    """Rates under strict priority: flows in `order` each take what their two resources
+    have left."""
+    left = cap.astype(np.float64).copy()
+    rate = np.zeros(res_out.size)
+    for i in order.tolist():
+        o, n = int(res_out[i]), int(res_in[i])
+        rate[i] = r = min(left[o], left[n])
+        left[o] -= r
+        left[n] -= r
+    return rate
+
+
 def _segments(keys: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """(order, start) so order[start[g]:start[g+1]] lists, in index order, the rows whose
     key is g."""
@@ -250,9 +278,11 @@ def simulate(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_events: int = 10_000_000,
     fast: bool = True,
+    sharing: Sharing = Sharing.FAIR,
 ) -> Result:
     """Makespan of the messages on the topology under the executor's order (module doc).
-    fast: STREAM on a topology with a NIC per slot takes the one-pass path (same result)."""
+    fast: STREAM on a topology with a NIC per slot takes the one-pass path (same result).
+    sharing: how flows share a resource (Sharing)."""
     c, cap = _chunks(msgs, topo, chunk_bytes)
     n_slot = topo.host.size
     if fast and mode == ExecMode.STREAM and np.unique(topo.nic).size == topo.nic.size:
@@ -270,8 +300,13 @@ def simulate(
         events += 1
         if events > max_events:
             raise RuntimeError(f"link model: more than {max_events} events")
-        rate = fair_rates(c.res_out[active], c.res_in[active], cap)
-        dt = float((rem[active] / rate).min())
+        ro, ri = c.res_out[active], c.res_in[active]
+        if sharing == Sharing.FAIR:
+            rate = fair_rates(ro, ri, cap)
+        else:
+            rate = priority_rates(ro, ri, cap, np.lexsort((active, ri)))
+        moving = rate > 0  # under Sharing.UNEVEN a flow may wait at rate 0
+        dt = float((rem[active][moving] / rate[moving]).min())
         t += dt
         rem[active] -= rate * dt
         done_mask = rem[active] <= np.maximum(rate * dt * 1e-9, 1.0)

@@ -10,6 +10,7 @@ from refitd.plan.layouts import megatron_layout
 from refitd.plan.linkmodel import (
     ExecMode,
     MessageTable,
+    Sharing,
     Topology,
     fair_rates,
     lower_bound,
@@ -104,6 +105,20 @@ def test_relay_waits_only_for_the_receives_feeding_it() -> None:
     assert run(MessageTable.of(*cols), ExecMode.POSTED) == pytest.approx(4.0)
     # fed by B, the later receive: the prefix holds both
     assert run(MessageTable.of(*cols, feeds=([2], [1])), ExecMode.POSTED) == pytest.approx(4.0)
+
+
+def test_uneven_sharing_serves_one_receiver_first() -> None:
+    # slots 0 and 1 share host 0's NIC; A 0 -> 8 and B 1 -> 9 (1 GB each), then 8 relays
+    # A to 9 (round 1). Fair: A and B share the NIC and end at 2 s, the relay at 3 s.
+    # Uneven: A (the lower receiver) runs alone and ends at 1 s, then B at 2 s; the relay
+    # is fed at 1 s but 9's NIC serves B first (ties: chunk order), so it ends at 3 s.
+    topo = Topology.host_nics(np.r_[0, 0, np.arange(8) + 1], nic_gbit=8.0)
+    cols = ([0, 1, 8], [8, 9, 9], [0, 0, 1], [GB, GB, GB], [False, False, True])
+    m = MessageTable.of(*cols, feeds=([2], [0]))
+    fair = simulate(m, topo, ExecMode.POSTED, chunk_bytes=HUGE)
+    uneven = simulate(m, topo, ExecMode.POSTED, chunk_bytes=HUGE, sharing=Sharing.UNEVEN)
+    assert fair.finish.tolist() == pytest.approx([2.0, 2.0, 3.0])
+    assert uneven.finish.tolist() == pytest.approx([1.0, 2.0, 3.0])
 
 
 def test_nvlink_inside_a_host_nic_across() -> None:
