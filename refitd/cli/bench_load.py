@@ -345,20 +345,14 @@ def run(args: argparse.Namespace) -> int:
     out = ctx.Queue()
     peer_stop, bench_stop = ctx.Pipe(duplex=False)
     rss: dict[str, float] = {"idle": me.memory_info().rss}
+    meta_args = {
+        "workers": args.workers,
+        "preset": args.preset,
+        "trainer_layout": args.trainer_layout,
+        "inference_layout": args.inference_layout,
+    }
     peers = ctx.Process(
-        target=_meta_peers,
-        args=(
-            ctl.grpc_address,
-            {
-                "workers": args.workers,
-                "preset": args.preset,
-                "trainer_layout": args.trainer_layout,
-                "inference_layout": args.inference_layout,
-            },
-            out,
-            peer_stop,
-        ),
-        daemon=True,
+        target=_meta_peers, args=(ctl.grpc_address, meta_args, out, peer_stop), daemon=True
     )
     demo: Demo | None = None
     try:
@@ -369,8 +363,7 @@ def run(args: argparse.Namespace) -> int:
             lost.append(msg)
         if msg[0] != "registered":
             raise RuntimeError(f"metadata peers failed: {msg[0]}: {msg[1]}")
-        _, register_s, n_workers, n_specs, n_agents = msg
-        wall_register_s = time.perf_counter() - t0
+        registered = (*msg[1:], time.perf_counter() - t0)
         rss["registered"] = me.memory_info().rss
         log.warning("bench load: registered")
         demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
@@ -386,29 +379,12 @@ def run(args: argparse.Namespace) -> int:
         rss["loop_end"] = me.memory_info().rss
         while not out.empty():
             lost.append(out.get())
-        with ctl.registry.lock:
-            meta_alive = len(ctl.registry.model(META_MODEL).pools)
-            meta_live = sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
+        meta = _meta_figures(args, ctl, registered, lost)
         # After the loop: building all 1024 programs is minutes of Python in this process,
         # which would hold up the leases of the metadata workers during the loop.
-        plan_stats = _plan_meta(ctl, args.program_threads)
+        meta |= _plan_meta(ctl, args.program_threads)
         rss["planned"] = me.memory_info().rss
         log.warning("bench load: planned")
-        meta = {
-            "meta_model": f"{args.preset} trainer {args.trainer_layout} + 2 pools "
-            f"{args.inference_layout}",
-            "meta_workers": n_workers,
-            "meta_workers_registered_at_end": meta_live,
-            "meta_pools_at_end": meta_alive,
-            "meta_heartbeats_refused": len(lost),
-            "meta_heartbeats_refused_why": dict(collections.Counter(m[1] for m in lost)),
-            "meta_agents": n_agents,
-            "meta_worlds": list(_worlds(args.workers)),
-            "meta_specs": n_specs,
-            "meta_register_s": register_s,
-            "meta_register_wall_s": wall_register_s,
-            **plan_stats,
-        }
         result = _result(args, meta, _controls(ctl, args.warmup), loop_s, rss)
         print(json.dumps(result), flush=True)
         return 0
@@ -422,6 +398,31 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
         agent.join(10)
         ctl.stop()
+
+
+def _meta_figures(
+    args: argparse.Namespace, ctl: Any, registered: tuple, lost: list[tuple]
+) -> dict[str, Any]:
+    """The metadata model's registration figures and what of it is alive at the end.
+    registered: the peers' (seconds, workers, specs, agents) and the bench's wall seconds."""
+    register_s, n_workers, n_specs, n_agents, wall_register_s = registered
+    with ctl.registry.lock:
+        meta_alive = len(ctl.registry.model(META_MODEL).pools)
+        meta_live = sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
+    return {
+        "meta_model": f"{args.preset} trainer {args.trainer_layout} + 2 pools "
+        f"{args.inference_layout}",
+        "meta_workers": n_workers,
+        "meta_workers_registered_at_end": meta_live,
+        "meta_pools_at_end": meta_alive,
+        "meta_heartbeats_refused": len(lost),
+        "meta_heartbeats_refused_why": dict(collections.Counter(m[1] for m in lost)),
+        "meta_agents": n_agents,
+        "meta_worlds": list(_worlds(args.workers)),
+        "meta_specs": n_specs,
+        "meta_register_s": register_s,
+        "meta_register_wall_s": wall_register_s,
+    }
 
 
 def _start_controller(args: argparse.Namespace) -> tuple[Any, threading.Event, threading.Thread]:
