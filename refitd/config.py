@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     relay: bool = Field(
         True, description="destination replicas forward blocks they received (fewer source sends)"
     )
+    plan_schedule: str = Field(
+        "auto",
+        description="rounds of a plan: lanes (each source sends to 4 peers at once), serial "
+        "(each slot moves one message at a time), or auto: serial without relays for nccl, "
+        "lanes (relays as set) for gloo (docs/simulate.md)",
+    )
     allow_dtype_cast: bool = Field(
         False,
         description="let a destination hold another float dtype than its source (BF16, FP16, "
@@ -188,6 +194,13 @@ class Settings(BaseSettings):
     def _known_transport(cls, v: str) -> str:
         if v not in ("gloo", "nccl"):
             raise ValueError(f"transport must be gloo or nccl, got {v!r}")
+        return v
+
+    @field_validator("plan_schedule")
+    @classmethod
+    def _known_schedule(cls, v: str) -> str:
+        if v not in ("auto", "lanes", "serial"):
+            raise ValueError(f"plan_schedule must be auto, lanes or serial, got {v!r}")
         return v
 
     @model_validator(mode="after")

@@ -40,6 +40,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-mb", type=float, default=8.0, help="largest message (bucket_bytes) in MiB"
     )
+    parser.add_argument(
+        "--plan-schedule",
+        choices=("auto", "lanes", "serial"),
+        default="auto",
+        help="the controller's plan_schedule (auto: lanes under gloo)",
+    )
+    parser.add_argument(
+        "--relay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the controller's relay setting",
+    )
 
 
 def topology(hosts: int) -> tuple[list[str], dict[str, list[RankSpec]]]:
@@ -57,7 +69,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     names, workers = topology(args.hosts)
     agents = {h: AgentSpec(",".join(r.device for r in rs)) for h, rs in workers.items()}
-    serve = [*SERVE_ARGS, "--bucket-bytes", str(int(args.bucket_mb * (1 << 20)))]
+    serve = [
+        *SERVE_ARGS,
+        "--bucket-bytes",
+        str(int(args.bucket_mb * (1 << 20))),
+        "--plan-schedule",
+        args.plan_schedule,
+        "--relay" if args.relay else "--no-relay",
+    ]
     model_bytes = GptConfig.for_megabytes(args.mb, layers=2).nbytes
     rate_bps = args.rate_mbit * 1e6 / 8
     with netns.Network(names) as net:
@@ -89,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         "rate_mbit": args.rate_mbit,
         "model_bytes": model_bytes,
         "bucket_bytes": int(args.bucket_mb * (1 << 20)),
+        "plan_schedule": args.plan_schedule,
+        "relay": args.relay,
         "refits": len(refit_s),
         "link_bound_s": bound_s,
         "refit_s_median": refit,

@@ -15,6 +15,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -27,6 +28,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from refitd.cli.bench_peers import answer_setup, pct
 
 AGENTS = 8
 ROWS_PER_RANK = 4
@@ -73,71 +76,53 @@ def _register_tensor(rank: int, size: int) -> Any:
     )
 
 
+def _worker_request(pool: str, role: int, rank: int, size: int, host: str, slot: int) -> Any:
+    """Registration of rank `rank` of a pool of `size` ranks holding its rows of "w"."""
+    from refitd._proto import refitd_pb2 as pb
+
+    return pb.RegisterWorkerRequest(
+        model="bench",
+        pool=pool,
+        role=role,
+        rank=rank,
+        pool_size=size,
+        host=host,
+        device=f"cpu:{slot}",
+        pid=os.getpid(),
+        tensors=[_register_tensor(rank, size)],
+    )
+
+
 def _peers(
     address: str, host: str, slots: int, batch: bool, ready: Any, out: Any, stop: Any
 ) -> None:
     """Peer process: light agents (answer commands at once) and subscribing inference ranks."""
     import grpc
 
-    from refitd._proto import refitd_pb2 as pb
     from refitd._proto import refitd_pb2_grpc as pbg
 
     ch = grpc.insecure_channel(address)
     agents = pbg.AgentControlStub(ch)
     refit = pbg.RefitStub(ch)
+    streams = _start_agents(agents, host, slots, batch, out)
+    time.sleep(0.5)  # agent streams open
+    n = slots // 2
+    for r in range(n):
+        threading.Thread(target=_subscriber, args=(refit, host, r, n, streams), daemon=True).start()
+    time.sleep(0.5)
+    ready.set()
+    stop.wait()
+    for s in streams:
+        s.cancel()
+
+
+def _start_agents(agents: Any, host: str, slots: int, batch: bool, out: Any) -> list[Any]:
+    """Register AGENTS light agents of slots // AGENTS slots each and read their command
+    streams in threads; returns the streams."""
+    from refitd._proto import refitd_pb2 as pb
+
     per = slots // AGENTS
     streams = []
-
-    def agent_loop(agent_id: str, stream: Any) -> None:
-        """Read commands as they come (timestamped on receipt); a helper thread reports."""
-        todo: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
-        threading.Thread(target=answer, args=(agent_id, todo), daemon=True).start()
-        try:
-            for cmd in stream:
-                todo.put((cmd, time.monotonic()))
-        except grpc.RpcError:
-            pass
-        todo.put(None)
-
-    def answer(agent_id: str, todo: queue.SimpleQueue[tuple[Any, float] | None]) -> None:
-        try:
-            while (item := todo.get()) is not None:
-                cmd, got = item
-                which = cmd.WhichOneof("command")
-                rep = pb.AgentReport(agent_id=agent_id, command_id=cmd.command_id)
-                if which == "connect":
-                    for slot in ids_of[agent_id]:
-                        rep.slot, rep.kind = slot, pb.REPORT_KIND_CONNECTED
-                        agents.Report(rep, timeout=30)
-                elif which == "load":
-                    rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
-                    agents.Report(rep, timeout=30)
-                elif which == "execute":
-                    # One command for all this agent's slots; one batched report of their
-                    # SOURCES_RELEASED, then one of their DONE (as a real agent's reporter
-                    # batches what its slots finish together).
-                    slots = list(cmd.execute.slots) or [cmd.execute.slot]
-                    for kind in (pb.REPORT_KIND_SOURCES_RELEASED, pb.REPORT_KIND_DONE):
-                        items = [
-                            pb.AgentReport(
-                                agent_id=agent_id,
-                                command_id=cmd.command_id,
-                                slot=slot,
-                                kind=kind,
-                                refit_id=cmd.execute.refit_id,
-                            )
-                            for slot in slots
-                        ]
-                        head = items[0]
-                        head.more.extend(items[1:])
-                        done = time.monotonic()
-                        agents.Report(head, timeout=30)
-                    for _ in slots:
-                        out.put((cmd.execute.refit_id, got, done))
-        except grpc.RpcError:
-            pass
-
-    ids_of: dict[str, list[int]] = {}
     threads = []
     for a in range(AGENTS):
         resp = agents.RegisterAgent(
@@ -149,65 +134,98 @@ def _peers(
             ),
             timeout=30,
         )
-        ids_of[resp.agent_id] = list(resp.slot_ids)
         s = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
         streams.append(s)
-        threads.append(threading.Thread(target=agent_loop, args=(resp.agent_id, s), daemon=True))
+        args = (agents, resp.agent_id, list(resp.slot_ids), s, out)
+        threads.append(threading.Thread(target=_agent_loop, args=args, daemon=True))
     for t in threads:
         t.start()
-    n = slots // 2
-    time.sleep(0.5)  # agent streams open
-
-    def subscriber(rank: int) -> None:
-        resp = refit.RegisterWorker(
-            pb.RegisterWorkerRequest(
-                model="bench",
-                pool="infer",
-                role=pb.ROLE_DESTINATION,
-                rank=rank,
-                pool_size=n,
-                host=host,
-                device=f"cpu:{n + rank}",
-                pid=os.getpid(),
-                tensors=[_register_tensor(rank, n)],
-            ),
-            timeout=30,
-        )
-        stream = refit.Subscribe(pb.SubscribeRequest(worker_id=resp.worker_id))
-        streams.append(stream)
-        try:
-            for ev in stream:
-                if ev.kind != pb.EVENT_KIND_HELLO:
-                    refit.Ack(
-                        pb.AckRequest(worker_id=resp.worker_id, event_id=ev.event_id, ok=True),
-                        timeout=30,
-                    )
-        except grpc.RpcError:
-            pass
-
-    for r in range(n):
-        threading.Thread(target=subscriber, args=(r,), daemon=True).start()
-    time.sleep(0.5)
-    ready.set()
-    stop.wait()
-    for s in streams:
-        s.cancel()
+    return streams
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+def _agent_loop(agents: Any, agent_id: str, slot_ids: list[int], stream: Any, out: Any) -> None:
+    """Read commands as they come (timestamped on receipt); a helper thread reports."""
+    import grpc
+
+    todo: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
+    threading.Thread(
+        target=_answer, args=(agents, agent_id, slot_ids, todo, out), daemon=True
+    ).start()
+    try:
+        for cmd in stream:
+            todo.put((cmd, time.monotonic()))
+    except grpc.RpcError:
+        pass
+    todo.put(None)
 
 
-def run(args: argparse.Namespace) -> int:
+def _answer(
+    agents: Any,
+    agent_id: str,
+    slot_ids: list[int],
+    todo: queue.SimpleQueue[tuple[Any, float] | None],
+    out: Any,
+) -> None:
+    """Answer each command at once; per executed slot, (refit id, received, reported) goes
+    to `out`."""
     import grpc
 
     from refitd._proto import refitd_pb2 as pb
-    from refitd._proto import refitd_pb2_grpc as pbg
 
-    slots = args.slots - args.slots % (2 * AGENTS) or 2 * AGENTS
-    n = slots // 2
-    host = "bench-host"
+    try:
+        while (item := todo.get()) is not None:
+            cmd, got = item
+            if answer_setup(agents, agent_id, cmd, slot_ids) != "execute":
+                continue
+            # One command for all this agent's slots; one batched report of their
+            # SOURCES_RELEASED, then one of their DONE (as a real agent's reporter
+            # batches what its slots finish together).
+            slots = list(cmd.execute.slots) or [cmd.execute.slot]
+            for kind in (pb.REPORT_KIND_SOURCES_RELEASED, pb.REPORT_KIND_DONE):
+                items = [
+                    pb.AgentReport(
+                        agent_id=agent_id,
+                        command_id=cmd.command_id,
+                        slot=slot,
+                        kind=kind,
+                        refit_id=cmd.execute.refit_id,
+                    )
+                    for slot in slots
+                ]
+                head = items[0]
+                head.more.extend(items[1:])
+                done = time.monotonic()
+                agents.Report(head, timeout=30)
+            for _ in slots:
+                out.put((cmd.execute.refit_id, got, done))
+    except grpc.RpcError:
+        pass
+
+
+def _subscriber(refit: Any, host: str, rank: int, n: int, streams: list[Any]) -> None:
+    """Inference rank `rank` of n: register, subscribe and ack every event."""
+    import grpc
+
+    from refitd._proto import refitd_pb2 as pb
+
+    req = _worker_request("infer", pb.ROLE_DESTINATION, rank, n, host, n + rank)
+    resp = refit.RegisterWorker(req, timeout=30)
+    stream = refit.Subscribe(pb.SubscribeRequest(worker_id=resp.worker_id))
+    streams.append(stream)
+    try:
+        for ev in stream:
+            if ev.kind != pb.EVENT_KIND_HELLO:
+                refit.Ack(
+                    pb.AckRequest(worker_id=resp.worker_id, event_id=ev.event_id, ok=True),
+                    timeout=30,
+                )
+    except grpc.RpcError:
+        pass
+
+
+def _start_controller(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """`refitd serve` as a child process (no embedded agent); returns it and its gRPC
+    address once it printed it."""
     data = tempfile.mkdtemp(prefix="refitd-bench-")
     ctl = subprocess.Popen(
         [
@@ -229,56 +247,45 @@ def run(args: argparse.Namespace) -> int:
         stdout=subprocess.PIPE,
         text=True,
     )
-    ctx = mp.get_context("spawn")
-    ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    peers = None
-    try:
-        line = ctl.stdout.readline()  # type: ignore[union-attr]
-        match = re.search(r"gRPC (\S+),", line)
-        if not match:
-            raise RuntimeError(f"controller did not start: {line!r}")
-        address = match.group(1)
-        peers = ctx.Process(
-            target=_peers,
-            args=(address, host, slots, not args.per_slot, ready, out, stop),
-            daemon=True,
+    line = ctl.stdout.readline()  # type: ignore[union-attr]
+    match = re.search(r"gRPC (\S+),", line)
+    if not match:
+        ctl.terminate()
+        raise RuntimeError(f"controller did not start: {line!r}")
+    return ctl, match.group(1)
+
+
+@dataclasses.dataclass
+class _Marks:
+    """Per timed refit: start (last Refit call -> last ExecuteCommand received), end (last
+    DONE sent -> committed), total (last call -> last return), and (version, last call,
+    last ExecuteCommand received) for the split against the controller's record."""
+
+    starts: list[float] = dataclasses.field(default_factory=list)
+    ends: list[float] = dataclasses.field(default_factory=list)
+    totals: list[float] = dataclasses.field(default_factory=list)
+    marks: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
+
+
+def _refits(
+    args: argparse.Namespace, stub: Any, trainers: list[str], slots: int, out: Any
+) -> _Marks:
+    """--warmup then --refits refits, every trainer rank calling Refit(WAIT_COMMITTED) from
+    its own thread; the timed ones measured."""
+    from refitd._proto import refitd_pb2 as pb
+
+    def call(wid: str, version: int) -> tuple[float, float, int]:
+        t0 = time.monotonic()
+        resp = stub.Refit(
+            pb.RefitRequest(worker_id=wid, version=version, wait=pb.WAIT_COMMITTED),
+            timeout=60,
         )
-        peers.start()
-        if not ready.wait(60):
-            raise RuntimeError("bench peers did not come up within 60 s")
-        ch = grpc.insecure_channel(address)
-        stub = pbg.RefitStub(ch)
-        trainers = [
-            stub.RegisterWorker(
-                pb.RegisterWorkerRequest(
-                    model="bench",
-                    pool="trainer",
-                    role=pb.ROLE_SOURCE,
-                    rank=r,
-                    pool_size=n,
-                    host=host,
-                    device=f"cpu:{r}",
-                    pid=os.getpid(),
-                    tensors=[_register_tensor(r, n)],
-                ),
-                timeout=30,
-            ).worker_id
-            for r in range(n)
-        ]
-        pool = ThreadPoolExecutor(n)
+        if resp.state != pb.REFIT_STATE_COMMITTED:
+            raise RuntimeError(f"refit {version} ended {resp.state}: {resp.message}")
+        return t0, time.monotonic(), resp.state
 
-        def call(wid: str, version: int) -> tuple[float, float, int]:
-            t0 = time.monotonic()
-            resp = stub.Refit(
-                pb.RefitRequest(worker_id=wid, version=version, wait=pb.WAIT_COMMITTED),
-                timeout=60,
-            )
-            if resp.state != pb.REFIT_STATE_COMMITTED:
-                raise RuntimeError(f"refit {version} ended {resp.state}: {resp.message}")
-            return t0, time.monotonic(), resp.state
-
-        starts, ends, totals = [], [], []
-        marks: list[tuple[int, float, float]] = []
+    m = _Marks()
+    with ThreadPoolExecutor(len(trainers)) as pool:
         for i in range(args.warmup + args.refits):
             version = i + 1
             if args.skew_ms > 0:  # the last rank asks after the others (barrier skew)
@@ -298,59 +305,98 @@ def run(args: argparse.Namespace) -> int:
             t_last_call = max(t0 for t0, _, _ in res)
             t_commit = min(t1 for _, t1, _ in res)
             if i >= args.warmup:
-                marks.append((version, t_last_call, max(got)))
-                starts.append(max(got) - t_last_call)
-                ends.append(t_commit - max(done))
-                totals.append(max(t1 for _, t1, _ in res) - t_last_call)
+                m.marks.append((version, t_last_call, max(got)))
+                m.starts.append(max(got) - t_last_call)
+                m.ends.append(t_commit - max(done))
+                m.totals.append(max(t1 for _, t1, _ in res) - t_last_call)
+    return m
+
+
+def _result(args: argparse.Namespace, slots: int, m: _Marks, rtts: list[float], doc: dict) -> dict:
+    """The bench's JSON document from the measured marks, the RPC round trips and the
+    controller's status (its refit records)."""
+    n = slots // 2
+    inside = [r for r in doc["refits"] if r["state"] == "committed"][: args.refits]
+    ctl_start = [r["control_start_s"] for r in inside]
+    ctl_end = [r["control_end_s"] for r in inside]
+    pauses = [r.get("pause_s", 0.0) for r in inside]
+    by_version = {r["version"]: r for r in inside}
+    # CLOCK_MONOTONIC is shared by the processes of one host: split the start into the
+    # last Refit's way in, the controller, and the ExecuteCommands' way out.
+    ask_in = [by_version[v]["last_ask_at"] - t for v, t, _ in m.marks if v in by_version]
+    cmd_out = [g - by_version[v]["executes_sent_at"] for v, _, g in m.marks if v in by_version]
+    ms = 1e3
+    return {
+        "bench": "control",
+        "slots": slots,
+        "agents": AGENTS,
+        "trainer_ranks": n,
+        "inference_ranks": n,
+        "refits": args.refits,
+        "batch_execute": not args.per_slot,
+        "early_pause": not args.no_early_pause,
+        "skew_ms": args.skew_ms,
+        "start_p50_ms": pct(m.starts, 50) * ms,
+        "start_p99_ms": pct(m.starts, 99) * ms,
+        "end_p50_ms": pct(m.ends, 50) * ms,
+        "end_p99_ms": pct(m.ends, 99) * ms,
+        "refit_p50_ms": pct(m.totals, 50) * ms,
+        "controller_start_p50_ms": pct(ctl_start, 50) * ms,
+        "controller_end_p50_ms": pct(ctl_end, 50) * ms,
+        "controller_start_p99_ms": pct(ctl_start, 99) * ms,
+        "controller_end_p99_ms": pct(ctl_end, 99) * ms,
+        "pause_handshake_p50_ms": pct(pauses, 50) * ms,
+        "last_refit_call_to_controller_p50_ms": pct(ask_in, 50) * ms,
+        "execute_to_agents_p50_ms": pct(cmd_out, 50) * ms,
+        "rpc_rtt_p50_ms": pct(rtts, 50) * ms,
+        "start_p50_over_rtt": pct(m.starts, 50) / pct(rtts, 50),
+        "target_p50_ms": 5.0,
+        "target_p99_ms": 20.0,
+        "note": "light agents answer commands at once without moving bytes: control "
+        "overhead only; controller, agents+subscribers and trainers are 3 processes on "
+        f"{os.cpu_count()} cores",
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from refitd._proto import refitd_pb2 as pb
+    from refitd._proto import refitd_pb2_grpc as pbg
+
+    slots = args.slots - args.slots % (2 * AGENTS) or 2 * AGENTS
+    n = slots // 2
+    host = "bench-host"
+    ctl, address = _start_controller(args)
+    ctx = mp.get_context("spawn")
+    ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    peers = None
+    try:
+        peers = ctx.Process(
+            target=_peers,
+            args=(address, host, slots, not args.per_slot, ready, out, stop),
+            daemon=True,
+        )
+        peers.start()
+        if not ready.wait(60):
+            raise RuntimeError("bench peers did not come up within 60 s")
+        ch = grpc.insecure_channel(address)
+        stub = pbg.RefitStub(ch)
+        trainers = [
+            stub.RegisterWorker(
+                _worker_request("trainer", pb.ROLE_SOURCE, r, n, host, r), timeout=30
+            ).worker_id
+            for r in range(n)
+        ]
+        marks = _refits(args, stub, trainers, slots, out)
         rtts = []
         for _ in range(200):
             t0 = time.perf_counter()
             stub.Heartbeat(pb.HeartbeatRequest(worker_id=trainers[0]), timeout=10)
             rtts.append(time.perf_counter() - t0)
         doc = json.loads(stub.GetStatus(pb.StatusRequest(model="bench"), timeout=30).json)
-        inside = [r for r in doc["refits"] if r["state"] == "committed"][: args.refits]
-        ctl_start = [r["control_start_s"] for r in inside]
-        ctl_end = [r["control_end_s"] for r in inside]
-        pauses = [r.get("pause_s", 0.0) for r in inside]
-        by_version = {r["version"]: r for r in inside}
-        # CLOCK_MONOTONIC is shared by the processes of one host: split the start into the
-        # last Refit's way in, the controller, and the ExecuteCommands' way out.
-        ask_in = [by_version[v]["last_ask_at"] - t for v, t, _ in marks if v in by_version]
-        cmd_out = [g - by_version[v]["executes_sent_at"] for v, _, g in marks if v in by_version]
-        ms = 1e3
-        result = {
-            "bench": "control",
-            "slots": slots,
-            "agents": AGENTS,
-            "trainer_ranks": n,
-            "inference_ranks": n,
-            "refits": args.refits,
-            "batch_execute": not args.per_slot,
-            "early_pause": not args.no_early_pause,
-            "skew_ms": args.skew_ms,
-            "start_p50_ms": _pct(starts, 50) * ms,
-            "start_p99_ms": _pct(starts, 99) * ms,
-            "end_p50_ms": _pct(ends, 50) * ms,
-            "end_p99_ms": _pct(ends, 99) * ms,
-            "refit_p50_ms": _pct(totals, 50) * ms,
-            "controller_start_p50_ms": _pct(ctl_start, 50) * ms,
-            "controller_end_p50_ms": _pct(ctl_end, 50) * ms,
-            "controller_start_p99_ms": _pct(ctl_start, 99) * ms,
-            "controller_end_p99_ms": _pct(ctl_end, 99) * ms,
-            "pause_handshake_p50_ms": _pct(pauses, 50) * ms,
-            "last_refit_call_to_controller_p50_ms": _pct(ask_in, 50) * ms,
-            "execute_to_agents_p50_ms": _pct(cmd_out, 50) * ms,
-            "rpc_rtt_p50_ms": _pct(rtts, 50) * ms,
-            "start_p50_over_rtt": _pct(starts, 50) / _pct(rtts, 50),
-            "target_p50_ms": 5.0,
-            "target_p99_ms": 20.0,
-            "note": "light agents answer commands at once without moving bytes: control "
-            "overhead only; controller, agents+subscribers and trainers are 3 processes on "
-            f"{os.cpu_count()} cores",
-        }
-        print(json.dumps(result))
+        print(json.dumps(_result(args, slots, marks, rtts, doc)))
         ch.close()
-        pool.shutdown()
         return 0
     finally:
         stop.set()

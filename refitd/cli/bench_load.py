@@ -34,6 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from refitd.cli.bench_peers import answer_setup, pct
+
 SLOTS_PER_AGENT = 64
 log = logging.getLogger("refitd.bench.load")
 META_HOST = "bench-meta-host"
@@ -89,20 +91,9 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
     registered through gRPC (4 client threads); reports ("registered", seconds)."""
     import grpc
 
-    from refitd._proto import refitd_pb2 as pb
     from refitd._proto import refitd_pb2_grpc as pbg
-    from refitd.plan.presets import Parallel, build_specs, preset
 
-    # The bench closes (or sends on) its end of the pipe to stop this process: unlike a
-    # multiprocessing Event, that never blocks the bench when this process is gone.
-    stop = threading.Event()
-
-    def watch() -> None:
-        with contextlib.suppress(EOFError, OSError):
-            peer_stop.recv()
-        stop.set()
-
-    threading.Thread(target=watch, daemon=True).start()
+    stop = _stopped_by(peer_stop)
     try:
         ch = grpc.insecure_channel(
             address,
@@ -110,132 +101,22 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
         )
         agents = pbg.AgentControlStub(ch)
         refit = pbg.RefitStub(ch)
-        workers = args["workers"]
-        streams = []
-
-        def drain(agent_id: str, stream: Any, slots: list[int]) -> None:
-            """Light agent: answer connect/load/execute at once, move no bytes."""
-            try:
-                for cmd in stream:
-                    which = cmd.WhichOneof("command")
-                    rep = pb.AgentReport(agent_id=agent_id, command_id=cmd.command_id)
-                    if which == "connect":
-                        for s in slots:
-                            rep.slot, rep.kind = s, pb.REPORT_KIND_CONNECTED
-                            agents.Report(rep, timeout=30)
-                    elif which == "load":
-                        rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
-                        agents.Report(rep, timeout=30)
-            except grpc.RpcError:
-                pass
-
-        n_agents = -(-workers // SLOTS_PER_AGENT)
-        agent_ids: list[str] = []
-        for a in range(n_agents):
-            devices = [
-                f"cpu:{i}"
-                for i in range(a * SLOTS_PER_AGENT, min(workers, (a + 1) * SLOTS_PER_AGENT))
-            ]
-            resp = agents.RegisterAgent(
-                pb.RegisterAgentRequest(
-                    host=META_HOST,
-                    slots=[pb.SlotInfo(device=d) for d in devices],
-                    pid=os.getpid(),
-                    batch_execute=True,
-                ),
-                timeout=60,
-            )
-            agent_ids.append(resp.agent_id)
-            s = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
-            streams.append(s)
-            threading.Thread(
-                target=drain, args=(resp.agent_id, s, list(resp.slot_ids)), daemon=True
-            ).start()
+        streams: list[Any] = []
+        agent_ids = _light_agents(agents, args["workers"], streams)
         trainer_ids: list[str] = []  # appended by the registering threads
         subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
-
-        def heartbeats() -> None:
-            """Keep the leases as the client library does: agents and trainer ranks
-            heartbeat once a second each, at their own phase (spread over the second, as
-            independent processes do); inference ranks hold a subscription instead. A
-            refused heartbeat is reported."""
-            due: list[tuple[float, str, str]] = []  # (next beat, kind, id): a heap
-            known = 0
-
-            in_flight: set[Any] = set()  # a dropped gRPC future cancels its call
-
-            def check(call: Any) -> None:
-                in_flight.discard(call)
-                if call.exception() is not None:
-                    out.put(("lost", str(call.exception().details())))
-
-            while not stop.wait(0.01):
-                now = time.monotonic()
-                members = [("agent", a) for a in agent_ids] + [("worker", w) for w in trainer_ids]
-                for kind, member in members[known:]:
-                    heapq.heappush(due, (now + random.random(), kind, member))
-                known = len(members)
-                while due and due[0][0] <= now:
-                    at, kind, member = heapq.heappop(due)
-                    heapq.heappush(due, (max(at + 1.0, now), kind, member))
-                    call = (
-                        agents.AgentHeartbeat.future(
-                            pb.AgentHeartbeatRequest(agent_id=member), timeout=30
-                        )
-                        if kind == "agent"
-                        else refit.Heartbeat.future(
-                            pb.HeartbeatRequest(worker_id=member), timeout=30
-                        )
-                    )
-                    in_flight.add(call)
-                    call.add_done_callback(check)
-
-        beat = threading.Thread(target=heartbeats, daemon=True)
+        beat = threading.Thread(
+            target=_heartbeats,
+            args=(agents, refit, agent_ids, trainer_ids, stop, out),
+            daemon=True,
+        )
         beat.start()
         time.sleep(0.5)  # agent streams open
-        p = preset(args["preset"])
-        t_world, i_world = _worlds(workers)
-        sides = [
-            ("trainer", pb.ROLE_SOURCE, Parallel.parse(args["trainer_layout"], t_world), 0),
-            ("infer-0", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world),
-            ("infer-1", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world + i_world),
-        ]  # fmt: skip
-        requests = []
-        n_specs = 0
-        for pool, role, par, base in sides:
-            by_rank: dict[int, list[Any]] = {}
-            for spec in build_specs(p, par, META_MODEL, pool, base):
-                by_rank.setdefault(spec.rank, []).append(spec)
-            for rank, specs in sorted(by_rank.items()):
-                n_specs += len(specs)
-                requests.append(
-                    pb.RegisterWorkerRequest(
-                        model=META_MODEL,
-                        pool=pool,
-                        role=role,
-                        rank=rank,
-                        pool_size=par.world,
-                        host=META_HOST,
-                        device=f"cpu:{base + rank}",
-                        pid=os.getpid(),
-                        tensors=[
-                            _registration(s, f"meta:{pool}:{rank}:{i}".encode())
-                            for i, s in enumerate(specs)
-                        ],
-                    )
-                )
-
-        def register(req: Any) -> None:
-            worker_id = refit.RegisterWorker(req, timeout=300).worker_id
-            if req.role == pb.ROLE_SOURCE:
-                trainer_ids.append(worker_id)
-            else:
-                subscriptions.append(refit.Subscribe(pb.SubscribeRequest(worker_id=worker_id)))
-
+        requests, n_specs = _meta_requests(args)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(4) as ex:
-            list(ex.map(register, requests))
-        out.put(("registered", time.perf_counter() - t0, len(requests), n_specs, n_agents))
+            list(ex.map(lambda r: _register(refit, r, trainer_ids, subscriptions), requests))
+        out.put(("registered", time.perf_counter() - t0, len(requests), n_specs, len(agent_ids)))
         stop.wait()
         beat.join(30)
         for s in streams + subscriptions:
@@ -244,9 +125,147 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
         out.put(("error", repr(e)))
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+def _stopped_by(peer_stop: Any) -> threading.Event:
+    """An event set when the bench closes (or sends on) its end of the pipe: unlike a
+    multiprocessing Event, that never blocks the bench when this process is gone."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            peer_stop.recv()
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return stop
+
+
+def _light_agents(agents: Any, workers: int, streams: list[Any]) -> list[str]:
+    """Register agents of SLOTS_PER_AGENT slots for `workers` slots; each answers
+    connect/load at once from a thread and moves no bytes. Their command streams are
+    appended to `streams`; returns the agent ids."""
+    import grpc
+
+    from refitd._proto import refitd_pb2 as pb
+
+    def drain(agent_id: str, stream: Any, slots: list[int]) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for cmd in stream:
+                answer_setup(agents, agent_id, cmd, slots)
+
+    agent_ids: list[str] = []
+    for a in range(-(-workers // SLOTS_PER_AGENT)):
+        devices = [
+            f"cpu:{i}" for i in range(a * SLOTS_PER_AGENT, min(workers, (a + 1) * SLOTS_PER_AGENT))
+        ]
+        resp = agents.RegisterAgent(
+            pb.RegisterAgentRequest(
+                host=META_HOST,
+                slots=[pb.SlotInfo(device=d) for d in devices],
+                pid=os.getpid(),
+                batch_execute=True,
+            ),
+            timeout=60,
+        )
+        agent_ids.append(resp.agent_id)
+        s = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
+        streams.append(s)
+        threading.Thread(
+            target=drain, args=(resp.agent_id, s, list(resp.slot_ids)), daemon=True
+        ).start()
+    return agent_ids
+
+
+def _heartbeats(
+    agents: Any,
+    refit: Any,
+    agent_ids: list[str],
+    trainer_ids: list[str],
+    stop: threading.Event,
+    out: Any,
+) -> None:
+    """Keep the leases as the client library does: agents and trainer ranks heartbeat once a
+    second each, at their own phase (spread over the second, as independent processes do);
+    inference ranks hold a subscription instead. A refused heartbeat is reported."""
+    from refitd._proto import refitd_pb2 as pb
+
+    due: list[tuple[float, str, str]] = []  # (next beat, kind, id): a heap
+    known = 0
+
+    in_flight: set[Any] = set()  # a dropped gRPC future cancels its call
+
+    def check(call: Any) -> None:
+        in_flight.discard(call)
+        if call.exception() is not None:
+            out.put(("lost", str(call.exception().details())))
+
+    while not stop.wait(0.01):
+        now = time.monotonic()
+        members = [("agent", a) for a in agent_ids] + [("worker", w) for w in trainer_ids]
+        for kind, member in members[known:]:
+            heapq.heappush(due, (now + random.random(), kind, member))
+        known = len(members)
+        while due and due[0][0] <= now:
+            at, kind, member = heapq.heappop(due)
+            heapq.heappush(due, (max(at + 1.0, now), kind, member))
+            call = (
+                agents.AgentHeartbeat.future(pb.AgentHeartbeatRequest(agent_id=member), timeout=30)
+                if kind == "agent"
+                else refit.Heartbeat.future(pb.HeartbeatRequest(worker_id=member), timeout=30)
+            )
+            in_flight.add(call)
+            call.add_done_callback(check)
+
+
+def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
+    """The RegisterWorkerRequests of every metadata worker (the preset's trainer and two
+    inference pools) and their total tensor count."""
+    from refitd._proto import refitd_pb2 as pb
+    from refitd.plan.presets import Parallel, build_specs, preset
+
+    p = preset(args["preset"])
+    t_world, i_world = _worlds(args["workers"])
+    sides = [
+        ("trainer", pb.ROLE_SOURCE, Parallel.parse(args["trainer_layout"], t_world), 0),
+        ("infer-0", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world),
+        ("infer-1", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world + i_world),
+    ]  # fmt: skip
+    requests = []
+    n_specs = 0
+    for pool, role, par, base in sides:
+        by_rank: dict[int, list[Any]] = {}
+        for spec in build_specs(p, par, META_MODEL, pool, base):
+            by_rank.setdefault(spec.rank, []).append(spec)
+        for rank, specs in sorted(by_rank.items()):
+            n_specs += len(specs)
+            requests.append(
+                pb.RegisterWorkerRequest(
+                    model=META_MODEL,
+                    pool=pool,
+                    role=role,
+                    rank=rank,
+                    pool_size=par.world,
+                    host=META_HOST,
+                    device=f"cpu:{base + rank}",
+                    pid=os.getpid(),
+                    tensors=[
+                        _registration(s, f"meta:{pool}:{rank}:{i}".encode())
+                        for i, s in enumerate(specs)
+                    ],
+                )
+            )
+    return requests, n_specs
+
+
+def _register(refit: Any, req: Any, trainer_ids: list[str], subscriptions: list[Any]) -> None:
+    """Register one metadata worker: a trainer rank joins the heartbeats, an inference rank
+    subscribes (its lease)."""
+    from refitd._proto import refitd_pb2 as pb
+
+    worker_id = refit.RegisterWorker(req, timeout=300).worker_id
+    if req.role == pb.ROLE_SOURCE:
+        trainer_ids.append(worker_id)
+    else:
+        subscriptions.append(refit.Subscribe(pb.SubscribeRequest(worker_id=worker_id)))
 
 
 def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
@@ -316,14 +335,105 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import psutil
 
-    from refitd.agent.node import run_node_agent
-    from refitd.config import Settings
     from refitd.demo.gpt import GptConfig
-    from refitd.demo.run import DEMO_SLOTS, Demo
-    from refitd.server.controller import Controller
+    from refitd.demo.run import Demo
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     me = psutil.Process()
+    ctl, stop, agent = _start_controller(args)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    peer_stop, bench_stop = ctx.Pipe(duplex=False)
+    rss: dict[str, float] = {"idle": me.memory_info().rss}
+    meta_args = {
+        "workers": args.workers,
+        "preset": args.preset,
+        "trainer_layout": args.trainer_layout,
+        "inference_layout": args.inference_layout,
+    }
+    peers = ctx.Process(
+        target=_meta_peers, args=(ctl.grpc_address, meta_args, out, peer_stop), daemon=True
+    )
+    demo: Demo | None = None
+    try:
+        peers.start()
+        t0 = time.perf_counter()
+        lost = []  # refused heartbeats: a metadata worker's lease expired
+        while (msg := out.get(timeout=1800))[0] == "lost":
+            lost.append(msg)
+        if msg[0] != "registered":
+            raise RuntimeError(f"metadata peers failed: {msg[0]}: {msg[1]}")
+        registered = (*msg[1:], time.perf_counter() - t0)
+        rss["registered"] = me.memory_info().rss
+        log.warning("bench load: registered")
+        demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
+        demo.start()
+        for v in range(1, args.warmup + 1):
+            demo.refit(v)
+        rss["loop_start"] = me.memory_info().rss
+        log.warning("bench load: refit loop starts")
+        t_loop = time.perf_counter()
+        for v in range(args.warmup + 1, args.warmup + args.refits + 1):
+            demo.refit(v)
+        loop_s = time.perf_counter() - t_loop
+        rss["loop_end"] = me.memory_info().rss
+        while not out.empty():
+            lost.append(out.get())
+        meta = _meta_figures(args, ctl, registered, lost)
+        # After the loop: building all 1024 programs is minutes of Python in this process,
+        # which would hold up the leases of the metadata workers during the loop.
+        meta |= _plan_meta(ctl, args.program_threads)
+        rss["planned"] = me.memory_info().rss
+        log.warning("bench load: planned")
+        result = _result(args, meta, _controls(ctl, args.warmup), loop_s, rss)
+        print(json.dumps(result), flush=True)
+        return 0
+    finally:
+        if demo is not None:
+            demo.close()
+        bench_stop.send(None)
+        peers.join(10)
+        if peers.is_alive():
+            peers.kill()
+        stop.set()
+        agent.join(10)
+        ctl.stop()
+
+
+def _meta_figures(
+    args: argparse.Namespace, ctl: Any, registered: tuple, lost: list[tuple]
+) -> dict[str, Any]:
+    """The metadata model's registration figures and what of it is alive at the end.
+    registered: the peers' (seconds, workers, specs, agents) and the bench's wall seconds."""
+    register_s, n_workers, n_specs, n_agents, wall_register_s = registered
+    with ctl.registry.lock:
+        meta_alive = len(ctl.registry.model(META_MODEL).pools)
+        meta_live = sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
+    return {
+        "meta_model": f"{args.preset} trainer {args.trainer_layout} + 2 pools "
+        f"{args.inference_layout}",
+        "meta_workers": n_workers,
+        "meta_workers_registered_at_end": meta_live,
+        "meta_pools_at_end": meta_alive,
+        "meta_heartbeats_refused": len(lost),
+        "meta_heartbeats_refused_why": dict(collections.Counter(m[1] for m in lost)),
+        "meta_agents": n_agents,
+        "meta_worlds": list(_worlds(args.workers)),
+        "meta_specs": n_specs,
+        "meta_register_s": register_s,
+        "meta_register_wall_s": wall_register_s,
+    }
+
+
+def _start_controller(args: argparse.Namespace) -> tuple[Any, threading.Event, threading.Thread]:
+    """A controller in this process and its embedded node agent (a thread with the demo's
+    CPU slots), as `refitd serve` runs them; returns the controller, the agent's stop
+    event and its thread."""
+    from refitd.agent.node import run_node_agent
+    from refitd.config import Settings
+    from refitd.demo.run import DEMO_SLOTS
+    from refitd.server.controller import Controller
+
     data = tempfile.mkdtemp(prefix="refitd-bench-load-")
     settings = Settings(
         grpc_port=0,
@@ -342,119 +452,63 @@ def run(args: argparse.Namespace) -> int:
         daemon=True,
     )
     agent.start()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    peer_stop, bench_stop = ctx.Pipe(duplex=False)
-    rss_idle = me.memory_info().rss
-    peers = ctx.Process(
-        target=_meta_peers,
-        args=(
-            ctl.grpc_address,
-            {
-                "workers": args.workers,
-                "preset": args.preset,
-                "trainer_layout": args.trainer_layout,
-                "inference_layout": args.inference_layout,
-            },
-            out,
-            peer_stop,
-        ),
-        daemon=True,
-    )
-    demo: Demo | None = None
-    try:
-        peers.start()
-        t0 = time.perf_counter()
-        lost = []  # refused heartbeats: a metadata worker's lease expired
-        while (msg := out.get(timeout=1800))[0] == "lost":
-            lost.append(msg)
-        if msg[0] != "registered":
-            raise RuntimeError(f"metadata peers failed: {msg[0]}: {msg[1]}")
-        _, register_s, n_workers, n_specs, n_agents = msg
-        wall_register_s = time.perf_counter() - t0
-        rss_registered = me.memory_info().rss
-        log.warning("bench load: registered")
-        demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
-        demo.start()
-        for v in range(1, args.warmup + 1):
-            demo.refit(v)
-        rss_start = me.memory_info().rss
-        log.warning("bench load: refit loop starts")
-        starts, ends, secs = [], [], []
-        t_loop = time.perf_counter()
-        for v in range(args.warmup + 1, args.warmup + args.refits + 1):
-            demo.refit(v)
-        loop_s = time.perf_counter() - t_loop
-        rss_end = me.memory_info().rss
-        while not out.empty():
-            lost.append(out.get())
-        with ctl.registry.lock:
-            meta_alive = len(ctl.registry.model(META_MODEL).pools)
-            meta_live = sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
-        # After the loop: building all 1024 programs is minutes of Python in this process,
-        # which would hold up the leases of the metadata workers during the loop.
-        plan_stats = _plan_meta(ctl, args.program_threads)
-        rss_planned = me.memory_info().rss
-        log.warning("bench load: planned")
-        for r in ctl.refits.history:
-            d = r.to_json()
-            if d.get("model") != "demo-gpt" or d.get("state") != "committed":
-                continue
-            if d.get("version", 0) <= args.warmup:
-                continue
-            det = r.detail
-            if "control_start_s" in det and "control_end_s" in det:
-                starts.append(float(det["control_start_s"]))
-                ends.append(float(det["control_end_s"]))
-                secs.append(r.seconds)
-        ms = 1e3
-        result = {
-            "bench": "load",
-            "meta_model": f"{args.preset} trainer {args.trainer_layout} + 2 pools {args.inference_layout}",
-            "meta_workers": n_workers,
-            "meta_workers_registered_at_end": meta_live,
-            "meta_pools_at_end": meta_alive,
-            "meta_heartbeats_refused": len(lost),
-            "meta_heartbeats_refused_why": dict(collections.Counter(m[1] for m in lost)),
-            "meta_agents": n_agents,
-            "meta_worlds": list(_worlds(args.workers)),
-            "meta_specs": n_specs,
-            "meta_register_s": register_s,
-            "meta_register_wall_s": wall_register_s,
-            **plan_stats,
-            "small_model_mb": GptConfig.for_megabytes(args.model_mb).nbytes / 1e6,
-            "refits": args.refits,
-            "refits_recorded": len(starts),
-            "refit_loop_s": loop_s,
-            "refit_p50_ms": _pct(secs, 50) * ms if secs else None,
-            "control_start_p50_ms": _pct(starts, 50) * ms if starts else None,
-            "control_start_p99_ms": _pct(starts, 99) * ms if starts else None,
-            "control_end_p50_ms": _pct(ends, 50) * ms if ends else None,
-            "control_end_p99_ms": _pct(ends, 99) * ms if ends else None,
-            "rss_idle_mb": rss_idle / 1e6,
-            "rss_registered_mb": rss_registered / 1e6,
-            "rss_planned_mb": rss_planned / 1e6,
-            "rss_loop_start_mb": rss_start / 1e6,
-            "rss_loop_end_mb": rss_end / 1e6,
-            "rss_growth": rss_end / rss_start - 1.0,
-            "target_rss_growth": 0.05,
-            "target_control_p99_ms": 20.0,
-            "note": "controller and embedded agent in the bench process (RSS is that process; "
-            "transfer processes, workers and metadata peers are children); metadata workers "
-            "are registered through gRPC with handles that are never mapped, their slots "
-            "belong to light agent threads that execute nothing; the small model moves real "
-            f"bytes through real transfer processes, verified bit for bit; {os.cpu_count()} "
-            "cores",
-        }
-        print(json.dumps(result), flush=True)
-        return 0
-    finally:
-        if demo is not None:
-            demo.close()
-        bench_stop.send(None)
-        peers.join(10)
-        if peers.is_alive():
-            peers.kill()
-        stop.set()
-        agent.join(10)
-        ctl.stop()
+    return ctl, stop, agent
+
+
+def _controls(ctl: Any, warmup: int) -> tuple[list[float], list[float], list[float]]:
+    """(control start, control end, refit seconds) of the small model's committed refits
+    after the warm-up, from the controller's history."""
+    starts, ends, secs = [], [], []
+    for r in ctl.refits.history:
+        d = r.to_json()
+        if d.get("model") != "demo-gpt" or d.get("state") != "committed":
+            continue
+        if d.get("version", 0) <= warmup:
+            continue
+        det = r.detail
+        if "control_start_s" in det and "control_end_s" in det:
+            starts.append(float(det["control_start_s"]))
+            ends.append(float(det["control_end_s"]))
+            secs.append(r.seconds)
+    return starts, ends, secs
+
+
+def _result(
+    args: argparse.Namespace,
+    meta: dict[str, Any],
+    controls: tuple[list[float], list[float], list[float]],
+    loop_s: float,
+    rss: dict[str, float],
+) -> dict[str, Any]:
+    """The bench's JSON document: the metadata model's figures, then the small model's."""
+    from refitd.demo.gpt import GptConfig
+
+    starts, ends, secs = controls
+    ms = 1e3
+    return {
+        "bench": "load",
+        **meta,
+        "small_model_mb": GptConfig.for_megabytes(args.model_mb).nbytes / 1e6,
+        "refits": args.refits,
+        "refits_recorded": len(starts),
+        "refit_loop_s": loop_s,
+        "refit_p50_ms": pct(secs, 50) * ms if secs else None,
+        "control_start_p50_ms": pct(starts, 50) * ms if starts else None,
+        "control_start_p99_ms": pct(starts, 99) * ms if starts else None,
+        "control_end_p50_ms": pct(ends, 50) * ms if ends else None,
+        "control_end_p99_ms": pct(ends, 99) * ms if ends else None,
+        "rss_idle_mb": rss["idle"] / 1e6,
+        "rss_registered_mb": rss["registered"] / 1e6,
+        "rss_planned_mb": rss["planned"] / 1e6,
+        "rss_loop_start_mb": rss["loop_start"] / 1e6,
+        "rss_loop_end_mb": rss["loop_end"] / 1e6,
+        "rss_growth": rss["loop_end"] / rss["loop_start"] - 1.0,
+        "target_rss_growth": 0.05,
+        "target_control_p99_ms": 20.0,
+        "note": "controller and embedded agent in the bench process (RSS is that process; "
+        "transfer processes, workers and metadata peers are children); metadata workers "
+        "are registered through gRPC with handles that are never mapped, their slots "
+        "belong to light agent threads that execute nothing; the small model moves real "
+        f"bytes through real transfer processes, verified bit for bit; {os.cpu_count()} "
+        "cores",
+    }

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from refitd.agent.transfer_process import TransferProcessHandle
 from refitd.plan.layout import MXFP8, PLAIN, TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
-from refitd.plan.planner import PlanConfig, build_plan
+from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.wire import mxfp8_scale_shape
 from refitd.transport.memory import SharedTensorArena
 
@@ -177,190 +177,275 @@ def run(args: argparse.Namespace) -> int:
     # one arena per slot, as one worker process per slot would have: a slot's tensors sit
     # side by side in shared memory, not interleaved with other ranks'
     arenas: dict[int, SharedTensorArena] = {}
+    handles: list[TransferProcessHandle] = []
+    try:
+        shards = _place_shards(src, dst, shapes, arenas)
+        handles = [TransferProcessHandle(slot) for slot in slots]
+        rank_of = {slot: r for r, slot in enumerate(slots)}
+        store = _connect(args, handles, rank_of)  # noqa: F841 (the store serves while we run)
+        snapshots = _load_programs(args, plan, handles, shards.mem, len(src))
+        timed = _measure(args, plan, handles, src, rank_of)
+        ok = _verify(args, src, dst, shapes, shards.tensors, shards.scales)
+        ok = ok and timed.mismatch is None
+        out = _summary(args, plan, timed, model_bytes, len(slots), ok, snapshots)
+        if args.wire == "mxfp8":
+            seconds, ref_seconds = statistics.median(timed.runs), statistics.median(timed.refs)
+            out |= _mxfp8_context(
+                shards.tensors[0], model_bytes, args.src_slots, ref_seconds, seconds
+            )
+        print(json.dumps(out))
+        return 0 if out["verified"] else 1
+    finally:
+        for h in handles:
+            h.close()
+        for a in arenas.values():
+            a.close()
+
+
+@dataclasses.dataclass
+class _Shards:
+    """Every slot's tensors (sources, then destinations, in plan tensor order), the MXFP8
+    scales of destinations by tensor index, and the shared-memory handle of each by name
+    (t{i}; the scales ride on their tensor's handle)."""
+
+    tensors: list[torch.Tensor]
+    scales: dict[int, torch.Tensor]
+    mem: dict
+
+
+def _place_shards(
+    src: list[TensorSpec],
+    dst: list[TensorSpec],
+    shapes: dict[str, tuple[int, int]],
+    arenas: dict[int, SharedTensorArena],
+) -> _Shards:
+    """Sources filled from the pattern and zeroed destinations, each in its slot's arena
+    (created on first use into `arenas`, which the caller closes)."""
 
     def arena_of(slot: int) -> SharedTensorArena:
         if slot not in arenas:
             arenas[slot] = SharedTensorArena(prefix="refitd-bench")
         return arenas[slot]
 
-    handles: list[TransferProcessHandle] = []
-    store = None
-    try:
-        tensors: list[torch.Tensor] = []
-        scales: dict[int, torch.Tensor] = {}
-        by_name: dict[str, list[int]] = defaultdict(list)
-        for i, s in enumerate(src):
-            by_name[s.name].append(i)
-        mem = {}
-        tensors = [torch.empty(0)] * len(src)
-        # each tensor goes to shared memory as soon as it exists: peak memory stays one tensor
-        for k, name in enumerate(shapes):
-            g = _pattern(k, shapes[name])
-            for i in by_name[name]:
-                tensors[i] = _block(g, src[i]).clone()
-                mem |= arena_of(src[i].slot).register({f"t{i}": tensors[i]})
-        for j, d in enumerate(dst):
-            i = len(src) + j
-            dtype = torch.uint8 if d.storage == MXFP8 else torch.bfloat16
-            tensors.append(torch.zeros(d.local_shape, dtype=dtype))
-            mem |= arena_of(d.slot).register({f"t{i}": tensors[i]})
-            if d.storage == MXFP8:
-                scales[i] = torch.zeros(mxfp8_scale_shape(d.local_shape), dtype=torch.uint8)
-        smem = {}
-        for i, t in scales.items():
-            smem |= arena_of(dst[i - len(src)].slot).register({f"s{i}": t})
-        for i in scales:
-            mem[f"t{i}"] = dataclasses.replace(mem[f"t{i}"], scales=smem[f"s{i}"])
+    scales: dict[int, torch.Tensor] = {}
+    by_name: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(src):
+        by_name[s.name].append(i)
+    mem = {}
+    tensors = [torch.empty(0)] * len(src)
+    # each tensor goes to shared memory as soon as it exists: peak memory stays one tensor
+    for k, name in enumerate(shapes):
+        g = _pattern(k, shapes[name])
+        for i in by_name[name]:
+            tensors[i] = _block(g, src[i]).clone()
+            mem |= arena_of(src[i].slot).register({f"t{i}": tensors[i]})
+    for j, d in enumerate(dst):
+        i = len(src) + j
+        dtype = torch.uint8 if d.storage == MXFP8 else torch.bfloat16
+        tensors.append(torch.zeros(d.local_shape, dtype=dtype))
+        mem |= arena_of(d.slot).register({f"t{i}": tensors[i]})
+        if d.storage == MXFP8:
+            scales[i] = torch.zeros(mxfp8_scale_shape(d.local_shape), dtype=torch.uint8)
+    smem = {}
+    for i, t in scales.items():
+        smem |= arena_of(dst[i - len(src)].slot).register({f"s{i}": t})
+    for i in scales:
+        mem[f"t{i}"] = dataclasses.replace(mem[f"t{i}"], scales=smem[f"s{i}"])
+    return _Shards(tensors, scales, mem)
 
-        handles = [TransferProcessHandle(slot) for slot in slots]
-        rank_of = {slot: r for r, slot in enumerate(slots)}
-        if args.transport == "gloo":
-            store = dist.TCPStore(
-                "127.0.0.1",
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=120),
-            )
-            pend = [
-                h.connect(
-                    1,
-                    "127.0.0.1",
-                    store.port,
-                    rank_of[h.slot],
-                    len(slots),
-                    "gloo",
-                    120.0,
-                    slot_ranks=rank_of,
-                    wait=False,
-                )
-                for h in handles
-            ]
-            for p in pend:
-                p.result(130.0)
-        else:
-            for h in handles:
-                h.connect(1, "", 0, 0, 1, "local", 10.0)
-        snapshots: dict[int, dict] = {}
+
+def _connect(
+    args: argparse.Namespace, handles: list[TransferProcessHandle], rank_of: dict[int, int]
+) -> dist.TCPStore | None:
+    """Form the transfer processes' communicator; returns the gloo rendezvous store (keep
+    it alive while the processes run)."""
+    if args.transport != "gloo":
         for h in handles:
-            prog = plan.program(h.slot)
-            if args.transport == "local" and (prog.sends or prog.recvs):
-                raise SystemExit("--transport local: this layout needs copies between slots")
-            reply = h.load(
-                plan.digest,
-                prog.to_bytes(),
-                {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
-                staging_bytes=args.staging,
-                wire_chunk=args.wire_chunk,
-                staged_chunk=args.staged_chunk,
-                snapshot=list(range(len(src))) if args.snapshot else None,
-                snapshot_bytes=args.snapshot_bytes,
-            )
-            if reply.get("snapshot"):
-                snapshots[h.slot] = reply["snapshot"]
-        blocked: list[float] = []
+            h.connect(1, "", 0, 0, 1, "local", 10.0)
+        return None
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    pend = [
+        h.connect(
+            1,
+            "127.0.0.1",
+            store.port,
+            rank_of[h.slot],
+            len(handles),
+            "gloo",
+            120.0,
+            slot_ranks=rank_of,
+            wait=False,
+        )
+        for h in handles
+    ]
+    for p in pend:
+        p.result(130.0)
+    return store
 
-        def refit(refit_id: int, verify: bool = False) -> tuple[float, list[dict]]:
-            t0, wall0 = time.monotonic(), time.time()
-            released: dict[int, float] = {}
-            pend = [
-                h.start_execute(plan.digest, refit_id, refit_id, args.timeout, verify)
-                for h in handles
-            ]
-            reports = [
-                p.result(args.timeout + 10.0, lambda m, s=h.slot: released.setdefault(s, m["t"]))[
-                    "report"
-                ]
-                for h, p in zip(handles, pend, strict=True)
-            ]
-            seconds = time.monotonic() - t0
-            # the trainer waits for the last slot reading it (the event's wall time)
-            src_slots = {s.slot for s in src}
-            if not verify:
-                blocked.append(max(released.get(s, wall0 + seconds) - wall0 for s in src_slots))
-            return seconds, reports
 
-        refit(1)
-        blocked.clear()
-        # refits and references alternate, medians compared: load from other processes on
-        # the machine hits both alike
-        runs: list[float] = []
-        refs: list[float] = []
-        memcpys: list[float] = []
-        verified: list[float] = []
-        mismatch: str | None = None
-        for k in range(max(1, args.repeat)):
-            seconds, reports = refit(2 + 2 * k)
-            runs.append(seconds)
-            refs.append(_reference(args, handles, plan, rank_of, reports))
-            memcpys.append(_memcpy_reference(args, handles, src))
-            if args.verify:
-                vseconds, vreports = refit(3 + 2 * k, verify=True)
-                verified.append(vseconds)
-                mismatch = mismatch or _compare_checksums(plan, handles, vreports)
-        seconds, ref_seconds = statistics.median(runs), statistics.median(refs)
-        wire_bytes = sum(r["sent_bytes"] for r in reports)
-        local_bytes = sum(r["local_bytes"] for r in reports)
-        moved = wire_bytes if args.transport == "gloo" else local_bytes
-        ok = _verify(args, src, dst, shapes, tensors, scales) and mismatch is None
-        out = {
-            "bench": "transfer",
-            "transport": args.transport,
-            "wire": args.wire,
-            "model_bytes": model_bytes,
-            "bytes": moved,
-            "seconds": round(seconds, 4),
-            "gbps": round(moved / seconds / 1e9, 3),
-            "ref_gbps": round(moved / ref_seconds / 1e9, 3),
-            # each refit against the reference run right after it (load drifts on a shared
-            # machine), median over the pairs; and the ratio of the two medians
-            "ratio": round(statistics.median(r / x for x, r in zip(runs, refs, strict=True)), 3),
-            "ratio_of_medians": round(ref_seconds / seconds, 3),
-            "seconds_all": [round(x, 4) for x in runs],
-            "ref_seconds_all": [round(x, 4) for x in refs],
-            "staging_peak_bytes": max(r["staging_peak_bytes"] for r in reports),
-            "staging_cap_bytes": args.staging,
-            "sources_released_s": round(max(r["sources_released_s"] for r in reports), 4),
-            # trainer_blocked_s: refit start -> its last source slot released it (median);
-            # over a memcpy of each source slot's bytes, all slots at once, same run
-            "trainer_blocked_s": round(statistics.median(blocked), 4),
-            "memcpy_s": round(statistics.median(memcpys), 4),
-            "trainer_blocked_over_memcpy": round(
-                statistics.median(blocked) / max(statistics.median(memcpys), 1e-9), 3
-            ),
-            "snapshot": _snapshot_summary(args, snapshots),
-            "messages": sum(len(r["messages"]) for r in reports) // 2,
-            "zero_copy_chunks": sum(m["zero_copy_chunks"] for r in reports for m in r["messages"]),
-            "staged_chunks": sum(m["staged_chunks"] for r in reports for m in r["messages"]),
-            "wire_over_bf16": round(plan.stats.remote_bytes / max(1, model_bytes), 4),
-            "relay_bytes": plan.stats.relay_bytes,
-            "phases_max": {
-                k: round(max(r["phases"].get(k, 0.0) for r in reports), 4)
-                for k in reports[0]["phases"]
-            },
-            "slots": len(slots),
-            "verified": ok,
-        }
+def _load_programs(
+    args: argparse.Namespace,
+    plan: Plan,
+    handles: list[TransferProcessHandle],
+    mem: dict,
+    n_src: int,
+) -> dict[int, dict]:
+    """Load every slot's program with its tensors' handles; the snapshot replies by slot."""
+    snapshots: dict[int, dict] = {}
+    for h in handles:
+        prog = plan.program(h.slot)
+        if args.transport == "local" and (prog.sends or prog.recvs):
+            raise SystemExit("--transport local: this layout needs copies between slots")
+        reply = h.load(
+            plan.digest,
+            prog.to_bytes(),
+            {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
+            staging_bytes=args.staging,
+            wire_chunk=args.wire_chunk,
+            staged_chunk=args.staged_chunk,
+            snapshot=list(range(n_src)) if args.snapshot else None,
+            snapshot_bytes=args.snapshot_bytes,
+        )
+        if reply.get("snapshot"):
+            snapshots[h.slot] = reply["snapshot"]
+    return snapshots
+
+
+@dataclasses.dataclass
+class _Timed:
+    """The timed rounds: refit, reference and memcpy seconds (one per round), verified
+    refit seconds (--verify), trainer-blocked seconds per unverified refit, the first
+    checksum mismatch, and the reports of the last unverified and verified refits."""
+
+    runs: list[float] = dataclasses.field(default_factory=list)
+    refs: list[float] = dataclasses.field(default_factory=list)
+    memcpys: list[float] = dataclasses.field(default_factory=list)
+    verified: list[float] = dataclasses.field(default_factory=list)
+    blocked: list[float] = dataclasses.field(default_factory=list)
+    mismatch: str | None = None
+    reports: list[dict] = dataclasses.field(default_factory=list)
+    vreports: list[dict] = dataclasses.field(default_factory=list)
+
+
+def _refit(
+    args: argparse.Namespace,
+    plan: Plan,
+    handles: list[TransferProcessHandle],
+    src_slots: set[int],
+    refit_id: int,
+    verify: bool = False,
+) -> tuple[float, list[dict], float]:
+    """One refit on every slot: its seconds, the slots' reports, and how long the trainer
+    was held (until the last slot reading it released it: the event's wall time)."""
+    t0, wall0 = time.monotonic(), time.time()
+    released: dict[int, float] = {}
+    pend = [h.start_execute(plan.digest, refit_id, refit_id, args.timeout, verify) for h in handles]
+    reports = [
+        p.result(args.timeout + 10.0, lambda m, s=h.slot: released.setdefault(s, m["t"]))["report"]
+        for h, p in zip(handles, pend, strict=True)
+    ]
+    seconds = time.monotonic() - t0
+    blocked = max(released.get(s, wall0 + seconds) - wall0 for s in src_slots)
+    return seconds, reports, blocked
+
+
+def _measure(
+    args: argparse.Namespace,
+    plan: Plan,
+    handles: list[TransferProcessHandle],
+    src: list[TensorSpec],
+    rank_of: dict[int, int],
+) -> _Timed:
+    """A warm-up refit, then --repeat rounds of refit, reference and memcpy (and a verified
+    refit with --verify): they alternate, and medians are compared, so load from other
+    processes on the machine hits both alike."""
+    src_slots = {s.slot for s in src}
+    _refit(args, plan, handles, src_slots, 1)
+    timed = _Timed()
+    for k in range(max(1, args.repeat)):
+        seconds, timed.reports, blocked = _refit(args, plan, handles, src_slots, 2 + 2 * k)
+        timed.runs.append(seconds)
+        timed.blocked.append(blocked)
+        timed.refs.append(_reference(args, handles, plan, rank_of, timed.reports))
+        timed.memcpys.append(_memcpy_reference(args, handles, src))
         if args.verify:
-            vs = statistics.median(verified)
-            out |= {
-                "verify_seconds_all": [round(x, 4) for x in verified],
-                "verify_gbps": round(moved / vs / 1e9, 3),
-                "verify_ratio": round(seconds / vs, 3),
-                "checksums_s_max": round(
-                    max(r["phases"].get("checksums_s", 0.0) for r in vreports), 4
-                ),
-                "checksum_mismatch": mismatch,
-            }
-        if args.wire == "mxfp8":
-            out |= _mxfp8_context(tensors[0], model_bytes, args.src_slots, ref_seconds, seconds)
-        print(json.dumps(out))
-        return 0 if ok else 1
-    finally:
-        for h in handles:
-            h.close()
-        for a in arenas.values():
-            a.close()
+            vseconds, timed.vreports, _ = _refit(
+                args, plan, handles, src_slots, 3 + 2 * k, verify=True
+            )
+            timed.verified.append(vseconds)
+            timed.mismatch = timed.mismatch or _compare_checksums(plan, handles, timed.vreports)
+    return timed
+
+
+def _summary(
+    args: argparse.Namespace,
+    plan: Plan,
+    timed: _Timed,
+    model_bytes: int,
+    slots: int,
+    ok: bool,
+    snapshots: dict[int, dict],
+) -> dict:
+    """The bench's JSON document (the MXFP8 part is the caller's)."""
+    runs, refs, reports = timed.runs, timed.refs, timed.reports
+    seconds, ref_seconds = statistics.median(runs), statistics.median(refs)
+    wire_bytes = sum(r["sent_bytes"] for r in reports)
+    local_bytes = sum(r["local_bytes"] for r in reports)
+    moved = wire_bytes if args.transport == "gloo" else local_bytes
+    blocked, memcpy = statistics.median(timed.blocked), statistics.median(timed.memcpys)
+    out = {
+        "bench": "transfer",
+        "transport": args.transport,
+        "wire": args.wire,
+        "model_bytes": model_bytes,
+        "bytes": moved,
+        "seconds": round(seconds, 4),
+        "gbps": round(moved / seconds / 1e9, 3),
+        "ref_gbps": round(moved / ref_seconds / 1e9, 3),
+        # each refit against the reference run right after it (load drifts on a shared
+        # machine), median over the pairs; and the ratio of the two medians
+        "ratio": round(statistics.median(r / x for x, r in zip(runs, refs, strict=True)), 3),
+        "ratio_of_medians": round(ref_seconds / seconds, 3),
+        "seconds_all": [round(x, 4) for x in runs],
+        "ref_seconds_all": [round(x, 4) for x in refs],
+        "staging_peak_bytes": max(r["staging_peak_bytes"] for r in reports),
+        "staging_cap_bytes": args.staging,
+        "sources_released_s": round(max(r["sources_released_s"] for r in reports), 4),
+        # trainer_blocked_s: refit start -> its last source slot released it (median);
+        # over a memcpy of each source slot's bytes, all slots at once, same run
+        "trainer_blocked_s": round(blocked, 4),
+        "memcpy_s": round(memcpy, 4),
+        "trainer_blocked_over_memcpy": round(blocked / max(memcpy, 1e-9), 3),
+        "snapshot": _snapshot_summary(args, snapshots),
+        "messages": sum(len(r["messages"]) for r in reports) // 2,
+        "zero_copy_chunks": sum(m["zero_copy_chunks"] for r in reports for m in r["messages"]),
+        "staged_chunks": sum(m["staged_chunks"] for r in reports for m in r["messages"]),
+        "wire_over_bf16": round(plan.stats.remote_bytes / max(1, model_bytes), 4),
+        "relay_bytes": plan.stats.relay_bytes,
+        "phases_max": {
+            k: round(max(r["phases"].get(k, 0.0) for r in reports), 4) for k in reports[0]["phases"]
+        },
+        "slots": slots,
+        "verified": ok,
+    }
+    if args.verify:
+        vs = statistics.median(timed.verified)
+        out |= {
+            "verify_seconds_all": [round(x, 4) for x in timed.verified],
+            "verify_gbps": round(moved / vs / 1e9, 3),
+            "verify_ratio": round(seconds / vs, 3),
+            "checksums_s_max": round(
+                max(r["phases"].get("checksums_s", 0.0) for r in timed.vreports), 4
+            ),
+            "checksum_mismatch": timed.mismatch,
+        }
+    return out
 
 
 def _snapshot_summary(args, snapshots: dict[int, dict]) -> dict | None:

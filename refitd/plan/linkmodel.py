@@ -22,6 +22,9 @@ much of that order runs at once is the transport's (ExecMode):
   a slot's poster stops at a chunk of a relay message until all its receives of smaller
   rounds ended (the executor's relay rule), so later posts of that slot wait too.
 
+Sharing.UNEVEN replaces max-min fairness with strict priority by receiver, the other end of
+what TCP does on a shaped link; it brackets the measured time from above (docs/simulate.md).
+
 lower_bound: the busiest resource's bytes over its rate (NIC send or receive, NVLink send or
 receive), the time no schedule can beat on this topology.
 """
@@ -42,6 +45,16 @@ class ExecMode(StrEnum):
     STREAM = "stream"
     GROUP = "group"
     POSTED = "posted"
+
+
+class Sharing(StrEnum):
+    """How concurrent flows share a resource. FAIR: max-min fair (the fluid ideal).
+    UNEVEN: strict priority by receiving resource (the lower first), the extreme of TCP
+    flows from one sender that do not share a shaped link evenly (one runs while the
+    other waits); a real run lies between the two."""
+
+    FAIR = "fair"
+    UNEVEN = "uneven"
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,9 @@ class Topology:
 
 @dataclass(frozen=True)
 class MessageTable:
-    """One row per message: slots, round, wire bytes, whether it forwards (relay), id."""
+    """One row per message: slots, round, wire bytes, whether it forwards (relay), id.
+    feeds: (relay message row, feeding message row) pairs, the messages that deliver what a
+    relay forwards; a relay without any waits for every receive of a smaller round."""
 
     src: np.ndarray
     dst: np.ndarray
@@ -89,11 +104,23 @@ class MessageTable:
     nbytes: np.ndarray
     relay: np.ndarray
     id: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    feeds: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    )
 
     @classmethod
-    def of(cls, src: Any, dst: Any, round: Any, nbytes: Any, relay: Any = None) -> MessageTable:
+    def of(
+        cls,
+        src: Any,
+        dst: Any,
+        round: Any,
+        nbytes: Any,
+        relay: Any = None,
+        feeds: tuple[Any, Any] | None = None,
+    ) -> MessageTable:
         src = np.asarray(src, dtype=np.int64)
         relay = np.zeros(src.size, bool) if relay is None else np.asarray(relay, dtype=bool)
+        pairs = ([], []) if feeds is None else feeds
         return cls(
             src,
             np.asarray(dst, dtype=np.int64),
@@ -101,6 +128,7 @@ class MessageTable:
             np.asarray(nbytes, dtype=np.int64),
             relay,
             np.arange(src.size, dtype=np.int64),
+            (np.asarray(pairs[0], dtype=np.int64), np.asarray(pairs[1], dtype=np.int64)),
         )
 
 
@@ -152,8 +180,10 @@ def lower_bound(msgs: MessageTable, topo: Topology) -> Bound:
 
 @dataclass
 class _Chunks:
-    """Messages cut into chunks, sorted by the executor's key (round, chunk index, id)."""
+    """Messages cut into chunks, sorted by the executor's key (round, chunk index, id);
+    msg: the message row of each chunk."""
 
+    msg: np.ndarray
     src: np.ndarray
     dst: np.ndarray
     round: np.ndarray
@@ -180,7 +210,7 @@ def _chunks(msgs: MessageTable, topo: Topology, chunk_bytes: int) -> tuple[_Chun
     res_out = np.where(inter, topo.nic[src], 2 * n_nic + src)
     res_in = np.where(inter, n_nic + topo.nic[dst], 2 * n_nic + n_slot + dst)
     cap = np.r_[np.full(2 * n_nic, topo.nic_rate), np.full(2 * n_slot, topo.nvlink_rate)]
-    c = _Chunks(src, dst, msgs.round[m], k, nb, msgs.relay[m], res_out, res_in)
+    c = _Chunks(m, src, dst, msgs.round[m], k, nb, msgs.relay[m], res_out, res_in)
     return c, cap
 
 
@@ -210,6 +240,21 @@ def fair_rates(res_out: np.ndarray, res_in: np.ndarray, cap: np.ndarray) -> np.n
         live[idx[stop]] = False
 
 
+def priority_rates(
+    res_out: np.ndarray, res_in: np.ndarray, cap: np.ndarray, order: np.ndarray
+) -> np.ndarray:
+    """Rates under strict priority: flows in `order` each take what their two resources
+    have left."""
+    left = cap.astype(np.float64).copy()
+    rate = np.zeros(res_out.size)
+    for i in order.tolist():
+        o, n = int(res_out[i]), int(res_in[i])
+        rate[i] = r = min(left[o], left[n])
+        left[o] -= r
+        left[n] -= r
+    return rate
+
+
 def _segments(keys: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """(order, start) so order[start[g]:start[g+1]] lists, in index order, the rows whose
     key is g."""
@@ -233,14 +278,16 @@ def simulate(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_events: int = 10_000_000,
     fast: bool = True,
+    sharing: Sharing = Sharing.FAIR,
 ) -> Result:
     """Makespan of the messages on the topology under the executor's order (module doc).
-    fast: STREAM on a topology with a NIC per slot takes the one-pass path (same result)."""
+    fast: STREAM on a topology with a NIC per slot takes the one-pass path (same result).
+    sharing: how flows share a resource (Sharing)."""
     c, cap = _chunks(msgs, topo, chunk_bytes)
     n_slot = topo.host.size
     if fast and mode == ExecMode.STREAM and np.unique(topo.nic).size == topo.nic.size:
         return _stream_exclusive(c, cap, n_slot)
-    engine = _Posted(c, n_slot) if mode == ExecMode.POSTED else _Steps(c, n_slot, mode)
+    engine = _Posted(c, n_slot, msgs.feeds) if mode == ExecMode.POSTED else _Steps(c, n_slot, mode)
     finish = np.full(c.src.size, np.nan)
     rem = c.nbytes.astype(np.float64)
     active = np.zeros(0, np.int64)
@@ -253,8 +300,13 @@ def simulate(
         events += 1
         if events > max_events:
             raise RuntimeError(f"link model: more than {max_events} events")
-        rate = fair_rates(c.res_out[active], c.res_in[active], cap)
-        dt = float((rem[active] / rate).min())
+        ro, ri = c.res_out[active], c.res_in[active]
+        if sharing == Sharing.FAIR:
+            rate = fair_rates(ro, ri, cap)
+        else:
+            rate = priority_rates(ro, ri, cap, np.lexsort((active, ri)))
+        moving = rate > 0  # under Sharing.UNEVEN a flow may wait at rate 0
+        dt = float((rem[active][moving] / rate[moving]).min())
         t += dt
         rem[active] -= rate * dt
         done_mask = rem[active] <= np.maximum(rate * dt * 1e-9, 1.0)
@@ -339,10 +391,11 @@ class _Steps:
 
 class _Posted:
     """POSTED: per (src, dst) pair chunks move one after another; a chunk moves once both
-    ends posted it; a slot's posting stops at a relay chunk until its receives of smaller
-    rounds ended."""
+    ends posted it; a slot's posting stops at a relay chunk until its receives ended, in
+    posting order, up to the last one of a message feeding the relay (never more than its
+    receives of smaller rounds), as the executor's poster waits."""
 
-    def __init__(self, c: _Chunks, n_slot: int) -> None:
+    def __init__(self, c: _Chunks, n_slot: int, feeds: tuple[np.ndarray, np.ndarray]) -> None:
         n = c.src.size
         self.c = c
         pair = c.src * n_slot + c.dst
@@ -367,6 +420,9 @@ class _Posted:
             key = rs * (int(c.round.max()) + 2) + rr
             q = op_slot[relay] * (int(c.round.max()) + 2) + c.round[op_chunk[relay]]
             need[relay] = np.searchsorted(key, q) - self.recv_start[op_slot[relay]]
+            fed = self._fed_prefix(c, feeds)  # per message; -1: not known
+            f = fed[c.msg[op_chunk[relay]]]
+            need[relay] = np.where(f >= 0, np.minimum(need[relay], f), need[relay])
         starts = np.r_[0, np.cumsum(np.bincount(op_slot, minlength=n_slot))]
         seg_base = np.repeat(np.arange(n_slot), np.diff(starts))
         # running max of `need` within each slot's run (offset per slot keeps runs apart)
@@ -379,6 +435,21 @@ class _Posted:
         self.ends_posted = np.zeros(n, np.int8)
         self.finished = np.zeros(n, bool)
         self.n_slot = n_slot
+
+    def _fed_prefix(self, c: _Chunks, feeds: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """Per message row: how many of its sender's receives, in posting order, end with
+        the last chunk of a message feeding it (-1: no feeds given)."""
+        n_msg = int(c.msg.max()) + 1 if c.msg.size else 0
+        out = np.full(n_msg, -1, np.int64)
+        relay_msg, feed_msg = feeds
+        if not relay_msg.size:
+            return out
+        pos = np.empty(c.src.size, np.int64)  # a chunk's place among its receiver's receives
+        pos[self.recv_order] = np.arange(c.src.size) - self.recv_start[c.dst[self.recv_order]]
+        last = np.full(n_msg, -1, np.int64)  # per message, its last receive's place + 1
+        np.maximum.at(last, c.msg, pos + 1)
+        np.maximum.at(out, relay_msg, last[feed_msg])
+        return out
 
     def _post(self, slots: np.ndarray) -> None:
         """Advance the posters of these slots as far as the relay rule allows."""
@@ -423,4 +494,5 @@ def messages_from_plan(plan: Any) -> MessageTable:
     """The adapter from a Plan (its message_columns; row i is message id i, the id the
     executor orders by)."""
     m = plan.message_columns()
-    return MessageTable.of(m["src"], m["dst"], m["round"], m["nbytes"], m["relay"])
+    feeds = plan.relay_feeds() if m["relay"].any() else None
+    return MessageTable.of(m["src"], m["dst"], m["round"], m["nbytes"], m["relay"], feeds)

@@ -1021,6 +1021,31 @@ class Plan:
             "relay": self._remote.feed[self._m_start] >= 0,
         }
 
+    def relay_feeds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(relay message id, feeding message id) pairs: the remote messages that write a
+        region a relay message forwards (what its sender must have received first; feeds by
+        local copies are left out, they run before any receive). For the link model."""
+        from refitd.plan.programs import _ranges as _ranges_of
+
+        t = self._remote
+        n = t.src.size
+        msg = np.repeat(np.arange(self._m_start.size), self._m_end - self._m_start)
+        msg_of_row = np.empty(n, np.int64)
+        msg_of_row[_ranges_of(self._m_start, self._m_end)] = msg
+        relay = np.flatnonzero(t.feed >= 0)
+        order = np.argsort(t.cid, kind="stable")
+        lo = np.searchsorted(t.cid[order], t.feed[relay], side="left")
+        hi = np.searchsorted(t.cid[order], t.feed[relay], side="right")
+        r = np.repeat(relay, hi - lo)
+        f = order[_ranges_of(lo, hi)]
+        d = np.arange(t.shape.shape[1])
+        live = d < t.ndim[r][:, None]
+        a0, an = t.src_loc[r], t.shape[r]
+        b0, bn = t.dst_loc[f], t.shape[f]
+        hit = ((a0 < b0 + bn) & (b0 < a0 + an) | ~live).all(axis=1) & (t.dst[f] == t.src[r])
+        pairs = np.unique(np.c_[msg_of_row[r[hit]], msg_of_row[f[hit]]], axis=0)
+        return pairs[:, 0].copy(), pairs[:, 1].copy()
+
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""
         return {int(s): int(b) for s, b in zip(self._all_slots, self._send_load, strict=True)}

@@ -301,6 +301,8 @@ class RefitCoordinator:
             sender_quantization=settings.sender_quantization,
             relay=settings.relay,
             allow_dtype_cast=settings.allow_dtype_cast,
+            schedule=settings.plan_schedule,
+            transport=settings.transport,
         )
         self._models: dict[str, ModelRefits] = {}
         self._lock = threading.Lock()

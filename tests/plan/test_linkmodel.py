@@ -10,6 +10,7 @@ from refitd.plan.layouts import megatron_layout
 from refitd.plan.linkmodel import (
     ExecMode,
     MessageTable,
+    Sharing,
     Topology,
     fair_rates,
     lower_bound,
@@ -17,6 +18,7 @@ from refitd.plan.linkmodel import (
     simulate,
 )
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.plan.program import Copy
 
 GB = 10**9
 HUGE = 1 << 50  # one chunk per message
@@ -91,6 +93,32 @@ def test_relay_waits_for_the_receives_of_smaller_rounds() -> None:
     assert run(MessageTable.of([0, 8], [8, 1], [0, 1], [GB, GB]), ExecMode.POSTED) == (
         pytest.approx(1.0)
     )
+
+
+def test_relay_waits_only_for_the_receives_feeding_it() -> None:
+    # slot 8 receives A (0 -> 8, 1 GB) and B (1 -> 8, 2 GB) in round 0, sharing its NIC;
+    # A ends at 2 s, B at 3 s. The relay 8 -> 2 forwards A only: as the executor, it waits
+    # for the receives up to A (posting order: round, chunk, id) and ends at 3 s; without
+    # its feeds known it waits for every receive of a smaller round and ends at 4 s.
+    cols = ([0, 1, 8], [8, 8, 2], [0, 0, 1], [GB, 2 * GB, GB], [False, False, True])
+    assert run(MessageTable.of(*cols, feeds=([2], [0])), ExecMode.POSTED) == pytest.approx(3.0)
+    assert run(MessageTable.of(*cols), ExecMode.POSTED) == pytest.approx(4.0)
+    # fed by B, the later receive: the prefix holds both
+    assert run(MessageTable.of(*cols, feeds=([2], [1])), ExecMode.POSTED) == pytest.approx(4.0)
+
+
+def test_uneven_sharing_serves_one_receiver_first() -> None:
+    # slots 0 and 1 share host 0's NIC; A 0 -> 8 and B 1 -> 9 (1 GB each), then 8 relays
+    # A to 9 (round 1). Fair: A and B share the NIC and end at 2 s, the relay at 3 s.
+    # Uneven: A (the lower receiver) runs alone and ends at 1 s, then B at 2 s; the relay
+    # is fed at 1 s but 9's NIC serves B first (ties: chunk order), so it ends at 3 s.
+    topo = Topology.host_nics(np.r_[0, 0, np.arange(8) + 1], nic_gbit=8.0)
+    cols = ([0, 1, 8], [8, 9, 9], [0, 0, 1], [GB, GB, GB], [False, False, True])
+    m = MessageTable.of(*cols, feeds=([2], [0]))
+    fair = simulate(m, topo, ExecMode.POSTED, chunk_bytes=HUGE)
+    uneven = simulate(m, topo, ExecMode.POSTED, chunk_bytes=HUGE, sharing=Sharing.UNEVEN)
+    assert fair.finish.tolist() == pytest.approx([2.0, 2.0, 3.0])
+    assert uneven.finish.tolist() == pytest.approx([1.0, 2.0, 3.0])
 
 
 def test_nvlink_inside_a_host_nic_across() -> None:
@@ -183,6 +211,32 @@ def test_adapter_matches_the_slot_programs() -> None:
     assert len(rows) == msgs.src.size
     got = list(zip(msgs.id, msgs.src, msgs.dst, msgs.round, msgs.nbytes, msgs.relay, strict=True))
     assert [tuple(int(x) for x in r) for r in got] == [tuple(int(x) for x in r) for r in rows]
+
+
+def _regions_overlap(a: Copy, b: Copy) -> bool:
+    """a's source region meets b's destination region (same tensor)."""
+    return a.src_tensor == b.dst_tensor and all(
+        ao < bo + bn and bo < ao + an
+        for ao, an, bo, bn in zip(a.src_offset, a.shape, b.dst_offset, b.shape, strict=True)
+    )
+
+
+def test_relay_feeds_are_the_received_messages_a_relay_reads() -> None:
+    src = _specs("trainer", 2, 0)
+    dst = _specs("a", 4, 2) + _specs("b", 4, 6)
+    plan = build_plan("m", 0, src, dst, PlanConfig(bucket_bytes=4096, relay=True))
+    want = set()
+    for slot in plan.slots():
+        p = plan.program(slot)
+        for r in p.sends:
+            for m in p.recvs:
+                if any(_regions_overlap(a, b) for a in r.copies for b in m.copies):
+                    want.add((r.id, m.id))
+    relay, feed = plan.relay_feeds()
+    assert want and set(zip(relay.tolist(), feed.tolist(), strict=True)) == want
+    msgs = messages_from_plan(plan)
+    assert set(msgs.feeds[0].tolist()) == set(np.flatnonzero(msgs.relay).tolist())
+    assert (msgs.round[feed] < msgs.round[relay]).all()
 
 
 def test_kimi_k2_plan_simulates_above_its_bound() -> None:

@@ -1,0 +1,29 @@
+"""What the control-plane benches (`bench control`, `bench load`) share: light agents that
+answer the controller's commands at once without moving bytes, and percentiles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-th percentile of xs (nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def answer_setup(agents: Any, agent_id: str, cmd: Any, slots: list[int]) -> str:
+    """Report a connect (for every slot of the agent) or a load (its slot) as done at once,
+    as a light agent that moves no bytes; returns the command's kind."""
+    from refitd._proto import refitd_pb2 as pb
+
+    which = cmd.WhichOneof("command")
+    rep = pb.AgentReport(agent_id=agent_id, command_id=cmd.command_id)
+    if which == "connect":
+        for slot in slots:
+            rep.slot, rep.kind = slot, pb.REPORT_KIND_CONNECTED
+            agents.Report(rep, timeout=30)
+    elif which == "load":
+        rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
+        agents.Report(rep, timeout=30)
+    return which
