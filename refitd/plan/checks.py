@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from refitd.plan import buckets as bk
 from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
 from refitd.plan.sides import Side
-from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, WIRE_FORMATS
+from refitd.plan.wires import CAST_DTYPES, WireRegistry
 
-CASTABLE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+CASTABLE_DTYPES = CAST_DTYPES
 CAST_SETTING = (
     "set allow_dtype_cast (refitd serve --allow-dtype-cast, env REFITD_ALLOW_DTYPE_CAST, "
     "config file key allow_dtype_cast; PlanConfig.allow_dtype_cast when planning directly)"
@@ -98,22 +97,21 @@ def _first_missing(
     )
 
 
-def check_blocks(t: CopyTable, tensors: list[TensorSpec]) -> None:
-    """With a quantized wire every copy carries whole blocks of its destination."""
-    q = np.flatnonzero(t.wire != bk.WIRE_RAW)
-    if not q.size:
-        return
+def check_blocks(t: CopyTable, tensors: list[TensorSpec], wires: WireRegistry) -> None:
+    """With a blocked (quantized) wire every copy carries whole blocks of its destination."""
+    blocked = np.array([bool(f.block) for f in wires.formats])
+    q = np.flatnonzero(blocked[t.wire]) if t.wire.size else t.wire
     for i in q.tolist():  # few distinct tensors in practice; clarity over speed here
         nd = int(t.ndim[i])
         spec = tensors[int(t.dst[i])]
-        block = (MXFP8_BLOCK,) if t.wire[i] == bk.WIRE_MXFP8 else (FP8_TILE, FP8_TILE)
-        dims = list(range(nd))[-len(block) :] if nd >= 2 else list(range(nd))
-        for dd in dims:
+        fmt = wires.formats[int(t.wire[i])]
+        for dd in range(max(nd - len(fmt.block), 0), nd):
+            b = fmt.block_of_dim(dd, nd)
             off, n, full = int(t.dst_loc[i, dd]), int(t.shape[i, dd]), spec.local_shape[dd]
-            if off % block[-1] or (n % block[-1] and off + n != full):
+            if off % b or (n % b and off + n != full):
                 raise PlanError(
                     f"quantized block not whole: copy into tensor {spec.name!r}, pool "
                     f"{spec.pool!r}, rank {spec.rank} covers [{off}, {off + n}) of dim {dd} "
-                    f"(local size {full}), not whole {WIRE_FORMATS[int(t.wire[i])]} blocks of "
-                    f"{block[-1]}; the source layout splits a block"
+                    f"(local size {full}), not whole {fmt.name} blocks of "
+                    f"{b}; the source layout splits a block"
                 )

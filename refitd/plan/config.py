@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from refitd.plan.errors import PlanError
 from refitd.plan.names import NameMap
+from refitd.plan.wires import WireRegistry, default_wires
 
 
 @dataclass
@@ -24,6 +25,7 @@ class PlanConfig:
     fanout: int = 4
     relay: bool = False
     schedule: str = "lanes"
+    wires: WireRegistry = field(default_factory=default_wires)
 
     def __post_init__(self) -> None:
         if self.schedule not in ("lanes", "serial"):

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refitd.plan import buckets as bk
 from refitd.plan.checks import check_cast, check_cover
 from refitd.plan.config import PlanConfig
 from refitd.plan.errors import PlanError
-from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN
+from refitd.plan.layout import PLAIN
 from refitd.plan.names import Link, resolve_links
 from refitd.plan.sides import Side, member_table, sans_pool
 from refitd.plan.table import Geo
-from refitd.plan.wire import WIRE_FORMATS, dtype_size
+from refitd.plan.wireformat import dtype_size
+from refitd.plan.wires import RAW_CODE
 
 
 @dataclass(slots=True)
@@ -221,10 +221,10 @@ class Planner:
         g0 = src.geos[s_geo[0]]
         d = h.doff.shape[1]
         local_of = [{b.offset: b.local_offset for b in src.geos[g].boxes} for g in s_geo]
-        wire_of = np.array([self._wire(dst.geos[g]) for g in d_geo], np.int64)
+        wire_of = np.array([self._wire(dst.geos[g], g0.dtype) for g in d_geo], np.int64)
         relayable_of = np.array(
             [dst.geos[g].storage == PLAIN and dst.geos[g].dtype == g0.dtype for g in d_geo]
-        ) & (wire_of == bk.WIRE_RAW)
+        ) & (wire_of == RAW_CODE)
         esize = dtype_size(g0.dtype)
         nrep_s = np.array([len(x) for x in h.s_reps], np.int64)
         nrep = nrep_s[h.si]
@@ -257,10 +257,16 @@ class Planner:
             )
         return out
 
-    def _wire(self, g: Geo) -> int:
-        if self.config.sender_quantization and g.storage in (MXFP8, FP8_BLOCK):
-            return WIRE_FORMATS.index(g.storage)
-        return bk.WIRE_RAW
+    def _wire(self, g: Geo, src_dtype: str) -> int:
+        """The wire code of copies into a destination of geometry g: with sender
+        quantization, the registered wire whose parts its storage keeps (if that wire
+        takes the source dtype), else raw."""
+        wires = self.config.wires
+        if self.config.sender_quantization:
+            code = wires.for_storage(g.storage)
+            if code is not None and wires.formats[code].accepts(src_dtype):
+                return code
+        return RAW_CODE
 
 
 @dataclass(slots=True)

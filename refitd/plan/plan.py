@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refitd.plan import buckets as bk
 from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable
 from refitd.plan.layout import TensorSpec
@@ -72,7 +71,7 @@ class Plan:
         self._all_slots = slots
         self._dense = np.searchsorted(slots, slot_of_tensor)
         local = slot_of_tensor[table.src] == slot_of_tensor[table.dst]
-        nb = bk.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+        nb = config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
         # local copies from source tensors first; local relays run after all receives
         lidx = np.flatnonzero(local)
         lidx = lidx[np.argsort(table.feed[lidx] >= 0, kind="stable")]

@@ -32,7 +32,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from refitd.plan import buckets as bk
 from refitd.plan.balance import Choices, choose_replicas
 from refitd.plan.checks import check_blocks
 from refitd.plan.config import PlanConfig
@@ -93,7 +92,8 @@ def _build(
     choices = [
         Choices(
             cand=planner.src_slot_idx[b.cand_spec],
-            nbytes=b.shape[b.piece].prod(axis=1) * np.where(b.wire[b.piece] == 0, b.esize, 1),
+            nbytes=b.shape[b.piece].prod(axis=1)
+            * config.wires.element_bytes(b.wire[b.piece], b.esize),
             dst=planner.dst_slot_idx[b.dst_spec],
         )
         for b in batches
@@ -101,7 +101,7 @@ def _build(
     cols, _ = choose_replicas(choices, planner.slots.size)
     tensors = sources.specs + destinations.specs
     table, group_of, relayable = _copy_table(batches, cols, n_src)
-    check_blocks(table, tensors)
+    check_blocks(table, tensors, config.wires)
     if config.relay and table.src.size:
         _add_relays(planner, table, group_of, relayable)
     return Plan(
@@ -173,7 +173,9 @@ def _add_relays(
         RelayCandidates(
             src=all_slot_idx[table.src],
             dst=all_slot_idx[table.dst],
-            nbytes=bk.segment_nbytes(table.wire, table.shape, table.ndim, table.esize),
+            nbytes=planner.config.wires.segment_nbytes(
+                table.wire, table.shape, table.ndim, table.esize
+            ),
             group=group,
             eligible=relayable,
         ),

@@ -43,6 +43,7 @@ import numpy as np
 
 from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, TensorSpec
 from refitd.plan.wire import DTYPE_SIZES, RAW, WIRE_FORMATS, segment_nbytes
+from refitd.plan.wires import BUILTIN_WIRES, WireRegistry
 
 PROGRAM_FORMAT_VERSION = 2
 MAGIC = b"RFTP"
@@ -378,12 +379,15 @@ class SlotProgram:
         return encode(self)
 
     @classmethod
-    def from_bytes(cls, data: bytes, slot: int | None = None) -> SlotProgram:
+    def from_bytes(
+        cls, data: bytes, slot: int | None = None, wires: WireRegistry | None = None
+    ) -> SlotProgram:
         """Decode and check a program; `slot`: the slot it is meant for (named in errors
-        and checked against the header). Raises ProgramError naming slot and field."""
+        and checked against the header); `wires`: the plan's wire registry (default: the
+        built-in one). Raises ProgramError naming slot and field."""
         from refitd.plan.program_codec import decode
 
-        return decode(data, slot)
+        return decode(data, slot, wires or BUILTIN_WIRES)
 
 
 _LIMITS = ((1 << 8, "|u1"), (1 << 16, "<u2"), (1 << 31, "<i4"))

@@ -89,7 +89,8 @@ class Scheduler:
         else:
             shape = table.shape[rows]
             shape[:, 0] = len0
-            rnb = bk.segment_nbytes(table.wire[rows], shape, table.ndim[rows], table.esize[rows])
+            wires = self.config.wires
+            rnb = wires.segment_nbytes(table.wire[rows], shape, table.ndim[rows], table.esize[rows])
         need = None
         if feeds is None:
             order = sort_by(rs, rd, table.dst[rows])
@@ -166,7 +167,7 @@ class Scheduler:
             return idx, None, None
         rows = t.shape[idx, 0]
         row_bytes = nbi // np.maximum(rows, 1)
-        gran = bk.split_granularity(t.wire[idx], t.ndim[idx])
+        gran = self.config.wires.split_granularity(t.wire[idx], t.ndim[idx])
         pieces, per = bk.split_rows(rows, row_bytes, gran, bucket)
         pieces = np.where(big, pieces, 1)
         rep = np.repeat(np.arange(idx.size), pieces)
