@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from refitd.plan import buckets as bk
 from refitd.plan.program import (
     DTYPES,
     FLAG_LANDS_DIRECT,
@@ -30,6 +29,7 @@ from refitd.plan.program import (
     SlotProgram,
 )
 from refitd.plan.wire import DTYPE_SIZES
+from refitd.plan.wires import BUILTIN_WIRES, RAW_CODE
 
 WIRE_CHUNK = 32 << 20
 DIRECT_MIN = 1 << 20
@@ -61,8 +61,8 @@ class CopyInfo:
         sdt = c.src_dtype.astype(np.int64)
         esize = _ESIZE[sdt]
         wire = c.wire.astype(np.int64)
-        seg = bk.segment_nbytes(wire, c.shape, c.ndim.astype(np.int64), esize)
-        payload = np.where(wire == bk.WIRE_RAW, c.shape.prod(axis=1) * esize, seg)
+        seg = BUILTIN_WIRES.segment_nbytes(wire, c.shape, c.ndim.astype(np.int64), esize)
+        payload = np.where(wire == RAW_CODE, c.shape.prod(axis=1) * esize, seg)
         lands = (c.flags & FLAG_LANDS_DIRECT) != 0
         both = FLAG_LANDS_DIRECT | FLAG_SRC_CONTIGUOUS
         own = ((c.flags & both) == both) & (payload >= direct_min)

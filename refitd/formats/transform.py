@@ -8,8 +8,11 @@ it asks the registry for the copy's wire transform and calls
 so a user plugs in a format by subclassing Transform and registering it. should_transform
 lets a transform decline tensors by name (the caller then sends them raw).
 
+A Transform's geometry is its `format`, a refitd.plan.wireformat.WireFormat: segment sizes
+come from there (the same rule the planner uses), and TransformRegistry.wires() is the
+refitd.plan.wires.WireRegistry a PlanConfig takes, so a registered format is planned too.
 Segment layout: parts of the byte sizes segment_parts() returns, each starting at a
-SEGMENT_ALIGN-aligned offset (refitd.plan.wire), so every part can be viewed in its dtype.
+SEGMENT_ALIGN-aligned offset, so every part can be viewed in its dtype.
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ from refitd.formats.fp8_block import fp8_block_dequantize_into, fp8_block_quanti
 from refitd.formats.mxfp8 import mxfp8_dequantize_into, mxfp8_quantize_into
 from refitd.formats.passthrough import cast_copy
 from refitd.formats.region import DestRegion
-from refitd.plan import wire
 from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN
+from refitd.plan.wireformat import WireFormat, aligned
+from refitd.plan.wires import (
+    FP8_BLOCK_FORMAT,
+    MXFP8_FORMAT,
+    RAW_FORMAT,
+    WireRegistry,
+)
 
 
 def split_parts(seg: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
@@ -33,13 +42,13 @@ def split_parts(seg: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]
         raise ValueError(
             f"a segment must be a 1-D uint8 tensor, got {seg.dtype} {tuple(seg.shape)}"
         )
-    need = sum(wire.aligned(s) for s in sizes)
+    need = sum(aligned(s) for s in sizes)
     if seg.numel() < need:
         raise ValueError(f"segment of {seg.numel()} bytes is smaller than its parts ({need})")
     parts, start = [], 0
     for size in sizes:
         parts.append(seg[start : start + size])
-        start += wire.aligned(size)
+        start += aligned(size)
     return parts
 
 
@@ -62,21 +71,27 @@ def _scales(dst: DestRegion) -> torch.Tensor:
 
 
 class Transform(ABC):
-    """One wire format: segment sizes, encode on the sender, decode and land on the receiver."""
+    """One wire format: segment sizes, encode on the sender, decode and land on the receiver.
+    Subclasses set `format` (the format's geometry, shared with the planner)."""
 
-    wire: str
+    format: WireFormat
+
+    @property
+    def wire(self) -> str:
+        """The wire format's name."""
+        return self.format.name
 
     def should_transform(self, name: str) -> bool:
         """Whether this format applies to the tensor `name` (default: every tensor)."""
         return True
 
-    @abstractmethod
     def segment_parts(self, shape: tuple[int, ...], src_dtype: str) -> tuple[int, ...]:
         """Byte sizes of the parts of one region's segment, in wire order."""
+        return self.format.segment_parts(shape, src_dtype)
 
     def segment_nbytes(self, shape: tuple[int, ...], src_dtype: str) -> int:
         """Bytes of one region's segment, alignment padding included."""
-        return sum(wire.aligned(p) for p in self.segment_parts(shape, src_dtype))
+        return self.format.segment_nbytes(shape, src_dtype)
 
     @abstractmethod
     def prepare_send(self, src: torch.Tensor, seg: torch.Tensor) -> None:
@@ -98,10 +113,7 @@ class Transform(ABC):
 class RawTransform(Transform):
     """Values in the source dtype; cast or quantized on landing (receiver-side conversion)."""
 
-    wire = wire.RAW
-
-    def segment_parts(self, shape: tuple[int, ...], src_dtype: str) -> tuple[int, ...]:
-        return wire.segment_parts(wire.RAW, shape, src_dtype)
+    format = RAW_FORMAT
 
     def prepare_send(self, src: torch.Tensor, seg: torch.Tensor) -> None:
         (values,) = self.prepare_recv(seg, tuple(src.shape), dtype_name(src.dtype))
@@ -122,11 +134,9 @@ class RawTransform(Transform):
 class _QuantizedTransform(Transform):
     """Shared shape of the two FP8 wires: (uint8 codes, scales) on the wire."""
 
-    storage: str
-    scale_dtype: torch.dtype
-
-    @abstractmethod
-    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+    @property
+    def storage(self) -> str | None:
+        return self.format.storage
 
     @abstractmethod
     def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None: ...
@@ -136,9 +146,6 @@ class _QuantizedTransform(Transform):
         self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
     ) -> None: ...
 
-    def segment_parts(self, shape: tuple[int, ...], src_dtype: str) -> tuple[int, ...]:
-        return wire.segment_parts(self.wire, shape, src_dtype)
-
     def prepare_send(self, src: torch.Tensor, seg: torch.Tensor) -> None:
         data, scales = self.prepare_recv(seg, tuple(src.shape), dtype_name(src.dtype))
         self._quantize_into(src, data, scales)
@@ -147,8 +154,11 @@ class _QuantizedTransform(Transform):
         self, seg: torch.Tensor, shape: tuple[int, ...], src_dtype: str
     ) -> list[torch.Tensor]:
         data, scales = split_parts(seg, self.segment_parts(shape, src_dtype))
-        scale_shape = self._scale_shape(shape)
-        return [data.view(shape), scales.view(self.scale_dtype).view(scale_shape)]
+        scale_shape = self.format.scale_shape(shape)
+        return [
+            data.view(shape),
+            scales.view(torch_dtype(self.format.scale_dtype)).view(scale_shape),
+        ]
 
     def finalize_recv(
         self, parts: list[torch.Tensor], shape: tuple[int, ...], src_dtype: str, dst: DestRegion
@@ -169,12 +179,7 @@ class _QuantizedTransform(Transform):
 class MXFP8Transform(_QuantizedTransform):
     """MXFP8 on the wire (sender-side conversion): E4M3 codes + E8M0 scales, ~1.03 B/elem."""
 
-    wire = wire.MXFP8
-    storage = MXFP8
-    scale_dtype = torch.uint8
-
-    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return wire.mxfp8_scale_shape(shape)
+    format = MXFP8_FORMAT
 
     def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
         mxfp8_quantize_into(x, data, scales)
@@ -186,12 +191,7 @@ class MXFP8Transform(_QuantizedTransform):
 class FP8BlockTransform(_QuantizedTransform):
     """Block FP8 on the wire: E4M3 codes + one float32 scale per 128x128 tile."""
 
-    wire = wire.FP8_BLOCK
-    storage = FP8_BLOCK
-    scale_dtype = torch.float32
-
-    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return wire.fp8_block_scale_shape(shape)
+    format = FP8_BLOCK_FORMAT
 
     def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
         fp8_block_quantize_into(x, data, scales)
@@ -210,9 +210,10 @@ class TransformRegistry:
 
     def register(self, transform: Transform, *, replace: bool = False) -> None:
         """Add a transform under its wire name; replacing one needs replace=True."""
-        name = getattr(transform, "wire", None)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{type(transform).__name__} must set a non-empty `wire` name")
+        fmt = getattr(transform, "format", None)
+        if not isinstance(fmt, WireFormat):
+            raise ValueError(f"{type(transform).__name__} must set `format` (a WireFormat)")
+        name = fmt.name
         if name in self._by_wire and not replace:
             raise ValueError(f"wire format {name!r} is already registered")
         self._by_wire[name] = transform
@@ -233,10 +234,15 @@ class TransformRegistry:
 
     def wire_for(self, name: str, preferred: str) -> str:
         """The wire to use for tensor `name`: preferred if its transform accepts it, else raw."""
-        return preferred if self.get(preferred).should_transform(name) else wire.RAW
+        return preferred if self.get(preferred).should_transform(name) else RAW_FORMAT.name
 
     def segment_nbytes(self, wire_name: str, shape: tuple[int, ...], src_dtype: str) -> int:
         return self.get(wire_name).segment_nbytes(shape, src_dtype)
+
+    def wires(self) -> WireRegistry:
+        """The wire formats of the registered transforms, in registration order (their
+        codes): what PlanConfig.wires takes so the planner plans these formats."""
+        return WireRegistry(tuple(t.format for t in self._by_wire.values()))
 
 
 def default_registry() -> TransformRegistry:

@@ -2,9 +2,10 @@
 
 Copies between one (source slot, destination slot) pair are coalesced into messages of at
 most bucket_bytes (a larger copy is first cut along its outermost dim, at quantization
-block boundaries when the wire is quantized). Each slot's peers are visited in a rotated
-order over `fanout` lanes, so a slot talks to a few peers at a time, every lane stays busy
-and destinations are not all hit by everyone in the same round.
+block boundaries when the wire has blocks: wires.WireRegistry.split_granularity). Each
+slot's peers are visited in a rotated order over `fanout` lanes, so a slot talks to a few
+peers at a time, every lane stays busy and destinations are not all hit by everyone in the
+same round.
 """
 
 from __future__ import annotations
@@ -13,55 +14,9 @@ import heapq
 
 import numpy as np
 
-from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, SEGMENT_ALIGN
 
-WIRE_RAW, WIRE_MXFP8, WIRE_FP8_BLOCK = 0, 1, 2
-
-
-def _aligned(n: np.ndarray) -> np.ndarray:
-    return -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
-
-
-def _ceil(a: np.ndarray, b: int) -> np.ndarray:
+def _ceil(a: np.ndarray, b: int | np.ndarray) -> np.ndarray:
     return -(-a // b)
-
-
-def segment_nbytes(
-    wire: np.ndarray, shape: np.ndarray, ndim: np.ndarray, esize: np.ndarray
-) -> np.ndarray:
-    """wire.segment_nbytes for every copy at once (shape padded with 1s past ndim)."""
-    numel = shape.prod(axis=1)
-    out = _aligned(numel * esize)
-    q = wire != WIRE_RAW
-    if not q.any():
-        return out
-    rows = np.flatnonzero(q)
-    sh = shape[rows]
-    nd = ndim[rows]
-    last = sh[np.arange(rows.size), np.maximum(nd - 1, 0)]
-    inner = np.where(nd >= 1, numel[rows] // np.maximum(last, 1), 1)
-    mx = wire[rows] == WIRE_MXFP8
-    scales = np.empty(rows.size, dtype=np.int64)
-    scales[mx] = inner[mx] * _ceil(last[mx], MXFP8_BLOCK)
-    fb = ~mx
-    two = fb & (nd >= 2)
-    one = fb & (nd < 2)
-    if two.any():
-        r2 = rows[two]
-        second = shape[r2, nd[two] - 2]
-        outer = numel[r2] // np.maximum(second * last[two], 1)
-        scales[two] = outer * _ceil(second, FP8_TILE) * _ceil(last[two], FP8_TILE)
-    scales[one] = _ceil(last[one], FP8_TILE)
-    out[rows] = _aligned(numel[rows]) + _aligned(np.where(mx, 1, 4) * scales)
-    return out
-
-
-def split_granularity(wire: np.ndarray, ndim: np.ndarray) -> np.ndarray:
-    """Rows of dim 0 that keep whole quantization blocks when a copy is cut along dim 0."""
-    g = np.ones(wire.size, dtype=np.int64)
-    g[(wire == WIRE_MXFP8) & (ndim == 1)] = MXFP8_BLOCK
-    g[(wire == WIRE_FP8_BLOCK) & (ndim <= 2)] = FP8_TILE
-    return g
 
 
 def split_rows(

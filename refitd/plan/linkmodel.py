@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from refitd.plan.programs import concat_ranges
+
 DEFAULT_CHUNK_BYTES = 32 << 20  # the executor's WIRE_CHUNK
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -263,14 +265,6 @@ def _segments(keys: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     return order, start
 
 
-def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, e) for every pair."""
-    n = ends - starts
-    if not n.sum():
-        return np.zeros(0, np.int64)
-    return np.repeat(starts - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
-
-
 def simulate(
     msgs: MessageTable,
     topo: Topology,
@@ -372,7 +366,7 @@ class _Steps:
         slots = slots[self.cur[slots] < self.slot_grp[slots + 1]]
         g = self.cur[slots]
         self.left[slots] = self.grp_end[g] - self.grp_start[g]
-        ops = self.op_chunk[_ranges(self.grp_start[g], self.grp_end[g])]
+        ops = self.op_chunk[concat_ranges(self.grp_start[g], self.grp_end[g])]
         np.add.at(self.ready, ops, 1)
         ops = np.unique(ops)
         return ops[self.ready[ops] == 2]

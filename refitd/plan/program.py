@@ -43,6 +43,7 @@ import numpy as np
 
 from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, TensorSpec
 from refitd.plan.wire import DTYPE_SIZES, RAW, WIRE_FORMATS, segment_nbytes
+from refitd.plan.wires import BUILTIN_WIRES, WireRegistry
 
 PROGRAM_FORMAT_VERSION = 2
 MAGIC = b"RFTP"
@@ -293,78 +294,13 @@ class SlotProgram:
         copies += [c for m in recvs for c in m.copies]
         copies += list(local)
         d = max([len(c.shape) for c in copies] + [len(t.local_shape) for t in tensors.values()])
-        d = max(d, 1)
-
-        def pad(t: tuple[int, ...], fill: int) -> list[int]:
-            return list(t) + [fill] * (d - len(t))
-
-        def arr(rows: list, dtype: type = np.int64) -> np.ndarray:
-            return np.array(rows, dtype=dtype).reshape(-1)
-
-        def mat(rows: list[list[int]]) -> np.ndarray:
-            return np.array(rows, dtype=np.int64).reshape(len(rows), d)
-
-        spec = tensors.__getitem__
-        src_dt = arr([DTYPES.index(spec(c.src_tensor).dtype) for c in copies], np.uint8)
-        dst_dt = arr([DTYPES.index(spec(c.dst_tensor).dtype) for c in copies], np.uint8)
-        shape = mat([pad(c.shape, 1) for c in copies])
-        ndim = arr([len(c.shape) for c in copies], np.uint8)
-        wire = arr([WIRES.index(c.wire) for c in copies], np.uint8)
-        cc = CopyColumns(
-            src=arr([c.src_tensor for c in copies]),
-            dst=arr([c.dst_tensor for c in copies]),
-            src_off=mat([pad(c.src_offset, 0) for c in copies]),
-            dst_off=mat([pad(c.dst_offset, 0) for c in copies]),
-            shape=shape,
-            ndim=ndim,
-            wire=wire,
-            src_dtype=src_dt,
-            dst_dtype=dst_dt,
-            flags=copy_flags(
-                wire,
-                src_dt,
-                dst_dt,
-                arr([spec(c.dst_tensor).storage == PLAIN for c in copies], bool),
-                shape,
-                mat([pad(tuple(spec(c.src_tensor).local_shape), 1) for c in copies]),
-                mat([pad(tuple(spec(c.dst_tensor).local_shape), 1) for c in copies]),
-                ndim,
-            ),
+        cols = _Columns(max(d, 1))
+        send = cols.messages(sends, 0)
+        recv = cols.messages(recvs, sum(len(m.copies) for m in sends))
+        cc = cols.copies(copies, tensors)
+        prog = cls(
+            digest, slot, cols.tensors(tensors, slot), cc, send, recv, len(copies) - len(local)
         )
-        pos = [0]
-
-        def msgs(ms: tuple[Message, ...]) -> MessageColumns:
-            starts = []
-            for m in ms:
-                starts.append(pos[0])
-                pos[0] += len(m.copies)
-            return MessageColumns(
-                id=arr([m.id for m in ms]),
-                round=arr([m.round for m in ms]),
-                src_slot=arr([m.src_slot for m in ms]),
-                dst_slot=arr([m.dst_slot for m in ms]),
-                start=arr(starts),
-                end=arr([s + len(m.copies) for s, m in zip(starts, ms, strict=True)]),
-                nbytes=arr([m.nbytes for m in ms]),
-            )
-
-        send = msgs(sends)
-        recv = msgs(recvs)
-        idx = sorted(i for i, t in tensors.items() if t.slot == slot)
-        specs = [tensors[i] for i in idx]
-        pools = tuple(sorted({s.pool for s in specs}))
-        table = TensorColumns(
-            index=arr(idx),
-            slot=arr([s.slot for s in specs]),
-            rank=arr([s.rank for s in specs]),
-            pool=arr([pools.index(s.pool) for s in specs]),
-            dtype=arr([DTYPES.index(s.dtype) for s in specs], np.uint8),
-            storage=arr([STORAGES.index(s.storage) for s in specs], np.uint8),
-            ndim=arr([len(s.local_shape) for s in specs], np.uint8),
-            local_shape=mat([pad(tuple(s.local_shape), 1) for s in specs]),
-            pools=pools,
-        )
-        prog = cls(digest, slot, table, cc, send, recv, pos[0])
         from refitd.plan.program_codec import check
 
         check(prog)
@@ -378,12 +314,15 @@ class SlotProgram:
         return encode(self)
 
     @classmethod
-    def from_bytes(cls, data: bytes, slot: int | None = None) -> SlotProgram:
+    def from_bytes(
+        cls, data: bytes, slot: int | None = None, wires: WireRegistry | None = None
+    ) -> SlotProgram:
         """Decode and check a program; `slot`: the slot it is meant for (named in errors
-        and checked against the header). Raises ProgramError naming slot and field."""
+        and checked against the header); `wires`: the plan's wire registry (default: the
+        built-in one). Raises ProgramError naming slot and field."""
         from refitd.plan.program_codec import decode
 
-        return decode(data, slot)
+        return decode(data, slot, wires or BUILTIN_WIRES)
 
 
 _LIMITS = ((1 << 8, "|u1"), (1 << 16, "<u2"), (1 << 31, "<i4"))
@@ -434,6 +373,88 @@ def message_nbytes(copies: tuple[Copy, ...], tensors: Mapping[int, object]) -> i
         segment_nbytes(c.wire, c.shape, tensors[c.src_tensor].dtype)  # type: ignore[attr-defined]
         for c in copies
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """Object-form program parts as columns, shapes padded to d dims (from_objects)."""
+
+    d: int
+
+    def pad(self, t: tuple[int, ...], fill: int) -> list[int]:
+        return list(t) + [fill] * (self.d - len(t))
+
+    @staticmethod
+    def arr(rows: list, dtype: type = np.int64) -> np.ndarray:
+        return np.array(rows, dtype=dtype).reshape(-1)
+
+    def mat(self, rows: list[list[int]]) -> np.ndarray:
+        return np.array(rows, dtype=np.int64).reshape(len(rows), self.d)
+
+    def copies(
+        self, copies: list[Copy], tensors: Mapping[int, TensorSpec | ProgramTensor]
+    ) -> CopyColumns:
+        arr, mat, pad, spec = self.arr, self.mat, self.pad, tensors.__getitem__
+        src_dt = arr([DTYPES.index(spec(c.src_tensor).dtype) for c in copies], np.uint8)
+        dst_dt = arr([DTYPES.index(spec(c.dst_tensor).dtype) for c in copies], np.uint8)
+        shape = mat([pad(c.shape, 1) for c in copies])
+        ndim = arr([len(c.shape) for c in copies], np.uint8)
+        wire = arr([WIRES.index(c.wire) for c in copies], np.uint8)
+        return CopyColumns(
+            src=arr([c.src_tensor for c in copies]),
+            dst=arr([c.dst_tensor for c in copies]),
+            src_off=mat([pad(c.src_offset, 0) for c in copies]),
+            dst_off=mat([pad(c.dst_offset, 0) for c in copies]),
+            shape=shape,
+            ndim=ndim,
+            wire=wire,
+            src_dtype=src_dt,
+            dst_dtype=dst_dt,
+            flags=copy_flags(
+                wire,
+                src_dt,
+                dst_dt,
+                arr([spec(c.dst_tensor).storage == PLAIN for c in copies], bool),
+                shape,
+                mat([pad(tuple(spec(c.src_tensor).local_shape), 1) for c in copies]),
+                mat([pad(tuple(spec(c.dst_tensor).local_shape), 1) for c in copies]),
+                ndim,
+            ),
+        )
+
+    def messages(self, ms: tuple[Message, ...], first: int) -> MessageColumns:
+        """Messages whose copies follow each other from copy row `first`."""
+        ends = (first + np.cumsum([len(m.copies) for m in ms], dtype=np.int64)).tolist()
+        starts = [first, *ends[:-1]] if ms else []
+        arr = self.arr
+        return MessageColumns(
+            id=arr([m.id for m in ms]),
+            round=arr([m.round for m in ms]),
+            src_slot=arr([m.src_slot for m in ms]),
+            dst_slot=arr([m.dst_slot for m in ms]),
+            start=arr(starts),
+            end=arr(ends),
+            nbytes=arr([m.nbytes for m in ms]),
+        )
+
+    def tensors(
+        self, tensors: Mapping[int, TensorSpec | ProgramTensor], slot: int
+    ) -> TensorColumns:
+        arr = self.arr
+        idx = sorted(i for i, t in tensors.items() if t.slot == slot)
+        specs = [tensors[i] for i in idx]
+        pools = tuple(sorted({s.pool for s in specs}))
+        return TensorColumns(
+            index=arr(idx),
+            slot=arr([s.slot for s in specs]),
+            rank=arr([s.rank for s in specs]),
+            pool=arr([pools.index(s.pool) for s in specs]),
+            dtype=arr([DTYPES.index(s.dtype) for s in specs], np.uint8),
+            storage=arr([STORAGES.index(s.storage) for s in specs], np.uint8),
+            ndim=arr([len(s.local_shape) for s in specs], np.uint8),
+            local_shape=self.mat([self.pad(tuple(s.local_shape), 1) for s in specs]),
+            pools=pools,
+        )
 
 
 __all__ = [

@@ -19,7 +19,6 @@ from dataclasses import fields
 
 import numpy as np
 
-from refitd.plan import buckets as bk
 from refitd.plan.program import (
     _BYTE,
     _INT,
@@ -28,7 +27,6 @@ from refitd.plan.program import (
     MAGIC,
     PROGRAM_FORMAT_VERSION,
     STORAGES,
-    WIRES,
     CopyColumns,
     MessageColumns,
     ProgramError,
@@ -37,6 +35,7 @@ from refitd.plan.program import (
     narrow_dtypes,
 )
 from refitd.plan.wire import DTYPE_SIZES
+from refitd.plan.wires import BUILTIN_WIRES, WireRegistry
 
 _BYTE_COLS = {
     "copies.ndim",
@@ -193,7 +192,9 @@ class _Reader:
 _COUNT_KEYS = ("copies", "dims", "send", "recv", "tensors")
 
 
-def decode(data: bytes, slot: int | None = None) -> SlotProgram:
+def decode(
+    data: bytes, slot: int | None = None, wires: WireRegistry = BUILTIN_WIRES
+) -> SlotProgram:
     r = _Reader(data, slot)
     h = r.header()
     shapes = _shapes(h["counts"])
@@ -213,12 +214,13 @@ def decode(data: bytes, slot: int | None = None) -> SlotProgram:
         pools=pools,
     )
     p = SlotProgram(digest, slot_, table, copies, send, recv, local_start)  # type: ignore[arg-type]
-    check(p, r.fail)
+    check(p, r.fail, wires)
     return p
 
 
-def check(p: SlotProgram, fail=None) -> None:
-    """Consistency of a program's columns (decode runs it; see the module docstring)."""
+def check(p: SlotProgram, fail=None, wires: WireRegistry = BUILTIN_WIRES) -> None:
+    """Consistency of a program's columns (decode runs it; see the module docstring); wire
+    codes index `wires` (the registry of the plan that made the program)."""
     if fail is None:
 
         def fail(field: str, what: str) -> ProgramError:
@@ -230,7 +232,11 @@ def check(p: SlotProgram, fail=None) -> None:
     D = c.shape.shape[1]
     if c.ndim.size and int(c.ndim.max()) > D:
         raise fail("copies.ndim", f"a copy has {int(c.ndim.max())} dims, the program {D}")
-    for name, n in (("wire", len(WIRES)), ("src_dtype", len(DTYPES)), ("dst_dtype", len(DTYPES))):
+    for name, n in (
+        ("wire", len(wires.formats)),
+        ("src_dtype", len(DTYPES)),
+        ("dst_dtype", len(DTYPES)),
+    ):
         col = getattr(c, name)
         if col.size and int(col.max()) >= n:
             raise fail(f"copies.{name}", f"unknown code {int(col.max())}")
@@ -263,7 +269,7 @@ def check(p: SlotProgram, fail=None) -> None:
                 f"(offset {off[i].tolist()}, shape {c.shape[rows[i]].tolist()}, "
                 f"local shape {t.local_shape[rr[i]].tolist()})",
             )
-    _check_nbytes(p, fail)
+    _check_nbytes(p, fail, wires)
 
 
 def _check_tensors(t: TensorColumns, fail) -> None:
@@ -304,11 +310,11 @@ def _check_ranges(p: SlotProgram, fail) -> None:
         raise fail("local_start", f"{p.local_start}, copies of messages end at {pos}")
 
 
-def _check_nbytes(p: SlotProgram, fail) -> None:
+def _check_nbytes(p: SlotProgram, fail, wires: WireRegistry) -> None:
     """Each message's wire bytes are its copies' segments."""
     c = p.copies
     esize = _ESIZE[c.src_dtype.astype(np.int64)]
-    nb = bk.segment_nbytes(c.wire.astype(np.int64), c.shape, c.ndim.astype(np.int64), esize)
+    nb = wires.segment_nbytes(c.wire, c.shape, c.ndim.astype(np.int64), esize)
     csum = np.r_[0, np.cumsum(nb)]
     for side, m in (("send", p.send), ("recv", p.recv)):
         want = csum[m.end] - csum[m.start]

@@ -26,7 +26,7 @@ from refitd.plan.program import (
 from refitd.plan.table import SpecTable
 
 
-def _ranges(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+def concat_ranges(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """Concatenation of arange(start[k], end[k]) for all k."""
     lens = end - start
     total = int(lens.sum())
@@ -230,7 +230,7 @@ class ProgramIndex:
         return {
             "order": order,
             "lens": lens,
-            "rows": _ranges(msgs.start[order], msgs.end[order]),
+            "rows": concat_ranges(msgs.start[order], msgs.end[order]),
             "msgs": np.bincount(slot, minlength=n),
             "copies": np.bincount(slot, weights=lens, minlength=n).astype(np.int64),
         }

@@ -60,44 +60,79 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     cand = np.flatnonzero(remote & c.eligible & ~tiny)
     if cand.size < 2:
         return feed
-    order = np.argsort(c.group[cand], kind="stable")
-    cand = cand[order]
-    g = c.group[cand]
-    first = np.r_[True, g[1:] != g[:-1]]
-    gid = np.cumsum(first) - 1
-    gcount = np.bincount(gid)
-    gstart = np.cumsum(gcount) - gcount
-    multi = gcount[gid] >= 2
+    g = _Groups.of(c, cand)
+    keeper, conv, shed = _keepers_and_shed(c, g, load, is_source_slot)
+    if not conv.size:
+        return feed
+    selected = _shed_copies(c, g, keeper, conv, shed)
+    if not selected.any():
+        return feed
+    _relay_senders(c, g, selected, load, is_source_slot, feed)
+    return feed
+
+
+@dataclass(slots=True)
+class _Groups:
+    """Candidate copies sorted by group: gid per candidate, each group's count and start;
+    multi: the candidate's group has at least two members (something to relay)."""
+
+    cand: np.ndarray
+    gid: np.ndarray
+    gcount: np.ndarray
+    gstart: np.ndarray
+    multi: np.ndarray
+
+    @staticmethod
+    def of(c: RelayCandidates, cand: np.ndarray) -> _Groups:
+        cand = cand[np.argsort(c.group[cand], kind="stable")]
+        g = c.group[cand]
+        first = np.r_[True, g[1:] != g[:-1]]
+        gid = np.cumsum(first) - 1
+        gcount = np.bincount(gid)
+        gstart = np.cumsum(gcount) - gcount
+        return _Groups(cand, gid, gcount, gstart, gcount[gid] >= 2)
+
+
+def _keepers_and_shed(
+    c: RelayCandidates, g: _Groups, load: np.ndarray, is_source_slot: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keeper mask over the candidates, the convertible copies, the bytes each slot sheds).
+
+    One member of each group stays direct (the keeper, a relay sender); keepers are
+    water-filled over the members' destination slots by the bytes each group is expected
+    to relay: first as if every other member were relayed, then with each source's shed
+    fraction at the chosen level."""
+    n_slots = is_source_slot.size
     hub = np.zeros(n_slots, dtype=bool)
-    hub[c.dst[cand[multi]]] = True
-    # one member of each group stays direct (the keeper, a relay sender); keepers are
-    # water-filled over the members' destination slots by the bytes each group is expected
-    # to relay: first as if every other member were relayed, then with each source's
-    # shed fraction at the chosen level
-    weight = c.nbytes[cand].astype(np.float64)
+    hub[c.dst[g.cand[g.multi]]] = True
+    weight = c.nbytes[g.cand].astype(np.float64)
     level = 0.0
     for step in range(2):
-        keeper = _keepers(c, cand, gcount, gstart, weight, load)
-        conv_mask = multi & ~keeper
-        conv = cand[conv_mask]
+        keeper = _keepers(c, g.cand, g.gcount, g.gstart, weight, load)
+        conv = g.cand[g.multi & ~keeper]
         conv_bytes = np.bincount(c.src[conv], weights=c.nbytes[conv], minlength=n_slots)
         if step == 0:
             level = _level(load, conv_bytes, is_source_slot, hub)
             shed = np.clip(load - level, 0, conv_bytes)
             # in 1/16 steps: few distinct weights keep the water-filling runs few
             frac = np.ceil(16 * shed / np.maximum(conv_bytes, 1)) / 16
-            weight = c.nbytes[cand] * frac[c.src[cand]]
-    if not conv.size:
-        return feed
-    shed = np.clip(load - level, 0, conv_bytes)
-    # per source slot, shed a prefix of its convertible copies: first one member of every
-    # group, then a second one..., groups in a hashed order, so every keeper relays alike
-    pos = np.arange(cand.size) - gstart[gid]
+            weight = c.nbytes[g.cand] * frac[c.src[g.cand]]
+    return keeper, conv, np.clip(load - level, 0, conv_bytes)
+
+
+def _shed_copies(
+    c: RelayCandidates, g: _Groups, keeper: np.ndarray, conv: np.ndarray, shed: np.ndarray
+) -> np.ndarray:
+    """Mask over all copies: those that become relays. Per source slot, a prefix of its
+    convertible copies up to its shed bytes: first one member of every group, then a
+    second one..., groups in a hashed order, so every keeper relays alike."""
+    gid = g.gid
+    pos = np.arange(g.cand.size) - g.gstart[gid]
     nth = np.empty(c.src.size, dtype=np.int64)
-    kpos = np.full(gcount.size, -1, dtype=np.int64)
+    kpos = np.full(g.gcount.size, -1, dtype=np.int64)
     kpos[gid[keeper]] = pos[keeper]
     rank = pos - (pos > kpos[gid])
-    nth[cand] = (rank + gid) % np.maximum(gcount[gid] - 1, 1)  # rotated: no replica first
+    nth[g.cand] = (rank + gid) % np.maximum(g.gcount[gid] - 1, 1)  # rotated: no replica first
     mix = (c.group[conv].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
     o = np.lexsort((conv, mix, nth[conv], c.src[conv]))
     conv_sorted = conv[o]
@@ -108,19 +143,30 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     seg_base = np.maximum.accumulate(np.where(seg_first, cum - nb, 0))
     before = cum - nb - seg_base
     take = before < shed[s_sorted] - 0.5
-    if not take.any():
-        return feed
     selected = np.zeros(c.src.size, dtype=bool)
     selected[conv_sorted[take]] = True
-    sel_mask = selected[cand]
-    direct = multi & ~sel_mask
-    dcount = np.bincount(gid[direct], minlength=gcount.size)
+    return selected
+
+
+def _relay_senders(
+    c: RelayCandidates,
+    g: _Groups,
+    selected: np.ndarray,
+    load: np.ndarray,
+    is_source_slot: np.ndarray,
+    feed: np.ndarray,
+) -> None:
+    """Fill `feed` for the selected copies: each one's relay sender is water-filled over its
+    group's direct members; nothing is relayed if a source slot would end up sending more."""
+    n_slots = is_source_slot.size
+    sel_mask = selected[g.cand]
+    direct = g.multi & ~sel_mask
+    dcount = np.bincount(g.gid[direct], minlength=g.gcount.size)
     dstart = np.cumsum(dcount) - dcount
-    direct_list = cand[direct]
-    sel = cand[sel_mask]
-    sel_gid = gid[sel_mask]
+    direct_list = g.cand[direct]
+    sel = g.cand[sel_mask]
+    sel_gid = g.gid[sel_mask]
     r_of = dcount[sel_gid]
-    # relay senders: water-filled over each group's direct members
     shed_load = load - np.bincount(c.src[sel], weights=c.nbytes[sel], minlength=n_slots)
     batches: list[Choices] = []
     members: list[np.ndarray] = []
@@ -136,7 +182,6 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
         feed[idx] = mat[np.arange(idx.size), col]
     if after[is_source_slot].max(initial=0) > load[is_source_slot].max(initial=0):
         feed[:] = -1  # relay senders that also send as sources could not absorb it
-    return feed
 
 
 def _keepers(

@@ -2,18 +2,31 @@
 
 Replays every slot's program as it travels: each program is encoded to bytes and decoded
 again (program_codec), then read column by column: local copies, then each message packed
-into a byte buffer segment by segment (SEGMENT_ALIGN-aligned, raw wire) and unpacked at its
-receiver, round by round so relays (copies forwarded by a destination replica) are checked
-against the round rule, exactly as an agent would run it.
+into a byte buffer segment by segment (SEGMENT_ALIGN-aligned) and unpacked at its receiver, round by round so relays (copies forwarded by a destination replica) are checked
+against the round rule, exactly as an agent would run it. Raw segments are packed here; another wire format needs a
+WireCodec (e.g. one wrapping a refitd.formats Transform), sized by the plan's wire registry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
-from refitd.plan.planner import Plan
-from refitd.plan.program import WIRES, SlotProgram
-from refitd.plan.wire import RAW, aligned
+from refitd.plan.plan import Plan
+from refitd.plan.program import SlotProgram
+from refitd.plan.wireformat import aligned
+from refitd.plan.wires import RAW_CODE, WireRegistry
+
+
+@dataclass(frozen=True)
+class WireCodec:
+    """A wire format's encode and decode for the oracle: encode(source block) -> the
+    segment's bytes; decode(segment bytes, shape, source dtype) -> the block as landed."""
+
+    encode: Callable[[np.ndarray], bytes]
+    decode: Callable[[bytes, tuple[int, ...], np.dtype], np.ndarray]
 
 
 class _Rows:
@@ -36,7 +49,8 @@ class _Rows:
 
 def shipped_programs(plan: Plan) -> dict[int, SlotProgram]:
     """Every slot's program after a trip through its wire encoding."""
-    return {s: SlotProgram.from_bytes(p.to_bytes(), s) for s, p in plan.programs().items()}
+    wires = plan.config.wires
+    return {s: SlotProgram.from_bytes(p.to_bytes(), s, wires) for s, p in plan.programs().items()}
 
 
 def execute(
@@ -44,6 +58,7 @@ def execute(
     src_arrays: dict[int, np.ndarray],
     dst_arrays: dict[int, np.ndarray],
     programs: dict[int, SlotProgram] | None = None,
+    codecs: dict[str, WireCodec] | None = None,
 ) -> None:
     """Run the plan: dst_arrays (by plan tensor index) are written in place from
     src_arrays; a destination of another dtype receives the value cast (astype).
@@ -51,7 +66,9 @@ def execute(
     Local copies from source tensors run first; then rounds in order, every message of a
     round packed before any of them is unpacked (so a relay that forwards data of its own
     round or a later one reads stale bytes and the oracle catches it); local relays last.
+    codecs: by wire name, for every wire other than raw the plan uses.
     """
+    wire = _Wire(plan.config.wires, codecs or {})
     programs = programs if programs is not None else shipped_programs(plan)
     arrays = {**src_arrays, **dst_arrays}
     rows = {s: _Rows(p) for s, p in programs.items()}
@@ -80,9 +97,9 @@ def execute(
         j = i
         while j < len(sends) and sends[j][0] == sends[i][0]:
             j += 1
-        wire = [(x[1], _pack(arrays, *x[1:])) for x in sends[i:j]]
-        for mid, buf in wire:
-            _unpack(arrays, *recvs[mid], buf)
+        packed = [(x[1], wire.pack(arrays, *x[1:])) for x in sends[i:j]]
+        for mid, buf in packed:
+            wire.unpack(arrays, *recvs[mid], buf)
         i = j
     for r, k in local_relays:
         _copy(arrays, r, k, _read(arrays, r, k))
@@ -97,27 +114,57 @@ def _copy(arrays: dict[int, np.ndarray], r: _Rows, i: int, data: np.ndarray) -> 
     dst[r.region(i, True)] = data.astype(dst.dtype, copy=False)
 
 
-def _pack(
-    arrays: dict[int, np.ndarray], mid: int, r: _Rows, lo: int, hi: int, nbytes: int
-) -> bytes:
-    buf = bytearray(nbytes)
-    at = 0
-    for i in range(lo, hi):
-        if WIRES[r.wire[i]] != RAW:
-            raise ValueError(f"simulate runs raw wire only, got {WIRES[r.wire[i]]!r}")
-        raw = np.ascontiguousarray(_read(arrays, r, i)).tobytes()
-        buf[at : at + len(raw)] = raw
-        at += aligned(len(raw))
-    if at != nbytes:
-        raise AssertionError(f"message {mid}: packed {at} bytes, nbytes says {nbytes}")
-    return bytes(buf)
+@dataclass(frozen=True)
+class _Wire:
+    """Packs and unpacks messages segment by segment, sized by the plan's registry."""
 
+    wires: WireRegistry
+    codecs: dict[str, WireCodec]
 
-def _unpack(arrays: dict[int, np.ndarray], r: _Rows, lo: int, hi: int, buf: bytes) -> None:
-    at = 0
-    for i in range(lo, hi):
-        src_dtype = arrays[r.src[i]].dtype
-        n = int(np.prod(r.shape(i), dtype=np.int64)) * src_dtype.itemsize
-        data = np.frombuffer(buf, dtype=src_dtype, count=n // src_dtype.itemsize, offset=at)
-        _copy(arrays, r, i, data.reshape(r.shape(i)))
-        at += aligned(n)
+    def _nbytes(self, arrays: dict[int, np.ndarray], r: _Rows, i: int) -> int:
+        dtype = arrays[r.src[i]].dtype  # bfloat16 arrays are uint16 here: size raw by itemsize
+        if r.wire[i] == RAW_CODE:
+            return aligned(int(np.prod(r.shape(i), dtype=np.int64)) * dtype.itemsize)
+        return self.wires.formats[r.wire[i]].segment_nbytes(r.shape(i), dtype.name)
+
+    def _codec(self, r: _Rows, i: int) -> WireCodec | None:
+        if r.wire[i] == RAW_CODE:
+            return None
+        name = self.wires.formats[r.wire[i]].name
+        if name not in self.codecs:
+            raise ValueError(f"simulate has no codec for wire {name!r}")
+        return self.codecs[name]
+
+    def pack(
+        self, arrays: dict[int, np.ndarray], mid: int, r: _Rows, lo: int, hi: int, nbytes: int
+    ) -> bytes:
+        buf = bytearray(nbytes)
+        at = 0
+        for i in range(lo, hi):
+            codec = self._codec(r, i)
+            block = np.ascontiguousarray(_read(arrays, r, i))
+            seg = block.tobytes() if codec is None else codec.encode(block)
+            size = self._nbytes(arrays, r, i)
+            if len(seg) > size:
+                raise AssertionError(
+                    f"message {mid}: a segment of {len(seg)} bytes, {size} planned"
+                )
+            buf[at : at + len(seg)] = seg
+            at += size
+        if at != nbytes:
+            raise AssertionError(f"message {mid}: packed {at} bytes, nbytes says {nbytes}")
+        return bytes(buf)
+
+    def unpack(self, arrays: dict[int, np.ndarray], r: _Rows, lo: int, hi: int, buf: bytes) -> None:
+        at = 0
+        for i in range(lo, hi):
+            src_dtype = arrays[r.src[i]].dtype
+            size = self._nbytes(arrays, r, i)
+            codec = self._codec(r, i)
+            if codec is None:
+                n = int(np.prod(r.shape(i), dtype=np.int64))
+                data = np.frombuffer(buf, dtype=src_dtype, count=n, offset=at).reshape(r.shape(i))
+            else:
+                data = codec.decode(buf[at : at + size], r.shape(i), src_dtype)
+            _copy(arrays, r, i, data)
+            at += size

@@ -27,6 +27,7 @@ from refitd.plan.wire import (
     mxfp8_scale_shape,
     segment_nbytes,
 )
+from refitd.plan.wireformat import WireFormat
 
 QUANTIZE = {"mxfp8": mxfp8_quantize, "fp8_block": fp8_block_quantize}
 DEQUANTIZE = {"mxfp8": mxfp8_dequantize, "fp8_block": fp8_block_dequantize}
@@ -188,16 +189,13 @@ def test_misaligned_and_mismatched_regions_are_rejected() -> None:
 class Float16Wire(Transform):
     """A user format: values travel as float16 whatever the source dtype."""
 
-    wire = "fp16"
+    format = WireFormat("fp16", element_bytes=2)
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
 
     def should_transform(self, name: str) -> bool:
         return name in self.names
-
-    def segment_parts(self, shape: tuple[int, ...], src_dtype: str) -> tuple[int, ...]:
-        return (2 * torch.Size(shape).numel(),)
 
     def prepare_send(self, src: torch.Tensor, seg: torch.Tensor) -> None:
         (values,) = self.prepare_recv(seg, tuple(src.shape), "float16")

@@ -8,7 +8,7 @@ import numpy as np
 
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
-from refitd.plan.simulate import execute
+from refitd.plan.simulate import WireCodec, execute
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float64": np.float64}
 
@@ -29,10 +29,12 @@ def run_and_check(
     config: PlanConfig | None = None,
     globals_: dict[str, np.ndarray] | None = None,
     seed: int = 0,
+    codecs: dict[str, WireCodec] | None = None,
 ) -> Plan:
     """Plan, execute in memory and compare every destination shard bit for bit with the
     expected one (source canonical tensors are random; destinations are derived from them
-    by `globals_` when given, e.g. for name maps)."""
+    by `globals_` when given, e.g. for name maps). codecs: by wire name, for wires other
+    than raw (simulate.WireCodec)."""
     config = config or PlanConfig()
     rng = np.random.default_rng(seed)
     full: dict[str, np.ndarray] = {}
@@ -46,7 +48,7 @@ def run_and_check(
     dst_arrays = {
         n + i: np.full(s.local_shape, 7, NP_DTYPES[s.dtype]) for i, s in enumerate(destinations)
     }
-    execute(plan, src_arrays, dst_arrays)
+    execute(plan, src_arrays, dst_arrays, codecs=codecs)
     expected = dict(full)
     if globals_:
         expected.update(globals_(full) if callable(globals_) else globals_)

@@ -1,0 +1,117 @@
+"""Input checks of the planner: casts, covers without holes or overlaps, whole blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refitd.plan.config import PlanConfig
+from refitd.plan.copies import CopyTable
+from refitd.plan.errors import PlanError
+from refitd.plan.layout import TensorSpec
+from refitd.plan.sides import Side
+from refitd.plan.wires import CAST_DTYPES, WireRegistry
+
+CASTABLE_DTYPES = CAST_DTYPES
+CAST_SETTING = (
+    "set allow_dtype_cast (refitd serve --allow-dtype-cast, env REFITD_ALLOW_DTYPE_CAST, "
+    "config file key allow_dtype_cast; PlanConfig.allow_dtype_cast when planning directly)"
+)
+
+
+def check_cast(cfg: PlanConfig, src_dtype: str, dst_dtype: str, dst: str, src: str) -> None:
+    """A destination of another dtype than its source: allowed only between float dtypes
+    (the executor casts those on landing), and only when the configuration turns casts on."""
+    what = f"dtype mismatch: {dst} is {dst_dtype}, source {src} is {src_dtype}"
+    if src_dtype not in CASTABLE_DTYPES or dst_dtype not in CASTABLE_DTYPES:
+        raise PlanError(f"{what}; casts exist only between {', '.join(CASTABLE_DTYPES)}")
+    if not cfg.allow_dtype_cast:
+        raise PlanError(f"{what}, and dtype casts are off: to land it cast, {CAST_SETTING}")
+
+
+def check_cover(side: Side, members: np.ndarray, geo_ids: list[int], what: str) -> None:
+    """The distinct covers of these geometries tile the global tensor exactly."""
+    geos = [side.geos[g] for g in geo_ids]
+    gshape = geos[0].global_shape
+    covers: dict[tuple, int] = {}
+    for k, g in enumerate(geos):
+        covers.setdefault(g.cover, k)
+    boxes = [(k, o, s) for c, k in covers.items() for o, s in c]
+    total = int(np.prod(gshape)) if gshape else 1
+    vol = sum(int(np.prod(s)) if s else 1 for _, _, s in boxes)
+    if len(boxes) > 1 and gshape:
+        lo = np.array([o for _, o, _ in boxes])
+        hi = lo + np.array([s for _, _, s in boxes])
+        a = np.maximum(lo[:, None], lo[None]) < np.minimum(hi[:, None], hi[None])
+        hit = a.all(axis=2)
+        np.fill_diagonal(hit, False)
+        if hit.any():
+            i, j = np.argwhere(hit)[0]
+            ki, kj = boxes[i][0], boxes[j][0]
+            raise PlanError(
+                f"overlapping boxes in the {what}: {side.who(int(members[ki]))} holds "
+                f"{boxes[i][1:]} and {side.who(int(members[kj]))} holds {boxes[j][1:]} "
+                f"of global shape {gshape}"
+            )
+    if vol != total:
+        missing = _first_missing(gshape, [(o, s) for _, o, s in boxes])
+        raise PlanError(
+            f"holes in the {what}: {side.who(int(members[0]))} and the other shards of "
+            f"global shape {gshape} cover {vol} of {total} elements"
+            + (
+                f"; no shard holds the block at offset {missing[0]} of shape {missing[1]}"
+                if missing is not None
+                else ""
+            )
+        )
+
+
+def _first_missing(
+    gshape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A block of the global tensor that no box covers (the first cell of the grid the box
+    edges cut), for a hole's error message; None if the grid is too large to enumerate."""
+    if not gshape:
+        return ((), ()) if not boxes else None
+    edges = [
+        np.unique(np.array([0, n] + [o[d] for o, _ in boxes] + [o[d] + s[d] for o, s in boxes]))
+        for d, n in enumerate(gshape)
+    ]
+    grid = tuple(e.size - 1 for e in edges)
+    if int(np.prod(grid)) > 1 << 22:
+        return None
+    covered = np.zeros(grid, dtype=bool)
+    for o, s in boxes:
+        covered[
+            tuple(
+                slice(int(np.searchsorted(e, a)), int(np.searchsorted(e, a + n)))
+                for e, a, n in zip(edges, o, s, strict=True)
+            )
+        ] = True
+    holes = np.argwhere(~covered)
+    if not holes.size:
+        return None
+    cell = holes[0].tolist()
+    return (
+        tuple(int(e[i]) for e, i in zip(edges, cell, strict=True)),
+        tuple(int(e[i + 1] - e[i]) for e, i in zip(edges, cell, strict=True)),
+    )
+
+
+def check_blocks(t: CopyTable, tensors: list[TensorSpec], wires: WireRegistry) -> None:
+    """With a blocked (quantized) wire every copy carries whole blocks of its destination."""
+    blocked = np.array([bool(f.block) for f in wires.formats])
+    q = np.flatnonzero(blocked[t.wire]) if t.wire.size else t.wire
+    for i in q.tolist():  # few distinct tensors in practice; clarity over speed here
+        nd = int(t.ndim[i])
+        spec = tensors[int(t.dst[i])]
+        fmt = wires.formats[int(t.wire[i])]
+        for dd in range(max(nd - len(fmt.block), 0), nd):
+            b = fmt.block_of_dim(dd, nd)
+            off, n, full = int(t.dst_loc[i, dd]), int(t.shape[i, dd]), spec.local_shape[dd]
+            if off % b or (n % b and off + n != full):
+                raise PlanError(
+                    f"quantized block not whole: copy into tensor {spec.name!r}, pool "
+                    f"{spec.pool!r}, rank {spec.rank} covers [{off}, {off + n}) of dim {dd} "
+                    f"(local size {full}), not whole {fmt.name} blocks of "
+                    f"{b}; the source layout splits a block"
+                )

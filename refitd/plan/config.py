@@ -1,0 +1,32 @@
+"""How to plan: PlanConfig, the knobs that shape a plan (and its digest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from refitd.plan.errors import PlanError
+from refitd.plan.names import NameMap
+from refitd.plan.wires import WireRegistry, default_wires
+
+
+@dataclass
+class PlanConfig:
+    """How to plan. fanout: peers a slot sends to concurrently (lanes of the schedule);
+    relay: let destination replicas forward blocks (see the module docstring);
+    schedule: "lanes" (rounds from `fanout` lanes per source) or "serial" (rounds from a
+    schedule in which each slot moves one message at a time, as NCCL on one stream runs
+    them: buckets.serial_rounds)."""
+
+    bucket_bytes: int = 64 << 20
+    sender_quantization: bool = False
+    allow_dtype_cast: bool = False
+    tie_embeddings: bool = True
+    name_map: NameMap | None = None
+    fanout: int = 4
+    relay: bool = False
+    schedule: str = "lanes"
+    wires: WireRegistry = field(default_factory=default_wires)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("lanes", "serial"):
+            raise PlanError(f"unknown schedule {self.schedule!r}; known: lanes, serial")

@@ -1,0 +1,29 @@
+"""Columnar copy tables shared by the planner's stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PIECE_KEY = 1 << 32  # (copy id, row offset of a piece) -> one int64 key
+
+
+@dataclass(slots=True)
+class CopyTable:
+    """Copies as columns. feed: the copy (cid) whose destination region a relay reads, -1
+    for a copy from a source tensor; cid: the copy's index before bucket splitting."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    src_loc: np.ndarray
+    dst_loc: np.ndarray
+    shape: np.ndarray
+    ndim: np.ndarray
+    wire: np.ndarray
+    esize: np.ndarray
+    feed: np.ndarray
+    cid: np.ndarray
+
+    def take(self, idx: np.ndarray) -> CopyTable:
+        return CopyTable(*(getattr(self, f)[idx] for f in self.__slots__))

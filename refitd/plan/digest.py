@@ -1,0 +1,35 @@
+"""The plan digest: the key of the plan cache."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from refitd.plan.config import PlanConfig
+from refitd.plan.layout import TensorSpec
+from refitd.plan.table import SpecTable
+
+
+def fingerprint(model: str, epoch: int, src: SpecTable, dst: SpecTable, config: PlanConfig) -> str:
+    """Digest of everything that shapes a plan."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((model, epoch, config)).encode())
+    for side in (src, dst):
+        h.update(b"|side|")
+        side.digest_into(h)
+    return h.hexdigest()
+
+
+def plan_digest(
+    model: str,
+    epoch: int,
+    sources: Sequence[TensorSpec] | SpecTable,
+    destinations: Sequence[TensorSpec] | SpecTable,
+    config: PlanConfig,
+) -> str:
+    """The key of the plan cache: changes with any registration, layout or config."""
+    return fingerprint(model, epoch, _table(sources), _table(destinations), config)
+
+
+def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:
+    return specs if isinstance(specs, SpecTable) else SpecTable.from_specs(specs)

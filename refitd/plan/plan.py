@@ -1,0 +1,264 @@
+"""The Plan: columnar copies, messages and rounds of a whole cluster, its statistics, and
+the slot programs derived from it on demand.
+
+Stats: send_imbalance = source_max_send_bytes / ideal_send_bytes, both over source slots
+(ideal = bytes leaving source slots / source slots); max_send_bytes is over all slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from refitd.plan.config import PlanConfig
+from refitd.plan.copies import CopyTable
+from refitd.plan.layout import TensorSpec
+from refitd.plan.program import SlotProgram
+from refitd.plan.programs import CopyCols, Messages, PlanTensors, ProgramIndex, concat_ranges
+from refitd.plan.schedule import MessageTable, Scheduler
+from refitd.plan.sides import sort_by
+from refitd.plan.table import SpecTable
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """Byte and count totals of a plan (bytes are wire bytes, alignment included).
+
+    send_imbalance and ideal_send_bytes are over source slots (see the module docstring);
+    relay_bytes/relay_copies: remote copies forwarded by destination slots.
+    """
+
+    copies: int
+    local_copies: int
+    messages: int
+    rounds: int
+    total_bytes: int
+    local_bytes: int
+    remote_bytes: int
+    source_slots: int
+    max_send_bytes: int
+    ideal_send_bytes: float
+    send_imbalance: float
+    max_recv_bytes: int
+    source_max_send_bytes: int = 0
+    relay_bytes: int = 0
+    relay_copies: int = 0
+
+
+class Plan:
+    """A whole-cluster plan: columnar copies, messages and rounds; SlotPrograms on demand."""
+
+    def __init__(
+        self,
+        model: str,
+        epoch: int,
+        digest: str,
+        tensors: list[TensorSpec],
+        table: CopyTable,
+        slot_of_tensor: np.ndarray,
+        config: PlanConfig,
+        sources_count: int,
+        tables: tuple[SpecTable, SpecTable] | None = None,
+    ) -> None:
+        self.model, self.epoch, self.digest, self.tensors = model, epoch, digest, tensors
+        self.config = config
+        self._n_src = sources_count
+        self._tables = tables
+        self._slot_of = slot_of_tensor
+        slots = np.unique(slot_of_tensor)
+        self._all_slots = slots
+        self._dense = np.searchsorted(slots, slot_of_tensor)
+        local = slot_of_tensor[table.src] == slot_of_tensor[table.dst]
+        nb = config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+        # local copies from source tensors first; local relays run after all receives
+        lidx = np.flatnonzero(local)
+        lidx = lidx[np.argsort(table.feed[lidx] >= 0, kind="stable")]
+        self._local = table.take(lidx)
+        relays, remote_nb = self._schedule(table, nb, local)
+        self._send_load = np.bincount(
+            self._dense[self._remote.src], weights=remote_nb, minlength=slots.size
+        )
+        self._recv_load = np.bincount(
+            self._dense[self._remote.dst], weights=remote_nb, minlength=slots.size
+        )
+        self.stats = self._statistics(int(nb[local].sum()), int(remote_nb.sum()), relays)
+        self._readers: dict[tuple[str, int], list[int]] | None = None
+        self._index: ProgramIndex | None = None
+
+    def _schedule(
+        self, table: CopyTable, nb: np.ndarray, local: np.ndarray
+    ) -> tuple[MessageTable, np.ndarray]:
+        """Bucket the remote copies (direct ones, then relays after what they forward) and
+        keep all messages ordered by (round, src, dst): (the relay messages, the wire
+        bytes of every remote copy)."""
+        sched = Scheduler(self.config, self._slot_of, self._dense, self._all_slots.size)
+        relay = table.feed >= 0
+        any_relay = bool(relay.any())
+        direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)
+        relays = sched.messages(table, nb, ~local & relay, direct, False)
+        n_direct = direct.copies.src.size
+        if any_relay:
+            self._remote = CopyTable(
+                *(
+                    np.concatenate([getattr(direct.copies, f), getattr(relays.copies, f)])
+                    for f in CopyTable.__slots__
+                )
+            )
+        else:
+            self._remote = direct.copies
+        ms = np.concatenate([direct.start, relays.start + n_direct])
+        me = np.concatenate([direct.end, relays.end + n_direct])
+        m_round = np.concatenate([direct.round, relays.round])
+        m_src = np.concatenate([direct.src, relays.src])
+        m_dst = np.concatenate([direct.dst, relays.dst])
+        m_bytes = np.concatenate([direct.nbytes, relays.nbytes])
+        m_order = sort_by(m_round, m_src, m_dst)
+        self._m_start, self._m_end = ms[m_order], me[m_order]
+        self._m_round = m_round[m_order]
+        self._m_src, self._m_dst = m_src[m_order], m_dst[m_order]
+        self._m_bytes = m_bytes[m_order]
+        return relays, np.concatenate([direct.copy_bytes, relays.copy_bytes])
+
+    def _statistics(self, local_bytes: int, remote_bytes: int, relays: MessageTable) -> PlanStats:
+        """Totals and loads (see the module docstring for the imbalance)."""
+        send, recv = self._send_load, self._recv_load
+        is_source = np.zeros(self._all_slots.size, dtype=bool)
+        is_source[self._dense[: self._n_src]] = True
+        n_src_slots = int(is_source.sum())
+        src_send = send[is_source]
+        ideal = float(src_send.sum()) / n_src_slots if n_src_slots else 0.0
+        src_max = int(src_send.max()) if src_send.size else 0
+        return PlanStats(
+            copies=int(self._local.src.size + self._remote.src.size),
+            local_copies=int(self._local.src.size),
+            messages=int(self._m_start.size),
+            rounds=int(self._m_round.max()) + 1 if self._m_round.size else 0,
+            total_bytes=remote_bytes + local_bytes,
+            local_bytes=local_bytes,
+            remote_bytes=remote_bytes,
+            source_slots=n_src_slots,
+            max_send_bytes=int(send.max()) if send.size else 0,
+            ideal_send_bytes=ideal,
+            send_imbalance=src_max / ideal if ideal else 1.0,
+            max_recv_bytes=int(recv.max()) if recv.size else 0,
+            source_max_send_bytes=src_max,
+            relay_bytes=int(relays.copy_bytes.sum()),
+            relay_copies=int(relays.copies.src.size),
+        )
+
+    def slots(self) -> list[int]:
+        """Every slot that holds a registered tensor (source or destination)."""
+        return self._all_slots.tolist()
+
+    def source_slots_of(self, pool: str, rank: int) -> list[int]:
+        """Slots that read the tensors of source worker (pool, rank); relays, which read
+        destination tensors, don't count. Computed for all workers on the first call."""
+        if self._readers is None:
+            used = np.unique(np.concatenate([self._remote.src, self._local.src]))
+            used = used[used < self._n_src]
+            readers: dict[tuple[str, int], set[int]] = {}
+            for i, slot in zip(used.tolist(), self._slot_of[used].tolist(), strict=True):
+                t = self.tensors[i]
+                readers.setdefault((t.pool, t.rank), set()).add(slot)
+            self._readers = {k: sorted(v) for k, v in readers.items()}
+        return list(self._readers.get((pool, rank), []))
+
+    def message_columns(self) -> dict[str, np.ndarray]:
+        """Every remote message as columns, row = message id: src and dst slot, round, wire
+        bytes, relay (it forwards received blocks). For tools such as the link model."""
+        return {
+            "src": self._m_src.copy(),
+            "dst": self._m_dst.copy(),
+            "round": self._m_round.copy(),
+            "nbytes": self._m_bytes.copy(),
+            "relay": self._remote.feed[self._m_start] >= 0,
+        }
+
+    def relay_feeds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(relay message id, feeding message id) pairs: the remote messages that write a
+        region a relay message forwards (what its sender must have received first; feeds by
+        local copies are left out, they run before any receive). For the link model."""
+        t = self._remote
+        n = t.src.size
+        msg = np.repeat(np.arange(self._m_start.size), self._m_end - self._m_start)
+        msg_of_row = np.empty(n, np.int64)
+        msg_of_row[concat_ranges(self._m_start, self._m_end)] = msg
+        relay = np.flatnonzero(t.feed >= 0)
+        order = np.argsort(t.cid, kind="stable")
+        lo = np.searchsorted(t.cid[order], t.feed[relay], side="left")
+        hi = np.searchsorted(t.cid[order], t.feed[relay], side="right")
+        r = np.repeat(relay, hi - lo)
+        f = order[concat_ranges(lo, hi)]
+        d = np.arange(t.shape.shape[1])
+        live = d < t.ndim[r][:, None]
+        a0, an = t.src_loc[r], t.shape[r]
+        b0, bn = t.dst_loc[f], t.shape[f]
+        hit = ((a0 < b0 + bn) & (b0 < a0 + an) | ~live).all(axis=1) & (t.dst[f] == t.src[r])
+        pairs = np.unique(np.c_[msg_of_row[r[hit]], msg_of_row[f[hit]]], axis=0)
+        return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+    def send_bytes(self) -> dict[int, int]:
+        """Remote bytes each slot sends."""
+        return {int(s): int(b) for s, b in zip(self._all_slots, self._send_load, strict=True)}
+
+    def recv_bytes(self) -> dict[int, int]:
+        """Remote bytes each slot receives."""
+        return {int(s): int(b) for s, b in zip(self._all_slots, self._recv_load, strict=True)}
+
+    @property
+    def source_count(self) -> int:
+        """`tensors[:source_count]` are source specs, the rest destination specs."""
+        return self._n_src
+
+    def program_index(self) -> ProgramIndex:
+        """Per-slot positions of all messages and copies, built once per plan."""
+        if self._index is None:
+            tables = self._tables or (
+                SpecTable.from_specs(self.tensors[: self._n_src]),
+                SpecTable.from_specs(self.tensors[self._n_src :]),
+            )
+            counts = (self._n_src, len(self.tensors) - self._n_src)
+            tensors = PlanTensors.of(tables, counts, self._slot_of, self._remote.shape.shape[1])
+            d = tensors.local_shape.shape[1]
+
+            def cols(t: CopyTable) -> CopyCols:
+                def pad(a: np.ndarray, fill: int) -> np.ndarray:
+                    extra = d - a.shape[1]
+                    return (
+                        a if extra <= 0 else np.pad(a, ((0, 0), (0, extra)), constant_values=fill)
+                    )
+
+                return CopyCols(
+                    t.src,
+                    t.dst,
+                    pad(t.src_loc, 0),
+                    pad(t.dst_loc, 0),
+                    pad(t.shape, 1),
+                    t.ndim,
+                    t.wire,
+                )
+
+            msgs = Messages(
+                self._m_round,
+                self._m_src,
+                self._m_dst,
+                self._m_start,
+                self._m_end,
+                self._m_bytes,
+            )
+            self._index = ProgramIndex(
+                self.digest, cols(self._remote), cols(self._local), msgs, tensors
+            )
+        return self._index
+
+    def program(self, slot: int) -> SlotProgram:
+        """What the transfer process of `slot` executes (columns), messages ordered by
+        (round, id)."""
+        return self.program_index().program(slot)
+
+    def programs(self, slots: Sequence[int] | None = None) -> dict[int, SlotProgram]:
+        """The programs of `slots` (default: every slot), from one index pass."""
+        index = self.program_index()
+        return {s: index.program(s) for s in (self.slots() if slots is None else slots)}

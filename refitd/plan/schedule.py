@@ -1,0 +1,192 @@
+"""Messages and rounds: remote copies cut to buckets, packed per slot pair, scheduled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refitd.plan import buckets as bk
+from refitd.plan.config import PlanConfig
+from refitd.plan.copies import PIECE_KEY, CopyTable
+from refitd.plan.sides import sort_by
+
+
+@dataclass(slots=True)
+class MessageTable:
+    """Copies of one kind (direct or relay), sorted and bucketed into messages."""
+
+    copies: CopyTable
+    copy_bytes: np.ndarray  # [C]
+    start: np.ndarray  # [M] first copy of each message
+    end: np.ndarray  # [M]
+    round: np.ndarray  # [M]
+    src: np.ndarray  # [M] source slot
+    dst: np.ndarray  # [M] destination slot
+    nbytes: np.ndarray  # [M]
+    round_of_copy: np.ndarray  # [copies before splitting] last round carrying it
+    piece_key: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted
+    piece_round: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def need_of(self, feed: np.ndarray, step: np.ndarray | None) -> np.ndarray:
+        """Round after which a relay piece may go: after the round of the feed's piece
+        with the same rows (a copy cut along dim 0 is cut the same way for its relays, so
+        piece k is forwarded while piece k+1 is still on the wire), else after the feed's
+        last piece."""
+        need = self.round_of_copy[feed] + 1
+        if step is None or not self.piece_key.size:
+            return need
+        key = feed * PIECE_KEY + step
+        i = np.minimum(np.searchsorted(self.piece_key, key), self.piece_key.size - 1)
+        hit = self.piece_key[i] == key
+        return np.where(hit, self.piece_round[i] + 1, need)
+
+    def pair_last_round(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Per (src, dst) slot pair, the last round of its messages here (-1 if none)."""
+        if not self.src.size:
+            return np.full(src.size, -1, np.int64)
+        big = int(max(self.src.max(), self.dst.max(), src.max(), dst.max())) + 1
+        key = self.src * big + self.dst
+        order = np.lexsort((self.round, key))
+        k, r = key[order], self.round[order]
+        last = np.r_[k[1:] != k[:-1], True]
+        k, r = k[last], r[last]
+        q = src * big + dst
+        i = np.minimum(np.searchsorted(k, q), k.size - 1)
+        return np.where(k[i] == q, r[i], -1)
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduler:
+    """Turns selected remote copies into messages with rounds. slot_of: the slot of each
+    plan tensor; dense: its slot's index in the sorted slots; n_slots: how many slots."""
+
+    config: PlanConfig
+    slot_of: np.ndarray
+    dense: np.ndarray
+    n_slots: int
+
+    def messages(
+        self,
+        table: CopyTable,
+        nb: np.ndarray,
+        mask: np.ndarray,
+        feeds: MessageTable | None,
+        need_rounds: bool,
+    ) -> MessageTable:
+        """Split, sort and bucket the selected remote copies; rounds per message.
+
+        Direct copies (feeds None): each source's peers over `fanout` lanes. Relays: a
+        message's round is above the round of every message that wrote what it forwards
+        (and above the pair's direct messages), and a pair's messages take successive
+        rounds.
+        """
+        rows, step, len0 = self.split(table, np.flatnonzero(mask), nb)
+        rs = self.slot_of[table.src[rows]]
+        rd = self.slot_of[table.dst[rows]]
+        if step is None:
+            rnb = nb[rows]
+        else:
+            shape = table.shape[rows]
+            shape[:, 0] = len0
+            wires = self.config.wires
+            rnb = wires.segment_nbytes(table.wire[rows], shape, table.ndim[rows], table.esize[rows])
+        need = None
+        if feeds is None:
+            order = sort_by(rs, rd, table.dst[rows])
+        else:
+            need = feeds.need_of(table.feed[rows], step)
+            order = sort_by(rs, rd, need, table.dst[rows])
+            need = need[order]
+        t = table.take(rows[order])
+        if step is not None:
+            t.src_loc[:, 0] += step[order]
+            t.dst_loc[:, 0] += step[order]
+            t.shape[:, 0] = len0[order]
+        rs, rd, rnb = rs[order], rd[order], rnb[order]
+        if not rs.size:
+            z = np.zeros(0, np.int64)
+            return MessageTable(t, rnb, z, z, z, z, z, z, np.zeros(table.src.size, np.int64))
+        pair_first = np.r_[0, np.flatnonzero((np.diff(rs) != 0) | (np.diff(rd) != 0)) + 1]
+        pair_end = np.r_[pair_first[1:], rs.size]
+        ms, me, mp = bk.pack(pair_first, pair_end, rnb, self.config.bucket_bytes)
+        m_round = self._rounds(t, rnb, pair_first, ms, mp, rs, rd, feeds, need)
+        csum = np.r_[0, np.cumsum(rnb)]
+        out = MessageTable(
+            t,
+            rnb,
+            ms,
+            me,
+            m_round,
+            rs[pair_first][mp],
+            rd[pair_first][mp],
+            csum[me] - csum[ms],
+            np.zeros(table.src.size if need_rounds else 0, np.int64),
+        )
+        if need_rounds:
+            _record_copy_rounds(out, None if step is None else step[order])
+        return out
+
+    def _rounds(
+        self,
+        t: CopyTable,
+        rnb: np.ndarray,
+        pair_first: np.ndarray,
+        ms: np.ndarray,
+        mp: np.ndarray,
+        rs: np.ndarray,
+        rd: np.ndarray,
+        feeds: MessageTable | None,
+        need: np.ndarray | None,
+    ) -> np.ndarray:
+        """The round of every message (ms: first copy, mp: pair of each message)."""
+        p_msgs = np.bincount(mp, minlength=pair_first.size)
+        k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
+        if feeds is not None and need is not None:
+            m_need = np.maximum.reduceat(need, ms)
+            after = feeds.pair_last_round(rs[pair_first], rd[pair_first]) + 1
+            return bk.successive_rounds(np.maximum(m_need, after[mp]), mp, k)
+        p_src = self.dense[t.src[pair_first]]
+        p_dst = self.dense[t.dst[pair_first]]
+        if self.config.schedule == "serial":
+            m_bytes = np.add.reduceat(rnb, ms) if ms.size else rnb[:0]
+            return bk.serial_rounds(p_src, p_dst, mp, m_bytes, self.n_slots)
+        p_round = bk.assign_rounds(p_src, p_dst, p_msgs, self.n_slots, self.config.fanout)
+        return p_round[mp] + k
+
+    def split(
+        self, t: CopyTable, idx: np.ndarray, nb: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Cut copies larger than a bucket along dim 0 (whole blocks when quantized):
+        (the table row of every piece, its row offset along dim 0, its length there), or
+        (idx, None, None) when nothing is cut."""
+        bucket = self.config.bucket_bytes
+        nbi = nb[idx]
+        big = (nbi > bucket) & (t.ndim[idx] >= 1)
+        if not big.any():
+            return idx, None, None
+        rows = t.shape[idx, 0]
+        row_bytes = nbi // np.maximum(rows, 1)
+        gran = self.config.wires.split_granularity(t.wire[idx], t.ndim[idx])
+        pieces, per = bk.split_rows(rows, row_bytes, gran, bucket)
+        pieces = np.where(big, pieces, 1)
+        rep = np.repeat(np.arange(idx.size), pieces)
+        k = np.arange(rep.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        step = np.where(big, per, 0)[rep] * k
+        len0 = np.where(big[rep], np.minimum(per[rep], rows[rep] - step), rows[rep])
+        return idx[rep], step, len0
+
+
+def _record_copy_rounds(out: MessageTable, step: np.ndarray | None) -> None:
+    """The last round carrying each copy (its pieces may be several), and with cut copies
+    the round of every piece, for relays that forward them (MessageTable.need_of)."""
+    t = out.copies
+    piece_round = np.repeat(out.round, out.end - out.start)
+    o = np.argsort(t.cid, kind="stable")
+    cid = t.cid[o]
+    first = np.r_[0, np.flatnonzero(np.diff(cid)) + 1]
+    out.round_of_copy[cid[first]] = np.maximum.reduceat(piece_round[o], first)
+    if step is not None:
+        key = t.cid * PIECE_KEY + step
+        o = np.argsort(key, kind="stable")
+        out.piece_key, out.piece_round = key[o], piece_round[o]

@@ -1,0 +1,110 @@
+"""One side's registrations as grouped columns: canonical tensors, geometries, patterns.
+
+_group sorts a side's specs by (canonical, geometry, slot) and gives canonical tensors with
+the same geometry sequence one pattern id, so the planner intersects each pattern once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refitd.plan.layout import TensorSpec
+from refitd.plan.table import Geo, SpecTable
+
+
+@dataclass(slots=True)
+class Side:
+    """Columnar view of one side's specs; canonicals are the groups of `order`."""
+
+    specs: Sequence[TensorSpec]
+    base: int
+    names: dict[str, int]
+    canon: np.ndarray
+    geo: np.ndarray
+    geos: list[Geo]
+    slot: np.ndarray
+    order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pattern: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def who(self, i: int) -> str:
+        s = self.specs[i]
+        return f"tensor {s.name!r} (canonical {s.canonical!r}), pool {s.pool!r}, rank {s.rank}"
+
+    def members(self, c: int) -> np.ndarray:
+        return self.order[self.start[c] : self.start[c] + self.count[c]]
+
+
+def sort_by(*keys: np.ndarray) -> np.ndarray:
+    """Stable order by several non-negative integer keys, the first most significant: one
+    argsort of a combined key when it fits in int64, else lexsort."""
+    combined = np.zeros(keys[0].size, np.int64)
+    span = 1
+    for k in reversed(keys):
+        if not k.size:
+            return np.zeros(0, np.int64)
+        lo, hi = int(k.min()), int(k.max())
+        if lo < 0 or span * (hi + 1) >= 2**62:
+            return np.lexsort(keys[::-1])
+        combined += k * span
+        span *= hi + 1
+    return np.argsort(combined, kind="stable")
+
+
+def sans_pool(g: Geo) -> tuple:
+    """A geometry without its pool: replicas across pools share it."""
+    return (g.global_shape, g.dtype, g.storage, g.local_shape, g.boxes)
+
+
+def side_of(table: SpecTable, base: int) -> Side:
+    """The columns of one side (ungrouped); base: its first plan tensor index."""
+    canon, geo, slot = table.columns()
+    return Side(table.specs, base, table.canonical_ids, canon, geo, table.geos, slot)
+
+
+def group(side: Side) -> None:
+    """Sort by (canonical, geometry, slot) and give canonicals with the same geometry
+    sequence the same pattern id (hashed, then verified exactly)."""
+    nc = len(side.names)
+    side.order = sort_by(side.canon, side.geo, side.slot)
+    side.count = np.bincount(side.canon, minlength=nc)
+    side.start = np.cumsum(side.count) - side.count
+    if nc == 0:
+        side.pattern = np.zeros(0, np.int64)
+        return
+    g = side.geo[side.order]
+    pos = np.arange(g.size) - np.repeat(side.start, side.count)
+    weights = np.random.default_rng(0x5EED).integers(
+        1, 2**62, size=int(side.count.max()), dtype=np.int64
+    ).astype(np.uint64) | np.uint64(1)
+    h = np.add.reduceat((g.astype(np.uint64) + np.uint64(1)) * weights[pos], side.start)
+    h ^= side.count.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    _, pat = np.unique(h, return_inverse=True)
+    pat = pat.reshape(-1)
+    # exact check of every member against its pattern's first canonical
+    firsts = np.unique(pat, return_index=True)[1]
+    rep = firsts[pat]
+    canon_sorted = side.canon[side.order]
+    same = (side.count[rep] == side.count).all() and (
+        g == g[side.start[rep[canon_sorted]] + pos]
+    ).all()
+    if not same:
+        seen: dict[bytes, int] = {}
+        pat = np.array(
+            [
+                seen.setdefault(g[a : a + n].tobytes(), len(seen))
+                for a, n in zip(side.start.tolist(), side.count.tolist(), strict=True)
+            ],
+            np.int64,
+        )
+    side.pattern = pat
+
+
+def member_table(side: Side, cs: np.ndarray) -> np.ndarray:
+    """[links, positions] spec indices of each link's canonical (same count for all)."""
+    n = int(side.count[cs[0]])
+    return side.order[side.start[cs][:, None] + np.arange(n)[None, :]]
