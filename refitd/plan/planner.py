@@ -563,10 +563,12 @@ def s_mem_table(side: _Side, cs: np.ndarray) -> np.ndarray:
 d_mem_table = s_mem_table
 
 
-def _fingerprint(model: str, epoch: int, src: SpecTable, dst: SpecTable, config: PlanConfig) -> str:
-    """Digest of everything that shapes a plan."""
+def _fingerprint(model: str, src: SpecTable, dst: SpecTable, config: PlanConfig) -> str:
+    """Digest of everything that shapes a plan: the layout identity (names, layouts, dtypes,
+    slots, ranks, config). Not the membership epoch nor memory handles: a restart that keeps
+    every layout gets the same digest, so its plan is reused."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr((model, epoch, config)).encode())
+    h.update(repr((model, config)).encode())
     for side in (src, dst):
         h.update(b"|side|")
         side.digest_into(h)
@@ -575,13 +577,13 @@ def _fingerprint(model: str, epoch: int, src: SpecTable, dst: SpecTable, config:
 
 def plan_digest(
     model: str,
-    epoch: int,
     sources: Sequence[TensorSpec] | SpecTable,
     destinations: Sequence[TensorSpec] | SpecTable,
     config: PlanConfig,
 ) -> str:
-    """The key of the plan cache: changes with any registration, layout or config."""
-    return _fingerprint(model, epoch, _table(sources), _table(destinations), config)
+    """The key of the plan cache: changes with any layout, name, slot or config change, not
+    with memory handles or the membership epoch."""
+    return _fingerprint(model, _table(sources), _table(destinations), config)
 
 
 def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:
@@ -612,7 +614,7 @@ def build_plan_from_table(
 def _build(
     model: str, epoch: int, sources: SpecTable, destinations: SpecTable, config: PlanConfig
 ) -> Plan:
-    digest = _fingerprint(model, epoch, sources, destinations, config)
+    digest = _fingerprint(model, sources, destinations, config)
     src = _side(sources, 0)
     dst = _side(destinations, len(sources))
     _group(src)

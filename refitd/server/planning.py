@@ -28,6 +28,11 @@ from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 
 SpecKey = tuple[str, int, str]  # (pool, rank, tensor name): where a memory handle is found
+WorkerKey = tuple[str, int]  # (pool, rank)
+# What a loaded slot program's handles came from: per worker holding tensors on the slot,
+# the identity of its registration (its memory handles change only with it), and the
+# staged and snapshot pools among them.
+SlotInputs = tuple[tuple[tuple[WorkerKey, str], ...], frozenset[str], frozenset[str]]
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,15 @@ class ControllerPlan:
     gc_pause: GcPause | None = None  # the owner's pause, held while a program is built
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _holders: dict[int, tuple[WorkerKey, ...]] | None = None
+
+    def holders(self, slot: int) -> tuple[WorkerKey, ...]:
+        """(pool, rank) of the workers holding tensors of the plan on `slot`: the workers
+        whose memory handles its LoadProgramCommand carries. Computed once per plan."""
+        with self._lock:
+            if self._holders is None:
+                self._holders = _slot_holders(self.plan)
+            return self._holders.get(slot, ())
 
     def load_payload(self, slot: int) -> LoadPayload:
         """The slot's program, built and serialized on the first call (memoized: a slot is
@@ -88,6 +102,52 @@ class ControllerPlan:
     def built_programs(self) -> int:
         with self._lock:
             return len(self._payloads)
+
+
+def _slot_holders(plan: Plan) -> dict[int, tuple[WorkerKey, ...]]:
+    """slot -> sorted (pool, rank) of the workers registering tensors on it, in one pass
+    over the tensor list."""
+    out: dict[int, set[WorkerKey]] = {}
+    for t in plan.tensors:
+        out.setdefault(t.slot, set()).add((t.pool, t.rank))
+    return {slot: tuple(sorted(keys)) for slot, keys in out.items()}
+
+
+def slot_inputs(
+    plan: ControllerPlan,
+    slot: int,
+    identity: Callable[[WorkerKey], str],
+    staged: frozenset[str],
+    snapshot: frozenset[str],
+) -> SlotInputs:
+    """What slot's LoadProgramCommand depends on beyond the plan digest: the registration
+    identity (`identity`, e.g. worker id and registration time) of every worker holding
+    its tensors, and which of their pools are staged or snapshot."""
+    holders = plan.holders(slot)
+    pools = {pool for pool, _ in holders}
+    return (
+        tuple((k, identity(k)) for k in holders),
+        staged & pools,
+        snapshot & pools,
+    )
+
+
+def stale_slots(
+    plan: ControllerPlan,
+    loaded: Callable[[int], SlotInputs | None],
+    identity: Callable[[WorkerKey], str],
+    staged: frozenset[str] = frozenset(),
+    snapshot: frozenset[str] = frozenset(),
+) -> dict[int, SlotInputs]:
+    """Slots of `plan` whose program must be (re)sent, with their current inputs: those
+    that never loaded this digest (`loaded(slot)` is None) or loaded it with other inputs
+    (a worker on the slot registered again: new memory handles). The others keep theirs."""
+    out: dict[int, SlotInputs] = {}
+    for slot in plan.slots:
+        now = slot_inputs(plan, slot, identity, staged, snapshot)
+        if loaded(slot) != now:
+            out[slot] = now
+    return out
 
 
 class ModelTables:
@@ -150,13 +210,13 @@ def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:
 
 def make_digest(
     model: str,
-    epoch: int,
     sources: Sequence[TensorSpec] | SpecTable,
     destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
 ) -> str:
-    """Plan digest of (model, epoch, layouts, config): the plan cache key."""
-    return plan_digest(model, epoch, sources, destinations, _planner_config(options))
+    """Plan digest of (model, layouts, config), the plan cache key: the layout identity. A
+    restart that re-registers the same layouts (new memory handles, new epoch) hits it."""
+    return plan_digest(model, sources, destinations, _planner_config(options))
 
 
 def make_plan(
@@ -196,6 +256,8 @@ class PlanCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.built = 0  # plans built by the owner (counted by it: `count_built`)
+        self.programs_sent = 0  # LoadProgramCommands the owner sent
 
     def get(self, digest: str) -> ControllerPlan | None:
         with self._lock:

@@ -17,7 +17,9 @@ to committed):
   the barrier skew (the time between the first and the last rank's Refit).
 - one ExecuteCommand per agent for all its slots, reports batched per agent;
 - everything the refit needs from the registry is cached per membership epoch (a change of
-  membership bumps the epoch, so the cache is never stale);
+  membership bumps the epoch, so the cache is never stale); the plan is cached by its
+  layout digest, so a restart that keeps every layout reuses it, and only the slots whose
+  workers registered again (new memory handles) get their program again;
 - committed = landed in full on every destination pool and recorded in the version log (one
   SQLite transaction); COMMIT events then go out and their acks are collected off the
   critical path (a refused or missing COMMIT ack is logged and counted, the version stays).
@@ -57,7 +59,16 @@ from refitd.server.database import RefitRecord, StateDB
 from refitd.server.delta_refits import DeltaRefits
 from refitd.server.errors import ControlError, ErrorKind, precondition
 from refitd.server.metrics import ControllerMetrics
-from refitd.server.planning import ControllerPlan, PlanCache, PlanOptions, make_digest, make_plan
+from refitd.server.planning import (
+    ControllerPlan,
+    PlanCache,
+    PlanOptions,
+    SlotInputs,
+    WorkerKey,
+    make_digest,
+    make_plan,
+    stale_slots,
+)
 from refitd.server.registry import Registry, Worker
 from refitd.server.streams import (
     AckTally,
@@ -197,11 +208,19 @@ class ModelRefits:
 
 @dataclass
 class SlotState:
-    """What a slot's transfer process holds: its agent incarnation, comm epoch, programs."""
+    """What a slot's transfer process holds: its agent incarnation, comm epoch, and per
+    model the plan digest last loaded with the inputs its handles came from (see
+    planning.slot_inputs). One per model: loading a plan may free the model's older ones
+    there (their staging buffers), so only the last is known to be loaded."""
 
     incarnation: int
     comm_epoch: int = 0
-    loaded: set[str] = field(default_factory=set)
+    loaded: dict[str, tuple[str, SlotInputs]] = field(default_factory=dict)
+
+    def inputs(self, model: str, digest: str) -> SlotInputs | None:
+        """The inputs the slot loaded `digest` with, if it is the model's loaded plan."""
+        last = self.loaded.get(model)
+        return last[1] if last is not None and last[0] == digest else None
 
 
 @dataclass
@@ -309,7 +328,9 @@ class RefitCoordinator:
         self._slots: dict[int, SlotState] = {}
         self._comm_key: tuple | None = None
         self._comm_epoch = 0
-        self._ready: str | None = None  # digest connected and loaded on every slot of its plan
+        # (model, digest, epoch) connected and loaded on every slot of its plan: the same
+        # digest in a later epoch may need some slots loaded again (new memory handles)
+        self._ready: tuple[str, str, int] | None = None
         # The refit communicator is one for all models: refits (and catch-ups) of different
         # models take turns on it rather than reconnecting it under each other.
         self._data_plane = threading.Lock()
@@ -911,13 +932,14 @@ class RefitCoordinator:
                 )
             )
         try:
-            digest = make_digest(run.model, epoch, sources, destinations, self.plan_options)
+            digest = make_digest(run.model, sources, destinations, self.plan_options)
             plan = self.plans.get(digest)
             if plan is None:
                 plan = make_plan(
                     run.model, epoch, sources, destinations, self.plan_options, self.gc_pause
                 )
                 self.plans.put(plan)
+                self._built(run.model, "refit")
         finally:
             with reg.lock:
                 tables.release()
@@ -963,18 +985,18 @@ class RefitCoordinator:
                 st = self._slots.get(slot)
                 if st is None or st.incarnation != agent.incarnation:
                     self._slots[slot] = SlotState(agent.incarnation)
-                    if self._ready == plan.digest:
-                        self._ready = None
+                    self._ready = None
                 out.setdefault(agent.agent_id, []).append(slot)
         return out
 
     def _connect_and_load(self, ms: Membership) -> None:
         """Communicator and programs in place on every slot (a dict compare when they are)."""
-        if self._ready == ms.plan.digest:
+        ready = (ms.model, ms.plan.digest, ms.epoch)
+        if self._ready == ready:
             return
         self._connect(ms)
         self._load(ms)
-        self._ready = ms.plan.digest
+        self._ready = ready
 
     def _gather(self, what: str, ms: Membership) -> tuple[Gather, int]:
         g = Gather(what)
@@ -1020,8 +1042,18 @@ class RefitCoordinator:
         self._comm_key = key
 
     def _load(self, ms: Membership) -> None:
+        """LoadProgramCommand to the slots whose program of this plan is missing or was
+        loaded with other workers' memory handles; the others keep theirs."""
         plan = ms.plan
-        todo = [s for s in plan.slots if plan.digest not in self._slots[s].loaded]
+        with self.registry.lock:
+            identity = self._identities(ms.model)
+        todo = stale_slots(
+            plan,
+            lambda slot: self._slots[slot].inputs(ms.model, plan.digest),
+            lambda key: identity.get(key, ""),
+            ms.staged_pools,
+            ms.snapshot_pools,
+        )
         if not todo:
             return
         g, gid = self._gather("load program", ms)
@@ -1056,8 +1088,24 @@ class RefitCoordinator:
         finally:
             self.agents.forget(g)
             self.board.remove(gid)
-        for s in todo:
-            self._slots[s].loaded.add(plan.digest)
+        for s, inputs in todo.items():
+            self._slots[s].loaded[ms.model] = (plan.digest, inputs)
+        self.metrics.programs_sent.labels(ms.model).inc(len(todo))
+        self.plans.programs_sent += len(todo)
+
+    def _identities(self, model: str) -> dict[WorkerKey, str]:
+        """(pool, rank) -> identity of its live registration (lock held): a new one means
+        new memory handles."""
+        return {
+            (w.pool, w.rank): f"{w.worker_id}@{w.registered_at!r}"
+            for w in self.registry.workers.values()
+            if w.live and w.model == model
+        }
+
+    def _built(self, model: str, kind: str) -> None:
+        """Count a plan built (kind: refit or catch_up)."""
+        self.metrics.plans_built.labels(model, kind).inc()
+        self.plans.built += 1
 
     def _memory_index(self, model: str) -> dict[tuple[str, int, str], bytes]:
         """(pool, rank, name) -> memory handle of the model's live workers (lock held)."""
@@ -1286,6 +1334,7 @@ class RefitCoordinator:
             plan = make_plan(
                 m.name, model.epoch, src_specs, dst_specs, self.plan_options, self.gc_pause
             )
+            self._built(m.name, "catch_up")
         except ControlError as e:
             log.info("%s: catch-up to version %s impossible (%s); next refit", who, version, e)
             return

@@ -219,6 +219,8 @@ def status_document(
                 "capacity": c.refits.plans.capacity,
                 "hits": c.refits.plans.hits,
                 "misses": c.refits.plans.misses,
+                "built": c.refits.plans.built,
+                "programs_sent": c.refits.plans.programs_sent,
             },
         },
         "models": models,
