@@ -155,7 +155,9 @@ class ModelTables:
 
     Registrations are appended as workers register (`add`); a removal or a replaced rank
     marks the tables stale, and the next `snapshot` rebuilds them from the registry's
-    workers. A table handed to a plan build is not appended to while the build runs (an
+    workers. A rebuild keeps each (pool, rank) where it was first added, so a rank that
+    leaves and registers the same layout again gives the same tables (and plan digest) as
+    before. A table handed to a plan build is not appended to while the build runs (an
     add then marks the tables stale instead). Callers hold the registry lock for add,
     invalidate and snapshot.
     """
@@ -166,8 +168,12 @@ class ModelTables:
         self.stale = False
         self.in_use = 0  # plan builds running on the current tables
         self.rebuilds = 0
+        self._position: dict[WorkerKey, int] = {}  # (pool, rank) -> order of first add
 
     def add(self, role: str, specs: Sequence[TensorSpec]) -> None:
+        """Append one worker's registrations."""
+        if specs:
+            self._position.setdefault((specs[0].pool, specs[0].rank), len(self._position))
         if self.stale:
             return
         if self.in_use:
@@ -184,8 +190,8 @@ class ModelTables:
         """The tables (rebuilt from `current()` when stale), marked in use until `release`."""
         if self.stale:
             sources, destinations = current()
-            self.sources = SpecTable.from_specs(sources)
-            self.destinations = SpecTable.from_specs(destinations)
+            self.sources = SpecTable.from_specs(self._in_place(sources))
+            self.destinations = SpecTable.from_specs(self._in_place(destinations))
             self.stale = False
             self.rebuilds += 1
         self.in_use += 1
@@ -193,6 +199,14 @@ class ModelTables:
 
     def release(self) -> None:
         self.in_use -= 1
+
+    def _in_place(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        """`specs` (grouped by worker) with each worker where it was first added; workers
+        never added go last, in the order given (a stable sort)."""
+        pos = self._position
+        for s in specs:
+            pos.setdefault((s.pool, s.rank), len(pos))
+        return sorted(specs, key=lambda s: pos[(s.pool, s.rank)])
 
 
 def _planner_config(options: PlanOptions) -> PlanConfig:
