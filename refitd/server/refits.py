@@ -1059,7 +1059,9 @@ class RefitCoordinator:
         g, gid = self._gather("load program", ms)
         try:
             with self.registry.lock:
-                memory = self._memory_index(ms.model)
+                memory = self._memory_index(
+                    ms.model, {k for inputs in todo.values() for k, _ in inputs[0]}
+                )
             for agent_id, slots in ms.by_agent.items():
                 for slot in slots:
                     if slot not in todo:
@@ -1107,14 +1109,19 @@ class RefitCoordinator:
         self.metrics.plans_built.labels(model, kind).inc()
         self.plans.built += 1
 
-    def _memory_index(self, model: str) -> dict[tuple[str, int, str], bytes]:
-        """(pool, rank, name) -> memory handle of the model's live workers (lock held)."""
-        return {
-            (w.pool, w.rank, name): mem
-            for w in self.registry.workers.values()
-            if w.live and w.model == model
-            for name, mem in w.memory.items()
-        }
+    def _memory_index(
+        self, model: str, holders: set[WorkerKey]
+    ) -> dict[tuple[str, int, str], bytes]:
+        """(pool, rank, name) -> memory handle of the live workers `holders` of the model
+        (lock held): only the workers of the slots being loaded are looked at."""
+        m = self.registry.models.get(model)
+        out: dict[tuple[str, int, str], bytes] = {}
+        for pool, rank in holders:
+            p = m.pools.get(pool) if m is not None else None
+            w = self.registry.workers.get(p.ranks.get(rank, "")) if p is not None else None
+            if w is not None and w.live:
+                out.update(((pool, rank, name), mem) for name, mem in w.memory.items())
+        return out
 
     # ------------------------------------------------------------------ events
     def _event(self, run: RefitRun, kind: int, reason: str = "") -> pb.VersionEvent:
