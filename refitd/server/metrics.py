@@ -49,7 +49,7 @@ class ControllerMetrics:
         )
         self.plans_built = Counter(
             "refitd_plans_built",
-            "Plans built by the planner (kind: refit, catch_up, explain); a restart that "
+            "Plans built for refits and catch-ups (kind: refit, catch_up); a restart that "
             "keeps every layout reuses the cached plan and builds none",
             ["model", "kind"],
             registry=r,
