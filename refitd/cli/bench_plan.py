@@ -271,9 +271,11 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
     gc_pause = _gc_pause(pause)
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
-    grown.add(replica)
+    grown.add(replica)  # as its ranks register
+    table_s = time.perf_counter() - t0
     make_digest(args.model, src_t, grown, options)
     cp = make_plan(args.model, 1, src_t, grown, options, gc_pause)
+    new_plan_s = time.perf_counter() - t0 - table_s
     with pause:
         cp.plan.programs()  # one index pass, then each slot's payload
         for slot in cp.slots:
@@ -289,6 +291,8 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
         "add_replica_s": round(plan_s + catch_up_s, 4),
         "add_replica_cpu_s": round(plan_cpu_s + catch_up_cpu_s, 4),
         "add_replica_plan_s": round(plan_s, 4),
+        "add_replica_table_add_s": round(table_s, 4),
+        "add_replica_new_plan_s": round(new_plan_s, 4),
         "add_replica_catch_up_s": round(catch_up_s, 4),
         "add_replica_programs": len(cp.slots) + len(catch.slots),
     }
