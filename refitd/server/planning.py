@@ -61,12 +61,17 @@ class ControllerPlan:
     digest: str
     slots: list[int]
     total_bytes: int
-    readers: dict[tuple[str, int], frozenset[int]]  # (source pool, rank) -> slots reading it
     plan: Plan
     gc_pause: GcPause | None = None  # the owner's pause, held while a program is built
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _holders: dict[int, tuple[WorkerKey, ...]] | None = None
+
+    def readers(self, pool: str, rank: int) -> frozenset[int]:
+        """Slots reading source worker (pool, rank): computed for all on the first call
+        (a catch-up plan never asks)."""
+        with self.gc_pause or contextlib.nullcontext():
+            return frozenset(self.plan.source_slots_of(pool, rank))
 
     def holders(self, slot: int) -> tuple[WorkerKey, ...]:
         """(pool, rank) of the workers holding tensors of the plan on `slot`: the workers
@@ -250,12 +255,10 @@ def make_plan(
             plan = build_plan_from_table(model, epoch, src, dst, _planner_config(options))
         except PlanError as e:
             raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
-    ranks = {(t.pool, t.rank) for t in src.specs}
     return ControllerPlan(
         digest=plan.digest,
         slots=plan.slots(),
         total_bytes=plan.stats.total_bytes,
-        readers={(pool, rank): frozenset(plan.source_slots_of(pool, rank)) for pool, rank in ranks},
         plan=plan,
         gc_pause=gc_pause,
     )

@@ -957,10 +957,7 @@ class RefitCoordinator:
                 by_agent.setdefault(agent.agent_id, []).append(slot)
                 if agent.batch_execute:
                     batch.add(agent.agent_id)
-        readers = {
-            rank: plan.readers.get((run.source_pool, rank), frozenset())
-            for rank in range(run.pool_size)
-        }
+        readers = {rank: plan.readers(run.source_pool, rank) for rank in range(run.pool_size)}
         members = frozenset([*(w.worker_id for w in dest_workers), *by_agent])
         return Membership(
             run.model,
