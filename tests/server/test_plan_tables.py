@@ -47,7 +47,7 @@ def test_tables_follow_registrations(controller: Controller, cluster: Cluster) -
         controller, cluster.model
     )
     assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(1))
-    plan = controller.refits._membership[cluster.model].plan
+    plan = controller.refits.memberships.cached(cluster.model).plan
     assert plan.built_programs == len(plan.slots) == 3  # built as they were loaded
 
     # a replaced rank cannot be removed from the columns: the tables are rebuilt
