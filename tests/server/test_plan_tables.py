@@ -47,7 +47,7 @@ def test_tables_follow_registrations(controller: Controller, cluster: Cluster) -
         controller, cluster.model
     )
     assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(1))
-    plan = controller.refits._membership[cluster.model].plan
+    plan = controller.refits.memberships.cached(cluster.model).plan
     assert plan.built_programs == len(plan.slots) == 3  # built as they were loaded
 
     # a rank registering the same layout again (a restart: new memory, new epoch) keeps
@@ -60,7 +60,7 @@ def test_tables_follow_registrations(controller: Controller, cluster: Cluster) -
     cluster.trainers[0] = resp.worker_id
     assert not tables.stale and controller.registry.model(cluster.model).epoch > epoch
     assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(2))
-    assert controller.refits._membership[cluster.model].plan is plan
+    assert controller.refits.memberships.cached(cluster.model).plan is plan
     assert controller.refits.plans.built == built
     assert controller.refits.plans.programs_sent == sent + 1
 
@@ -73,7 +73,7 @@ def test_tables_follow_registrations(controller: Controller, cluster: Cluster) -
     assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(3))
     assert not tables.stale and tables.rebuilds == 1
     assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
-    assert controller.refits._membership[cluster.model].plan.digest != plan.digest
+    assert controller.refits.memberships.cached(cluster.model).plan.digest != plan.digest
     assert controller.refits.plans.built == built + 1
 
     # a new rank of a new pool is appended
