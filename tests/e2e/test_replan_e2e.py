@@ -49,7 +49,7 @@ def test_restarted_inference_rank_reuses_the_plan(tmp_path: Path) -> None:
     keeps its own), and the next refit lands bit for bit in the new memory."""
     model = "replan-restart"
     d = Daemon(cpu_slots=2, extra_args=FAST)
-    d.start()
+    d.start(ready_timeout_s=180)  # a loaded test machine starts it slowly
     w = w2 = None
     trainer = None
     try:
@@ -93,7 +93,7 @@ def test_added_replica_catches_up_then_takes_part(tmp_path: Path) -> None:
     replica (bit for bit), then the next refit lands in both replicas (bit for bit)."""
     model = "replan-replica"
     d = Daemon(cpu_slots=3, extra_args=FAST)
-    d.start()
+    d.start(ready_timeout_s=180)  # a loaded test machine starts it slowly
     a = b = None
     trainer = None
     try:
