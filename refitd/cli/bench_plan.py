@@ -192,6 +192,8 @@ def _programs(
         "thread_stall_ms_max": round(ticker.worst * 1e3, 1),
     }
     out.update(_replan(args, src_t, dst_t, config, pause))
+    # peak_rss_bytes (printed last) includes the second replica's plans; this one not
+    out["peak_rss_before_replica_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out.update(_add_replica(args, src_t, dst_t, config, pause))
     return out
 
