@@ -286,7 +286,7 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         t_snap = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
-        make_digest(META_MODEL, epoch, s_tab, d_tab, opts)
+        make_digest(META_MODEL, s_tab, d_tab, opts)
         t_digest = time.perf_counter() - t0
         t0 = time.perf_counter()
         plan = make_plan(META_MODEL, epoch, s_tab, d_tab, opts, pause)

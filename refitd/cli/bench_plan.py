@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import resource
@@ -161,8 +162,8 @@ def _programs(
 ) -> dict:
     """The controller's path after registration: plan from tables, then every slot's
     program built and encoded (one pass), with the longest stall of another thread
-    meanwhile; the largest decoded; and a re-plan after one inference rank registers again
-    with new memory handles (a new membership epoch: today a full plan)."""
+    meanwhile; the largest decoded; then the membership changes (see _replan and
+    _add_replica)."""
     from refitd.plan.planner import build_plan_from_table
     from refitd.plan.program import SlotProgram
 
@@ -180,22 +181,122 @@ def _programs(
     t0 = time.perf_counter()
     SlotProgram.from_bytes(encoded[big], big)
     decode_s = time.perf_counter() - t0
-    del encoded
-    t0 = time.perf_counter()
-    with pause:
-        again = build_plan_from_table(args.model, 1, src_t, dst_t, config)
-        n = sum(1 for p in again.programs().values() if p.to_bytes())
-    replan_s = time.perf_counter() - t0
-    return {
-        "programs": n,
+    del encoded, plan
+    out = {
+        "programs": len(sizes),
         "programs_s": round(programs_s, 4),
         "controller_path_s": round(from_table_s + programs_s, 4),
         "program_bytes_total": sum(sizes.values()),
         "program_bytes_max": sizes[big],
         "decode_s_max": round(decode_s, 4),
-        "replan_s": round(replan_s, 4),
-        "replan_reuses_plan": False,
         "thread_stall_ms_max": round(ticker.worst * 1e3, 1),
+    }
+    out.update(_replan(args, src_t, dst_t, config, pause))
+    # peak_rss_bytes (printed last) includes the second replica's plans; this one not
+    out["peak_rss_before_replica_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out.update(_add_replica(args, src_t, dst_t, config, pause))
+    return out
+
+
+def _gc_pause(pause: contextlib.AbstractContextManager):
+    """The bench's GcPause for make_plan (None with --no-gc-pause)."""
+    from refitd.plan.gc_pause import GcPause
+
+    return pause if isinstance(pause, GcPause) else None
+
+
+def _options(args: argparse.Namespace, config):
+    from refitd.server.planning import PlanOptions
+
+    return PlanOptions(bucket_bytes=config.bucket_bytes, relay=args.relay)
+
+
+def _replan(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
+    """One inference rank registers again with new memory handles (a restart), through
+    the controller's path (refitd.server.planning, as the registry and the refit driver
+    call it): the same-layout check of the registry, the digest of the kept tables, the
+    plan cache lookup, the slots whose programs go out again (their workers' registrations
+    changed) and those programs with the rank's new handles. replan_s: all of it."""
+    from refitd.server.planning import PlanCache, make_digest, make_plan, stale_slots
+
+    options = _options(args, config)
+    cache = PlanCache(4)
+    cp = make_plan(args.model, 0, src_t, dst_t, options, _gc_pause(pause))
+    cache.put(cp)
+    for slot in cp.slots:
+        cp.load_payload(slot)  # every slot loaded once (the first refit)
+    ident = {(t.pool, t.rank): "1" for t in [*src_t.specs, *dst_t.specs]}
+    loaded = {}
+    for slot, inputs in stale_slots(cp, lambda s: None, ident.__getitem__).items():
+        loaded[slot] = inputs
+    rank = 0
+    old = tuple(t for t in dst_t.specs if t.rank == rank)
+    new = tuple(copy.copy(t) for t in old)  # the restarted rank's registration: equal values
+    memory = {t.key: b"new-handle" for t in new}
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    with pause:
+        same_layout = old == new
+        ident[(new[0].pool, rank)] = "2"
+        digest = make_digest(args.model, src_t, dst_t, options)
+        hit = cache.get(digest)
+        assert hit is not None and same_layout
+        todo = stale_slots(hit, loaded.__getitem__, ident.__getitem__)
+        handles = [
+            [(i, memory.get(key, b"")) for i, key in hit.load_payload(slot).tensors]
+            for slot in todo
+        ]
+    replan_s, replan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    assert all(handles)
+    return {
+        "replan_s": round(replan_s, 4),
+        "replan_cpu_s": round(replan_cpu_s, 4),
+        "replan_reuses_plan": hit is cp,
+        "replan_programs_sent": len(todo),
+    }
+
+
+def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
+    """A second dp replica (a new destination pool of the same layout on new slots) joins:
+    its specs appended to the kept table, the new plan (a new layout: every slot's
+    program again) and the catch-up plan that copies the committed version from the first
+    replica, with its programs. add_replica_s: all of that planning work."""
+    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.plan.table import SpecTable
+    from refitd.server.planning import make_digest, make_plan
+
+    options = _options(args, config)
+    dst_par = Parallel.parse(args.dst, args.dst_world)
+    base = (0 if args.collocated else args.src_world) + args.dst_world
+    replica = build_specs(preset(args.model), dst_par, args.model, "inference-2", base)
+    grown = SpecTable.from_specs(dst_t.specs)
+    gc_pause = _gc_pause(pause)
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    grown.add(replica)  # as its ranks register
+    table_s = time.perf_counter() - t0
+    make_digest(args.model, src_t, grown, options)
+    cp = make_plan(args.model, 1, src_t, grown, options, gc_pause)
+    new_plan_s = time.perf_counter() - t0 - table_s
+    with pause:
+        cp.plan.programs()  # one index pass, then each slot's payload
+        for slot in cp.slots:
+            cp.load_payload(slot)
+    plan_s, plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
+    catch = make_plan(args.model, 1, dst_t.specs, replica, options, gc_pause)
+    with pause:
+        for slot in catch.slots:
+            catch.load_payload(slot)
+    catch_up_s, catch_up_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "add_replica_s": round(plan_s + catch_up_s, 4),
+        "add_replica_cpu_s": round(plan_cpu_s + catch_up_cpu_s, 4),
+        "add_replica_plan_s": round(plan_s, 4),
+        "add_replica_table_add_s": round(table_s, 4),
+        "add_replica_new_plan_s": round(new_plan_s, 4),
+        "add_replica_catch_up_s": round(catch_up_s, 4),
+        "add_replica_programs": len(cp.slots) + len(catch.slots),
     }
 
 

@@ -483,7 +483,7 @@ def _memcpy_reference(args, handles, src) -> float:
 
 def _compare_checksums(plan, handles, reports) -> str | None:
     """The controller's comparison of a verified refit's per-message checksums."""
-    from refitd.server.refits import compare_checksums
+    from refitd.server.refit.checksums import compare_checksums
 
     sent, landed = {}, {}
     for h, r in zip(handles, reports, strict=True):

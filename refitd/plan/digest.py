@@ -10,10 +10,12 @@ from refitd.plan.layout import TensorSpec
 from refitd.plan.table import SpecTable
 
 
-def fingerprint(model: str, epoch: int, src: SpecTable, dst: SpecTable, config: PlanConfig) -> str:
-    """Digest of everything that shapes a plan."""
+def fingerprint(model: str, src: SpecTable, dst: SpecTable, config: PlanConfig) -> str:
+    """Digest of everything that shapes a plan: the layout identity (names, layouts, dtypes,
+    slots, ranks, config). Not the membership epoch nor memory handles: a restart that keeps
+    every layout gets the same digest, so its plan is reused."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr((model, epoch, config)).encode())
+    h.update(repr((model, config)).encode())
     for side in (src, dst):
         h.update(b"|side|")
         side.digest_into(h)
@@ -22,13 +24,13 @@ def fingerprint(model: str, epoch: int, src: SpecTable, dst: SpecTable, config: 
 
 def plan_digest(
     model: str,
-    epoch: int,
     sources: Sequence[TensorSpec] | SpecTable,
     destinations: Sequence[TensorSpec] | SpecTable,
     config: PlanConfig,
 ) -> str:
-    """The key of the plan cache: changes with any registration, layout or config."""
-    return fingerprint(model, epoch, _table(sources), _table(destinations), config)
+    """The key of the plan cache: changes with any layout, name, slot or config change, not
+    with memory handles or the membership epoch."""
+    return fingerprint(model, _table(sources), _table(destinations), config)
 
 
 def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:

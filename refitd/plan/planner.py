@@ -81,7 +81,7 @@ def build_plan_from_table(
 def _build(
     model: str, epoch: int, sources: SpecTable, destinations: SpecTable, config: PlanConfig
 ) -> Plan:
-    digest = fingerprint(model, epoch, sources, destinations, config)
+    digest = fingerprint(model, sources, destinations, config)
     src = side_of(sources, 0)
     dst = side_of(destinations, len(sources))
     group(src)

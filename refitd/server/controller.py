@@ -23,9 +23,10 @@ from refitd.server.database import StateDB
 from refitd.server.grpc_service import AgentControlServicer, RefitServicer
 from refitd.server.http import HttpServer
 from refitd.server.metrics import ControllerMetrics
-from refitd.server.refits import RefitCoordinator
+from refitd.server.refit.coordinator import RefitCoordinator
 from refitd.server.registry import Registry
 from refitd.server.rendezvous import RendezvousStore
+from refitd.server.streams import AgentHub, EventHub, GatherBoard
 
 log = logging.getLogger("refitd.controller")
 
@@ -47,6 +48,10 @@ class Controller:
         self.db = StateDB(settings.data_dir)
         self.registry = Registry(self.db)
         self.store: RendezvousStore | None = None
+        # The controller's streams: workers' Subscribe (events) and agents' Commands.
+        self.board = GatherBoard()
+        self.events = EventHub(self.board)
+        self.agents = AgentHub(self.board)
         self.refits: RefitCoordinator
         self.grpc_server: grpc.Server | None = None
         self.http: HttpServer | None = None
@@ -75,7 +80,16 @@ class Controller:
         if s.rendezvous:
             self.store = RendezvousStore.start(s.host, s.store_port)
         store_addr = (s.store_host, self.store.port) if self.store else None
-        self.refits = RefitCoordinator(s, self.registry, self.db, self.metrics, store_addr)
+        self.refits = RefitCoordinator(
+            s,
+            self.registry,
+            self.db,
+            self.metrics,
+            store_addr,
+            self.board,
+            self.events,
+            self.agents,
+        )
         opts = [
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_receive_message_length", s.max_message_bytes),

@@ -45,7 +45,7 @@ def current_plan(c: Controller, model: str) -> tuple[ControllerPlan, bool]:
         )
     try:
         options = c.refits.plan_options
-        digest = make_digest(model, epoch, sources, destinations, options)
+        digest = make_digest(model, sources, destinations, options)
         plan = c.refits.plans.get(digest)
         if plan is None:
             plan = make_plan(model, epoch, sources, destinations, options)

@@ -159,10 +159,10 @@ class RefitServicer(pbg.RefitServicer):
                 )
         except ControlError as e:
             context.abort(GRPC_CODES[e.kind], e.message)
-        stream = self.c.refits.events.open(w.worker_id)
+        stream = self.c.events.open(w.worker_id)
         try:
             hello = pb.VersionEvent(
-                event_id=self.c.refits.events.next_id(),
+                event_id=self.c.events.next_id(),
                 kind=pb.EVENT_KIND_HELLO,
                 model=w.model,
                 pool=w.pool,
@@ -173,13 +173,13 @@ class RefitServicer(pbg.RefitServicer):
             context.add_callback(stream.wake)  # the client went away: end at once
             yield from stream.items(lambda: context.is_active() and not self.c.stopping)
         finally:
-            self.c.refits.events.close(stream, f"{w.describe()} closed its subscription")
+            self.c.events.close(stream, f"{w.describe()} closed its subscription")
 
     @_translated
     def Ack(self, request: pb.AckRequest, context: Any) -> Any:
         check_ack(request)
         w = self.c.registry.worker(request.worker_id)
-        self.c.refits.events.ack(request, w.describe())
+        self.c.events.ack(request, w.describe())
         return pb.AckResponse()
 
     @_translated
@@ -232,14 +232,14 @@ class AgentControlServicer(pbg.AgentControlServicer):
         # The lease counts from here: between RegisterAgent and this stream an agent spawns
         # its transfer processes (each imports torch), which on a busy host outlasts a lease.
         agent.last_seen = time.monotonic()
-        stream = self.c.refits.agents.open(agent.agent_id)
+        stream = self.c.agents.open(agent.agent_id)
         agent.connected = True
         self.c.refresh_gauges()
         try:
             context.add_callback(stream.wake)
             yield from stream.items(lambda: context.is_active() and not self.c.stopping)
         finally:
-            if self.c.refits.agents.close(
+            if self.c.agents.close(
                 stream, f"agent {agent.agent_id} on host {agent.host!r} disconnected"
             ):
                 # A re-registration on this stream (a transfer process restarted) replaced
@@ -255,7 +255,7 @@ class AgentControlServicer(pbg.AgentControlServicer):
         agent = self.c.registry.agent(request.agent_id)
         check_report(request, agent.slot_ids)
         agent.last_seen = time.monotonic()
-        self.c.refits.agents.report(request, agent.slot_ids)
+        self.c.agents.report(request, agent.slot_ids)
         return pb.AgentReportResponse()
 
     @_translated

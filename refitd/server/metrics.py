@@ -47,6 +47,20 @@ class ControllerMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
+        self.plans_built = Counter(
+            "refitd_plans_built",
+            "Plans built for refits and catch-ups (kind: refit, catch_up); a restart that "
+            "keeps every layout reuses the cached plan and builds none",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.programs_sent = Counter(
+            "refitd_programs_sent",
+            "LoadProgramCommands sent to slots (a slot whose plan and worker registrations "
+            "did not change keeps its program)",
+            ["model"],
+            registry=r,
+        )
         self.workers = Gauge(
             "refitd_registered_workers", "Registered workers", ["model", "pool"], registry=r
         )

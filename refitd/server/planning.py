@@ -28,6 +28,11 @@ from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 
 SpecKey = tuple[str, int, str]  # (pool, rank, tensor name): where a memory handle is found
+WorkerKey = tuple[str, int]  # (pool, rank)
+# What a loaded slot program's handles came from: per worker holding tensors on the slot,
+# the identity of its registration (its memory handles change only with it), and the
+# staged and snapshot pools among them.
+SlotInputs = tuple[tuple[tuple[WorkerKey, str], ...], frozenset[str], frozenset[str]]
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,25 @@ class ControllerPlan:
     digest: str
     slots: list[int]
     total_bytes: int
-    readers: dict[tuple[str, int], frozenset[int]]  # (source pool, rank) -> slots reading it
     plan: Plan
     gc_pause: GcPause | None = None  # the owner's pause, held while a program is built
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _holders: dict[int, tuple[WorkerKey, ...]] | None = None
+
+    def readers(self, pool: str, rank: int) -> frozenset[int]:
+        """Slots reading source worker (pool, rank): computed for all on the first call
+        (a catch-up plan never asks)."""
+        with self.gc_pause or contextlib.nullcontext():
+            return frozenset(self.plan.source_slots_of(pool, rank))
+
+    def holders(self, slot: int) -> tuple[WorkerKey, ...]:
+        """(pool, rank) of the workers holding tensors of the plan on `slot`: the workers
+        whose memory handles its LoadProgramCommand carries. Computed once per plan."""
+        with self._lock:
+            if self._holders is None:
+                self._holders = _slot_holders(self.plan)
+            return self._holders.get(slot, ())
 
     def load_payload(self, slot: int) -> LoadPayload:
         """The slot's program, built and serialized on the first call (memoized: a slot is
@@ -93,12 +112,60 @@ class ControllerPlan:
             return len(self._payloads)
 
 
+def _slot_holders(plan: Plan) -> dict[int, tuple[WorkerKey, ...]]:
+    """slot -> sorted (pool, rank) of the workers registering tensors on it, in one pass
+    over the tensor list."""
+    out: dict[int, set[WorkerKey]] = {}
+    for t in plan.tensors:
+        out.setdefault(t.slot, set()).add((t.pool, t.rank))
+    return {slot: tuple(sorted(keys)) for slot, keys in out.items()}
+
+
+def slot_inputs(
+    plan: ControllerPlan,
+    slot: int,
+    identity: Callable[[WorkerKey], str],
+    staged: frozenset[str],
+    snapshot: frozenset[str],
+) -> SlotInputs:
+    """What slot's LoadProgramCommand depends on beyond the plan digest: the registration
+    identity (`identity`, e.g. worker id and registration time) of every worker holding
+    its tensors, and which of their pools are staged or snapshot."""
+    holders = plan.holders(slot)
+    pools = {pool for pool, _ in holders}
+    return (
+        tuple((k, identity(k)) for k in holders),
+        staged & pools,
+        snapshot & pools,
+    )
+
+
+def stale_slots(
+    plan: ControllerPlan,
+    loaded: Callable[[int], SlotInputs | None],
+    identity: Callable[[WorkerKey], str],
+    staged: frozenset[str] = frozenset(),
+    snapshot: frozenset[str] = frozenset(),
+) -> dict[int, SlotInputs]:
+    """Slots of `plan` whose program must be (re)sent, with their current inputs: those
+    that never loaded this digest (`loaded(slot)` is None) or loaded it with other inputs
+    (a worker on the slot registered again: new memory handles). The others keep theirs."""
+    out: dict[int, SlotInputs] = {}
+    for slot in plan.slots:
+        now = slot_inputs(plan, slot, identity, staged, snapshot)
+        if loaded(slot) != now:
+            out[slot] = now
+    return out
+
+
 class ModelTables:
     """One model's registrations as SpecTables, one per side, kept in step with the registry.
 
     Registrations are appended as workers register (`add`); a removal or a replaced rank
     marks the tables stale, and the next `snapshot` rebuilds them from the registry's
-    workers. A table handed to a plan build is not appended to while the build runs (an
+    workers. A rebuild keeps each (pool, rank) where it was first added, so a rank that
+    leaves and registers the same layout again gives the same tables (and plan digest) as
+    before. A table handed to a plan build is not appended to while the build runs (an
     add then marks the tables stale instead). Callers hold the registry lock for add,
     invalidate and snapshot.
     """
@@ -109,8 +176,12 @@ class ModelTables:
         self.stale = False
         self.in_use = 0  # plan builds running on the current tables
         self.rebuilds = 0
+        self._position: dict[WorkerKey, int] = {}  # (pool, rank) -> order of first add
 
     def add(self, role: str, specs: Sequence[TensorSpec]) -> None:
+        """Append one worker's registrations."""
+        if specs:
+            self._position.setdefault((specs[0].pool, specs[0].rank), len(self._position))
         if self.stale:
             return
         if self.in_use:
@@ -127,8 +198,8 @@ class ModelTables:
         """The tables (rebuilt from `current()` when stale), marked in use until `release`."""
         if self.stale:
             sources, destinations = current()
-            self.sources = SpecTable.from_specs(sources)
-            self.destinations = SpecTable.from_specs(destinations)
+            self.sources = SpecTable.from_specs(self._in_place(sources))
+            self.destinations = SpecTable.from_specs(self._in_place(destinations))
             self.stale = False
             self.rebuilds += 1
         self.in_use += 1
@@ -136,6 +207,14 @@ class ModelTables:
 
     def release(self) -> None:
         self.in_use -= 1
+
+    def _in_place(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        """`specs` (grouped by worker) with each worker where it was first added; workers
+        never added go last, in the order given (a stable sort)."""
+        pos = self._position
+        for s in specs:
+            pos.setdefault((s.pool, s.rank), len(pos))
+        return sorted(specs, key=lambda s: pos[(s.pool, s.rank)])
 
 
 def planner_schedule(schedule: str, transport: str, relay: bool) -> tuple[str, bool]:
@@ -165,13 +244,13 @@ def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:
 
 def make_digest(
     model: str,
-    epoch: int,
     sources: Sequence[TensorSpec] | SpecTable,
     destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
 ) -> str:
-    """Plan digest of (model, epoch, layouts, config): the plan cache key."""
-    return plan_digest(model, epoch, sources, destinations, _planner_config(options))
+    """Plan digest of (model, layouts, config), the plan cache key: the layout identity. A
+    restart that re-registers the same layouts (new memory handles, new epoch) hits it."""
+    return plan_digest(model, sources, destinations, _planner_config(options))
 
 
 def make_plan(
@@ -191,12 +270,10 @@ def make_plan(
             plan = build_plan_from_table(model, epoch, src, dst, _planner_config(options))
         except PlanError as e:
             raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
-    ranks = {(t.pool, t.rank) for t in src.specs}
     return ControllerPlan(
         digest=plan.digest,
         slots=plan.slots(),
         total_bytes=plan.stats.total_bytes,
-        readers={(pool, rank): frozenset(plan.source_slots_of(pool, rank)) for pool, rank in ranks},
         plan=plan,
         gc_pause=gc_pause,
     )
@@ -211,6 +288,8 @@ class PlanCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.built = 0  # plans built by the owner (counted by it: `count_built`)
+        self.programs_sent = 0  # LoadProgramCommands the owner sent
 
     def get(self, digest: str) -> ControllerPlan | None:
         with self._lock:

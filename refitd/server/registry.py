@@ -1,8 +1,10 @@
 """Who is where: models, pools, workers, device slots and agents, with membership epochs.
 
 Every change of membership (a worker or an agent registers or leaves) bumps the epoch of
-the models it touches; the epoch is part of the plan digest, so a stale plan is never
-replayed. The registry is the controller's in-memory view, written through to StateDB.
+the models it touches: what a refit needs from the registry (workers, memory handles,
+agents) is looked up again. The plan digest is the layout identity, not the epoch: a rank
+that registers the same layout again leaves the model's spec tables as they are, so its
+plan is reused and only the slots holding its tensors get their program again. The registry is the controller's in-memory view, written through to StateDB.
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ class Registry:
                 f"worker_id {req.worker_id} belongs to another rank; it cannot register as "
                 f"rank {req.rank} of pool {req.pool!r}"
             )
+        old = self.workers.get(old_id) if old_id is not None else None
         if old_id is not None:
             self.workers.pop(old_id, None)
             self.db.delete_worker(old_id)
@@ -305,9 +308,11 @@ class Registry:
             if pool.shapes is not None:
                 for t in worker.specs:
                     pool.shapes.setdefault(t.canonical, (t.global_shape, req.rank))
-        else:
+        elif old is None or old.specs != worker.specs:
             model.tables.invalidate()
             pool.shapes = None
+        # else: the rank registered the same layout again (a restart: only its memory
+        # handles changed), so the tables, and with them the plan digest, stay as they are
         if live:
             self.db.save_worker(
                 worker_id, req.model, req.pool, req.rank, req.SerializeToString(), slot

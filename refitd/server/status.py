@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from refitd.plan.wire import dtype_size
-from refitd.server.refits import STATE_NAMES
+from refitd.server.refit.run import STATE_NAMES
 
 if TYPE_CHECKING:
     from refitd.server.controller import Controller
@@ -54,7 +54,7 @@ def _rank_row(c: Controller, reg: Registry, rank: int, wid: str) -> dict[str, An
         "pid": w.pid,
         "live": w.live,
         "holds": w.holds,
-        "subscribed": bool(c.refits.events.subscribed([wid])),
+        "subscribed": bool(c.events.subscribed([wid])),
         "tensors": len(w.specs),
         "bytes": sum(math.prod(s.local_shape) * dtype_size(s.dtype) for s in w.specs),
     }
@@ -185,7 +185,7 @@ def status_document(
                 "host": a.host,
                 "pid": a.pid,
                 "data_plane_address": a.data_plane_address,
-                "connected": c.refits.agents.connected(a.agent_id),
+                "connected": c.agents.connected(a.agent_id),
                 "slots": list(a.slot_ids),
             }
             for a in sorted(reg.agents.values(), key=lambda a: (a.host, a.agent_id))
@@ -196,7 +196,7 @@ def status_document(
                 "host": s.host,
                 "device": s.device,
                 "agent_id": s.agent_id,
-                "connected": bool(s.agent_id) and c.refits.agents.connected(s.agent_id or ""),
+                "connected": bool(s.agent_id) and c.agents.connected(s.agent_id or ""),
             }
             for s in sorted(reg.slots.values(), key=lambda s: s.slot_id)
         ]
@@ -219,6 +219,8 @@ def status_document(
                 "capacity": c.refits.plans.capacity,
                 "hits": c.refits.plans.hits,
                 "misses": c.refits.plans.misses,
+                "built": c.refits.plans.built,
+                "programs_sent": c.refits.plans.programs_sent,
             },
         },
         "models": models,

@@ -149,8 +149,8 @@ def test_relay_off_by_default_and_digest():
     dst = tp_side("inf", 2, 2, 1, (8, 4), 0, 10)
     plan = run_and_check(src, dst)
     assert plan.stats.relay_copies == 0 and plan.stats.relay_bytes == 0
-    assert plan_digest("m", 1, src, dst, PlanConfig()) != plan_digest(
-        "m", 1, src, dst, PlanConfig(relay=True)
+    assert plan_digest("m", src, dst, PlanConfig()) != plan_digest(
+        "m", src, dst, PlanConfig(relay=True)
     )
     relayed = run_and_check(src, dst, PlanConfig(relay=True))
     # a trainer rank is released once its sources are read: relays don't count
@@ -177,12 +177,12 @@ def test_spec_table_incremental_equals_lists():
     dst_o = [s for r in range(6) for s in dst if s.rank == r]
     a = build_plan("m", 1, src_o, dst_o, cfg)
     b = build_plan_from_table("m", 1, ts, td, cfg)
-    assert a.digest == b.digest == plan_digest("m", 1, ts, td, cfg)
+    assert a.digest == b.digest == plan_digest("m", ts, td, cfg)
     assert a.stats == b.stats
     for slot in a.slots():
         assert a.program(slot) == b.program(slot)
     renamed = [*dst_o[:-1], mspec("inf", 5, 15, "c", (8,), canonical="b")]
-    assert plan_digest("m", 1, ts, td, cfg) != plan_digest("m", 1, src_o, renamed, cfg)
+    assert plan_digest("m", ts, td, cfg) != plan_digest("m", src_o, renamed, cfg)
     assert len(ts) == len(src) and len(td.geos) < len(dst)
 
 

@@ -37,8 +37,8 @@ def test_unknown_schedule_is_refused_and_schedule_is_in_the_digest() -> None:
         PlanConfig(schedule="fast")
     src = _expert_side("train", (1,), 2, 1, 4, (4, 6), 0)
     dst = _expert_side("inf", (1,), 2, 2, 4, (4, 6), 100)
-    assert plan_digest("m", 1, src, dst, PlanConfig()) != plan_digest(
-        "m", 1, src, dst, PlanConfig(schedule="serial")
+    assert plan_digest("m", src, dst, PlanConfig()) != plan_digest(
+        "m", src, dst, PlanConfig(schedule="serial")
     )
 
 

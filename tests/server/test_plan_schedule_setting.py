@@ -82,6 +82,6 @@ def test_the_controllers_plans_follow_plan_schedule(
         plan = make_plan("m", 1, src, dst, options).plan
         assert (plan.config.schedule, plan.config.relay) == want
         assert (plan.stats.relay_bytes > 0) == want[1]
-        assert plan.digest == make_digest("m", 1, src, dst, options)
+        assert plan.digest == make_digest("m", src, dst, options)
     finally:
         ctl.stop()

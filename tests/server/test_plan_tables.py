@@ -47,18 +47,34 @@ def test_tables_follow_registrations(controller: Controller, cluster: Cluster) -
         controller, cluster.model
     )
     assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(1))
-    plan = controller.refits._membership[cluster.model].plan
+    plan = controller.refits.memberships.cached(cluster.model).plan
     assert plan.built_programs == len(plan.slots) == 3  # built as they were loaded
 
-    # a replaced rank cannot be removed from the columns: the tables are rebuilt
+    # a rank registering the same layout again (a restart: new memory, new epoch) keeps
+    # the tables and the plan; only its slot gets its program again
+    epoch = controller.registry.model(cluster.model).epoch
+    built, sent = controller.refits.plans.built, controller.refits.plans.programs_sent
     resp = register(
         cluster.stub, cluster.model, "trainer", pb.ROLE_SOURCE, 0, 2, cluster.host, "cpu:0"
     )
     cluster.trainers[0] = resp.worker_id
-    assert tables.stale
+    assert not tables.stale and controller.registry.model(cluster.model).epoch > epoch
     assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(2))
+    assert controller.refits.memberships.cached(cluster.model).plan is plan
+    assert controller.refits.plans.built == built
+    assert controller.refits.plans.programs_sent == sent + 1
+
+    # a replaced rank that moved cannot be removed from the columns: the tables are rebuilt
+    resp = register(
+        cluster.stub, cluster.model, "trainer", pb.ROLE_SOURCE, 0, 2, cluster.host, "cpu:1"
+    )
+    cluster.trainers[0] = resp.worker_id
+    assert tables.stale
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(3))
     assert not tables.stale and tables.rebuilds == 1
     assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+    assert controller.refits.memberships.cached(cluster.model).plan.digest != plan.digest
+    assert controller.refits.plans.built == built + 1
 
     # a new rank of a new pool is appended
     register(cluster.stub, cluster.model, "extra", pb.ROLE_DESTINATION, 0, 1, cluster.host, "cpu:0")

@@ -1,0 +1,142 @@
+"""Catch-up of restarted destination ranks: the committed version copied into ranks that
+registered without it, from inference replicas that serve it (the trainer's memory has
+moved on). PAUSE and COMMIT go to the caught-up ranks only; the replicas read from keep
+serving. Without a replica that covers the ranks, they get the next version instead."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from refitd._proto import refitd_pb2 as pb
+from refitd.config import Settings
+from refitd.server.delta_refits import DeltaRefits
+from refitd.server.errors import ControlError
+from refitd.server.refit.dataplane import DataPlane
+from refitd.server.refit.events import WorkerEvents
+from refitd.server.refit.membership import Memberships
+from refitd.server.refit.records import RefitRecords
+from refitd.server.refit.run import ModelRefits, RefitRun
+from refitd.server.refit.scheduler import Scheduler
+from refitd.server.registry import Registry, Worker
+
+log = logging.getLogger("refitd.controller")
+
+
+class CatchUps:
+    """Finds destination ranks behind the committed version and catches them up."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        scheduler: Scheduler,
+        memberships: Memberships,
+        dataplane: DataPlane,
+        events: WorkerEvents,
+        records: RefitRecords,
+        delta: DeltaRefits,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.scheduler = scheduler
+        self.memberships = memberships
+        self.dataplane = dataplane
+        self.events = events
+        self.records = records
+        self.delta = delta
+        self._tried: set[tuple[str, float, int]] = set()  # (worker, registered, version)
+
+    def behind(self, model: str) -> tuple[int, list[Worker], list[Worker]]:
+        """(committed version, subscribed destination ranks that lack it and were not tried
+        yet, live destination ranks that hold it)."""
+        reg = self.registry
+        with reg.lock:
+            mdl = reg.models.get(model)
+            if mdl is None or mdl.committed_version <= 0:
+                return 0, [], []
+            v = mdl.committed_version
+            dests = [
+                reg.workers[wid]
+                for p in mdl.destination_pools()
+                for wid in p.ranks.values()
+                if wid in reg.workers and reg.workers[wid].live
+            ]
+        subscribed = self.events.subscribed(w.worker_id for w in dests)
+        behind = [
+            w
+            for w in dests
+            if w.holds != v
+            and w.worker_id in subscribed
+            and (w.worker_id, w.registered_at, v) not in self._tried
+        ]
+        holders = [w for w in dests if w.holds == v]
+        return v, behind, holders
+
+    def find(self) -> None:
+        """Flag every model with a rank behind: its driver runs the catch-up."""
+        with self.registry.lock:
+            names = list(self.registry.models)
+        for name in names:
+            if self.behind(name)[1]:
+                m = self.scheduler.model(name)
+                with m.cond:
+                    if not m.catch_up:
+                        m.catch_up = True
+                        m.cond.notify()
+
+    def run(self, m: ModelRefits) -> None:
+        """Catch up the model's ranks behind, from the replicas that hold the version."""
+        version, behind, holders = self.behind(m.name)
+        if not behind:
+            return
+        for w in behind:
+            self._tried.add((w.worker_id, w.registered_at, version))
+        who = ", ".join(w.describe() for w in behind)
+        sources = [w for w in holders if all(t.storage == "plain" for t in w.specs)]
+        if not sources:
+            log.info("%s: no replica holds version %s; caught up by the next refit", who, version)
+            return
+        model = self.registry.model(m.name)
+        src_specs = [t for w in sources for t in w.specs]
+        dst_specs = [t for w in behind for t in w.specs]
+        ms = self.memberships
+        try:
+            plan = ms.catch_up_plan(m.name, model.epoch, src_specs, dst_specs)
+        except ControlError as e:
+            log.info("%s: catch-up to version %s impossible (%s); next refit", who, version, e)
+            return
+        try:
+            membership = ms.for_catch_up(m.name, model.epoch, plan, behind)
+        except ControlError as e:
+            log.info("%s: catch-up waits: %s", who, e.message)
+            return
+        refit_id = self.records.start(m.name, version)
+        run = RefitRun(refit_id, m.name, version, "", 0, time.monotonic())
+        run.started = run.first_ask
+        run.detail["catch_up"] = [w.worker_id for w in behind]
+        paused: set[str] = set()
+        wrote = False
+        turn = self.dataplane.turn()
+        try:
+            self.dataplane.prepare(membership)
+            self.events.pause(behind, run, self.settings.pause_timeout_s, membership, paused)
+            self.records.mark_writing(run)
+            with m.cond:
+                run.start_transfer({})
+            wrote = True
+            self.dataplane.transfer(membership, run, m.cond)
+            self.delta.committed(m.name, version, plan.digest, behind, None, how="catch_up")
+            for w in behind:
+                w.holds = version
+            self.events.commit(run, behind, None)
+            turn.release()
+            log.info("%s caught up to version %s from %d replica ranks", who, version, len(sources))
+            self.records.finish(m, run, pb.REFIT_STATE_COMMITTED, "")
+        except Exception as e:
+            turn.release()
+            reason = str(e.message if isinstance(e, ControlError) else e)
+            self.dataplane.abort(membership, run, reason)
+            kind = pb.EVENT_KIND_INCOMPLETE if wrote else pb.EVENT_KIND_ABORT
+            self.events.tell(paused, run, kind, f"catch-up to version {version} failed: {reason}")
+            self.records.finish(m, run, pb.REFIT_STATE_FAILED, f"catch-up: {reason}")

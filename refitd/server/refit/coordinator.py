@@ -1,0 +1,176 @@
+"""The refit coordinator: one refit per model at a time, coalescing to the newest version.
+
+It composes the pieces of refitd.server.refit (see the package docstring) and serves the
+Refit RPC: a trainer rank's request joins a run (scheduler), waits as asked, and the
+model's driver thread runs the next run through the attempt lifecycle (or a catch-up).
+Every phase has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+
+from refitd._proto import refitd_pb2 as pb
+from refitd.config import Settings
+from refitd.plan.gc_pause import GcPause
+from refitd.server.database import RefitRecord, StateDB
+from refitd.server.delta_refits import DeltaRefits
+from refitd.server.errors import ControlError, ErrorKind, precondition
+from refitd.server.metrics import ControllerMetrics
+from refitd.server.planning import PlanCache, PlanOptions
+from refitd.server.refit.acks import CommitAckBook
+from refitd.server.refit.catchup import CatchUps
+from refitd.server.refit.dataplane import DataPlane
+from refitd.server.refit.events import WorkerEvents
+from refitd.server.refit.leases import LeaseWatcher, PausedSettler
+from refitd.server.refit.lifecycle import RefitLifecycle
+from refitd.server.refit.membership import Memberships
+from refitd.server.refit.records import RefitRecords
+from refitd.server.refit.run import STATE_NAMES, ModelRefits, RefitRun
+from refitd.server.refit.scheduler import Scheduler
+from refitd.server.registry import Registry, Worker
+from refitd.server.streams import AgentHub, EventHub, GatherBoard
+
+log = logging.getLogger("refitd.controller")
+
+
+class RefitCoordinator:
+    """Drives refits over the registry, the agents' command streams and the workers' events."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        db: StateDB,
+        metrics: ControllerMetrics,
+        store_address: tuple[str, int] | None,
+        board: GatherBoard,
+        events: EventHub,
+        agents: AgentHub,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.plans = PlanCache(settings.plan_cache_size)
+        self.delta = DeltaRefits(settings)  # delta refits (docs/delta.md); off by default
+        # Plan and program builds of this controller share one pause of the cyclic GC.
+        self.gc_pause = GcPause()
+        self.plan_options = PlanOptions(
+            bucket_bytes=settings.bucket_bytes,
+            sender_quantization=settings.sender_quantization,
+            relay=settings.relay,
+            allow_dtype_cast=settings.allow_dtype_cast,
+            schedule=settings.plan_schedule,
+            transport=settings.transport,
+        )
+        self._stop = threading.Event()
+        self.records = RefitRecords(settings, db, metrics)
+        self.scheduler = Scheduler(settings, self.records, self._stop, self._drive)
+        self.memberships = Memberships(
+            registry, agents, events, self.plans, self.plan_options, self.gc_pause, metrics
+        )
+        self.dataplane = DataPlane(
+            settings, registry, agents, board, self.delta, store_address, metrics, self.plans
+        )
+        self.settler = PausedSettler(registry, events, db)
+        self.events = WorkerEvents(registry, events, board, self.settler.settle)
+        self.acks = CommitAckBook(registry, events, board)
+        self.lifecycle = RefitLifecycle(
+            settings, registry, db, metrics, self.scheduler, self.memberships,
+            self.dataplane, self.events, self.acks, self.records, self.delta,
+        )  # fmt: skip
+        self.catch_ups = CatchUps(
+            settings, registry, self.scheduler, self.memberships, self.dataplane,
+            self.events, self.records, self.delta,
+        )  # fmt: skip
+        self.leases = LeaseWatcher(
+            settings, registry, board, events, agents, self.source_gone,
+            [self.acks.settle, self.settler.settle, self.catch_ups.find],
+        )  # fmt: skip
+        self.leases.start()
+
+    @property
+    def history(self) -> list[RefitRecord]:
+        """The last refits (oldest first), as recorded."""
+        return self.records.history
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.scheduler.stop()
+        self.leases.stop()
+
+    def running(self, model: str) -> RefitRun | None:
+        return self.scheduler.running(model)
+
+    def pending(self, model: str) -> list[dict[str, object]]:
+        """Versions of `model` requested and waiting (for their barrier, or their turn),
+        each with the source ranks that asked for it."""
+        return self.scheduler.pending(model)
+
+    def source_gone(self, w: Worker, cause: str) -> None:
+        """A source rank left: refits of its model in their barrier fail at once."""
+        self.scheduler.source_gone(w, cause)
+
+    def settle_paused(self, worker_ids: Iterable[str] | None = None) -> None:
+        """Tell ranks re-registered paused by an ended refit how it ended."""
+        self.settler.settle(worker_ids)
+
+    # ------------------------------------------------------------------ Refit RPC
+    def request(
+        self, worker_id: str, version: int, wait: int, timeout_s: float
+    ) -> pb.RefitResponse:
+        """A trainer rank asks for `version`; waits as asked (sources read by default)."""
+        w = self.registry.worker(worker_id)
+        if w.role != "source":
+            raise precondition(
+                f"{w.describe()} is a destination; only source (trainer) ranks call Refit"
+            )
+        if not w.live:
+            raise precondition(f"{w.describe()} was restored after a restart; re-register it")
+        if version <= 0:
+            raise ControlError(ErrorKind.INVALID, f"field version must be > 0, got {version}")
+        w.last_seen = time.monotonic()  # a Refit call renews the lease like a heartbeat
+        committed = self.registry.model(w.model).committed_version
+        m, run, ready = self.scheduler.join(w, version, committed, wait)
+        if ready is None:
+            return run.response()
+        waited = timeout_s or self.settings.refit_wait_timeout_s
+        deadline = time.monotonic() + waited
+        ok, response = self.scheduler.await_event(m, run, ready, deadline)
+        if not ok:
+            raise ControlError(
+                ErrorKind.DEADLINE,
+                f"version {run.version} of model {run.model!r}: still "
+                f"{STATE_NAMES[run.state]} after {waited:g}s; the refit goes on",
+            )
+        if wait == pb.WAIT_SERVED and response.state == pb.REFIT_STATE_COMMITTED:
+            response.served, response.message = self.acks.await_served(run, deadline)
+        return response
+
+    # ------------------------------------------------------------------ driver
+    def _drive(self, m: ModelRefits) -> None:
+        """The model's driver thread: runs its next refit, or a catch-up, until stopped."""
+        while not self._stop.is_set():
+            with m.cond:
+                run = self.scheduler.next_run(m)
+                catch_up = run is None and m.catch_up and not m.pending
+                if catch_up:
+                    m.catch_up = False
+                m.running = run
+            if catch_up:
+                try:
+                    self.catch_ups.run(m)
+                except Exception:
+                    log.exception("catch-up of model %s", m.name)
+                continue
+            if run is None:
+                continue
+            try:
+                self.lifecycle.execute(run, m)
+            except Exception as e:  # a bug must fail the refit, never kill the driver
+                log.exception("refit %s of %s crashed", run.version, run.model)
+                self.records.finish(m, run, pb.REFIT_STATE_FAILED, f"internal error: {e!r}")
+            with m.cond:
+                m.running = None

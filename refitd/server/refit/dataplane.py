@@ -1,0 +1,379 @@
+"""The data-plane driver: the only place that builds agent commands (connect, load,
+execute, apply, abort) and gathers the agents' reports.
+
+The refit communicator is one for all models: refits (and catch-ups) of different models
+take turns on it (`turn`) rather than reconnecting it under each other. What each slot's
+transfer process holds (agent incarnation, communicator epoch, loaded programs) is tracked
+here, so a refit whose plan is connected and loaded everywhere starts with a dict compare.
+A program goes to a slot only when the slot lacks it or loaded it with other workers'
+memory handles (a worker on the slot registered again): after a restart that keeps every
+layout, only the restarted rank's slots get theirs (`planning.stale_slots`).
+One ExecuteCommand goes to each agent for all its slots, reports batched per agent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from refitd._proto import refitd_pb2 as pb
+from refitd.config import Settings
+from refitd.server.delta_refits import DeltaRefits
+from refitd.server.metrics import ControllerMetrics
+from refitd.server.planning import PlanCache, SlotInputs, WorkerKey, stale_slots
+from refitd.server.refit.checksums import compare_checksums
+from refitd.server.refit.membership import Membership
+from refitd.server.refit.run import RefitRun, attempt_id
+from refitd.server.registry import Registry
+from refitd.server.streams import AgentHub, Gather, GatherBoard, PhaseFailed
+
+
+@dataclass
+class SlotState:
+    """What a slot's transfer process holds: its agent incarnation, comm epoch, and per
+    model the plan digest last loaded with the inputs its handles came from (see
+    planning.slot_inputs). One per model: loading a plan may free the model's older ones
+    there (their staging buffers), so only the last is known to be loaded."""
+
+    incarnation: int
+    comm_epoch: int = 0
+    loaded: dict[str, tuple[str, SlotInputs]] = field(default_factory=dict)
+
+    def inputs(self, model: str, digest: str) -> SlotInputs | None:
+        """The inputs the slot loaded `digest` with, if it is the model's loaded plan."""
+        last = self.loaded.get(model)
+        return last[1] if last is not None and last[0] == digest else None
+
+
+class DataPlaneTurn:
+    """This driver's turn on the shared refit communicator (acquired at construction);
+    release() is idempotent so every exit path can call it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        lock.acquire()
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._lock.release()
+
+
+class DataPlane:
+    """Commands to the node agents over their Commands streams, and the waits on reports."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        agents: AgentHub,
+        board: GatherBoard,
+        delta: DeltaRefits,
+        store_address: tuple[str, int] | None,
+        metrics: ControllerMetrics,
+        plans: PlanCache,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.plans = plans  # its programs_sent count
+        self.registry = registry
+        self.agents = agents
+        self.board = board
+        self.delta = delta
+        self.store_address = store_address
+        self._slots: dict[int, SlotState] = {}
+        self._comm_key: tuple | None = None
+        self._comm_epoch = 0
+        # (model, digest, epoch) connected and loaded on every slot of its plan: the same
+        # digest in a later epoch may need some slots loaded again (new memory handles)
+        self._ready: tuple[str, str, int] | None = None
+        self._turns = threading.Lock()
+
+    def turn(self) -> DataPlaneTurn:
+        """Wait for, and take, this driver's turn on the communicator."""
+        return DataPlaneTurn(self._turns)
+
+    def prepare(self, ms: Membership) -> None:
+        """Communicator and programs in place on every slot (a dict compare when they are)."""
+        ready = (ms.model, ms.plan.digest, ms.epoch)
+        if self._ready == ready:
+            return
+        self._connect(ms)
+        self._load(ms)
+        self._ready = ready
+
+    def _gather(self, what: str, ms: Membership) -> tuple[Gather, int]:
+        g = Gather(what)
+        g.watch = ms.members
+        return g, self.board.add(g)
+
+    def _end_gather(self, g: Gather, gid: int) -> None:
+        self.agents.forget(g)
+        self.board.remove(gid)
+
+    def _track_incarnations(self, ms: Membership) -> None:
+        """Slot state of re-registered agents starts afresh."""
+        for slot, incarnation in ms.owners.incarnations.items():
+            st = self._slots.get(slot)
+            if st is None or st.incarnation != incarnation:
+                self._slots[slot] = SlotState(incarnation)
+                self._ready = None
+
+    def _connect(self, ms: Membership) -> None:
+        plan = ms.plan
+        self._track_incarnations(ms)
+        key = (tuple(plan.slots), tuple(self._slots[s].incarnation for s in plan.slots))
+        if key == self._comm_key and all(
+            self._slots[s].comm_epoch == self._comm_epoch for s in plan.slots
+        ):
+            return
+        if self.store_address is None:
+            raise PhaseFailed("the rendezvous store is not running (rendezvous disabled)")
+        self._comm_epoch += 1
+        ranks = {slot: i for i, slot in enumerate(plan.slots)}
+        g, gid = self._gather("connect", ms)
+        try:
+            for agent_id, slots in ms.by_agent.items():
+                cmd = pb.AgentCommand(
+                    connect=pb.ConnectCommand(
+                        epoch=self._comm_epoch,
+                        store_host=self.store_address[0],
+                        store_port=self.store_address[1],
+                        world_size=len(ranks),
+                        comm_rank=ranks,
+                        transport=self.settings.transport,
+                        timeout_s=self.settings.connect_timeout_s,
+                        store_token=self.settings.store_token,
+                    )
+                )
+                keys = [(s, pb.REPORT_KIND_CONNECTED) for s in slots]
+                self.agents.send(agent_id, cmd, g, keys)
+            g.wait(self.settings.connect_timeout_s)
+        finally:
+            self._end_gather(g, gid)
+        for s in plan.slots:
+            self._slots[s].comm_epoch = self._comm_epoch
+            self._slots[s].loaded.clear()
+        self._comm_key = key
+
+    def _load(self, ms: Membership) -> None:
+        """LoadProgramCommand to the slots whose program of this plan is missing or was
+        loaded with other workers' memory handles; the others keep theirs."""
+        plan = ms.plan
+        with self.registry.lock:
+            identity = self._identities(ms.model)
+        todo = stale_slots(
+            plan,
+            lambda slot: self._slots[slot].inputs(ms.model, plan.digest),
+            lambda key: identity.get(key, ""),
+            ms.staged_pools,
+            ms.snapshot_pools,
+        )
+        if not todo:
+            return
+        g, gid = self._gather("load program", ms)
+        try:
+            with self.registry.lock:
+                memory = self._memory_index(
+                    ms.model, {k for inputs in todo.values() for k, _ in inputs[0]}
+                )
+            for agent_id, slots in ms.by_agent.items():
+                for slot in slots:
+                    if slot not in todo:
+                        continue
+                    payload = plan.load_payload(slot)
+                    handles = [
+                        pb.TensorHandle(
+                            index=i,
+                            memory=memory.get(key, b""),
+                            staged=key[0] in ms.staged_pools,
+                            snapshot=key[0] in ms.snapshot_pools,
+                        )
+                        for i, key in payload.tensors
+                    ]
+                    cmd = pb.AgentCommand(
+                        load=pb.LoadProgramCommand(
+                            model=ms.model,
+                            digest=plan.digest,
+                            slot=slot,
+                            program=payload.program,
+                            handles=handles,
+                        )
+                    )
+                    self.agents.send(agent_id, cmd, g, [(slot, pb.REPORT_KIND_LOADED)])
+            g.wait(self.settings.load_timeout_s)
+        finally:
+            self._end_gather(g, gid)
+        for s, inputs in todo.items():
+            self._slots[s].loaded[ms.model] = (plan.digest, inputs)
+        self.metrics.programs_sent.labels(ms.model).inc(len(todo))
+        self.plans.programs_sent += len(todo)
+
+    def _identities(self, model: str) -> dict[WorkerKey, str]:
+        """(pool, rank) -> identity of its live registration (lock held): a new one means
+        new memory handles."""
+        return {
+            (w.pool, w.rank): f"{w.worker_id}@{w.registered_at!r}"
+            for w in self.registry.workers.values()
+            if w.live and w.model == model
+        }
+
+    def _memory_index(
+        self, model: str, holders: set[WorkerKey]
+    ) -> dict[tuple[str, int, str], bytes]:
+        """(pool, rank, name) -> memory handle of the live workers `holders` of the model
+        (lock held): only the workers of the slots being loaded are looked at."""
+        m = self.registry.models.get(model)
+        out: dict[tuple[str, int, str], bytes] = {}
+        for pool, rank in holders:
+            p = m.pools.get(pool) if m is not None else None
+            w = self.registry.workers.get(p.ranks.get(rank, "")) if p is not None else None
+            if w is not None and w.live:
+                out.update(((pool, rank, name), mem) for name, mem in w.memory.items())
+        return out
+
+    # ------------------------------------------------------------------ transfer
+    def transfer(self, ms: Membership, run: RefitRun, cond: threading.Condition) -> float:
+        """ExecuteCommand to every slot (one per agent); returns when all are DONE (the
+        monotonic time of the last DONE). Source releases update `run` under `cond`."""
+        plan = ms.plan
+        exec_id = attempt_id(run.refit_id, run.attempt)
+        tally = _TransferTally(run, cond, self.delta, plan.digest, exec_id)
+        timeout = self.settings.transfer_timeout_s
+        verify = self.settings.verify_checksums
+        deltas = self._delta_commands(ms, run, exec_id)
+        g, gid = self._gather(f"transfer of version {run.version}", ms)
+        try:
+            for agent_id, slots in ms.by_agent.items():
+                batched = agent_id in ms.batch_agents
+                for batch in [slots] if batched else [[slot] for slot in slots]:
+                    cmd = pb.AgentCommand(
+                        execute=pb.ExecuteCommand(
+                            model=run.model,
+                            digest=plan.digest,
+                            slot=batch[0],
+                            slots=batch if batched else (),
+                            version=run.version,
+                            refit_id=exec_id,
+                            timeout_s=timeout,
+                            verify=verify,
+                            delta=[deltas[s] for s in batch if s in deltas],
+                        )
+                    )
+                    keys = [
+                        (slot, kind)
+                        for slot in batch
+                        for kind in (pb.REPORT_KIND_SOURCES_RELEASED, pb.REPORT_KIND_DONE)
+                    ]
+                    self.agents.send(agent_id, cmd, g, keys, tally.on_report)
+            sent = time.monotonic()
+            run.detail["control_start_s"] = sent - max(run.started, run.last_ask)
+            run.detail["last_ask_at"] = run.last_ask  # monotonic: for benchmarks on this host
+            run.detail["executes_sent_at"] = sent
+            g.wait(timeout)
+        finally:
+            self._end_gather(g, gid)
+            self.delta.finish_attempt(exec_id, run.detail)
+        if verify:
+            t = time.monotonic()
+            mismatch = compare_checksums(plan.plan, tally.sums[True], tally.sums[False])
+            if mismatch:
+                raise PhaseFailed(f"transfer of version {run.version}: {mismatch}")
+            run.detail.update(verified=True, verify_check_s=time.monotonic() - t)
+        return tally.last_done or time.monotonic()
+
+    def _delta_commands(
+        self, ms: Membership, run: RefitRun, exec_id: int
+    ) -> dict[int, pb.DeltaCommand]:
+        with self.registry.lock:
+            mdl = self.registry.models.get(run.model)
+            committed = mdl.committed_version if mdl is not None else 0
+            host_slots = frozenset(
+                i for i, sl in self.registry.slots.items() if sl.device.startswith("cpu")
+            )
+        return self.delta.commands(
+            run.model, ms.plan, ms.dest_workers, ms.staged_pools, committed, exec_id,
+            run.detail, host_slots,
+        )  # fmt: skip
+
+    def apply(self, ms: Membership, run: RefitRun, slots: set[int]) -> None:
+        """ApplyCommand (staging -> live) for `slots` to their agents; returns when every
+        one is DONE (PhaseFailed otherwise). Idempotent: the transfer processes refuse it
+        unless their staging holds this attempt's transfer in full."""
+        s = self.settings
+        g, gid = self._gather(f"apply of version {run.version}", ms)
+        try:
+            for agent_id, agent_slots in ms.by_agent.items():
+                mine = [slot for slot in agent_slots if slot in slots]
+                if not mine:
+                    continue
+                cmd = pb.AgentCommand(
+                    apply=pb.ApplyCommand(
+                        model=run.model,
+                        digest=ms.plan.digest,
+                        slots=mine,
+                        version=run.version,
+                        refit_id=attempt_id(run.refit_id, run.attempt),
+                        timeout_s=s.commit_timeout_s,
+                    )
+                )
+                keys = [(slot, pb.REPORT_KIND_DONE) for slot in mine]
+                self.agents.send(agent_id, cmd, g, keys)
+            g.wait(s.commit_timeout_s)
+        finally:
+            self._end_gather(g, gid)
+
+    def abort(self, ms: Membership, run: RefitRun, reason: str) -> None:
+        """AbortCommand (this attempt's id) to every connected agent of the plan; the
+        communicator is rebuilt and programs reloaded before the next execute."""
+        for agent_id in ms.by_agent:
+            try:
+                cmd = pb.AgentCommand(
+                    abort=pb.AbortCommand(
+                        refit_id=attempt_id(run.refit_id, run.attempt), reason=reason
+                    )
+                )
+                self.agents.send(agent_id, cmd, None)
+            except PhaseFailed:
+                pass
+        self._comm_key = None
+        self._ready = None
+
+
+class _TransferTally:
+    """What the reports of one transfer attempt say: sources released, bytes, checksums."""
+
+    def __init__(
+        self, run: RefitRun, cond: threading.Condition, delta: DeltaRefits, digest: str,
+        exec_id: int,
+    ) -> None:  # fmt: skip
+        self.run = run
+        self.cond = cond
+        self.delta = delta
+        self.digest = digest
+        self.exec_id = exec_id
+        self.last_done = 0.0
+        # sender side? -> message id -> (reporting slot, checksum)
+        self.sums: dict[bool, dict[int, tuple[int, int]]] = {True: {}, False: {}}
+
+    def on_report(self, r: pb.AgentReport) -> None:
+        run = self.run
+        if r.kind == pb.REPORT_KIND_SOURCES_RELEASED:
+            with self.cond:
+                run.release(r.slot)
+        elif r.kind == pb.REPORT_KIND_DONE:
+            moved = r.bytes_sent + r.bytes_received + r.bytes_local
+            run.slot_stats[r.slot] = (moved, r.seconds)
+            run.bytes += r.bytes_sent + r.bytes_local
+            for c in r.checksums:
+                self.sums[c.sent][c.message_id] = (r.slot, c.checksum)
+            self.delta.reported(run.model, self.digest, self.exec_id, r)
+            if r.snapshot_bytes or r.snapshot_fallback:
+                snaps = run.detail.setdefault("snapshot", {})
+                snaps[str(r.slot)] = {
+                    "bytes": r.snapshot_bytes,
+                    "fallback": r.snapshot_fallback,
+                }
+            self.last_done = time.monotonic()

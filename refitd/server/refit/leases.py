@@ -1,0 +1,144 @@
+"""Leases: workers and agents silent for heartbeat_timeout_s expire; ranks that
+re-registered while paused by an ended refit are told its outcome. The watcher thread also
+settles COMMIT acks and looks for ranks to catch up."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from refitd._proto import refitd_pb2 as pb
+from refitd.config import Settings
+from refitd.server.database import StateDB
+from refitd.server.errors import ControlError
+from refitd.server.registry import Registry, Worker
+from refitd.server.streams import AgentHub, EventHub, GatherBoard
+
+log = logging.getLogger("refitd.controller")
+
+
+class PausedSettler:
+    """Tells ranks that re-registered paused by an ended refit how it ended."""
+
+    def __init__(self, registry: Registry, hub: EventHub, db: StateDB) -> None:
+        self.registry = registry
+        self.hub = hub
+        self.db = db
+
+    def settle(self, worker_ids: Iterable[str] | None = None) -> None:
+        """Tell subscribed ranks that re-registered while paused by a refit that has ended
+        (a controller restart, or a lease lost mid-refit) how it ended: COMMIT when its
+        version landed, ABORT when nothing was written, INCOMPLETE when weights may be torn
+        (or the refit is unknown). Refits still running here are settled when they end."""
+        reg = self.registry
+        with reg.lock:
+            pool = reg.workers.values() if worker_ids is None else map(reg.workers.get, worker_ids)
+            waiting = [w for w in pool if w is not None and w.live and w.paused_in]
+        if not waiting:
+            return
+        subscribed = set(self.hub.subscribed(w.worker_id for w in waiting))
+        for w in waiting:
+            rid = w.paused_in
+            if w.worker_id not in subscribed:
+                continue
+            outcome = self.db.refit_outcome(rid)
+            if outcome is not None and outcome.state not in ("committed", "failed", "superseded"):
+                continue  # still running: it tells its paused ranks itself
+            ev = pb.VersionEvent(model=w.model, pool=w.pool, refit_id=rid)
+            if outcome is None:
+                ev.kind = pb.EVENT_KIND_INCOMPLETE
+                ev.reason = f"refit {rid} is unknown here: weights written during it are untrusted"
+            elif outcome.state == "committed":
+                ev.kind, ev.version = pb.EVENT_KIND_COMMIT, outcome.version
+                w.holds = outcome.version  # landed in full; a catch-up follows if it is older
+            else:
+                ev.version = outcome.version
+                ev.kind = pb.EVENT_KIND_INCOMPLETE if outcome.wrote else pb.EVENT_KIND_ABORT
+                ev.reason = f"refit {rid} of version {outcome.version} failed: {outcome.reason}"
+            w.paused_in = 0
+            log.warning(
+                "%s re-registered paused by refit %s: sent %s",
+                w.describe(),
+                rid,
+                pb.EventKind.Name(ev.kind),
+            )
+            self.hub.send(w.worker_id, ev, None)
+
+
+class LeaseWatcher:
+    """The thread expiring silent workers and agents, and running the periodic chores."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        board: GatherBoard,
+        events: EventHub,
+        agents: AgentHub,
+        source_gone: Callable[[Worker, str], None],
+        chores: list[Callable[[], None]],
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.board = board
+        self.events = events
+        self.agents = agents
+        self._source_gone = source_gone
+        self._chores = chores
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="refit-leases", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        """Expire workers and agents silent for heartbeat_timeout_s; run the chores."""
+        s = self.settings
+        period = min(s.heartbeat_interval_s, s.heartbeat_timeout_s / 4, 0.5)
+        while not self._stop.wait(period):
+            try:
+                self.expire(time.monotonic() - s.heartbeat_timeout_s)
+                for chore in self._chores:
+                    chore()
+            except Exception:
+                log.exception("lease watcher")
+
+    def expire(self, cutoff: float) -> None:
+        """Unregister workers and drop agents last seen before `cutoff` (monotonic)."""
+        timeout = self.settings.heartbeat_timeout_s
+        reg = self.registry
+        with reg.lock:
+            workers = [w for w in reg.workers.values() if w.live and w.last_seen < cutoff]
+            agents = [a for a in reg.agents.values() if a.last_seen and a.last_seen < cutoff]
+        # An open Subscribe stream is a lease of its own (gRPC keepalive watches it).
+        streaming = set(self.events.subscribed(w.worker_id for w in workers))
+        workers = [w for w in workers if w.worker_id not in streaming]
+        agents = [a for a in agents if self.agents.connected(a.agent_id)]
+        with reg.lock:  # again: a stream opened (or a re-registration) meanwhile renews it
+            agents = [
+                a
+                for a in (reg.agents.get(x.agent_id) for x in agents)
+                if a is not None and a.last_seen and a.last_seen < cutoff
+            ]
+        for w in workers:
+            reason = f"{w.describe()} missed its heartbeats for {timeout:g}s (lease expired)"
+            log.warning("%s; unregistering it", reason)
+            try:
+                reg.unregister_worker(w.worker_id)
+            except ControlError:
+                continue
+            self.board.member_gone(w.worker_id, reason)
+            self._source_gone(w, f"missed its heartbeats for {timeout:g}s (lease expired)")
+        for a in agents:
+            reason = (
+                f"agent {a.agent_id} on host {a.host!r} missed its heartbeats for {timeout:g}s "
+                "(lease expired)"
+            )
+            log.warning("%s", reason)
+            self.agents.drop(a.agent_id, reason)

@@ -1,0 +1,237 @@
+"""Membership: what a refit of (model, epoch) needs from the registry, and its plan.
+
+A Membership is computed once per membership epoch (a change of membership bumps the
+epoch, so a cached one is never stale) from a registry snapshot and the plan cache. The
+plan is cached by its layout digest, not the epoch: a restart that keeps every layout
+reuses it (the data plane then reloads only the slots whose workers registered again). This
+module is the one place that maps a plan's slots to the node agents that hold them
+(`slot_owners`), for refits and catch-ups alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from refitd.plan.gc_pause import GcPause
+from refitd.plan.layout import TensorSpec
+from refitd.plan.table import SpecTable
+from refitd.server.errors import precondition
+from refitd.server.metrics import ControllerMetrics
+from refitd.server.planning import ControllerPlan, PlanCache, PlanOptions, make_digest, make_plan
+from refitd.server.refit.run import RefitRun
+from refitd.server.registry import Registry, Worker
+from refitd.server.streams import AgentHub, EventHub
+
+
+@dataclass(frozen=True)
+class SlotOwners:
+    """The node agents holding a plan's slots."""
+
+    by_agent: dict[str, list[int]]  # agent id -> its slots in the plan
+    batch_agents: frozenset[str]  # agents that take one ExecuteCommand for all their slots
+    incarnations: dict[int, int]  # slot -> incarnation of the agent holding it
+
+
+@dataclass
+class Membership:
+    """What a refit of (model, epoch) needs from the registry, computed once per epoch."""
+
+    model: str
+    epoch: int
+    plan: ControllerPlan
+    dest_workers: list[Worker]
+    owners: SlotOwners
+    readers: dict[int, frozenset[int]]  # source rank -> slots reading it
+    members: frozenset[str]  # destination workers and agents: losing one fails the refit
+    staged_pools: frozenset[str] = frozenset()  # written through staging, applied at the end
+    snapshot_pools: frozenset[str] = frozenset()  # sources copied to a snapshot, then released
+
+    @property
+    def by_agent(self) -> dict[str, list[int]]:
+        return self.owners.by_agent
+
+    @property
+    def batch_agents(self) -> frozenset[str]:
+        return self.owners.batch_agents
+
+    def in_place(self) -> list[Worker]:
+        """Destination workers written in place by the transfer (paused before it)."""
+        return [w for w in self.dest_workers if w.pool not in self.staged_pools]
+
+    def staged(self) -> list[Worker]:
+        """Destination workers of staged pools (paused only for the apply)."""
+        return [w for w in self.dest_workers if w.pool in self.staged_pools]
+
+
+def slot_owners(
+    registry: Registry, slots: Sequence[int], connected: Callable[[str], bool]
+) -> SlotOwners:
+    """Slot -> agent mapping of a plan; FAILED_PRECONDITION naming the first slot without
+    a connected node agent."""
+    by_agent: dict[str, list[int]] = {}
+    batch: set[str] = set()
+    incarnations: dict[int, int] = {}
+    with registry.lock:
+        for slot in slots:
+            owner = registry.slots.get(slot)
+            agent = registry.agents.get(owner.agent_id or "") if owner else None
+            if agent is None or not connected(agent.agent_id):
+                where = f"{owner.device} of host {owner.host!r}" if owner else "?"
+                raise precondition(f"slot {slot} ({where}) of the plan has no connected node agent")
+            by_agent.setdefault(agent.agent_id, []).append(slot)
+            incarnations[slot] = agent.incarnation
+            if agent.batch_execute:
+                batch.add(agent.agent_id)
+    return SlotOwners(by_agent, frozenset(batch), incarnations)
+
+
+class Memberships:
+    """Builds and caches the Membership of each model's current epoch."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        agents: AgentHub,
+        events: EventHub,
+        plans: PlanCache,
+        plan_options: PlanOptions,
+        gc_pause: GcPause,
+        metrics: ControllerMetrics,
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.agents = agents
+        self.events = events
+        self.plans = plans
+        self.plan_options = plan_options
+        self.gc_pause = gc_pause
+        self._cache: dict[str, Membership] = {}
+
+    def cached(self, model: str) -> Membership | None:
+        """The last Membership built for `model` (any epoch)."""
+        return self._cache.get(model)
+
+    def source_pool_complete(self, run: RefitRun) -> bool:
+        with self.registry.lock:
+            pool = self.registry.model(run.model).pools.get(run.source_pool)
+            return pool is not None and pool.complete
+
+    def for_run(self, run: RefitRun) -> Membership:
+        """The cached Membership of the model's epoch, checked for liveness, else built."""
+        model = self.registry.model(run.model)
+        ms = self._cache.get(run.model)
+        if ms is None or ms.epoch != model.epoch:
+            ms = self._build(run)
+            self._cache[run.model] = ms
+        for agent_id in ms.by_agent:
+            if not self.agents.connected(agent_id):
+                slots = ms.by_agent[agent_id]
+                raise precondition(
+                    f"slots {slots} of the plan have no connected node agent (agent {agent_id})"
+                )
+        subscribed = set(self.events.subscribed(w.worker_id for w in ms.dest_workers))
+        for w in ms.dest_workers:
+            if w.worker_id not in subscribed:
+                raise precondition(
+                    f"{w.describe()} is not subscribed: it cannot pause, so its weights cannot "
+                    "be written"
+                )
+        run.detail["digest"] = ms.plan.digest
+        return ms
+
+    def plan(
+        self,
+        model: str,
+        epoch: int,
+        sources: Sequence[TensorSpec] | SpecTable,
+        destinations: Sequence[TensorSpec] | SpecTable,
+    ) -> ControllerPlan:
+        """The plan of these layouts, from the cache (by layout digest) or built (and
+        cached); `epoch` is only recorded in a plan built now."""
+        digest = make_digest(model, sources, destinations, self.plan_options)
+        plan = self.plans.get(digest)
+        if plan is None:
+            plan = make_plan(model, epoch, sources, destinations, self.plan_options, self.gc_pause)
+            self.plans.put(plan)
+            self.built(model, "refit")
+        return plan
+
+    def catch_up_plan(
+        self, model: str, epoch: int, sources: list[TensorSpec], destinations: list[TensorSpec]
+    ) -> ControllerPlan:
+        """A catch-up's plan (replicas -> the ranks behind), built each time."""
+        plan = make_plan(model, epoch, sources, destinations, self.plan_options, self.gc_pause)
+        self.built(model, "catch_up")
+        return plan
+
+    def built(self, model: str, kind: str) -> None:
+        """Count a plan built (kind: refit or catch_up), in /metrics and /v1/status."""
+        self.metrics.plans_built.labels(model, kind).inc()
+        self.plans.built += 1
+
+    def _build(self, run: RefitRun) -> Membership:
+        """Preconditions, then the plan (cached by digest) and what the refit needs."""
+        reg = self.registry
+        with reg.lock:
+            model = reg.model(run.model)
+            src = model.pools.get(run.source_pool)
+            if src is None or not src.complete:
+                have = sorted(src.ranks) if src else []
+                raise precondition(
+                    f"source pool {run.source_pool!r} of model {run.model!r} has ranks {have} "
+                    f"of {run.pool_size} registered"
+                )
+            dests = model.destination_pools()
+            if not dests:
+                raise precondition(f"model {run.model!r} has no destination pool registered")
+            for p in [src, *dests]:
+                if not p.complete:
+                    missing = sorted(set(range(p.size)) - set(p.ranks))
+                    raise precondition(
+                        f"destination pool {p.name!r} of model {run.model!r} misses ranks "
+                        f"{missing} of {p.size}"
+                    )
+                stale = [r for r, w in p.ranks.items() if not reg.workers[w].live]
+                if stale:
+                    raise precondition(
+                        f"ranks {sorted(stale)} of pool {p.name!r} have not re-registered "
+                        f"since the controller restarted"
+                    )
+            src_workers = [reg.workers[w] for _, w in sorted(src.ranks.items())]
+            dest_workers = [reg.workers[w] for p in dests for _, w in sorted(p.ranks.items())]
+            epoch = model.epoch
+            tables = model.tables
+            sources, destinations = tables.snapshot(
+                lambda: (
+                    [t for w in src_workers for t in w.specs],
+                    [t for w in dest_workers for t in w.specs],
+                )
+            )
+        try:
+            plan = self.plan(run.model, epoch, sources, destinations)
+        finally:
+            with reg.lock:
+                tables.release()
+        owners = slot_owners(reg, plan.slots, self.agents.connected)
+        readers = {rank: plan.readers(run.source_pool, rank) for rank in range(run.pool_size)}
+        members = frozenset([*(w.worker_id for w in dest_workers), *owners.by_agent])
+        return Membership(
+            run.model,
+            epoch,
+            plan,
+            dest_workers,
+            owners,
+            readers,
+            members,
+            frozenset(p.name for p in dests if p.staged),
+            frozenset([src.name] if src.snapshot else []),
+        )
+
+    def for_catch_up(
+        self, model: str, epoch: int, plan: ControllerPlan, behind: list[Worker]
+    ) -> Membership:
+        """The Membership of a catch-up into `behind` (no source ranks read)."""
+        owners = slot_owners(self.registry, plan.slots, self.agents.connected)
+        members = frozenset([*(w.worker_id for w in behind), *owners.by_agent])
+        return Membership(model, epoch, plan, behind, owners, {}, members)
