@@ -64,7 +64,7 @@ class RefitCoordinator:
             allow_dtype_cast=settings.allow_dtype_cast,
         )
         self._stop = threading.Event()
-        self.records = RefitRecords(settings, db, metrics)
+        self.records = RefitRecords(settings, db, metrics, registry)
         self.scheduler = Scheduler(settings, self.records, self._stop, self._drive)
         self.memberships = Memberships(
             registry, agents, events, self.plans, self.plan_options, self.gc_pause
@@ -74,8 +74,8 @@ class RefitCoordinator:
         self.events = WorkerEvents(registry, events, board, self.settler.settle)
         self.acks = CommitAckBook(registry, events, board)
         self.lifecycle = RefitLifecycle(
-            settings, registry, db, metrics, self.scheduler, self.memberships,
-            self.dataplane, self.events, self.acks, self.records, self.delta,
+            settings, metrics, self.scheduler, self.memberships, self.dataplane, self.events,
+            self.acks, self.records, self.delta,
         )  # fmt: skip
         self.catch_ups = CatchUps(
             settings, registry, self.scheduler, self.memberships, self.dataplane,
