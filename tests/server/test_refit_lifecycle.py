@@ -23,13 +23,13 @@ from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import megatron_layout
 from refitd.server.delta_refits import DeltaRefits
 from refitd.server.errors import precondition
+from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanOptions, make_plan
 from refitd.server.refit.lifecycle import Phase, RefitLifecycle
 from refitd.server.refit.membership import Membership, SlotOwners
 from refitd.server.refit.run import CommitAcks, ModelRefits, RefitRun, attempt_id
 from refitd.server.refit.scheduler import Scheduler
-from refitd.server.registry import Worker
 from refitd.server.streams import AckTally, Gather, GatherBoard, PhaseFailed
 
 MODEL = "m"

@@ -146,8 +146,7 @@ class DataPlane:
             return
         g, gid = self._gather("load program", ms)
         try:
-            with self.registry.lock:
-                memory = self._memory_index(ms.model)
+            memory = self.registry.memory_index(ms.model)
             for agent_id, slots in ms.by_agent.items():
                 for slot in slots:
                     if slot not in todo:
@@ -177,15 +176,6 @@ class DataPlane:
             self._end_gather(g, gid)
         for s in todo:
             self._slots[s].loaded.add(plan.digest)
-
-    def _memory_index(self, model: str) -> dict[tuple[str, int, str], bytes]:
-        """(pool, rank, name) -> memory handle of the model's live workers (lock held)."""
-        return {
-            (w.pool, w.rank, name): mem
-            for w in self.registry.workers.values()
-            if w.live and w.model == model
-            for name, mem in w.memory.items()
-        }
 
     # ------------------------------------------------------------------ transfer
     def transfer(self, ms: Membership, run: RefitRun, cond: threading.Condition) -> float:
@@ -240,12 +230,8 @@ class DataPlane:
     def _delta_commands(
         self, ms: Membership, run: RefitRun, exec_id: int
     ) -> dict[int, pb.DeltaCommand]:
-        with self.registry.lock:
-            mdl = self.registry.models.get(run.model)
-            committed = mdl.committed_version if mdl is not None else 0
-            host_slots = frozenset(
-                i for i, sl in self.registry.slots.items() if sl.device.startswith("cpu")
-            )
+        committed = self.registry.committed_version(run.model)
+        host_slots = self.registry.host_slots()
         return self.delta.commands(
             run.model, ms.plan, ms.dest_workers, ms.staged_pools, committed, exec_id,
             run.detail, host_slots,

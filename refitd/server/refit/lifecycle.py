@@ -35,11 +35,11 @@ from typing import Protocol
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.server.errors import ControlError
+from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.refit.membership import Membership
 from refitd.server.refit.run import CommitAcks, ModelRefits, RefitRun
 from refitd.server.refit.scheduler import Switch
-from refitd.server.registry import Worker
 from refitd.server.streams import Gather, PhaseFailed
 
 log = logging.getLogger("refitd.controller")

@@ -10,9 +10,10 @@ from collections.abc import Iterable
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.server.database import RefitRecord, StateDB
+from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.refit.run import STATE_NAMES, ModelRefits, RefitRun
-from refitd.server.registry import Registry, Worker
+from refitd.server.registry import Registry
 
 log = logging.getLogger("refitd.controller")
 
@@ -48,13 +49,11 @@ class RefitRecords:
         made the model's committed version, which the workers now hold."""
         self.db.commit_version(run.model, run.version, run.refit_id, run.bytes, run.seconds, epoch)
         self.registry.set_committed(run.model, run.version)
-        for w in workers:
-            w.holds = run.version
+        self.registry.set_holds(workers, run.version)
 
     def torn(self, workers: Iterable[Worker]) -> None:
         """The weights of `workers` may be torn: none can be the source of a catch-up."""
-        for w in workers:
-            w.holds = 0
+        self.registry.set_holds(workers, 0)
 
     def finish(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
         """Final state: waiters wake first, then the history row and metrics are written."""
