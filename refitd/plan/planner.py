@@ -71,17 +71,29 @@ def build_plan(
 
 
 def build_plan_from_table(
-    model: str, epoch: int, sources: SpecTable, destinations: SpecTable, config: PlanConfig
+    model: str,
+    epoch: int,
+    sources: SpecTable,
+    destinations: SpecTable,
+    config: PlanConfig,
+    digest: str | None = None,
 ) -> Plan:
     """build_plan from registrations already in columns (e.g. kept by the controller as
-    workers register); the tables must not change while the plan is in use."""
-    return _build(model, epoch, sources, destinations, config)
+    workers register); the tables must not change while the plan is in use. `digest`: the
+    plan_digest of these inputs when the caller has it already (not computed again)."""
+    return _build(model, epoch, sources, destinations, config, digest)
 
 
 def _build(
-    model: str, epoch: int, sources: SpecTable, destinations: SpecTable, config: PlanConfig
+    model: str,
+    epoch: int,
+    sources: SpecTable,
+    destinations: SpecTable,
+    config: PlanConfig,
+    digest: str | None = None,
 ) -> Plan:
-    digest = fingerprint(model, sources, destinations, config)
+    if digest is None:
+        digest = fingerprint(model, sources, destinations, config)
     src = side_of(sources, 0)
     dst = side_of(destinations, len(sources))
     group(src)

@@ -143,14 +143,12 @@ class Controller:
         return checks
 
     def refresh_gauges(self) -> None:
-        reg = self.registry
-        with reg.lock:
-            self.metrics.workers.clear()
-            for m in reg.models.values():
-                for p in m.pools.values():
-                    self.metrics.workers.labels(m.name, p.name).set(len(p.ranks))
-            self.metrics.slots.set(len(reg.slots))
-            self.metrics.agents.set(sum(1 for a in reg.agents.values() if a.connected))
+        pools, slots, agents = self.registry.gauges()
+        self.metrics.workers.clear()
+        for (model, pool), ranks in pools.items():
+            self.metrics.workers.labels(model, pool).set(ranks)
+        self.metrics.slots.set(slots)
+        self.metrics.agents.set(agents)
 
     def stop(self, grace_s: float = 2.0) -> None:
         if self.stopping:

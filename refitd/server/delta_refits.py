@@ -20,8 +20,8 @@ from refitd.server.delta_policy import (
     decide,
     refit_mode,
 )
+from refitd.server.members import Worker
 from refitd.server.planning import ControllerPlan
-from refitd.server.registry import Worker
 
 
 @dataclass

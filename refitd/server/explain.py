@@ -48,7 +48,7 @@ def current_plan(c: Controller, model: str) -> tuple[ControllerPlan, bool]:
         digest = make_digest(model, sources, destinations, options)
         plan = c.refits.plans.get(digest)
         if plan is None:
-            plan = make_plan(model, epoch, sources, destinations, options)
+            plan = make_plan(model, epoch, sources, destinations, options, digest=digest)
             c.refits.plans.put(plan)
     finally:
         with reg.lock:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -186,7 +185,7 @@ class RefitServicer(pbg.RefitServicer):
     def GetStatus(self, request: pb.StatusRequest, context: Any) -> Any:
         if request.model:
             check_identifier(request.model, "model")
-        if request.model and request.model not in self.c.registry.models:
+        if request.model and not self.c.registry.has_model(request.model):
             raise ControlError(ErrorKind.NOT_FOUND, f"model {request.model!r} is not registered")
         return pb.StatusResponse(json=json.dumps(status_document(self.c, request.model)))
 
@@ -212,10 +211,13 @@ class AgentControlServicer(pbg.AgentControlServicer):
     def RegisterAgent(self, request: pb.RegisterAgentRequest, context: Any) -> Any:
         check_register_agent(request)
         agent = self.c.registry.register_agent(
-            request.host, [s.device for s in request.slots], request.pid, request.agent_id
+            request.host,
+            [s.device for s in request.slots],
+            request.pid,
+            request.agent_id,
+            batch_execute=request.batch_execute,
+            data_plane_address=request.data_plane_address,
         )
-        agent.batch_execute = request.batch_execute
-        agent.data_plane_address = request.data_plane_address
         self.c.refresh_gauges()
         return pb.RegisterAgentResponse(
             agent_id=agent.agent_id,
@@ -231,9 +233,8 @@ class AgentControlServicer(pbg.AgentControlServicer):
             context.abort(GRPC_CODES[e.kind], e.message)
         # The lease counts from here: between RegisterAgent and this stream an agent spawns
         # its transfer processes (each imports torch), which on a busy host outlasts a lease.
-        agent.last_seen = time.monotonic()
         stream = self.c.agents.open(agent.agent_id)
-        agent.connected = True
+        self.c.registry.agent_connected(agent)
         self.c.refresh_gauges()
         try:
             context.add_callback(stream.wake)
@@ -244,9 +245,7 @@ class AgentControlServicer(pbg.AgentControlServicer):
             ):
                 # A re-registration on this stream (a transfer process restarted) replaced
                 # the registry's Agent: mark the current one, or its slots stay claimed.
-                with self.c.registry.lock:
-                    current = self.c.registry.agents.get(agent.agent_id, agent)
-                    agent.connected = current.connected = False
+                self.c.registry.agent_disconnected(agent)
             self.c.refresh_gauges()
 
     @_translated
@@ -254,12 +253,12 @@ class AgentControlServicer(pbg.AgentControlServicer):
         check_id(request.agent_id, "agent_id")
         agent = self.c.registry.agent(request.agent_id)
         check_report(request, agent.slot_ids)
-        agent.last_seen = time.monotonic()
+        self.c.registry.touch_agent(agent.agent_id)
         self.c.agents.report(request, agent.slot_ids)
         return pb.AgentReportResponse()
 
     @_translated
     def AgentHeartbeat(self, request: pb.AgentHeartbeatRequest, context: Any) -> Any:
         check_id(request.agent_id, "agent_id")
-        self.c.registry.agent(request.agent_id).last_seen = time.monotonic()
+        self.c.registry.touch_agent(request.agent_id)
         return pb.AgentHeartbeatResponse()

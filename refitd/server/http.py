@@ -63,7 +63,7 @@ def build_app(c: Controller) -> FastAPI:
         model: str = Query("", max_length=128, description="only this model"),
         ranks: bool = Query(True, description="include the per-rank tables"),
     ) -> dict[str, Any]:
-        if model and model not in c.registry.models:
+        if model and not c.registry.has_model(model):
             raise HTTPException(404, f"model {model!r} is not registered")
         return status_document(c, model, with_ranks=ranks)
 

@@ -260,14 +260,16 @@ def make_plan(
     destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
     gc_pause: GcPause | None = None,
+    digest: str | None = None,
 ) -> ControllerPlan:
     """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION.
     No slot program is built here (see ControllerPlan.load_payload); the plan keeps
-    `gc_pause` for them."""
+    `gc_pause` for them. `digest`: make_digest of the same inputs, when the caller has it."""
     with gc_pause or contextlib.nullcontext():
         src, dst = _table(sources), _table(destinations)
         try:
-            plan = build_plan_from_table(model, epoch, src, dst, _planner_config(options))
+            config = _planner_config(options)
+            plan = build_plan_from_table(model, epoch, src, dst, config, digest)
         except PlanError as e:
             raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
     return ControllerPlan(

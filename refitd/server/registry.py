@@ -4,7 +4,8 @@ Every change of membership (a worker or an agent registers or leaves) bumps the 
 the models it touches: what a refit needs from the registry (workers, memory handles,
 agents) is looked up again. The plan digest is the layout identity, not the epoch: a rank
 that registers the same layout again leaves the model's spec tables as they are, so its
-plan is reused and only the slots holding its tensors get their program again. The registry is the controller's in-memory view, written through to StateDB.
+plan is reused and only the slots holding its tensors get their program again. The
+registry is the controller's in-memory view, written through to StateDB.
 """
 
 from __future__ import annotations
@@ -12,93 +13,15 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.plan.layout import TensorSpec
 from refitd.server.database import StateDB
 from refitd.server.errors import invalid, not_found, precondition
-from refitd.server.planning import ModelTables
+from refitd.server.members import Agent, Model, Pool, Slot, Worker
+from refitd.server.planning import WorkerKey
 from refitd.server.validation import check_device, check_worker_header, specs_from_request
-
-
-@dataclass
-class Worker:
-    """One registered trainer or inference rank."""
-
-    worker_id: str
-    model: str
-    pool: str
-    role: str
-    rank: int
-    pool_size: int
-    host: str
-    device: str
-    pid: int
-    slot: int
-    specs: tuple[TensorSpec, ...]
-    memory: dict[str, bytes]
-    registered_at: float
-    last_seen: float
-    live: bool = True  # False: restored from the database, not re-registered yet
-    holds: int = 0  # committed version its registered memory holds (destinations; 0: none)
-    paused_in: int = 0  # refit whose PAUSE it re-registered in, not yet told the outcome
-
-    def describe(self) -> str:
-        return f"worker {self.worker_id} (rank {self.rank} of pool {self.pool!r})"
-
-
-@dataclass
-class Pool:
-    name: str
-    role: str
-    size: int
-    ranks: dict[int, str] = field(default_factory=dict)  # rank -> worker_id
-    staged: bool = False  # destination pool receiving into staging buffers (apply on commit)
-    snapshot: bool = False  # source pool released after its slots copied it (snapshot.py)
-    # canonical -> (global shape, first rank registering it); None: rebuild after a removal
-    shapes: dict[str, tuple[tuple[int, ...], int]] | None = None
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ranks) == self.size
-
-
-@dataclass
-class Model:
-    name: str
-    epoch: int = 0
-    committed_version: int = 0
-    pools: dict[str, Pool] = field(default_factory=dict)
-    tables: ModelTables = field(default_factory=ModelTables)  # its specs, planner columns
-
-    def source_pool(self) -> Pool | None:
-        return next((p for p in self.pools.values() if p.role == "source"), None)
-
-    def destination_pools(self) -> list[Pool]:
-        return [p for p in self.pools.values() if p.role == "destination"]
-
-
-@dataclass
-class Slot:
-    slot_id: int
-    host: str
-    device: str
-    agent_id: str | None
-
-
-@dataclass
-class Agent:
-    agent_id: str
-    host: str
-    pid: int
-    slot_ids: list[int]
-    registered_at: float
-    last_seen: float
-    incarnation: int
-    connected: bool = False  # its Commands stream is open
-    batch_execute: bool = False  # takes one ExecuteCommand for all its slots
-    data_plane_address: str = ""  # where its transfer processes accept peers
 
 
 class Registry:
@@ -146,7 +69,15 @@ class Registry:
         self.db.save_model(model.name, model.epoch, model.committed_version)
 
     # --- agents
-    def register_agent(self, host: str, devices: list[str], pid: int, agent_id: str = "") -> Agent:
+    def register_agent(
+        self,
+        host: str,
+        devices: list[str],
+        pid: int,
+        agent_id: str = "",
+        batch_execute: bool = False,
+        data_plane_address: str = "",
+    ) -> Agent:
         """Register (or re-register) a node agent; returns it with its global slot ids."""
         if not host:
             raise invalid("field host of RegisterAgent is empty")
@@ -192,7 +123,8 @@ class Registry:
             agent = Agent(agent_id, host, pid, ids, time.time(), now, self._incarnations)
             if old is not None:  # re-registration on an open stream (a slot restarted)
                 agent.connected = old.connected
-                agent.batch_execute = old.batch_execute
+            agent.batch_execute = batch_execute
+            agent.data_plane_address = data_plane_address
             self.agents[agent_id] = agent
             self.db.save_agent(agent_id, host, pid)
             for m in self.models.values():
@@ -233,11 +165,49 @@ class Registry:
         live: bool,
         specs: list[TensorSpec] | None = None,
     ) -> Worker:
+        """Check a registration against its model and pool, then add (or replace) the
+        worker, its pool entry and its specs (lock held)."""
         role = check_worker_header(req)
         if specs is None:
             specs = specs_from_request(req, slot)
         model = self.models.get(req.model) or Model(req.model)
         pool = model.pools.get(req.pool)
+        self._check_pool_role(model, pool, req, role)
+        self._check_staged(pool, req, role)
+        self._check_against_pool(model, req, specs)
+        if pool is None:
+            pool = Pool(req.pool, role, req.pool_size)
+            model.pools[req.pool] = pool
+        pool.size = req.pool_size
+        pool.staged = req.staged
+        pool.snapshot = req.snapshot
+        old_id, old = self._replaced_rank(pool, req)
+        worker = self._new_worker(req, worker_id, slot, live, role, specs, model)
+        self.models[req.model] = model
+        pool.ranks[req.rank] = worker.worker_id
+        self.workers[worker.worker_id] = worker
+        if old_id is None:
+            model.tables.add(role, worker.specs)
+            if pool.shapes is not None:
+                for t in worker.specs:
+                    pool.shapes.setdefault(t.canonical, (t.global_shape, req.rank))
+        elif old is None or old.specs != worker.specs:
+            model.tables.invalidate()
+            pool.shapes = None
+        # else: the rank registered the same layout again (a restart: only its memory
+        # handles changed), so the tables, and with them the plan digest, stay as they are
+        if live:
+            self.db.save_worker(
+                worker.worker_id, req.model, req.pool, req.rank, req.SerializeToString(), slot
+            )
+            self._bump(model)
+        return worker
+
+    @staticmethod
+    def _check_pool_role(
+        model: Model, pool: Pool | None, req: pb.RegisterWorkerRequest, role: str
+    ) -> None:
+        """A rank agrees with its pool's role and size; a model has one source pool."""
         if pool is not None and pool.role != role:
             raise precondition(
                 f"rank {req.rank} of pool {req.pool!r} registers as {role}, but the pool is "
@@ -259,28 +229,33 @@ class Registry:
                     f"model {req.model!r} already has source pool {src.name!r}; pool "
                     f"{req.pool!r} cannot be a second source"
                 )
-        self._check_staged(pool, req, role)
-        self._check_against_pool(model, req, specs)
-        if pool is None:
-            pool = Pool(req.pool, role, req.pool_size)
-            model.pools[req.pool] = pool
-        pool.size = req.pool_size
-        pool.staged = req.staged
-        pool.snapshot = req.snapshot
+
+    def _replaced_rank(
+        self, pool: Pool, req: pb.RegisterWorkerRequest
+    ) -> tuple[str | None, Worker | None]:
+        """(worker id, worker) that held the rank before (removed here), if any."""
         old_id = pool.ranks.get(req.rank)
         if req.worker_id and req.worker_id != old_id and req.worker_id in self.workers:
             raise precondition(
                 f"worker_id {req.worker_id} belongs to another rank; it cannot register as "
                 f"rank {req.rank} of pool {req.pool!r}"
             )
-        old = self.workers.get(old_id) if old_id is not None else None
-        if old_id is not None:
-            self.workers.pop(old_id, None)
-            self.db.delete_worker(old_id)
-        worker_id = worker_id or req.worker_id or uuid.uuid4().hex[:12]
-        now = time.monotonic()
-        worker = Worker(
-            worker_id=worker_id,
+        if old_id is None:
+            return None, None
+        old = self.workers.pop(old_id, None)
+        self.db.delete_worker(old_id)
+        return old_id, old
+
+    @staticmethod
+    def _new_worker(
+        req: pb.RegisterWorkerRequest, worker_id: str, slot: int, live: bool, role: str,
+        specs: list[TensorSpec], model: Model,
+    ) -> Worker:  # fmt: skip
+        """The Worker of a registration; a held version counts only when it is the
+        committed one, a paused refit only for a live destination."""
+        dest = role == "destination"
+        return Worker(
+            worker_id=worker_id or req.worker_id or uuid.uuid4().hex[:12],
             model=req.model,
             pool=req.pool,
             role=role,
@@ -293,32 +268,13 @@ class Registry:
             specs=tuple(specs),
             memory={t.name: t.memory for t in req.tensors},
             registered_at=time.time(),
-            last_seen=now,
+            last_seen=time.monotonic(),
             live=live,
             holds=req.held_version
-            if 0 < req.held_version == model.committed_version and role == "destination"
+            if 0 < req.held_version == model.committed_version and dest
             else 0,
-            paused_in=req.paused_refit_id if live and role == "destination" else 0,
+            paused_in=req.paused_refit_id if live and dest else 0,
         )
-        self.models[req.model] = model
-        pool.ranks[req.rank] = worker_id
-        self.workers[worker_id] = worker
-        if old_id is None:
-            model.tables.add(role, worker.specs)
-            if pool.shapes is not None:
-                for t in worker.specs:
-                    pool.shapes.setdefault(t.canonical, (t.global_shape, req.rank))
-        elif old is None or old.specs != worker.specs:
-            model.tables.invalidate()
-            pool.shapes = None
-        # else: the rank registered the same layout again (a restart: only its memory
-        # handles changed), so the tables, and with them the plan digest, stay as they are
-        if live:
-            self.db.save_worker(
-                worker_id, req.model, req.pool, req.rank, req.SerializeToString(), slot
-            )
-            self._bump(model)
-        return worker
 
     def _check_staged(self, pool: Pool | None, req: pb.RegisterWorkerRequest, role: str) -> None:
         """Staged mode is a destination pool's choice, snapshot a source pool's; the same for
@@ -426,3 +382,148 @@ class Registry:
     def set_committed(self, model: str, version: int) -> None:
         with self.lock:
             self.models[model].committed_version = version
+
+    # --- leases and connections (every change of a worker or agent field goes through here)
+    def renew_worker(self, w: Worker) -> None:
+        """A call of the worker renews its lease."""
+        with self.lock:
+            w.last_seen = time.monotonic()
+
+    def touch_agent(self, agent_id: str) -> Agent:
+        """Renew an agent's lease; NOT_FOUND when it is not registered."""
+        with self.lock:
+            a = self.agent(agent_id)
+            a.last_seen = time.monotonic()
+            return a
+
+    def agent_connected(self, agent: Agent) -> None:
+        """Its Commands stream opened (the lease counts from here)."""
+        with self.lock:
+            agent.last_seen = time.monotonic()
+            agent.connected = True
+
+    def agent_disconnected(self, agent: Agent) -> None:
+        """Its Commands stream closed: the agent, and the registry's current Agent of that
+        id (a re-registration on the stream replaces it), no longer hold their slots."""
+        with self.lock:
+            current = self.agents.get(agent.agent_id, agent)
+            agent.connected = current.connected = False
+
+    def silent(self, cutoff: float) -> tuple[list[Worker], list[Agent]]:
+        """Live workers and agents last seen before `cutoff` (monotonic)."""
+        with self.lock:
+            workers = [w for w in self.workers.values() if w.live and w.last_seen < cutoff]
+            agents = [a for a in self.agents.values() if a.last_seen and a.last_seen < cutoff]
+            return workers, agents
+
+    def still_silent(self, agent_ids: Iterable[str], cutoff: float) -> list[Agent]:
+        """The current agents of these ids still last seen before `cutoff`."""
+        with self.lock:
+            agents = (self.agents.get(x) for x in agent_ids)
+            return [a for a in agents if a is not None and a.last_seen and a.last_seen < cutoff]
+
+    # --- versions held and paused refits
+    def set_holds(self, workers: Iterable[Worker], version: int) -> None:
+        """The registered memory of `workers` holds `version` (0: nothing trusted)."""
+        with self.lock:
+            for w in workers:
+                w.holds = version
+
+    def told_outcome(self, w: Worker, refit_id: int, holds: int | None = None) -> bool:
+        """`w` was told how refit `refit_id` (0: whichever paused it) ended; True when that
+        was the refit its registration was paused in (then cleared). `holds`: the version
+        its memory holds now."""
+        with self.lock:
+            if holds is not None:
+                w.holds = holds
+            if w.paused_in and refit_id in (0, w.paused_in):
+                w.paused_in = 0
+                return True
+            return False
+
+    def paused_workers(self, worker_ids: Iterable[str] | None = None) -> list[Worker]:
+        """Live workers (all, or of these ids) that re-registered paused by a refit."""
+        with self.lock:
+            pool = (
+                self.workers.values() if worker_ids is None else map(self.workers.get, worker_ids)
+            )
+            return [w for w in pool if w is not None and w.live and w.paused_in]
+
+    # --- what a refit reads
+    def has_model(self, name: str) -> bool:
+        with self.lock:
+            return name in self.models
+
+    def model_names(self) -> list[str]:
+        with self.lock:
+            return list(self.models)
+
+    def committed_version(self, model: str) -> int:
+        """The committed version of `model` (0: none, or not registered)."""
+        with self.lock:
+            m = self.models.get(model)
+            return m.committed_version if m is not None else 0
+
+    def live_destinations(self, model: str) -> tuple[int, list[Worker]]:
+        """(committed version, live destination workers) of `model`; (0, []) without one."""
+        with self.lock:
+            mdl = self.models.get(model)
+            if mdl is None or mdl.committed_version <= 0:
+                return 0, []
+            return mdl.committed_version, [
+                self.workers[wid]
+                for p in mdl.destination_pools()
+                for wid in p.ranks.values()
+                if wid in self.workers and self.workers[wid].live
+            ]
+
+    def host_slots(self) -> frozenset[int]:
+        """Slots on CPU devices (host memory)."""
+        with self.lock:
+            return frozenset(i for i, sl in self.slots.items() if sl.device.startswith("cpu"))
+
+    def identities(self, model: str) -> dict[WorkerKey, str]:
+        """(pool, rank) -> identity of its live registration: a new identity means new
+        memory handles (the slots holding its tensors need their program again)."""
+        with self.lock:
+            return {
+                (w.pool, w.rank): f"{w.worker_id}@{w.registered_at!r}"
+                for w in self.workers.values()
+                if w.live and w.model == model
+            }
+
+    def memory_index(
+        self, model: str, holders: Collection[WorkerKey]
+    ) -> dict[tuple[str, int, str], bytes]:
+        """(pool, rank, name) -> memory handle of the live workers `holders` of the model:
+        only the workers of the slots being loaded are looked at."""
+        out: dict[tuple[str, int, str], bytes] = {}
+        with self.lock:
+            m = self.models.get(model)
+            for pool, rank in holders:
+                p = m.pools.get(pool) if m is not None else None
+                w = self.workers.get(p.ranks.get(rank, "")) if p is not None else None
+                if w is not None and w.live:
+                    out.update(((pool, rank, name), mem) for name, mem in w.memory.items())
+        return out
+
+    def slot_agents(self, slots: Sequence[int]) -> list[tuple[int, Slot | None, Agent | None]]:
+        """Each slot with its registration and the agent holding it (None when unknown)."""
+        with self.lock:
+            out = []
+            for slot in slots:
+                owner = self.slots.get(slot)
+                out.append((slot, owner, self.agents.get(owner.agent_id or "") if owner else None))
+            return out
+
+    def pool_complete(self, model: str, pool: str) -> bool:
+        with self.lock:
+            p = self.model(model).pools.get(pool)
+            return p is not None and p.complete
+
+    def gauges(self) -> tuple[dict[tuple[str, str], int], int, int]:
+        """((model, pool) -> ranks registered, slots, agents connected)."""
+        with self.lock:
+            pools = {(m.name, p.name): len(p.ranks) for m in self.models.values()
+                     for p in m.pools.values()}  # fmt: skip
+            return pools, len(self.slots), sum(1 for a in self.agents.values() if a.connected)

@@ -20,7 +20,8 @@ from refitd.server.refit.run import STATE_NAMES
 
 if TYPE_CHECKING:
     from refitd.server.controller import Controller
-    from refitd.server.registry import Pool, Registry
+    from refitd.server.members import Pool
+    from refitd.server.registry import Registry
 
 PHASES = ("barrier", "pause", "transfer", "commit", "other")
 

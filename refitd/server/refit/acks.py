@@ -9,8 +9,9 @@ import threading
 import time
 
 from refitd.server.errors import ControlError
+from refitd.server.members import Worker
 from refitd.server.refit.run import CommitAcks, RefitRun
-from refitd.server.registry import Registry, Worker
+from refitd.server.registry import Registry
 from refitd.server.streams import AckTally, EventHub, GatherBoard
 
 log = logging.getLogger("refitd.controller")

@@ -12,13 +12,14 @@ from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.server.delta_refits import DeltaRefits
 from refitd.server.errors import ControlError
+from refitd.server.members import Worker
 from refitd.server.refit.dataplane import DataPlane
 from refitd.server.refit.events import WorkerEvents
 from refitd.server.refit.membership import Memberships
 from refitd.server.refit.records import RefitRecords
 from refitd.server.refit.run import ModelRefits, RefitRun
 from refitd.server.refit.scheduler import Scheduler
-from refitd.server.registry import Registry, Worker
+from refitd.server.registry import Registry
 
 log = logging.getLogger("refitd.controller")
 
@@ -50,18 +51,9 @@ class CatchUps:
     def behind(self, model: str) -> tuple[int, list[Worker], list[Worker]]:
         """(committed version, subscribed destination ranks that lack it and were not tried
         yet, live destination ranks that hold it)."""
-        reg = self.registry
-        with reg.lock:
-            mdl = reg.models.get(model)
-            if mdl is None or mdl.committed_version <= 0:
-                return 0, [], []
-            v = mdl.committed_version
-            dests = [
-                reg.workers[wid]
-                for p in mdl.destination_pools()
-                for wid in p.ranks.values()
-                if wid in reg.workers and reg.workers[wid].live
-            ]
+        v, dests = self.registry.live_destinations(model)
+        if not dests:
+            return v, [], []
         subscribed = self.events.subscribed(w.worker_id for w in dests)
         behind = [
             w
@@ -75,9 +67,7 @@ class CatchUps:
 
     def find(self) -> None:
         """Flag every model with a rank behind: its driver runs the catch-up."""
-        with self.registry.lock:
-            names = list(self.registry.models)
-        for name in names:
+        for name in self.registry.model_names():
             if self.behind(name)[1]:
                 m = self.scheduler.model(name)
                 with m.cond:
@@ -127,8 +117,7 @@ class CatchUps:
             wrote = True
             self.dataplane.transfer(membership, run, m.cond)
             self.delta.committed(m.name, version, plan.digest, behind, None, how="catch_up")
-            for w in behind:
-                w.holds = version
+            self.registry.set_holds(behind, version)
             self.events.commit(run, behind, None)
             turn.release()
             log.info("%s caught up to version %s from %d replica ranks", who, version, len(sources))

@@ -19,6 +19,7 @@ from refitd.plan.gc_pause import GcPause
 from refitd.server.database import RefitRecord, StateDB
 from refitd.server.delta_refits import DeltaRefits
 from refitd.server.errors import ControlError, ErrorKind, precondition
+from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanCache, PlanOptions
 from refitd.server.refit.acks import CommitAckBook
@@ -31,7 +32,7 @@ from refitd.server.refit.membership import Memberships
 from refitd.server.refit.records import RefitRecords
 from refitd.server.refit.run import STATE_NAMES, ModelRefits, RefitRun
 from refitd.server.refit.scheduler import Scheduler
-from refitd.server.registry import Registry, Worker
+from refitd.server.registry import Registry
 from refitd.server.streams import AgentHub, EventHub, GatherBoard
 
 log = logging.getLogger("refitd.controller")
@@ -66,7 +67,7 @@ class RefitCoordinator:
             transport=settings.transport,
         )
         self._stop = threading.Event()
-        self.records = RefitRecords(settings, db, metrics)
+        self.records = RefitRecords(settings, db, metrics, registry)
         self.scheduler = Scheduler(settings, self.records, self._stop, self._drive)
         self.memberships = Memberships(
             registry, agents, events, self.plans, self.plan_options, self.gc_pause, metrics
@@ -78,8 +79,8 @@ class RefitCoordinator:
         self.events = WorkerEvents(registry, events, board, self.settler.settle)
         self.acks = CommitAckBook(registry, events, board)
         self.lifecycle = RefitLifecycle(
-            settings, registry, db, metrics, self.scheduler, self.memberships,
-            self.dataplane, self.events, self.acks, self.records, self.delta,
+            settings, metrics, self.scheduler, self.memberships, self.dataplane, self.events,
+            self.acks, self.records, self.delta,
         )  # fmt: skip
         self.catch_ups = CatchUps(
             settings, registry, self.scheduler, self.memberships, self.dataplane,
@@ -131,7 +132,7 @@ class RefitCoordinator:
             raise precondition(f"{w.describe()} was restored after a restart; re-register it")
         if version <= 0:
             raise ControlError(ErrorKind.INVALID, f"field version must be > 0, got {version}")
-        w.last_seen = time.monotonic()  # a Refit call renews the lease like a heartbeat
+        self.registry.renew_worker(w)  # a Refit call renews the lease like a heartbeat
         committed = self.registry.model(w.model).committed_version
         m, run, ready = self.scheduler.join(w, version, committed, wait)
         if ready is None:

@@ -21,7 +21,7 @@ from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.server.delta_refits import DeltaRefits
 from refitd.server.metrics import ControllerMetrics
-from refitd.server.planning import PlanCache, SlotInputs, WorkerKey, stale_slots
+from refitd.server.planning import PlanCache, SlotInputs, stale_slots
 from refitd.server.refit.checksums import compare_checksums
 from refitd.server.refit.membership import Membership
 from refitd.server.refit.run import RefitRun, attempt_id
@@ -162,8 +162,7 @@ class DataPlane:
         """LoadProgramCommand to the slots whose program of this plan is missing or was
         loaded with other workers' memory handles; the others keep theirs."""
         plan = ms.plan
-        with self.registry.lock:
-            identity = self._identities(ms.model)
+        identity = self.registry.identities(ms.model)
         todo = stale_slots(
             plan,
             lambda slot: self._slots[slot].inputs(ms.model, plan.digest),
@@ -175,10 +174,9 @@ class DataPlane:
             return
         g, gid = self._gather("load program", ms)
         try:
-            with self.registry.lock:
-                memory = self._memory_index(
-                    ms.model, {k for inputs in todo.values() for k, _ in inputs[0]}
-                )
+            memory = self.registry.memory_index(
+                ms.model, {k for inputs in todo.values() for k, _ in inputs[0]}
+            )
             for agent_id, slots in ms.by_agent.items():
                 for slot in slots:
                     if slot not in todo:
@@ -210,29 +208,6 @@ class DataPlane:
             self._slots[s].loaded[ms.model] = (plan.digest, inputs)
         self.metrics.programs_sent.labels(ms.model).inc(len(todo))
         self.plans.programs_sent += len(todo)
-
-    def _identities(self, model: str) -> dict[WorkerKey, str]:
-        """(pool, rank) -> identity of its live registration (lock held): a new one means
-        new memory handles."""
-        return {
-            (w.pool, w.rank): f"{w.worker_id}@{w.registered_at!r}"
-            for w in self.registry.workers.values()
-            if w.live and w.model == model
-        }
-
-    def _memory_index(
-        self, model: str, holders: set[WorkerKey]
-    ) -> dict[tuple[str, int, str], bytes]:
-        """(pool, rank, name) -> memory handle of the live workers `holders` of the model
-        (lock held): only the workers of the slots being loaded are looked at."""
-        m = self.registry.models.get(model)
-        out: dict[tuple[str, int, str], bytes] = {}
-        for pool, rank in holders:
-            p = m.pools.get(pool) if m is not None else None
-            w = self.registry.workers.get(p.ranks.get(rank, "")) if p is not None else None
-            if w is not None and w.live:
-                out.update(((pool, rank, name), mem) for name, mem in w.memory.items())
-        return out
 
     # ------------------------------------------------------------------ transfer
     def transfer(self, ms: Membership, run: RefitRun, cond: threading.Condition) -> float:
@@ -287,12 +262,8 @@ class DataPlane:
     def _delta_commands(
         self, ms: Membership, run: RefitRun, exec_id: int
     ) -> dict[int, pb.DeltaCommand]:
-        with self.registry.lock:
-            mdl = self.registry.models.get(run.model)
-            committed = mdl.committed_version if mdl is not None else 0
-            host_slots = frozenset(
-                i for i, sl in self.registry.slots.items() if sl.device.startswith("cpu")
-            )
+        committed = self.registry.committed_version(run.model)
+        host_slots = self.registry.host_slots()
         return self.delta.commands(
             run.model, ms.plan, ms.dest_workers, ms.staged_pools, committed, exec_id,
             run.detail, host_slots,

@@ -8,9 +8,10 @@ from collections.abc import Callable, Iterable
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.server.errors import ControlError
+from refitd.server.members import Worker
 from refitd.server.refit.membership import Membership
 from refitd.server.refit.run import RefitRun
-from refitd.server.registry import Registry, Worker
+from refitd.server.registry import Registry
 from refitd.server.streams import EventHub, Gather, GatherBoard, PhaseFailed
 
 
@@ -50,8 +51,7 @@ class WorkerEvents:
                 w = self.registry.worker(wid)
             except ControlError:
                 continue  # gone meanwhile
-            if w.paused_in == run.refit_id:
-                w.paused_in = 0  # told here: settle_paused has nothing left to say
+            self.registry.told_outcome(w, run.refit_id)  # settle_paused has nothing to say
             self.hub.send(wid, version_event(run, kind, w.pool, reason), None)
 
     def pause(
@@ -86,8 +86,7 @@ class WorkerEvents:
         """COMMIT to each worker (its ack counted in `acks` when given); a worker without
         a subscription is counted lost."""
         for w in workers:
-            if w.paused_in == run.refit_id:
-                w.paused_in = 0
+            self.registry.told_outcome(w, run.refit_id)
             ev = version_event(run, pb.EVENT_KIND_COMMIT, w.pool)
             if not self.hub.send(w.worker_id, ev, acks) and acks is not None:
                 acks.lose(w.worker_id, f"{w.describe()} lost its subscription before its COMMIT")

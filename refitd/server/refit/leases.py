@@ -13,7 +13,8 @@ from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.server.database import StateDB
 from refitd.server.errors import ControlError
-from refitd.server.registry import Registry, Worker
+from refitd.server.members import Worker
+from refitd.server.registry import Registry
 from refitd.server.streams import AgentHub, EventHub, GatherBoard
 
 log = logging.getLogger("refitd.controller")
@@ -32,10 +33,7 @@ class PausedSettler:
         (a controller restart, or a lease lost mid-refit) how it ended: COMMIT when its
         version landed, ABORT when nothing was written, INCOMPLETE when weights may be torn
         (or the refit is unknown). Refits still running here are settled when they end."""
-        reg = self.registry
-        with reg.lock:
-            pool = reg.workers.values() if worker_ids is None else map(reg.workers.get, worker_ids)
-            waiting = [w for w in pool if w is not None and w.live and w.paused_in]
+        waiting = self.registry.paused_workers(worker_ids)
         if not waiting:
             return
         subscribed = set(self.hub.subscribed(w.worker_id for w in waiting))
@@ -47,17 +45,18 @@ class PausedSettler:
             if outcome is not None and outcome.state not in ("committed", "failed", "superseded"):
                 continue  # still running: it tells its paused ranks itself
             ev = pb.VersionEvent(model=w.model, pool=w.pool, refit_id=rid)
+            holds: int | None = None
             if outcome is None:
                 ev.kind = pb.EVENT_KIND_INCOMPLETE
                 ev.reason = f"refit {rid} is unknown here: weights written during it are untrusted"
             elif outcome.state == "committed":
                 ev.kind, ev.version = pb.EVENT_KIND_COMMIT, outcome.version
-                w.holds = outcome.version  # landed in full; a catch-up follows if it is older
+                holds = outcome.version  # landed in full; a catch-up follows if it is older
             else:
                 ev.version = outcome.version
                 ev.kind = pb.EVENT_KIND_INCOMPLETE if outcome.wrote else pb.EVENT_KIND_ABORT
                 ev.reason = f"refit {rid} of version {outcome.version} failed: {outcome.reason}"
-            w.paused_in = 0
+            self.registry.told_outcome(w, rid, holds)
             log.warning(
                 "%s re-registered paused by refit %s: sent %s",
                 w.describe(),
@@ -113,19 +112,13 @@ class LeaseWatcher:
         """Unregister workers and drop agents last seen before `cutoff` (monotonic)."""
         timeout = self.settings.heartbeat_timeout_s
         reg = self.registry
-        with reg.lock:
-            workers = [w for w in reg.workers.values() if w.live and w.last_seen < cutoff]
-            agents = [a for a in reg.agents.values() if a.last_seen and a.last_seen < cutoff]
+        workers, agents = reg.silent(cutoff)
         # An open Subscribe stream is a lease of its own (gRPC keepalive watches it).
         streaming = set(self.events.subscribed(w.worker_id for w in workers))
         workers = [w for w in workers if w.worker_id not in streaming]
         agents = [a for a in agents if self.agents.connected(a.agent_id)]
-        with reg.lock:  # again: a stream opened (or a re-registration) meanwhile renews it
-            agents = [
-                a
-                for a in (reg.agents.get(x.agent_id) for x in agents)
-                if a is not None and a.last_seen and a.last_seen < cutoff
-            ]
+        # Again: a stream opened (or a re-registration) meanwhile renews it.
+        agents = reg.still_silent([a.agent_id for a in agents], cutoff)
         for w in workers:
             reason = f"{w.describe()} missed its heartbeats for {timeout:g}s (lease expired)"
             log.warning("%s; unregistering it", reason)

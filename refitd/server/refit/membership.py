@@ -17,10 +17,11 @@ from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
 from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
+from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import ControllerPlan, PlanCache, PlanOptions, make_digest, make_plan
 from refitd.server.refit.run import RefitRun
-from refitd.server.registry import Registry, Worker
+from refitd.server.registry import Registry
 from refitd.server.streams import AgentHub, EventHub
 
 
@@ -72,17 +73,14 @@ def slot_owners(
     by_agent: dict[str, list[int]] = {}
     batch: set[str] = set()
     incarnations: dict[int, int] = {}
-    with registry.lock:
-        for slot in slots:
-            owner = registry.slots.get(slot)
-            agent = registry.agents.get(owner.agent_id or "") if owner else None
-            if agent is None or not connected(agent.agent_id):
-                where = f"{owner.device} of host {owner.host!r}" if owner else "?"
-                raise precondition(f"slot {slot} ({where}) of the plan has no connected node agent")
-            by_agent.setdefault(agent.agent_id, []).append(slot)
-            incarnations[slot] = agent.incarnation
-            if agent.batch_execute:
-                batch.add(agent.agent_id)
+    for slot, owner, agent in registry.slot_agents(slots):
+        if agent is None or not connected(agent.agent_id):
+            where = f"{owner.device} of host {owner.host!r}" if owner else "?"
+            raise precondition(f"slot {slot} ({where}) of the plan has no connected node agent")
+        by_agent.setdefault(agent.agent_id, []).append(slot)
+        incarnations[slot] = agent.incarnation
+        if agent.batch_execute:
+            batch.add(agent.agent_id)
     return SlotOwners(by_agent, frozenset(batch), incarnations)
 
 
@@ -113,9 +111,7 @@ class Memberships:
         return self._cache.get(model)
 
     def source_pool_complete(self, run: RefitRun) -> bool:
-        with self.registry.lock:
-            pool = self.registry.model(run.model).pools.get(run.source_pool)
-            return pool is not None and pool.complete
+        return self.registry.pool_complete(run.model, run.source_pool)
 
     def for_run(self, run: RefitRun) -> Membership:
         """The cached Membership of the model's epoch, checked for liveness, else built."""
@@ -152,7 +148,9 @@ class Memberships:
         digest = make_digest(model, sources, destinations, self.plan_options)
         plan = self.plans.get(digest)
         if plan is None:
-            plan = make_plan(model, epoch, sources, destinations, self.plan_options, self.gc_pause)
+            plan = make_plan(
+                model, epoch, sources, destinations, self.plan_options, self.gc_pause, digest
+            )
             self.plans.put(plan)
             self.built(model, "refit")
         return plan

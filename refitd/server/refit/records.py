@@ -5,23 +5,30 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.server.database import RefitRecord, StateDB
+from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.refit.run import STATE_NAMES, ModelRefits, RefitRun
+from refitd.server.registry import Registry
 
 log = logging.getLogger("refitd.controller")
 
 
 class RefitRecords:
-    """Final states of runs, the refit history and the refit metrics of one controller."""
+    """Final states of runs, the version log, the refit history and the refit metrics of
+    one controller."""
 
-    def __init__(self, settings: Settings, db: StateDB, metrics: ControllerMetrics) -> None:
+    def __init__(
+        self, settings: Settings, db: StateDB, metrics: ControllerMetrics, registry: Registry
+    ) -> None:
         self.settings = settings
         self.db = db
         self.metrics = metrics
+        self.registry = registry
         for refit_id in db.interrupt_unfinished("the controller restarted during the refit"):
             log.warning("refit %s was interrupted by a controller restart: failed", refit_id)
         self.history: list[RefitRecord] = list(reversed(db.refits(settings.history_size)))
@@ -36,6 +43,17 @@ class RefitRecords:
         if not run.detail.get("wrote"):
             run.detail["wrote"] = True
             self.db.mark_refit(run.refit_id, "transferring")
+
+    def commit(self, run: RefitRun, epoch: int, workers: list[Worker]) -> None:
+        """`run`'s version landed in full in `workers`: logged (one SQLite transaction) and
+        made the model's committed version, which the workers now hold."""
+        self.db.commit_version(run.model, run.version, run.refit_id, run.bytes, run.seconds, epoch)
+        self.registry.set_committed(run.model, run.version)
+        self.registry.set_holds(workers, run.version)
+
+    def torn(self, workers: Iterable[Worker]) -> None:
+        """The weights of `workers` may be torn: none can be the source of a catch-up."""
+        self.registry.set_holds(workers, 0)
 
     def finish(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
         """Final state: waiters wake first, then the history row and metrics are written."""

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.server.errors import precondition
+from refitd.server.members import Worker
 from refitd.server.refit.records import RefitRecords
 from refitd.server.refit.run import ModelRefits, RefitRun
-from refitd.server.registry import Worker
 from refitd.server.streams import PhaseFailed
 
 

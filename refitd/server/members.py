@@ -1,0 +1,88 @@
+"""The cluster's members as the registry keeps them: models, pools, workers, device slots
+and node agents. Changed only through refitd.server.registry.Registry, under its lock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from refitd.plan.layout import TensorSpec
+from refitd.server.planning import ModelTables
+
+
+@dataclass
+class Worker:
+    """One registered trainer or inference rank."""
+
+    worker_id: str
+    model: str
+    pool: str
+    role: str
+    rank: int
+    pool_size: int
+    host: str
+    device: str
+    pid: int
+    slot: int
+    specs: tuple[TensorSpec, ...]
+    memory: dict[str, bytes]
+    registered_at: float
+    last_seen: float
+    live: bool = True  # False: restored from the database, not re-registered yet
+    holds: int = 0  # committed version its registered memory holds (destinations; 0: none)
+    paused_in: int = 0  # refit whose PAUSE it re-registered in, not yet told the outcome
+
+    def describe(self) -> str:
+        return f"worker {self.worker_id} (rank {self.rank} of pool {self.pool!r})"
+
+
+@dataclass
+class Pool:
+    name: str
+    role: str
+    size: int
+    ranks: dict[int, str] = field(default_factory=dict)  # rank -> worker_id
+    staged: bool = False  # destination pool receiving into staging buffers (apply on commit)
+    snapshot: bool = False  # source pool released after its slots copied it (snapshot.py)
+    # canonical -> (global shape, first rank registering it); None: rebuild after a removal
+    shapes: dict[str, tuple[tuple[int, ...], int]] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ranks) == self.size
+
+
+@dataclass
+class Model:
+    name: str
+    epoch: int = 0
+    committed_version: int = 0
+    pools: dict[str, Pool] = field(default_factory=dict)
+    tables: ModelTables = field(default_factory=ModelTables)  # its specs, planner columns
+
+    def source_pool(self) -> Pool | None:
+        return next((p for p in self.pools.values() if p.role == "source"), None)
+
+    def destination_pools(self) -> list[Pool]:
+        return [p for p in self.pools.values() if p.role == "destination"]
+
+
+@dataclass
+class Slot:
+    slot_id: int
+    host: str
+    device: str
+    agent_id: str | None
+
+
+@dataclass
+class Agent:
+    agent_id: str
+    host: str
+    pid: int
+    slot_ids: list[int]
+    registered_at: float
+    last_seen: float
+    incarnation: int
+    connected: bool = False  # its Commands stream is open
+    batch_execute: bool = False  # takes one ExecuteCommand for all its slots
+    data_plane_address: str = ""  # where its transfer processes accept peers
