@@ -223,13 +223,16 @@ def _mask_frame(b: np.ndarray, lv: np.ndarray, block: int, s: Scratch) -> _Frame
     lens[-1] = n - (nb - 1) * block
     kinds = choose_kinds(counts, lens, block, width)
     bm, ix, dn = (np.flatnonzero(kinds == k) for k in (BITMAP, INDEX, DENSE))
-    values = []
-    local = np.zeros(0, dtype=np.int64)
-    for blocks in (bm, ix):
-        rows, cols = np.nonzero(m2[blocks])
-        values.append(lv.take(blocks.take(rows) * block + cols))
-        if blocks is ix:
-            local = cols
+    if bm.size == nb:  # every block a bitmap: one boolean selection over the frame
+        values = [lv[mask[:n]]]
+    elif bm.size:
+        keep = np.zeros(nb, dtype=bool)
+        keep[bm] = True
+        values = [lv[(m2 & keep[:, None]).reshape(-1)[:n]]]
+    else:
+        values = [lv[:0]]
+    rows, local = np.nonzero(m2[ix])
+    values.append(lv.take(ix.take(rows) * block + local))
     return _Frame(kinds, counts, bits[bm], local, values, dn)
 
 
@@ -299,6 +302,13 @@ class Target:
         else:
             self.any.flat[positions] = values
 
+    def put_mask(self, start: int, mask: np.ndarray, values: np.ndarray) -> None:
+        """values into the elements start + i where mask[i], in order."""
+        if self.flat is not None:
+            self.flat[start : start + mask.size][mask] = values
+        else:
+            self.put(start + np.flatnonzero(mask), values)
+
     def put_range(self, a: int, b: int, values: np.ndarray) -> None:
         if self.flat is not None:
             self.flat[a:b] = values
@@ -355,11 +365,16 @@ def apply_frame(buf: np.ndarray, pos: int, dst: Target, start: int, n: int, bloc
     values = read_bytes(frame, at, (nbm + nix + ndense) * width, "values").view(dtype)
     if pad8(at + values.size * width) != nbytes:
         raise DeltaError(f"delta frame at byte {pos}: {nbytes} bytes, sections say otherwise")
-    if nbm:  # bitmap values in block order
-        rows, cols = np.nonzero(np.unpackbits(bits, axis=1, count=block, bitorder="little"))
-        if bm[-1] == nb - 1 and cols.size and int(cols[-1]) >= lens[-1]:
+    if nbm:  # bitmap values in block order: a boolean mask over the frame places them
+        flags = np.unpackbits(bits, axis=1, count=block, bitorder="little").view(bool)
+        if bm.size == nb:
+            fm = flags.reshape(-1)
+        else:
+            fm = np.zeros(nb * block, dtype=bool)
+            fm.reshape(nb, block)[bm] = flags
+        if fm[n:].any():
             raise DeltaError(f"delta frame at byte {pos}: a changed index lies past its block")
-        dst.put(start + bm.take(rows) * block + cols, values[:nbm])
+        dst.put_mask(start, fm[:n], values[:nbm])
     if nix:
         ri += ci
         ri += start
