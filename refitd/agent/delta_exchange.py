@@ -38,7 +38,14 @@ import torch
 
 from refitd.agent.checksums import Checksummer, combine
 from refitd.agent.segments import ResolvedTensor, block
-from refitd.formats.delta import DeltaStats, apply_parts, encode_parts, worth_delta
+from refitd.formats.delta import (
+    ByteSink,
+    DeltaStats,
+    Scratch,
+    apply_parts,
+    encode_parts,
+    worth_delta,
+)
 from refitd.formats.delta_segment import apply_segment_delta, region_streams, segment_streams
 from refitd.formats.region import dest_region
 from refitd.plan.wire import aligned
@@ -85,6 +92,10 @@ class DeltaBase:
     base: dict[int, torch.Tensor] = field(default_factory=dict)
     pending_delta: dict[int, np.ndarray] = field(default_factory=dict)
     pending_full: dict[int, torch.Tensor] = field(default_factory=dict)
+    # working memory reused across refits: the codec's scratch and a payload buffer per
+    # message (a refit allocates nothing base-sized; pending deltas are views of the payloads)
+    scratch: Scratch = field(default_factory=Scratch)
+    sinks: dict[int, ByteSink] = field(default_factory=dict)
 
     def start(self, version: int) -> None:
         """A refit (or a retry) of `version` starts: what an earlier attempt left is dropped."""
@@ -108,7 +119,7 @@ class DeltaBase:
                                       self.base[r])  # fmt: skip
             apply_parts(d, streams, name=f"base of copy row {r}")
         for r, full in self.pending_full.items():
-            self.base[r] = full.clone()
+            self.base[r] = full  # a view of a dense payload, which is never reused
         self.version = version
         self.start(UNKNOWN)
         return True
@@ -116,7 +127,13 @@ class DeltaBase:
     def forget(self) -> None:
         self.version = UNKNOWN
         self.base.clear()
+        self.sinks.clear()
         self.start(UNKNOWN)
+
+    @property
+    def work_nbytes(self) -> int:
+        """Bytes of working memory held for the next refit (scratch and payload buffers)."""
+        return self.scratch.nbytes + sum(k.capacity for k in self.sinks.values())
 
     @property
     def nbytes(self) -> int:
@@ -194,29 +211,29 @@ def _encode_message(
         payload = _dense_payload(m, access, base)
         return KIND_DENSE, payload, DeltaStats(0, 0, payload.numel(), payload.numel(),
                                                stats.blocks), []  # fmt: skip
-    deltas: list[np.ndarray] = []
-    lives = []
+    sink = base.sinks.setdefault(m.mid, ByteSink())
+    sink.reset()
+    head = 8 + 8 * len(m.rows)
+    sink.reserve(head)
+    sizes, at, lives = [], [], []
     for r in m.rows:
         live = _live_streams(access, r)
         old = segment_streams(access.wire(r), access.shape(r), access.src_dtype(r), base.base[r])
-        d, st = encode_parts(old, live)
-        deltas.append(d)
+        at.append(sink.size)
+        d, st = encode_parts(old, live, sink=sink, scratch=base.scratch)
+        sizes.append(d.size)
+        sink.view(sink.reserve(_pad8(d.size) - d.size), sink.size)[:] = 0
         lives.append(live)
         stats = stats + st
-    head = 8 + 8 * len(deltas)
-    total = head + sum(_pad8(d.size) for d in deltas)
     dense = sum(aligned(access.seg_nbytes(r)) for r in m.rows)
-    stats = DeltaStats(stats.elements, stats.changed, total, dense, stats.blocks)
+    stats = DeltaStats(stats.elements, stats.changed, sink.size, dense, stats.blocks)
     if not worth_delta(stats, max_density):
         return KIND_DENSE, _dense_payload(m, access, base), stats, []
-    out = np.zeros(total, dtype=np.uint8)
-    out[0:4].view("<u4")[0] = len(deltas)
-    out[8:head].view("<u8")[:] = [d.size for d in deltas]
-    pos = head
-    for r, d in zip(m.rows, deltas, strict=True):
-        out[pos : pos + d.size] = d
-        base.pending_delta[r] = out[pos : pos + d.size]
-        pos += _pad8(d.size)
+    out = sink.data()
+    out[0:8].view("<u4")[:] = (len(m.rows), 0)
+    out[8:head].view("<u8")[:] = sizes
+    for r, a, n in zip(m.rows, at, sizes, strict=True):
+        base.pending_delta[r] = out[a : a + n]
     return KIND_DELTA, torch.from_numpy(out), stats, lives
 
 

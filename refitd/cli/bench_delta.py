@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.server.delta_policy import DeltaSettings, refit_mode
+from refitd.server.delta_policy import DeltaSettings, Timing, refit_mode
 
 COLS = 4096
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--max-density", type=float, default=0.4)
     parser.add_argument("--probe-every", type=int, default=8)
+    parser.add_argument(
+        "--no-speed-rule",
+        action="store_true",
+        help="ignore measured refit times (refit_mode's slower-than-dense rule): measures the codec",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address of the Gloo store")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
@@ -139,13 +144,16 @@ def _rank(
     base.promote(0, access)
     policy = DeltaSettings(True, args.max_density, args.probe_every)
     densities: list[float | None] = []
+    timings: list[Timing] = []
     for v in range(1, args.versions + 1):
         if gen is not None:
             if args.density is None:
                 gen.step(flat)
             else:
                 perturb(flat, args.density, seed=v * 10 + rank)
-        use_delta = refit_mode(policy, densities).delta  # the controller's refit-level choice
+        # the controller's refit-level choice
+        mode = refit_mode(policy, densities, () if args.no_speed_rule else timings)
+        use_delta = mode.delta
         _barrier(store, f"delta{v}", rank, args.timeout)
         t0 = time.monotonic()
         if use_delta:
@@ -166,15 +174,24 @@ def _rank(
         changed = sum(m["changed"] for m in sent)
         elements = sum(m["elements"] for m in sent)
         if rank in SRC:
-            store.set(f"density{v}/{rank}", f"{changed} {elements}")
+            ndelta = sum(m["kind"] == KIND_DELTA for m in sent)
+            store.set(f"density{v}/{rank}", f"{changed} {elements} {ndelta}")
+        store.set(f"seconds{v}/{rank}", f"{delta_s} {dense_s}")
         both = [store.get(f"density{v}/{r}").decode().split() for r in SRC]
         c, e = sum(int(x[0]) for x in both), sum(int(x[1]) for x in both)
         densities.append(c / e if e else None)
+        secs = [[float(x) for x in store.get(f"seconds{v}/{r}").decode().split()] for r in range(4)]
+        slow_delta, slow_dense = max(x[0] for x in secs), max(x[1] for x in secs)
+        sent_delta = use_delta and sum(int(x[2]) for x in both) > 0  # the same on every rank
+        if use_delta:  # the controller times every refit: here the dense one of v, then v's
+            timings += [Timing(False, slow_dense), Timing(sent_delta, slow_delta)]
+        else:
+            timings.append(Timing(False, min(slow_delta, slow_dense)))
         out.put({"rank": rank, "version": v, "delta_s": delta_s, "dense_s": dense_s,
                  "encode_s": rep.encode_s, "apply_s": rep.apply_s, "verified": verified,
                  "wire_bytes": rep.wire_bytes if use_delta else report.sent_bytes,
                  "dense_bytes": report.sent_bytes, "changed": changed, "elements": elements,
-                 "picked": "delta" if use_delta else "dense",
+                 "picked": "delta" if use_delta else "dense", "why": mode.why.name.lower(),
                  "delta_messages": sum(m["kind"] == KIND_DELTA for m in sent),
                  "messages": len(sent), "base_bytes": base.nbytes})  # fmt: skip
     _barrier(store, "end", rank, args.timeout)
@@ -205,6 +222,7 @@ def _summary(rows: list[dict], args: argparse.Namespace) -> dict:
         "picked": [
             next(r["picked"] for r in per_v[v] if r["rank"] == SRC[0]) for v in sorted(per_v)
         ],
+        "why": [next(r["why"] for r in per_v[v] if r["rank"] == SRC[0]) for v in sorted(per_v)],
         "density": changed / elements if elements else None,
         "delta_messages": sum(r["delta_messages"] for r in src),
         "messages": sum(r["messages"] for r in src),
@@ -216,14 +234,31 @@ def _summary(rows: list[dict], args: argparse.Namespace) -> dict:
         "seconds": med,
         "dense_seconds": dmed,
         "time_ratio": med / dmed if dmed else None,
-        "encode_s": statistics.median(
-            max(r["encode_s"] for r in rs if r["rank"] in SRC) for rs in per_v.values()
-        ),
-        "apply_s": statistics.median(
-            max(r["apply_s"] for r in rs if r["rank"] in DST) for rs in per_v.values()
-        ),
+        **_delta_versions(per_v),
         "base_memory_bytes": max(r["base_bytes"] for r in src) * len(SRC),
         "verified": all(r["verified"] for r in rows),
+    }
+
+
+def _delta_versions(per_v: dict[int, list[dict]]) -> dict:
+    """The versions that went through the delta path: codec times, their own wire and time
+    ratios (the choice of dense aside)."""
+    vs = [rs for rs in per_v.values() if rs[0]["picked"] == "delta"]
+    if not vs:
+        return {"delta_versions": 0, "encode_s": None, "apply_s": None}
+    src = [r for rs in vs for r in rs if r["rank"] in SRC]
+    secs = statistics.median(max(r["delta_s"] for r in rs) for rs in vs)
+    dense = statistics.median(max(r["dense_s"] for r in rs) for rs in vs)
+    return {
+        "delta_versions": len(vs),
+        "delta_wire_ratio": sum(r["wire_bytes"] for r in src) / sum(r["dense_bytes"] for r in src),
+        "delta_time_ratio": secs / dense if dense else None,
+        "encode_s": statistics.median(
+            max(r["encode_s"] for r in rs if r["rank"] in SRC) for rs in vs
+        ),
+        "apply_s": statistics.median(
+            max(r["apply_s"] for r in rs if r["rank"] in DST) for rs in vs
+        ),
     }
 
 

@@ -5,8 +5,9 @@ on one reused cluster (controller, node agent, 2 trainer and 2 inference rank pr
 hangs past the timeouts, torn versions served, paused ranks never told how the refit ended
 (untold), refits failed only by the barrier timeout although a trainer rank was dead (late),
 versions or registry entries lost after a controller restart, and the time from the restart
-to the next committed refit. Prints a
-table and one JSON line with the totals.
+to the next committed refit. With --delta the refits are delta refits (the controller with
+--delta-refits, sparse successive versions); the `delta` column counts the runs whose killed
+refit had messages allowed as deltas. Prints a table and one JSON line with the totals.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mb", type=float, default=8.0, help="model size in MB (BF16)")
     parser.add_argument("--verbose", action="store_true", help="print every run")
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="delta refits (--delta-refits, sparse successive versions): kills mid-delta",
+    )
 
 
 def parse_cases(text: str) -> list[tuple[str, str]]:
@@ -52,13 +58,13 @@ def run(args: argparse.Namespace) -> int:
     from refitd.demo.fault_suite import FaultSuite, RunResult
 
     cases = parse_cases(args.cases)
-    suite = FaultSuite(args.mb, say=lambda s: print(s, file=sys.stderr))
+    suite = FaultSuite(args.mb, say=lambda s: print(s, file=sys.stderr), delta=args.delta)
     rows: list[dict] = []
     t0 = time.monotonic()
     print(
         f"{'case':22} {'runs':>4} {'hit':>4} {'hangs':>5} {'torn':>4} {'untold':>6} {'late':>4} "
         f"{'lost':>4} "
-        f"{'unrec':>5} {'back med s':>10} {'recov med s':>11} {'recov max s':>11}",
+        f"{'unrec':>5} {'back med s':>10} {'recov med s':>11} {'recov max s':>11} {'delta':>5}",
         flush=True,
     )
     try:
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 if args.verbose or bad_run or r.recovery_s is None:
                     print(
                         f"  {role}:{phase} run {i + 1}: hit={r.hit} hangs={r.hangs} "
-                        f"torn={r.torn} untold={r.untold} late={r.late} lost={r.lost} back_s={r.back_s} recovery_s={r.recovery_s} "
+                        f"torn={r.torn} untold={r.untold} late={r.late} lost={r.lost} back_s={r.back_s} recovery_s={r.recovery_s} delta={r.delta} "
                         f"{r.notes}",
                         file=sys.stderr,
                     )
@@ -82,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
                     "case": f"{role}:{phase}",
                     "runs": len(results),
                     "hit": sum(r.hit for r in results),
+                    "delta_hits": sum(r.delta is True for r in results),
                     "hangs": sum(r.hangs for r in results),
                     "torn": sum(r.torn for r in results),
                     "untold": sum(r.untold for r in results),
@@ -103,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         "cases": len(rows),
         "runs": sum(r["runs"] for r in rows),
         "phase_hits": sum(r["hit"] for r in rows),
+        "delta": args.delta,
+        "delta_hits": sum(r["delta_hits"] for r in rows),
         "hangs": sum(r["hangs"] for r in rows),
         "torn": sum(r["torn"] for r in rows),
         "untold": sum(r["untold"] for r in rows),
@@ -128,6 +137,6 @@ def _print_row(row: dict) -> None:
     print(
         f"{row['case']:22} {row['runs']:>4} {row['hit']:>4} {row['hangs']:>5} {row['torn']:>4} "
         f"{row['untold']:>6} {row['late']:>4} {row['lost']:>4} {row['runs'] - row['recovered']:>5} {sec(row['back_median_s']):>10} {sec(row['recovery_median_s']):>11} "
-        f"{sec(row['recovery_max_s']):>11}",
+        f"{sec(row['recovery_max_s']):>11} {row['delta_hits']:>5}",
         flush=True,
     )

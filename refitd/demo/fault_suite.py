@@ -9,6 +9,10 @@ a rank paused by a refit must be told how it ended (commit, abort or incomplete)
 is paused again (an untold pause: a rank left paused without an answer); a controller
 restart must keep the committed version, its version log and the pools; a trainer rank
 killed before it asks must fail the refit at its lease, not at the barrier timeout (late).
+
+With `delta`, the controller runs with --delta-refits and the trainers publish sparse
+successive versions (DELTA_DENSITY of the elements change per version), so the refits a
+kill lands in send deltas (`delta_refits` counts the committed refits that did).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ ROLES = ("trainer", "inference", "transfer", "agent", "controller")
 PHASES = ("before", "transfer", "commit")
 MODEL = "faults"
 HANG_MARGIN_S = 5.0
+DELTA_DENSITY = 0.04
 RECOVERY_DEADLINE_S = 40.0
 SERVE_TIMEOUTS = [
     "--heartbeat-interval-s", "0.3",
@@ -124,6 +129,7 @@ class RunResult:
     role: str
     phase: str
     hit: bool = False  # the kill landed in the phase asked for
+    delta: bool | None = None  # delta suite: the killed refit was planned with deltas
     hangs: int = 0
     torn: int = 0
     lost: int = 0
@@ -137,8 +143,9 @@ class RunResult:
 class Cluster:
     """The processes of the suite on free loopback ports, state in a temp dir."""
 
-    def __init__(self, mb: float = 8.0, refit_timeout_s: float = 20.0) -> None:
+    def __init__(self, mb: float = 8.0, refit_timeout_s: float = 20.0, delta: bool = False) -> None:
         self.mb = mb
+        self.delta = delta
         self.refit_timeout_s = refit_timeout_s
         self.tmp = tempfile.TemporaryDirectory(prefix="refitd-faults-")
         self.dir = Path(self.tmp.name)
@@ -181,6 +188,7 @@ class Cluster:
             sys.executable, "-m", "refitd.cli.main", "serve", "--no-embedded-agent",
             "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
             "--data-dir", str(self.dir / "state"), *SERVE_TIMEOUTS,
+            *(["--delta-refits"] if self.delta else []),
         ]  # fmt: skip
 
     def agent_cmd(self) -> list[str]:
@@ -195,6 +203,7 @@ class Cluster:
         return [
             sys.executable, "-m", "refitd.demo.fault_worker", role, self.address, MODEL,
             str(rank), device, str(self.mb), "--refit-timeout", str(self.refit_timeout_s),
+            *(["--density", str(DELTA_DENSITY)] if self.delta else []),
         ]  # fmt: skip
 
     # ------------------------------------------------------------------ control
@@ -216,6 +225,19 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"fault suite: {what} not within {timeout_s:g} s")
             time.sleep(0.05)
+
+    def delta_sent(self, version: int) -> bool:
+        """Whether `version` committed with messages sent as deltas: then every sender holds
+        it as its base and every destination holds it, so the next refit's first attempt is
+        planned with deltas (a retry's plan replaces it in the record, hence this check)."""
+        doc = self.status()
+        return any(
+            r.get("version") == version
+            and r.get("model", MODEL) == MODEL
+            and r.get("state") == "committed"
+            and ((r.get("delta") or {}).get("sent_as_delta") or 0) > 0
+            for r in (doc or {}).get("refits", [])
+        )
 
     def slots_connected(self) -> int:
         doc = self.status()
@@ -297,8 +319,11 @@ class Cluster:
 class FaultSuite:
     """Runs cases on one Cluster, rebuilding it only when a run leaves it broken."""
 
-    def __init__(self, mb: float = 8.0, say: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, mb: float = 8.0, say: Callable[[str], None] = print, delta: bool = False
+    ) -> None:
         self.mb = mb
+        self.delta = delta
         self.say = say
         self.cluster: Cluster | None = None
         self.healthy = False  # the last run ended with a committed refit on every rank
@@ -313,7 +338,7 @@ class FaultSuite:
                 return self.cluster
             self.say("fault suite: cluster unhealthy, rebuilding it")
             self.cluster.close()
-        self.cluster = Cluster(self.mb)
+        self.cluster = Cluster(self.mb, delta=self.delta)
         self.cluster.start()
         _, ok = self.cluster.refit(timeout_s=60)
         if not ok:
@@ -333,7 +358,11 @@ class FaultSuite:
         committed0 = before.get("committed_version", 0)
         torn0 = len(c.mismatches)
         untold0 = len(c.untold)
+        if self.delta and not c.delta_sent(c.version):
+            c.refit(timeout_s=20)  # e.g. after a fresh sender: its next refit sends deltas
         victim = self._victim(c, role)
+        if self.delta:
+            res.delta = c.delta_sent(c.version)
         survivors = [t for t in c.trainers if t is not victim]
         v = c.version + 1
         c.version = v

@@ -8,11 +8,15 @@ then prints "refit <v> <state> <seconds> <message>". Inference: prints "ready <v
 nothing may have written it while it was served), "commit <v> ok|mismatch", "abort <v>
 ok|mismatch" (the version it resumes serving) and "incomplete <v>"; every check is bit for
 bit. The harness reads the lines on a thread. Both exit on "stop" or when stdin closes.
+
+With `--density D` successive versions differ in about D of their elements (SparseVersions),
+as an RL trainer's versions at a tiny learning rate do, so delta refits have something to do.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import threading
 import time
@@ -21,6 +25,7 @@ import torch
 
 from refitd.client import InferenceClient, MegatronCoords, Placed, RefitError, TrainerClient
 from refitd.demo.gpt import (
+    TABLE,
     GptConfig,
     ParallelLayout,
     WeightGenerator,
@@ -32,6 +37,37 @@ SEED = 77
 TP = 2
 TRAINER_POOL = "trainer"
 INFERENCE_POOL = "infer"
+
+
+class SparseVersions(WeightGenerator):
+    """Weights whose successive versions differ in about `density` of their elements: each
+    version redraws that fraction of the value table of the previous one (every element reads
+    one table entry, so as many elements change). Any version is rebuilt from version 0;
+    the last table per tensor is kept, so checking versions in order costs one step each."""
+
+    def __init__(self, seed: int, density: float) -> None:
+        super().__init__(seed)
+        self.density = density
+        self._last: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def table(self, canonical: str, version: int) -> torch.Tensor:
+        at, table = self._last.get(canonical, (-1, None))
+        if table is None or at > version:
+            at, table = 0, super().table(canonical, 0)
+        table = table.clone()
+        for v in range(at + 1, version + 1):
+            key = f"{self.seed}/sparse/{v}/{canonical}".encode()
+            digest = hashlib.blake2b(key, digest_size=8).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+            pick = torch.rand(TABLE, generator=gen) < self.density
+            table[pick] = (torch.randn(int(pick.sum()), generator=gen) * 0.02).to(table.dtype)
+        self._last[canonical] = (version, table)
+        return table
+
+
+def generator(density: float | None) -> WeightGenerator:
+    """Fresh weights per version, or sparse successive versions with a density."""
+    return WeightGenerator(SEED) if density is None else SparseVersions(SEED, density)
 
 
 def model_config(mb: float) -> GptConfig:
@@ -59,7 +95,7 @@ def _register(client: TrainerClient | InferenceClient, tensors: dict, coords: ob
 def trainer(args: argparse.Namespace) -> None:
     layout = ParallelLayout(tp=TP)
     cfg = model_config(args.mb)
-    gen = WeightGenerator(SEED)
+    gen = generator(args.density)
     shards = rank_shards(cfg, layout, args.rank)
     tensors: dict[str, torch.Tensor] = {s.name: megatron_parameter(s) for s in shards}
     client = TrainerClient(
@@ -87,7 +123,7 @@ def trainer(args: argparse.Namespace) -> None:
 def inference(args: argparse.Namespace) -> None:
     layout = ParallelLayout(tp=TP)
     cfg = model_config(args.mb)
-    gen = WeightGenerator(SEED)
+    gen = generator(args.density)
     shards = rank_shards(cfg, layout, args.rank)
     dst = {s.name: torch.zeros(s.local_shape, dtype=torch.bfloat16) for s in shards}
     placed = {s.name: Placed(dst[s.name], s.global_shape, s.boxes, canonical=s.canonical)
@@ -145,6 +181,7 @@ def main() -> None:
     p.add_argument("device")
     p.add_argument("mb", type=float)
     p.add_argument("--refit-timeout", type=float, default=20.0)
+    p.add_argument("--density", type=float, default=None, help="sparse successive versions")
     args = p.parse_args()
     torch.set_num_threads(1)
     threading.current_thread().name = f"{args.role}-{args.rank}"

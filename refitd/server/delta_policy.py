@@ -19,7 +19,7 @@ messages is decided in microseconds per message.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
@@ -37,6 +37,7 @@ class Why(IntEnum):
     FORMAT = 4  # a destination converts on landing (cast, quantize, dequantize)
     UNKNOWN_BASE = 5  # a destination's version is not known exactly
     OTHER_VERSION = 6  # a destination holds another version than the sender's base
+    SLOWER = 7  # the last delta refit took longer than the last dense one
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +100,45 @@ class RefitMode:
     reason: str
 
 
-def refit_mode(settings: DeltaSettings, recent: Sequence[float | None]) -> RefitMode:
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """How long one refit's transfer took, and whether it sent deltas."""
+
+    delta: bool
+    seconds: float
+
+
+def _slower(settings: DeltaSettings, timings: Sequence[Timing]) -> RefitMode | None:
+    """Dense when the last delta refit was slower than the last dense one before it (a fast
+    link, a slow codec); deltas are tried again `probe_every` refits after that one."""
+    last = next((i for i in range(len(timings) - 1, -1, -1) if timings[i].delta), None)
+    if last is None:
+        return None
+    dense = next((t for t in reversed(timings[:last]) if not t.delta), None)
+    ago = len(timings) - last
+    d = timings[last]
+    if dense is None or d.seconds <= dense.seconds or ago >= settings.probe_every:
+        return None
+    return RefitMode(
+        False,
+        Why.SLOWER,
+        f"the last delta refit took {d.seconds:.3g} s, the last dense one {dense.seconds:.3g} s "
+        f"(measured {ago} refits ago)",
+    )
+
+
+def refit_mode(
+    settings: DeltaSettings, recent: Sequence[float | None], timings: Sequence[Timing] = ()
+) -> RefitMode:
     """Decide from the achieved densities of the model's recent refits (oldest first; None
-    where a refit measured none) whether this refit tries deltas."""
+    where a refit measured none) and their transfer times (oldest first) whether this refit
+    tries deltas: never where a delta refit measured slower than dense (never slower than
+    dense: a codec slower than the link)."""
     if not settings.enabled:
         return RefitMode(False, Why.DISABLED, "delta refits are disabled")
+    slower = _slower(settings, timings)
+    if slower is not None:
+        return slower
     measured = [(ago, d) for ago, d in enumerate(reversed(recent), 1) if d is not None]
     if measured:
         ago, density = measured[0]
@@ -215,10 +250,15 @@ class DeltaLedger:
     torn: set[str]
     slots: dict[int, tuple[int, int, str]]  # slot -> (base, pending version, plan key)
     densities: list[float | None]
+    timings: list[Timing] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> DeltaLedger:
         return cls({}, set(), {}, [])
+
+    def timed(self, delta: bool, seconds: float, keep: int = 32) -> None:
+        """A refit attempt's transfer took `seconds` (with deltas or not)."""
+        self.timings = [*self.timings, Timing(delta, seconds)][-keep:]
 
     def committed(self, version: int, plan_key: str, workers: Mapping[str, float],
                   how: str = "refit") -> None:  # fmt: skip

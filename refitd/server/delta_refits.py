@@ -5,6 +5,7 @@ ledger kept current on commit, failure and catch-up. Off unless Settings.delta_r
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -17,6 +18,7 @@ from refitd.server.delta_policy import (
     UNKNOWN,
     DeltaLedger,
     DeltaSettings,
+    Timing,
     decide,
     refit_mode,
 )
@@ -38,6 +40,8 @@ class _Tally:
     encode_s: float = 0.0
     apply_s: float = 0.0
     base_bytes: int = 0
+    model: str = ""
+    planned: bool = True  # the refit tried deltas (False: dense by refit_mode)
 
 
 class DeltaRefits:
@@ -50,6 +54,7 @@ class DeltaRefits:
         self._ledgers: dict[str, DeltaLedger] = {}
         self._plans: dict[str, PlanDelta] = {}
         self._tallies: dict[int, _Tally] = {}  # attempt id -> tally
+        self._timing: dict[str, Timing] = {}  # model -> its last attempt's transfer time
         self._lock = threading.Lock()
 
     def ledger(self, model: str) -> DeltaLedger:
@@ -82,9 +87,11 @@ class DeltaRefits:
         if not self.settings.enabled:
             return {}
         led = self.ledger(model)
-        mode = refit_mode(self.settings, led.densities)
+        mode = refit_mode(self.settings, led.densities, led.timings)
         if not mode.delta:
             detail["delta"] = {"mode": mode.reason, "delta_messages": 0}
+            with self._lock:  # its transfer time is measured too (refit_mode compares them)
+                self._tallies[attempt] = _Tally(model=model, planned=False)
             return {}
         pd = self._plan(plan, staged_pools)
         hosts = np.array(sorted(host_slots), dtype=np.int64)
@@ -106,7 +113,7 @@ class DeltaRefits:
         allowed = {int(m) for m in pd.mids[d.delta].tolist()}
         sends, recvs = pd.capable_by_slot()
         with self._lock:
-            self._tallies[attempt] = _Tally()
+            self._tallies[attempt] = _Tally(model=model)
         return {
             slot: pb.DeltaCommand(
                 slot=slot,
@@ -150,6 +157,12 @@ class DeltaRefits:
             t = self._tallies.pop(attempt, None)
         if t is None or "delta" not in detail:
             return None
+        sent_at = detail.get("executes_sent_at")
+        if sent_at is not None:  # recorded in the ledger if this attempt commits
+            with self._lock:
+                self._timing[t.model] = Timing(t.delta_messages > 0, time.monotonic() - sent_at)
+        if not t.planned:
+            return None  # a dense refit through the executor: nothing of the delta path
         density = t.changed / t.elements if t.elements else None
         detail["delta"].update(
             sent_as_delta=t.delta_messages,
@@ -173,6 +186,10 @@ class DeltaRefits:
         led.committed(version, key, {w.worker_id: w.registered_at for w in workers}, how)
         if how == "refit":
             led.measured(density)
+            with self._lock:
+                timing = self._timing.pop(model, None)
+            if timing is not None:
+                led.timed(timing.delta, timing.seconds)
 
     def failed(self, model: str, workers: Iterable[Worker]) -> None:
         self.ledger(model).wrote_and_failed([w.worker_id for w in workers])

@@ -51,3 +51,18 @@ def test_kill_member_at_phase(suite: FaultSuite, role: str, phase: str) -> None:
     assert r.lost == 0, r.notes
     assert r.recovery_s is not None, r.notes
     assert suite.cluster is not None and not suite.cluster.mismatches
+
+
+def test_kill_trainer_mid_delta_refit() -> None:
+    """The delta case: with --delta-refits and sparse successive versions, a trainer rank
+    killed while a refit that sends deltas transfers leaves nothing torn or lost, and the
+    refits after its restart land bit for bit (deltas are checked like any refit)."""
+    s = FaultSuite(mb=4.0, delta=True)
+    try:
+        r = s.run("trainer", "transfer")
+    finally:
+        s.close()
+    assert r.delta, f"the killed refit did not send deltas: {r.notes}"
+    assert r.hit, f"the kill missed the transfer phase: {r.notes}"
+    assert (r.hangs, r.torn, r.untold, r.late, r.lost) == (0, 0, 0, 0, 0), r.notes
+    assert r.recovery_s is not None, r.notes

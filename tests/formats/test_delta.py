@@ -68,7 +68,9 @@ def test_stream_round_trip(
     applied = apply_stream(delta.tobytes(), dst)
     assert np.array_equal(dst, new)
     assert applied.changed == stats.changed and applied.blocks == stats.blocks
-    if stats.density <= 0.04 and n * width >= 64 * 1024:
+    # smaller than dense at low density, where frames amortise their headers (a frame of one
+    # 8-element block costs more than its elements)
+    if stats.density <= 0.04 and n * width >= 64 * 1024 and block * frame_blocks >= 4096:
         assert delta.size < n * width
 
 

@@ -13,6 +13,7 @@ from refitd.server.delta_policy import (
     Landing,
     MessageColumns,
     SenderBase,
+    Timing,
     Why,
     decide,
     held_version,
@@ -179,3 +180,15 @@ def test_ledger_tracks_landings_failures_and_sender_promotion() -> None:
     led.measured(0.04)
     led.measured(None)
     assert led.densities == [0.04, None]
+
+
+def test_slower_than_dense_goes_dense_until_a_probe() -> None:
+    """Never slower than dense: after a delta refit that took longer than the dense refit
+    before it, refits go dense (reason recorded) until probe_every refits later."""
+    fast_link = [Timing(False, 0.3), Timing(True, 0.6)]
+    slow = refit_mode(ON, [0.04], fast_link)
+    assert not slow.delta and slow.why == Why.SLOWER and "0.6" in slow.reason
+    assert not refit_mode(ON, [0.04], [*fast_link, Timing(False, 0.3)]).delta
+    assert refit_mode(ON, [0.04], [*fast_link, *[Timing(False, 0.3)] * 3]).delta  # the probe
+    assert refit_mode(ON, [0.04], [Timing(False, 0.3), Timing(True, 0.1)]).delta  # faster
+    assert refit_mode(ON, [0.04], [Timing(True, 0.6)]).delta  # no dense refit to compare
