@@ -141,6 +141,11 @@ class Settings(BaseSettings):
     delta_probe_every: int = Field(
         8, ge=1, description="after a refit went dense by density, measure again this often"
     )
+    delta_speed_rule: bool = Field(
+        True,
+        description="go dense while the last delta refit took longer than the last dense one "
+        "(a link faster than the codec); measured again every delta_probe_every refits",
+    )
     # --- liveness
     heartbeat_interval_s: float = Field(1.0, gt=0, description="worker/agent heartbeat period")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="lease: dead after this silence")

@@ -73,6 +73,7 @@ class DeltaSettings:
     enabled: bool = False
     max_density: float = 0.4  # a refit (and a message) denser than this goes dense
     probe_every: int = 8  # after a dense-by-density refit, measure again this often
+    speed_rule: bool = True  # dense while the last delta refit was slower than a dense one
 
 
 def held_version(dest: DestinationState, plan_key: str) -> tuple[int, str]:
@@ -112,7 +113,7 @@ def _slower(settings: DeltaSettings, timings: Sequence[Timing]) -> RefitMode | N
     """Dense when the last delta refit was slower than the last dense one before it (a fast
     link, a slow codec); deltas are tried again `probe_every` refits after that one."""
     last = next((i for i in range(len(timings) - 1, -1, -1) if timings[i].delta), None)
-    if last is None:
+    if last is None or not settings.speed_rule:
         return None
     dense = next((t for t in reversed(timings[:last]) if not t.delta), None)
     ago = len(timings) - last

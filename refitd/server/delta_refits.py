@@ -49,7 +49,10 @@ class DeltaRefits:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = DeltaSettings(
-            settings.delta_refits, settings.delta_max_density, settings.delta_probe_every
+            settings.delta_refits,
+            settings.delta_max_density,
+            settings.delta_probe_every,
+            settings.delta_speed_rule,
         )
         self._ledgers: dict[str, DeltaLedger] = {}
         self._plans: dict[str, PlanDelta] = {}

@@ -35,6 +35,9 @@ def delta_daemon() -> Iterator[Daemon]:
         extra_args=[
             *("--delta-refits", "--verify-checksums", "--pause-timeout-s", "20"),
             *("--heartbeat-timeout-s", "30", "--no-relay"),
+            # these tests check the delta path itself: on loopback the speed rule would
+            # (rightly) send later versions dense once a delta refit measured slower
+            "--no-delta-speed-rule",
         ],
     )
     d.start()

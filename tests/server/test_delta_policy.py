@@ -3,6 +3,8 @@ refit-level density threshold with its probes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -192,3 +194,5 @@ def test_slower_than_dense_goes_dense_until_a_probe() -> None:
     assert refit_mode(ON, [0.04], [*fast_link, *[Timing(False, 0.3)] * 3]).delta  # the probe
     assert refit_mode(ON, [0.04], [Timing(False, 0.3), Timing(True, 0.1)]).delta  # faster
     assert refit_mode(ON, [0.04], [Timing(True, 0.6)]).delta  # no dense refit to compare
+    off = dataclasses.replace(ON, speed_rule=False)  # the delta_speed_rule setting
+    assert refit_mode(off, [0.04], fast_link).delta
