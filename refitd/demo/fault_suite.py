@@ -188,7 +188,8 @@ class Cluster:
             sys.executable, "-m", "refitd.cli.main", "serve", "--no-embedded-agent",
             "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
             "--data-dir", str(self.dir / "state"), *SERVE_TIMEOUTS,
-            *(["--delta-refits"] if self.delta else []),
+            # kills must land in delta refits: no dense-by-speed choice on loopback
+            *(["--delta-refits", "--no-delta-speed-rule"] if self.delta else []),
         ]  # fmt: skip
 
     def agent_cmd(self) -> list[str]:
