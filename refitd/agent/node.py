@@ -30,8 +30,8 @@ import grpc
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.agent.dataplane import DataPlane, choose_data_plane
-from refitd.client.connection import Backoff, ControllerConnection, RefitError, security_for
 from refitd.limits import raise_nofile_limit
+from refitd.rpc.connection import Backoff, ControllerConnection, RefitError, security_for
 from refitd.transport.memory import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
