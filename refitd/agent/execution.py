@@ -16,12 +16,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from refitd.agent.chunks import Chunk, ExecutionError
+from refitd.agent.commands import ExecReport, MessageStat
 from refitd.agent.preparation import PreparedProgram
 from refitd.agent.slotdata import LocalStep
 from refitd.plan.program import MessageColumns
@@ -30,56 +31,6 @@ from refitd.transport.base import DoneWork, P2POp, Transport, Work
 _SKIPPED = torch.empty(0, dtype=torch.uint8)  # marks a receive chunk of a skipped message
 
 _Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int64 checksum
-
-
-@dataclass
-class MessageStat:
-    id: int
-    direction: str  # "send" | "recv"
-    peer_slot: int
-    nbytes: int
-    seconds: float
-    zero_copy_chunks: int = 0
-    staged_chunks: int = 0
-
-
-@dataclass
-class ExecReport:
-    """What one refit of one slot did: bytes and seconds per message, and totals.
-
-    phases: seconds of the refit's phases (check_start_s: storage check and thread start;
-    local_s: local copies from sources; messages_s: waiting for the messages after that;
-    with messages, pack_s / unpack_s / recv_wait_s summed over chunks), so fixed per-refit
-    overhead and the staging cost are visible next to the bytes.
-    """
-
-    slot: int
-    seconds: float = 0.0
-    sources_released_s: float = 0.0
-    local_bytes: int = 0
-    local_seconds: float = 0.0
-    sent_bytes: int = 0
-    recv_bytes: int = 0
-    staging_peak_bytes: int = 0
-    messages: list[MessageStat] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)
-    # with verify: {"send": {message id: checksum}, "recv": {...}} (unsigned 64-bit)
-    checksums: dict[str, dict[int, int]] | None = None
-
-    def to_dict(self) -> dict:
-        return {
-            "slot": self.slot,
-            "seconds": self.seconds,
-            "sources_released_s": self.sources_released_s,
-            "local_bytes": self.local_bytes,
-            "local_seconds": self.local_seconds,
-            "sent_bytes": self.sent_bytes,
-            "recv_bytes": self.recv_bytes,
-            "staging_peak_bytes": self.staging_peak_bytes,
-            "messages": [vars(m) for m in self.messages],
-            "phases": dict(self.phases),
-            "checksums": self.checksums,
-        }
 
 
 @dataclass
