@@ -29,6 +29,7 @@ import multiprocessing as mp
 import statistics
 import time
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Message, SlotProgram, message_nbytes
 from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
 from refitd.transport.memory import MemoryHandle, SharedTensorArena
+
+if TYPE_CHECKING:
+    from refitd.agent.transfer_process import TransferProcessHandle
 
 COLS = 8192
 ROW_ALIGN = 256  # two row shards of whole 128-row FP8 tiles
@@ -340,7 +344,9 @@ def ipc_refit(
             **check,  # type: ignore[dict-item]
         }
         if snapshot:
-            out["snapshot"] = loaded.get("snapshot")
+            out["snapshot"] = (
+                None if loaded.snapshot is None else dataclasses.asdict(loaded.snapshot)
+            )
         if checked is not None:
             out["verified_refits"] = checked
             out["verify_cost"] = round(checked["seconds"] / seconds, 3)
@@ -364,7 +370,7 @@ def ipc_refit(
 class _Runs:
     """Timed refits of one loaded plan (new weights each time, two versions alternating)."""
 
-    handle: object
+    handle: TransferProcessHandle
     digest: str
     ask: object
     staged: bool
@@ -381,33 +387,30 @@ class _Runs:
             got: list[float] = []
             rid = first_id + k
             t0 = time.monotonic()
-            reports.append(
-                self.handle.execute(  # type: ignore[attr-defined]
-                    self.digest,
-                    rid,
-                    rid,
-                    self.timeout_s,
-                    on_sources_released=lambda g=got, t=t0: g.append(time.monotonic() - t),
-                    verify=verify,
-                )
+            executed = self.handle.execute(
+                self.digest,
+                rid,
+                rid,
+                self.timeout_s,
+                on_sources_released=lambda g=got, t=t0: g.append(time.monotonic() - t),
+                verify=verify,
             )
+            reports.append(executed.report)
             if self.staged:
-                applies.append(
-                    self.handle.apply(self.digest, rid, self.timeout_s)["seconds"]  # type: ignore[attr-defined]
-                )
+                applies.append(self.handle.apply(self.digest, rid, self.timeout_s).seconds)
             walls.append(time.monotonic() - t0)
             held += got
-        execs = [r["seconds"] for r in reports]
+        execs = [r.seconds for r in reports]
         totals = [e + a for e, a in zip(execs, applies or [0.0] * refits, strict=True)]
         out = {
             "seconds": round(statistics.median(totals), 6),
             "seconds_all": [round(t, 6) for t in totals],
             "parent_wall_s": round(statistics.median(walls), 6),
-            "trainer_held_s": round(statistics.median(r["sources_released_s"] for r in reports), 6),
+            "trainer_held_s": round(statistics.median(r.sources_released_s for r in reports), 6),
             "trainer_held_parent_s": round(statistics.median(held), 6) if held else None,
             "phases": {
-                k: round(statistics.median(r["phases"].get(k, 0.0) for r in reports), 6)
-                for k in reports[-1]["phases"]
+                k: round(statistics.median(r.phases.get(k, 0.0) for r in reports), 6)
+                for k in reports[-1].phases
             },
         }
         if self.staged:
@@ -416,8 +419,13 @@ class _Runs:
         return out
 
 
-def _memcpy_seconds(handle, nbytes: int, device: str, timeout_s: float) -> float:
+def _memcpy_seconds(
+    handle: TransferProcessHandle, nbytes: int, device: str, timeout_s: float
+) -> float:
     """Median of 3 memcpys of nbytes (in chunks of at most 1 GiB) in the transfer process."""
+    from refitd.agent.commands import Probed
+    from refitd.agent.transfer_process import expect
+
     chunk = min(nbytes, 1 << 30)
     repeat = max(1, round(nbytes / chunk))
     dev = device if device.startswith("cuda") else "cpu"
@@ -427,7 +435,7 @@ def _memcpy_seconds(handle, nbytes: int, device: str, timeout_s: float) -> float
             timeout_s
         )
         probe = handle.probe(timeout_s, memcpy=chunk, repeat=repeat, device=dev)
-        times.append(probe.result(timeout_s)["seconds"])
+        times.append(expect(probe.result(timeout_s), Probed).seconds)
     handle.probe(timeout_s, release=True).result(timeout_s)
     return statistics.median(times) * nbytes / (chunk * repeat)
 

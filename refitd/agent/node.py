@@ -29,9 +29,19 @@ from typing import Any
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
+from refitd.agent.commands import Applied, Apply, Connect, Executed, Load, Loaded
 from refitd.agent.dataplane import DataPlane, choose_data_plane
-from refitd.client.connection import Backoff, ControllerConnection, RefitError, security_for
+from refitd.agent.proto_codec import (
+    Outcome,
+    SlotContext,
+    apply_timeout,
+    outcome_of,
+    report_proto,
+    slot_command,
+)
+from refitd.agent.transfer_process import TransferProcessHandle, wait_execute
 from refitd.limits import raise_nofile_limit
+from refitd.rpc.connection import Backoff, ControllerConnection, RefitError, security_for
 from refitd.transport.memory import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
@@ -66,33 +76,24 @@ class AgentOptions:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What a slot command produced, reported to the controller."""
-
-    kind: int
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_local: int = 0
-    seconds: float = 0.0
-    message: str = ""
-    checksums: tuple[pb.MessageChecksum, ...] = ()
-    delta: pb.DeltaOutcome | None = None
-    snapshot_bytes: int = 0
-    snapshot_fallback: str = ""
-
-
 class SlotRunner:
     """One device slot: its transfer process and a thread running its commands in order."""
 
     def __init__(self, agent: NodeAgent, slot: int, device: str, options: AgentOptions) -> None:
-        from refitd.agent.transfer_process import TransferProcessHandle
-
         self.agent = agent
         self.slot = slot
         self.device = device
         self.options = options
         self._spawn = lambda: TransferProcessHandle(slot=slot, device=device)
+        self.context = SlotContext(
+            slot,
+            agent.data_plane.address,
+            agent.data_plane.interface,
+            options.connect_timeout_s,
+            options.transfer_timeout_s,
+            options.staging_bytes,
+            options.snapshot_bytes,
+        )
         self.process = self._spawn()
         self._aborted: dict[int, None] = {}  # refit ids aborted (latest 64)
         self._queue: queue.Queue[pb.AgentCommand | str | None] = queue.Queue()
@@ -158,7 +159,7 @@ class SlotRunner:
                             "transfer process had died and was restarted; the controller "
                             "reconnects and reloads this slot"
                         )
-                outcome = getattr(self, f"_{which}")(cmd)
+                outcome = self._run(cmd)
             except Exception as exc:
                 log.warning("slot %d: %s failed: %s", self.slot, which, exc)
                 outcome = Outcome(
@@ -176,120 +177,31 @@ class SlotRunner:
         except Exception as exc:
             log.error("slot %d: restarting the transfer process failed: %r", self.slot, exc)
 
-    def _connect(self, cmd: pb.AgentCommand) -> Outcome:
-        c = cmd.connect
+    def _run(self, cmd: pb.AgentCommand) -> Outcome:
+        """Convert the controller's command (once), run it on the transfer process, and turn
+        its typed reply into the report."""
         start = time.perf_counter()
-        self.process.connect(
-            epoch=c.epoch,
-            store_host=c.store_host,
-            store_port=c.store_port,
-            world_size=c.world_size,
-            rank=c.comm_rank[self.slot],
-            transport=c.transport or "gloo",
-            timeout_s=c.timeout_s or self.options.connect_timeout_s,
-            slot_ranks=dict(c.comm_rank),
-            store_token=c.store_token,
-            data_plane_address=self.agent.data_plane.address,
-            data_plane_interface=self.agent.data_plane.interface,
-        )
-        return Outcome(pb.REPORT_KIND_CONNECTED, seconds=time.perf_counter() - start)
+        typed = slot_command(cmd, self.context)
+        kind = pb.REPORT_KIND_DONE
+        reply: Loaded | Applied | Executed | None = None
+        if isinstance(typed, Connect):
+            self.process.connect_with(typed)
+            kind = pb.REPORT_KIND_CONNECTED
+        elif isinstance(typed, Load):
+            reply = self.process.load_with(typed, self.options.load_timeout_s)
+            kind = pb.REPORT_KIND_LOADED
+        elif isinstance(typed, Apply):
+            timeout_s = apply_timeout(cmd.apply, self.context)
+            reply = self.process.apply(typed.digest, typed.refit_id, timeout_s)
+        else:
 
-    def _load(self, cmd: pb.AgentCommand) -> Outcome:
-        c = cmd.load
-        start = time.perf_counter()
-        self.process.load(
-            digest=c.digest,
-            program=c.program,
-            handles={h.index: h.memory for h in c.handles},
-            staging_bytes=self.options.staging_bytes,
-            timeout_s=self.options.load_timeout_s,
-            staged=[h.index for h in c.handles if h.staged],
-            model=c.model,
-            snapshot=[h.index for h in c.handles if h.snapshot],
-            snapshot_bytes=self.options.snapshot_bytes,
-        )
-        return Outcome(pb.REPORT_KIND_LOADED, seconds=time.perf_counter() - start)
+            def released() -> None:
+                outcome = Outcome(pb.REPORT_KIND_SOURCES_RELEASED)
+                self.agent.report(self.slot, cmd.command_id, typed.refit_id, outcome)
 
-    def _apply(self, cmd: pb.AgentCommand) -> Outcome:
-        c = cmd.apply
-        result = self.process.apply(
-            digest=c.digest,
-            refit_id=c.refit_id,
-            timeout_s=c.timeout_s or self.options.transfer_timeout_s,
-        )
-        return Outcome(
-            pb.REPORT_KIND_DONE,
-            bytes_local=int(result["bytes"]),
-            seconds=float(result["seconds"]),
-        )
-
-    def _execute(self, cmd: pb.AgentCommand) -> Outcome:
-        c = cmd.execute
-
-        def released() -> None:
-            self.agent.report(
-                self.slot, cmd.command_id, c.refit_id, Outcome(pb.REPORT_KIND_SOURCES_RELEASED)
-            )
-
-        mine = next((d for d in c.delta if d.slot == self.slot), None)
-        delta = None
-        if mine is not None:
-            delta = {
-                "send": list(mine.send),
-                "recv": list(mine.recv),
-                "allowed": list(mine.allowed),
-                "promote": mine.promote,
-                "max_density": mine.max_density,
-            }
-        result = self.process.execute(
-            digest=c.digest,
-            version=c.version,
-            refit_id=c.refit_id,
-            timeout_s=c.timeout_s or self.options.transfer_timeout_s,
-            on_sources_released=released,
-            verify=c.verify,
-            delta=delta,
-        )
-        sums = result.get("checksums") or {}
-        d = result.get("delta")
-        snap = result.get("snapshot") or {}
-        return Outcome(
-            pb.REPORT_KIND_DONE,
-            snapshot_bytes=int(snap.get("bytes", 0)),
-            snapshot_fallback=str(snap.get("fallback", "")),
-            bytes_sent=int(result["sent_bytes"]),
-            bytes_received=int(result["recv_bytes"]),
-            bytes_local=int(result["local_bytes"]),
-            seconds=float(result["seconds"]),
-            checksums=tuple(
-                pb.MessageChecksum(message_id=int(mid), sent=side == "send", checksum=h)
-                for side in ("send", "recv")
-                for mid, h in sums.get(side, {}).items()
-            ),
-            delta=None if d is None else _delta_outcome(d),
-        )
-
-
-def _delta_outcome(d: dict) -> pb.DeltaOutcome:
-    """The delta path's result of one execute, for the controller's record and ledger."""
-    return pb.DeltaOutcome(
-        base_version=int(d["base_version"]),
-        pending_version=int(d["pending_version"]),
-        base_bytes=int(d["base_bytes"]),
-        encode_s=float(d["encode_s"]),
-        apply_s=float(d["apply_s"]),
-        sent=[
-            pb.DeltaMessageStat(
-                message_id=int(mid),
-                delta=bool(m["kind"]),
-                changed=int(m["changed"]),
-                elements=int(m["elements"]),
-                nbytes=int(m["nbytes"]),
-                dense_nbytes=int(m["dense_nbytes"]),
-            )
-            for mid, m in d["sent"].items()
-        ],
-    )
+            pending = self.process.send(typed)
+            reply = wait_execute(pending, typed.timeout_s, released)
+        return outcome_of(reply, kind, time.perf_counter() - start)
 
 
 class NodeAgent:
@@ -436,24 +348,7 @@ class NodeAgent:
     # ------------------------------------------------------------------ controller calls
     def report(self, slot: int, command_id: int, refit_id: int, outcome: Outcome) -> None:
         """Queue one report; the reporter thread sends what is queued in one call."""
-        self._reports.put(
-            pb.AgentReport(
-                agent_id=self.agent_id,
-                slot=slot,
-                command_id=command_id,
-                kind=outcome.kind,
-                refit_id=refit_id,
-                bytes_sent=outcome.bytes_sent,
-                bytes_received=outcome.bytes_received,
-                bytes_local=outcome.bytes_local,
-                seconds=outcome.seconds,
-                message=outcome.message,
-                checksums=outcome.checksums,
-                delta=outcome.delta,
-                snapshot_bytes=outcome.snapshot_bytes,
-                snapshot_fallback=outcome.snapshot_fallback,
-            )
-        )
+        self._reports.put(report_proto(self.agent_id, slot, command_id, refit_id, outcome))
 
     def _report_loop(self) -> None:
         """Send queued reports, batched (AgentReport.more), in the order they were queued."""

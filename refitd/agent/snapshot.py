@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from refitd.agent.commands import SnapshotInfo
 from refitd.agent.executor import TensorResolver
 from refitd.agent.segments import ResolvedTensor
 from refitd.plan.layout import PLAIN
@@ -77,8 +78,9 @@ class Snapshot:
             torch.cuda.synchronize()
         return time.monotonic() - t0
 
-    def to_dict(self) -> dict:
-        return {"bytes": self.nbytes if self.active else 0, "fallback": self.fallback}
+    def info(self) -> SnapshotInfo:
+        """What the execute and load replies say about it."""
+        return SnapshotInfo(self.nbytes if self.active else 0, self.fallback)
 
 
 @dataclass

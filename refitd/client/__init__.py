@@ -10,10 +10,10 @@ engine.register(weights)
 for event in engine.subscribe(): ...
 """
 
-from refitd.client.connection import RefitError
 from refitd.client.inference import InferenceClient, VersionEvent
 from refitd.client.tensors import MegatronCoords, Placed
 from refitd.client.trainer import RefitResult, TrainerClient
+from refitd.rpc.connection import RefitError
 
 __all__ = [
     "InferenceClient",

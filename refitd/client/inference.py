@@ -38,8 +38,8 @@ from dataclasses import dataclass, replace
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.client.connection import Backoff, RefitError
 from refitd.client.worker import WorkerClient
+from refitd.rpc.connection import Backoff, RefitError
 
 log = logging.getLogger(__name__)
 

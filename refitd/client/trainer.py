@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.client.connection import RefitError
 from refitd.client.worker import WorkerClient
+from refitd.rpc.connection import RefitError
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import grpc
 import torch
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.client.connection import Backoff, ControllerConnection, RefitError
 from refitd.client.tensors import LocalTensor, MegatronCoords, collect
 from refitd.limits import raise_nofile_limit
+from refitd.rpc.connection import Backoff, ControllerConnection, RefitError
 from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 log = logging.getLogger(__name__)

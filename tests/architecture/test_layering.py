@@ -75,9 +75,17 @@ RULES = [
         ("refitd.server", "refitd.agent", *ENTRY_POINTS),
     ),
     Rule(
+        "refitd.rpc",
+        "the shared RPC plumbing of workers and agents carries no process's own code",
+        (
+            *("torch", "triton", "refitd.server", "refitd.client", "refitd.agent"),
+            *("refitd.transport", "refitd.formats", "refitd.plan", *ENTRY_POINTS),
+        ),
+    ),
+    Rule(
         "refitd.agent",
         "the node agent talks to the controller over gRPC only, never through its code",
-        ("refitd.server", *ENTRY_POINTS),
+        ("refitd.server", "refitd.client", *ENTRY_POINTS),
     ),
 ]
 

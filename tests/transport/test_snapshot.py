@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
+from refitd.agent.commands import SnapshotInfo
 from refitd.agent.transfer_process import TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.transport.memory import SharedTensorArena
@@ -78,7 +79,7 @@ def _refit_overwriting_after_release(handles, src, tensors, plan, refit_id: int,
         dst_t.copy_(v)  # the trainer's next step writes its weights
     r1 = handles[1].start_execute(plan.digest, refit_id, refit_id, 60.0).result(70.0)
     t.join(70)
-    return got["r"]["report"], r1["report"]
+    return got["r"], r1
 
 
 def test_snapshot_sends_the_version_asked_for_while_the_trainer_writes(pair) -> None:
@@ -86,16 +87,16 @@ def test_snapshot_sends_the_version_asked_for_while_the_trainer_writes(pair) -> 
     arena = SharedTensorArena(prefix="refitd-snaptest")
     try:
         src, dst, tensors, plan, replies = _setup(handles, arena, 1 << 30, 21)
-        assert replies[0]["snapshot"]["fallback"] == ""
-        assert replies[0]["snapshot"]["bytes"] >= sum(t.nbytes for t in tensors[: len(src)])
+        assert replies[0].snapshot.fallback == ""
+        assert replies[0].snapshot.bytes >= sum(t.nbytes for t in tensors[: len(src)])
         for refit_id, (version_seed, next_seed) in enumerate([(21, 22), (23, 24)], start=1):
             for t, v in zip(tensors, fill_sources(src, globals_for(version_seed)), strict=False):
                 t.copy_(v)
             r0, r1 = _refit_overwriting_after_release(
                 handles, src, tensors, plan, refit_id, next_seed
             )
-            assert r0["snapshot"]["bytes"] > 0 and r0["sent_bytes"] > 0 and r0["local_bytes"] > 0
-            assert r1["recv_bytes"] == r0["sent_bytes"]
+            assert r0.snapshot.bytes > 0 and r0.report.sent_bytes > 0 and r0.report.local_bytes > 0
+            assert r1.report.recv_bytes == r0.report.sent_bytes
             g = globals_for(version_seed)
             for i, d in enumerate(dst):
                 assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
@@ -108,11 +109,11 @@ def test_snapshot_over_the_cap_reads_live_memory_and_says_why(pair) -> None:
     arena = SharedTensorArena(prefix="refitd-snaptest")
     try:
         src, dst, tensors, plan, replies = _setup(handles, arena, 256, 31)
-        why = replies[0]["snapshot"]["fallback"]
+        why = replies[0].snapshot.fallback
         assert "exceeds snapshot_bytes 256" in why, replies[0]
         pend = [h.start_execute(plan.digest, 1, 1, 60.0) for h in handles]
-        reports = [p.result(70.0)["report"] for p in pend]
-        assert reports[0]["snapshot"] == {"bytes": 0, "fallback": why}
+        reports = [p.result(70.0) for p in pend]
+        assert reports[0].snapshot == SnapshotInfo(0, why)
         g = globals_for(31)
         for i, d in enumerate(dst):
             assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)

@@ -71,7 +71,7 @@ def test_staging_fills_then_apply_lands_bit_for_bit() -> None:
                 handles[0].apply(plan.digest, refit_id + 100, 10.0)
             # A reload of the same plan (after a reconnect) keeps the filled staging.
             load(plan.digest, plan.program)
-            copied = sum(h.apply(plan.digest, refit_id, 10.0)["bytes"] for h in handles)
+            copied = sum(h.apply(plan.digest, refit_id, 10.0).bytes for h in handles)
             assert copied == sum(t.numel() * t.element_size() for t in tensors[len(src) :])
             for i, d in enumerate(dst):
                 assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)

@@ -18,6 +18,7 @@ from _transport_layouts import (
     megatron_side,
 )
 
+from refitd.agent.commands import ExecReport
 from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.transport.memory import SharedTensorArena, StorageMovedError
@@ -60,7 +61,7 @@ def _refit(handles, digest, timeout=30.0):
     out = []
     for p in pending:
         try:
-            out.append(wait_execute(p, timeout))
+            out.append(wait_execute(p, timeout).report)
         except (TransferProcessError, StorageMovedError) as e:
             out.append(e)
     return out
@@ -94,12 +95,12 @@ def test_refit_between_layouts_then_moved_storage_then_absent_peer(procs) -> Non
             for t, v in zip(tensors, fill_sources(src, g), strict=False):
                 t.copy_(v)
             reports = _refit(handles, plan.digest)
-            assert all(isinstance(r, dict) for r in reports), reports
+            assert all(isinstance(r, ExecReport) for r in reports), reports
             for i, d in enumerate(dst):
                 assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
-        assert all(r["staging_peak_bytes"] <= 2048 for r in reports)
-        assert sum(m["zero_copy_chunks"] for r in reports for m in r["messages"]) > 0
-        assert sum(m["staged_chunks"] for r in reports for m in r["messages"]) > 0
+        assert all(r.staging_peak_bytes <= 2048 for r in reports)
+        assert sum(m.zero_copy_chunks for r in reports for m in r.messages) > 0
+        assert sum(m.staged_chunks for r in reports for m in r.messages) > 0
 
         # a worker's storage moves: the slot holding it refuses, naming the tensor
         moved = len(src) + 1  # destination "col" rank 1, on slot 0
@@ -170,11 +171,11 @@ def test_relay_plans_bit_for_bit(procs, case) -> None:
             for i, s in enumerate(src):
                 tensors[i].copy_(local_from_global(s, g[s.name]))
             reports = _refit(handles, plan.digest)
-            assert all(isinstance(r, dict) for r in reports), reports
+            assert all(isinstance(r, ExecReport) for r in reports), reports
             for j, d in enumerate(dst):
                 got = tensors[len(src) + j]
                 assert torch.equal(got, local_from_global(d, g[d.name])), (d.pool, d.rank, d.name)
-        staged = sum(m["staged_chunks"] for r in reports for m in r["messages"])
-        assert staged > 0 and all(r["staging_peak_bytes"] <= 1024 for r in reports)
+        staged = sum(m.staged_chunks for r in reports for m in r.messages)
+        assert staged > 0 and all(r.staging_peak_bytes <= 1024 for r in reports)
     finally:
         arena.close()

@@ -1,0 +1,424 @@
+"""One refit of one slot over a prepared program (`RefitExecution`), and its report.
+
+Three threads run beside the caller's: the poster packs and posts every step's chunks, the
+send-waiter completes sends in posting order and releases their buffers and sources, the
+receiver completes receives in posting order and unpacks them. The calling thread runs the
+local copies meanwhile, then the local relay copies once every receive completed, and joins
+the threads. What the threads share (errors, counters, statistics, the report's byte totals)
+is an attribute guarded by `self.lock`; `progress` (on the same lock) wakes a relay send or
+the local relay copies when a receive completes. See executor.py for the rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from refitd.agent.chunks import Chunk, ExecutionError
+from refitd.agent.commands import ExecReport, MessageStat
+from refitd.agent.preparation import PreparedProgram
+from refitd.agent.slotdata import LocalStep
+from refitd.plan.program import MessageColumns
+from refitd.transport.base import DoneWork, P2POp, Transport, Work
+
+_SKIPPED = torch.empty(0, dtype=torch.uint8)  # marks a receive chunk of a skipped message
+
+_Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int64 checksum
+
+
+@dataclass
+class _Posted:
+    chunk: Chunk
+    work: Work
+    buf: torch.Tensor
+    ring: int  # staging ring slot, -1 for a zero-copy chunk
+
+    @property
+    def staged(self) -> bool:
+        return self.ring >= 0
+
+
+class RefitExecution:
+    """The state of one running refit of one slot; `run` drives it and returns the report."""
+
+    def __init__(
+        self,
+        prep: PreparedProgram,
+        transport: Transport | None,
+        peer: Callable[[int], int],
+        t0: float,
+        timeout_s: float,
+        on_sources_released: Callable[[], None] | None,
+        abort: threading.Event,
+        verify: bool,
+        skip: frozenset[int],
+    ) -> None:
+        self.t0 = t0  # the refit's start (monotonic), before the storage check
+        self.prep = prep
+        self.data = prep.data
+        self.pool = prep.pool
+        self.transport = transport
+        self.peer = peer
+        self.slot = prep.program.slot
+        self.timeout_s = timeout_s
+        self.deadline = self.t0 + timeout_s
+        self.on_sources_released = on_sources_released
+        self.abort = abort
+        self.verify = verify
+        self.skip = skip
+        self.is_cuda = prep.device.type == "cuda"
+        self.report = ExecReport(slot=self.slot)
+        self.send_sums: _Sums | None = {} if verify else None
+        self.recv_sums: _Sums | None = {} if verify else None
+        self.send_q: queue.Queue[_Posted | None] = queue.Queue()
+        self.recv_q: queue.Queue[_Posted | None] = queue.Queue()
+        self.local_done = threading.Event()
+        self.released = threading.Event()
+        # shared between the threads, under `lock`
+        self.lock = threading.Lock()
+        self.progress = threading.Condition(self.lock)
+        self.errors: list[BaseException] = []
+        self.recvs_done = 0  # receive chunks completed (waited and unpacked), in posting order
+        skipped_sources = sum(prep.reads_source[id(c)] for c in prep.send_chunks if c.mid in skip)
+        self.sources_left = prep.source_chunks - skipped_sources
+        self.stats: dict[tuple[str, int], MessageStat] = {}
+        self.started: dict[tuple[str, int], float] = {}
+        # each written by one thread only: the poster, resp. the receiver
+        self.pack_s = 0.0
+        self.unpack_s = 0.0
+        self.recv_wait_s = 0.0
+
+    # ------------------------------------------------------------------ shared state
+    def fail(self, e: BaseException) -> None:
+        with self.lock:
+            self.errors.append(e)
+            self.progress.notify_all()
+        self.abort.set()
+
+    def wait_recvs(self, n: int, what: str) -> None:
+        """Block until the first n posted receive chunks are complete."""
+        with self.progress:
+            while self.recvs_done < n:
+                if self.abort.is_set():
+                    raise ExecutionError(f"{what}: aborted")
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutionError(
+                        f"{what}: timed out waiting for {n - self.recvs_done} earlier receives"
+                    )
+                self.progress.wait(min(left, 0.1))
+        if self.is_cuda:  # unpacks are queued on the stream: make them visible before reading
+            torch.cuda.current_stream(self.prep.device).synchronize()
+
+    def _recv_completed(self, nbytes: int) -> None:
+        with self.progress:
+            self.report.recv_bytes += nbytes
+            self.recvs_done += 1
+            self.progress.notify_all()
+
+    def _stat(self, direction: str, ch: Chunk, zc: bool) -> None:
+        key = (direction, ch.mid)
+        with self.lock:
+            s = self.stats.get(key)
+            if s is None:
+                peer = ch.dst_slot if direction == "send" else ch.src_slot
+                s = self.stats[key] = MessageStat(ch.mid, direction, peer, ch.msg_nbytes, 0.0)
+                self.started[key] = time.monotonic()
+            if zc:
+                s.zero_copy_chunks += 1
+            else:
+                s.staged_chunks += 1
+
+    def _finished(self, direction: str, mid: int) -> None:
+        """A chunk of the message completed: its seconds run until now."""
+        key = (direction, mid)
+        with self.lock:
+            self.stats[key].seconds = time.monotonic() - self.started[key]
+
+    def source_done(self, n: int = 1) -> None:
+        """n chunks reading sources completed; once none is left and the local copies are
+        done, the sources are released (once)."""
+        with self.lock:
+            self.sources_left -= n
+            done = (
+                self.sources_left == 0 and self.local_done.is_set() and not self.released.is_set()
+            )
+            if done:
+                self.released.set()
+        if done:
+            if self.verify and self.is_cuda:  # source checksums are queued on the stream
+                torch.cuda.current_stream(self.prep.device).synchronize()
+            self.report.sources_released_s = time.monotonic() - self.t0
+            if self.on_sources_released is not None:
+                self.on_sources_released()
+
+    def describe(self, ch: Chunk, direction: str) -> str:
+        peer = ch.dst_slot if direction == "send" else ch.src_slot
+        return (
+            f"slot {self.slot}: {direction} of message {ch.mid} (round {ch.round}, "
+            f"chunk {ch.index}, {ch.nbytes} bytes) {'to' if direction == 'send' else 'from'} "
+            f"slot {peer} (rank {self.peer(peer)})"
+        )
+
+    # ------------------------------------------------------------------ threads
+    def poster(self) -> None:
+        """Post every step's receives and sends (packing staged sends) as one batch each."""
+        try:
+            for sends, recvs in self.prep.steps:
+                ops: list[P2POp] = []
+                posted: list[tuple[Chunk, torch.Tensor, int, bool]] = []
+                for ch in recvs:
+                    posted.append(self._post_recv(ch, ops))
+                for ch in sends:
+                    if ch.mid not in self.skip:
+                        posted.append(self._post_send(ch, ops))
+                if self.abort.is_set():
+                    return
+                self._submit(ops, posted)
+        except BaseException as e:
+            self.fail(e)
+        finally:
+            self.send_q.put(None)
+            self.recv_q.put(None)
+
+    def _post_recv(self, ch: Chunk, ops: list[P2POp]) -> tuple[Chunk, torch.Tensor, int, bool]:
+        if ch.mid in self.skip:  # landed before the executor ran
+            return (ch, _SKIPPED, -1, False)
+        zc = self.prep.zc_recv[id(ch)]
+        ring = self.prep.ring.get(id(ch), -1)
+        buf = (
+            zc
+            if zc is not None
+            else self.pool.acquire(
+                "recv", ring, self.deadline, self.abort, self.describe(ch, "recv")
+            )
+        )
+        ops.append(P2POp(False, buf[: ch.nbytes], self.peer(ch.src_slot), ch.tag))
+        return (ch, buf, ring, False)
+
+    def _post_send(self, ch: Chunk, ops: list[P2POp]) -> tuple[Chunk, torch.Tensor, int, bool]:
+        need = self.prep.relay_wait.get(id(ch))
+        if need is not None:
+            self.wait_recvs(need, self.describe(ch, "send"))
+        zc = self.prep.zc_send[id(ch)]
+        ring = self.prep.ring.get(id(ch), -1)
+        if zc is None:
+            if self.send_sums is not None:
+                self.data.source_sums(ch, self.send_sums)
+            buf = self.pool.acquire(
+                "send", ring, self.deadline, self.abort, self.describe(ch, "send")
+            )
+            tp = time.monotonic()
+            self.data.pack(ch, buf, self.send_sums)
+            self.pack_s += time.monotonic() - tp
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+            if self.prep.reads_source[id(ch)]:
+                self.source_done()
+        else:
+            buf = zc
+        ops.append(P2POp(True, buf[: ch.nbytes], self.peer(ch.dst_slot), ch.tag))
+        return (ch, buf, ring, True)
+
+    def _submit(
+        self, ops: list[P2POp], posted: list[tuple[Chunk, torch.Tensor, int, bool]]
+    ) -> None:
+        """One batch of the step's operations; their works go to the waiters in order."""
+        try:
+            works = iter(self.transport.batch(ops) if ops else [])  # type: ignore[union-attr]
+        except Exception as e:
+            ch0 = posted[0][0]
+            raise ExecutionError(
+                f"{self.describe(ch0, 'send' if posted[0][3] else 'recv')}: {e}"
+            ) from e
+        for ch, buf, ring, is_send in posted:
+            if buf is _SKIPPED:  # counted in posting order by the receiver
+                self.recv_q.put(_Posted(ch, DoneWork(), buf, -1))
+                continue
+            self._stat("send" if is_send else "recv", ch, ring < 0)
+            (self.send_q if is_send else self.recv_q).put(_Posted(ch, next(works), buf, ring))
+
+    def send_waiter(self) -> None:
+        """Complete sends in posting order; free their buffers, count their sources."""
+        try:
+            while (item := self.send_q.get()) is not None:
+                try:
+                    item.work.wait(self.deadline - time.monotonic())
+                except Exception as e:
+                    raise ExecutionError(f"{self.describe(item.chunk, 'send')}: {e}") from e
+                self._finished("send", item.chunk.mid)
+                if item.staged:
+                    self.pool.release("send", item.ring)
+                else:
+                    if self.send_sums is not None:  # zero-copy: overlaps the next sends
+                        self.data.source_sums(item.chunk, self.send_sums)
+                    if self.prep.reads_source[id(item.chunk)]:
+                        self.source_done()
+                with self.lock:
+                    self.report.sent_bytes += item.chunk.nbytes
+        except BaseException as e:
+            self.fail(e)
+            while self.send_q.get() is not None:
+                pass
+
+    def receiver(self) -> None:
+        """Complete receives in posting order and unpack the staged ones."""
+        partial: dict[int, torch.Tensor] = {}
+        try:
+            while (item := self.recv_q.get()) is not None:
+                if item.buf is _SKIPPED:
+                    self._recv_completed(0)
+                    continue
+                tw = time.monotonic()
+                try:
+                    item.work.wait(self.deadline - time.monotonic())
+                except Exception as e:
+                    raise ExecutionError(f"{self.describe(item.chunk, 'recv')}: {e}") from e
+                tu = time.monotonic()
+                self.recv_wait_s += tu - tw
+                if item.staged:
+                    try:
+                        self.data.unpack(item.chunk, item.buf, partial, self.recv_sums)
+                        self.unpack_s += time.monotonic() - tu
+                    except Exception as e:
+                        raise ExecutionError(
+                            f"{self.describe(item.chunk, 'recv')}: unpack failed: {e}"
+                        ) from e
+                    self.pool.release("recv", item.ring)
+                if self.recv_sums is not None:
+                    self.data.landed(item.chunk, self.recv_sums)
+                self._finished("recv", item.chunk.mid)
+                self._recv_completed(item.chunk.nbytes)
+        except BaseException as e:
+            self.fail(e)
+            while self.recv_q.get() is not None:
+                pass
+
+    def _on_device(self, f: Callable[[], None]) -> Callable[[], None]:
+        def body() -> None:
+            if self.is_cuda:  # the CUDA current device is per thread
+                torch.cuda.set_device(self.prep.device)
+            f()
+
+        return body
+
+    # ------------------------------------------------------------------ local copies
+    def run_local(self, step: LocalStep, what: str) -> None:
+        """Run one local step (direct or relay) on the calling thread; failures recorded."""
+        phases = self.report.phases
+        try:
+            fused = None
+            timed = self.is_cuda and not step.empty
+            if timed:  # GPU time of the local copies next to the host's (phases)
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                events[0].record()
+                t_launch = time.monotonic()
+            if step.grouped is not None:
+                fused = step.grouped.run(hash=self.verify)
+                self.report.local_bytes += step.grouped.nbytes
+            if step.dst:
+                torch._foreach_copy_(step.dst, step.src)
+            for call, a, b in step.slow:
+                call(a, b)
+            self.report.local_bytes += step.nbytes
+            if timed:
+                events[1].record()
+                phases["local_launch_s"] = phases.get("local_launch_s", 0.0) + (
+                    time.monotonic() - t_launch
+                )
+            if self.verify:
+                self.data.check_local(step.rows, fused, step.grouped_plain)
+            if timed:  # local copies are async on the GPU
+                torch.cuda.current_stream(self.prep.device).synchronize()
+                gpu_s = events[0].elapsed_time(events[1]) / 1e3
+                phases["local_gpu_s"] = phases.get("local_gpu_s", 0.0) + gpu_s
+        except ExecutionError as e:
+            self.fail(e)
+        except BaseException as e:
+            self.fail(ExecutionError(f"slot {self.slot}: {what} failed: {e}"))
+
+    def _run_locals(self) -> None:
+        """Local copies from sources, then (once every receive completed) relay copies."""
+        tl = time.monotonic()
+        self.run_local(self.prep.local_direct, "local copy")
+        self.report.local_seconds = time.monotonic() - tl
+        self.report.phases["local_s"] = self.report.local_seconds
+        self.local_done.set()
+        self.source_done(0)
+        if self.prep.local_relay.empty or self.errors:
+            return
+        try:
+            self.wait_recvs(len(self.prep.recv_chunks), f"slot {self.slot}: local relay copies")
+        except BaseException as e:
+            self.fail(e)
+        else:
+            tr = time.monotonic()
+            self.run_local(self.prep.local_relay, "local relay copy")
+            self.report.local_seconds += time.monotonic() - tr
+
+    # ------------------------------------------------------------------ the refit
+    def run(self) -> ExecReport:
+        """Start the threads, run the local copies, join; raises the first error."""
+        phases = self.report.phases
+        threads: list[threading.Thread] = []
+        if self.prep.has_messages:
+            threads = [
+                threading.Thread(target=self._on_device(f), name=f"refitd-{name}", daemon=True)
+                for name, f in (
+                    ("poster", self.poster),
+                    ("send_waiter", self.send_waiter),
+                    ("receiver", self.receiver),
+                )
+            ]
+            for t in threads:
+                t.start()
+        phases["check_start_s"] = time.monotonic() - self.t0
+        self._run_locals()
+        tj = time.monotonic()
+        for t in threads:
+            t.join(max(self.deadline - time.monotonic(), 0) + 1.0)
+        if any(t.is_alive() for t in threads):
+            self.abort.set()
+            with self.lock:
+                if not self.errors:
+                    self.errors.append(
+                        ExecutionError(
+                            f"slot {self.slot}: refit did not finish within {self.timeout_s:.1f}s"
+                        )
+                    )
+        with self.lock:
+            if self.errors:
+                raise self.errors[0]
+        if self.is_cuda:
+            torch.cuda.current_stream(self.prep.device).synchronize()
+        t1 = time.monotonic()
+        phases["messages_s"] = t1 - tj
+        if self.prep.has_messages:
+            phases.update(pack_s=self.pack_s, unpack_s=self.unpack_s, recv_wait_s=self.recv_wait_s)
+        if self.send_sums is not None and self.recv_sums is not None:
+            p = self.prep.program
+            self.report.checksums = {
+                "send": self.data.message_sums(_without(p.send, self.skip), self.send_sums),
+                "recv": self.data.message_sums(_without(p.recv, self.skip), self.recv_sums),
+            }
+            phases["checksums_s"] = time.monotonic() - t1
+            t1 = time.monotonic()
+        self.report.seconds = t1 - self.t0
+        self.report.staging_peak_bytes = self.pool.peak_bytes
+        self.report.messages = sorted(self.stats.values(), key=lambda s: (s.direction, s.id))
+        return self.report
+
+
+def _without(m: MessageColumns, skip: frozenset[int]) -> MessageColumns:
+    """The messages not in `skip` (they went through the delta path)."""
+    if not skip:
+        return m
+    keep = ~np.isin(m.id, np.fromiter(skip, dtype=np.int64, count=len(skip)))
+    return MessageColumns(*(getattr(m, f.name)[keep] for f in dataclasses.fields(m)))

@@ -1,0 +1,84 @@
+"""Worker memory in a transfer process: plan tensor index -> mapped tensor, staging buffers
+of staged pools, and the liveness check of registered storage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from refitd.agent.chunks import ExecutionError
+from refitd.agent.segments import ResolvedTensor
+from refitd.plan.layout import PLAIN
+from refitd.transport.memory import (
+    LivenessCheck,
+    MemoryHandle,
+    MemoryMapper,
+    check_live_words,
+    liveness_check,
+)
+
+
+@dataclass
+class MappedResolver:
+    """Plan tensor index -> worker memory mapped in this process (via a shared MemoryMapper).
+
+    Staged tensors (a staged pool's destinations) resolve to staging buffers this process
+    owns, so the executor and relays write and forward them unchanged; `apply` copies them
+    into the live memory. They are allocated by `stage` (at program load) as copies of the
+    live tensors, so regions a refit does not write keep their live values.
+    """
+
+    mapper: MemoryMapper
+    handles: dict[int, MemoryHandle]
+    storages: dict[int, str]
+    staged: frozenset[int] = frozenset()
+    _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
+    _staging: dict[int, ResolvedTensor] = field(default_factory=dict)
+    _checks: dict[tuple[int, ...], LivenessCheck] = field(default_factory=dict)
+
+    def resolve(self, index: int) -> ResolvedTensor:
+        if index in self.staged:
+            return self._staging[index]
+        return self.live(index)
+
+    def stage(self) -> None:
+        """Allocate the staging buffers: same shape, dtype, storage and device as live."""
+        for i in sorted(self.staged):
+            t = self.live(i)
+            scales = None if t.scales is None else t.scales.clone()
+            self._staging[i] = ResolvedTensor(t.name, t.data.clone(), scales, t.storage)
+
+    def apply(self) -> int:
+        """Copy every staging buffer into its live tensor; returns the bytes copied."""
+        self.check(self.staged)
+        n = 0
+        for i in sorted(self.staged):
+            live, st = self.live(i), self._staging[i]
+            live.data.copy_(st.data)
+            n += st.data.numel() * st.data.element_size()
+            if live.scales is not None and st.scales is not None:
+                live.scales.copy_(st.scales)
+                n += st.scales.numel() * st.scales.element_size()
+        return n
+
+    def live(self, index: int) -> ResolvedTensor:
+        """The worker memory of plan tensor `index`, mapped on first use."""
+        t = self._cache.get(index)
+        if t is None:
+            h = self.handles.get(index)
+            if h is None:
+                raise ExecutionError(f"no memory handle was loaded for plan tensor {index}")
+            scales = None if h.scales is None else self.mapper.map_handle(h.scales)
+            t = ResolvedTensor(
+                h.name, self.mapper.map_handle(h), scales, self.storages.get(index, PLAIN)
+            )
+            self._cache[index] = t
+        return t
+
+    def check(self, indices: Iterable[int]) -> None:
+        key = tuple(indices)
+        prepared = self._checks.get(key)
+        if prepared is None:
+            prepared = liveness_check([self.handles[i] for i in key if i in self.handles])
+            self._checks[key] = prepared
+        check_live_words(self.mapper, prepared)

@@ -1,0 +1,217 @@
+"""Program preparation: what an executor computes once per (program, mapped tensors) and
+replays every refit.
+
+`resolve_tensors` checks each tensor the slot touches against its registered shape and
+dtype. `PreparedProgram` cuts the messages into chunks (chunks.py), groups them into posting
+steps in (round, chunk index, message id) order, decides per chunk zero-copy or staged (and
+which staging ring buffer a staged one uses), works out relay waits (how many receives a
+relay send must see complete, see executor.py), and builds the local-copy steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from refitd.agent.chunks import Chunk, CopyInfo, ExecutionError, chunk_messages
+from refitd.agent.segments import ResolvedTensor
+from refitd.agent.slotdata import LocalStep, SlotData
+from refitd.agent.staging import StagingRing
+from refitd.plan.layout import PLAIN
+from refitd.plan.program import SlotProgram
+from refitd.transport.memory import torch_dtype
+
+GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
+
+
+class TensorResolver(Protocol):
+    """Plan tensor index -> the registered tensor on this slot."""
+
+    def resolve(self, index: int) -> ResolvedTensor: ...
+
+    def check(self, indices: Iterable[int]) -> None:
+        """Raise StorageMovedError naming every tensor whose registered storage moved."""
+        ...
+
+
+def touched_indices(p: SlotProgram) -> list[int]:
+    """Tensors this slot touches: sources it sends, destinations it receives, both ends of
+    its local copies."""
+    c = p.copies
+    recv_lo = int(p.recv.start[0]) if len(p.recv) else p.local_start
+    send_hi = int(p.send.end[-1]) if len(p.send) else 0
+    idx = np.unique(
+        np.concatenate(
+            [
+                c.src[:send_hi],
+                c.dst[recv_lo : p.local_start],
+                c.src[p.local_start :],
+                c.dst[p.local_start :],
+            ]
+        )
+    )
+    return idx.tolist()
+
+
+def resolve_tensors(
+    p: SlotProgram, resolver: TensorResolver, indices: list[int]
+) -> dict[int, ResolvedTensor]:
+    """Each touched tensor, checked against its registered local shape (and dtype when
+    stored plainly)."""
+    out: dict[int, ResolvedTensor] = {}
+    for i in indices:
+        spec = p.tensors[i]  # decode checked every copy's tensors are in the table
+        t = resolver.resolve(i)
+        if tuple(t.data.shape) != tuple(spec.local_shape):
+            raise ExecutionError(
+                f"tensor {t.name!r} (pool {spec.pool}, rank {spec.rank}): mapped shape "
+                f"{tuple(t.data.shape)} != registered local shape {tuple(spec.local_shape)}"
+            )
+        if spec.storage == PLAIN and t.data.dtype != torch_dtype(spec.dtype):
+            raise ExecutionError(
+                f"tensor {t.name!r} (pool {spec.pool}, rank {spec.rank}): mapped dtype "
+                f"{t.data.dtype} != registered {spec.dtype}"
+            )
+        out[i] = t
+    return out
+
+
+class PreparedProgram:
+    """A slot program's chunks, posting steps, zero-copy views, ring slots, relay waits and
+    local steps: everything a refit replays. Chunks are keyed by id() in the maps below
+    (they live as long as this object)."""
+
+    def __init__(
+        self,
+        program: SlotProgram,
+        info: CopyInfo,
+        data: SlotData,
+        device: torch.device,
+        staging_bytes: int,
+        wire_chunk: int,
+        staged_chunk: int | None,
+    ) -> None:
+        self.program = program
+        self.info = info
+        self.data = data
+        self.device = device
+        p = program
+        try:
+            self.send_chunks = chunk_messages(p.send, info, wire_chunk, staged_chunk)
+            self.recv_chunks = chunk_messages(p.recv, info, wire_chunk, staged_chunk)
+        except ExecutionError as e:
+            raise ExecutionError(f"slot {p.slot}: {e}") from e
+        self.steps = self._group_steps()
+        self.zc_send = {id(c): self._zero_copy_send(c) for c in self.send_chunks}
+        self.zc_recv = {id(c): data.zero_copy_recv(c) for c in self.recv_chunks}
+        self.pool, self.ring = self._staging(staging_bytes)
+        self.relay_wait = self._relay_waits()
+        relay = info.relay.tolist()
+        # send chunk -> whether it reads a source tensor (not only relayed destinations)
+        self.reads_source = {id(c): any(not relay[i] for i in c.rows) for c in self.send_chunks}
+        self.source_chunks = sum(self.reads_source.values())
+        local = range(p.local_start, len(p.copies))
+        self.local_direct = self._local_plan([i for i in local if not relay[i]])
+        self.local_relay = self._local_plan([i for i in local if relay[i]])
+
+    @property
+    def has_messages(self) -> bool:
+        return bool(self.send_chunks or self.recv_chunks)
+
+    def _group_steps(self) -> list[tuple[list[Chunk], list[Chunk]]]:
+        """(sends, receives) per chunk key, in key order: the order every slot posts in."""
+        steps: dict[tuple[int, int, int], tuple[list[Chunk], list[Chunk]]] = {}
+        for c in self.send_chunks:
+            steps.setdefault(c.key, ([], []))[0].append(c)
+        for c in self.recv_chunks:
+            steps.setdefault(c.key, ([], []))[1].append(c)
+        return [steps[k] for k in sorted(steps)]
+
+    def _zero_copy_send(self, ch: Chunk) -> torch.Tensor | None:
+        """The chunk's source bytes as one view to send in place, or None (staged). A host
+        snapshot of GPU sources lives off the executor's device: it is staged to it."""
+        view = self.data.zero_copy_send(ch)
+        return None if view is None or view.device != self.device else view
+
+    def _staging(self, staging_bytes: int) -> tuple[StagingRing, dict[int, int]]:
+        """The staging ring, sized for the largest staged chunk, and each staged chunk's
+        ring slot (the k-th staged chunk of a side, in posting order, uses slot k mod n)."""
+        staged_send = [c.nbytes for c in self.send_chunks if self.zc_send[id(c)] is None]
+        staged_recv = [c.nbytes for c in self.recv_chunks if self.zc_recv[id(c)] is None]
+        buf_bytes = -(-max(staged_send + staged_recv, default=16) // 16) * 16
+        pool = StagingRing(
+            staging_bytes, buf_bytes, self.device, max(len(staged_send), len(staged_recv))
+        )
+        ring: dict[int, int] = {}
+        n_send = n_recv = 0
+        for sends, recvs in self.steps:
+            for ch in recvs:
+                if self.zc_recv[id(ch)] is None:
+                    ring[id(ch)] = pool.slot_of(n_recv)
+                    n_recv += 1
+            for ch in sends:
+                if self.zc_send[id(ch)] is None:
+                    ring[id(ch)] = pool.slot_of(n_send)
+                    n_send += 1
+        return pool, ring
+
+    def _relay_waits(self) -> dict[int, int]:
+        """Send chunk of a relay message -> receives (in posting order) to complete first."""
+        p, relay = self.program, self.info.relay.tolist()
+        recv_rounds = sorted(c.round for c in self.recv_chunks)
+        feeds = self._feed_index()
+        waits: dict[int, int] = {}  # relay message id -> receives to complete first
+        for k in range(len(p.send)):
+            rows = [i for i in range(int(p.send.start[k]), int(p.send.end[k])) if relay[i]]
+            if rows:
+                # every receive of a smaller round holds everything it may forward; the
+                # prefix up to the last receive writing what it forwards is enough
+                n = bisect.bisect_left(recv_rounds, int(p.send.round[k]))
+                waits[int(p.send.id[k])] = min(n, max(feeds(i) for i in rows))
+        return {id(ch): waits[ch.mid] for ch in self.send_chunks if ch.mid in waits}
+
+    def _feed_index(self) -> Callable[[int], int]:
+        """For a relay copy row: how many receive chunks, in posting order, complete the
+        last one that writes (part of) the region it forwards."""
+        order = sorted(self.recv_chunks, key=lambda c: c.key)
+        c = self.program.copies
+        dst_t, src_t, nd = c.dst.tolist(), c.src.tolist(), c.ndim.tolist()
+        src_off, dst_off, shape = c.src_off.tolist(), c.dst_off.tolist(), c.shape.tolist()
+        writes: dict[int, list[tuple[int, int]]] = {}
+        for k, ch in enumerate(order):
+            for i in ch.rows:
+                writes.setdefault(dst_t[i], []).append((k, i))
+
+        def overlaps(a: int, b: int) -> bool:  # a's source region, b's destination region
+            return all(
+                ao < bo + bn and bo < ao + an
+                for ao, an, bo, bn in zip(
+                    src_off[a][: nd[a]],
+                    shape[a][: nd[a]],
+                    dst_off[b][: nd[b]],
+                    shape[b][: nd[b]],
+                    strict=True,
+                )
+            )
+
+        def feed(i: int) -> int:
+            hits = [k for k, w in writes.get(src_t[i], ()) if overlaps(i, w)]
+            return max(hits) + 1 if hits else len(order)
+
+        return feed
+
+    def _local_plan(self, rows: list[int]) -> LocalStep:
+        """The local copies as a ready-to-run step (SlotData.local_plan); on CUDA with
+        triton the grouped kernels take every copy they can (REFITD_GROUPED_LANDING=0: off)."""
+        grouped = None
+        if rows and self.device.type == "cuda" and os.environ.get(GROUPED_ENV, "1") != "0":
+            from refitd.formats import grouped as grouped_mod
+
+            if grouped_mod.available(self.device):
+                grouped = grouped_mod.GroupedLanding(self.device)
+        return self.data.local_plan(rows, grouped)

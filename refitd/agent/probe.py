@@ -1,0 +1,78 @@
+"""The probe command: raw link and memcpy references for benchmarks, timed in the transfer
+process between the same ranks (and on the same device) as the refit they are compared to."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from refitd.agent.commands import Ack, Probe, Probed
+from refitd.agent.slot_state import SlotState
+from refitd.transport.base import TransportError
+from refitd.transport.memory import shared_buffer
+
+
+def probe(state: SlotState, cmd: Probe) -> Ack | Probed:
+    """Seconds of `repeat` sends/receives per peer (or of `repeat` memcpys). `prepare` only
+    allocates (and drops other buffers); buffers live until `release`, so freeing them is
+    never timed."""
+    if cmd.release:
+        state.probe_bufs.clear()
+        return Ack()
+    if cmd.memcpy is not None:
+        return _memcpy(state, cmd, cmd.memcpy)
+    if state.transport is None:
+        raise TransportError("probe needs a connected transport")
+    want = [("s", int(p), n, r) for p, (n, r) in cmd.sends.items()]
+    want += [("r", int(p), n, r) for p, (n, r) in cmd.recvs.items()]
+    if cmd.prepare:
+        keep = {(kind, peer) for kind, peer, _, _ in want}
+        state.probe_bufs = {k: v for k, v in state.probe_bufs.items() if k in keep}
+    for kind, peer, n, _ in want:
+        buf = state.probe_bufs.get((kind, peer))
+        if buf is None or buf.numel() != n:
+            state.probe_bufs[(kind, peer)] = _probe_buffer(n, torch.device("cpu"))
+    if cmd.prepare:
+        return Ack()
+    t0 = time.monotonic()
+    works = []
+    for k in range(max((w[3] for w in want), default=0)):
+        for kind, peer, _, repeat in want:
+            if k >= repeat:
+                continue
+            buf = state.probe_bufs[(kind, peer)]
+            tag = 0x7FFF0000 + k
+            if kind == "s":
+                works.append(state.transport.isend(buf, peer, tag))
+            else:
+                works.append(state.transport.irecv(buf, peer, tag))
+    for w in works:
+        w.wait(cmd.timeout_s - (time.monotonic() - t0))
+    return Probed(time.monotonic() - t0)
+
+
+def _memcpy(state: SlotState, cmd: Probe, n: int) -> Ack | Probed:
+    dev = torch.device(cmd.device)
+    if cmd.prepare:
+        state.probe_bufs = {k: v for k, v in state.probe_bufs.items() if k[0] == "m"}
+    a = state.probe_bufs.get(("m", 0))
+    if a is None or a.numel() != n or a.device != dev:
+        a = state.probe_bufs[("m", 0)] = _probe_buffer(n, dev)
+        state.probe_bufs[("m", 1)] = _probe_buffer(n, dev)
+    b = state.probe_bufs[("m", 1)]
+    if cmd.prepare:
+        return Ack()
+    t0 = time.monotonic()
+    for _ in range(cmd.repeat):
+        b.copy_(a)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return Probed(time.monotonic() - t0)
+
+
+def _probe_buffer(n: int, dev: torch.device) -> torch.Tensor:
+    """A probe buffer of ones; on the CPU in shared memory pages, like worker tensors."""
+    if dev.type == "cpu":
+        return shared_buffer(n).fill_(1)
+    return torch.ones(n, dtype=torch.uint8, device=dev)

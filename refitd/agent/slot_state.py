@@ -1,0 +1,238 @@
+"""What a transfer process holds between commands, and the handlers of the quick ones.
+
+`SlotState` keeps the communicator, the memory mapper, and per plan digest the loaded
+program, its mappings and staging buffers, its snapshot, its delta base and its prepared
+executor (`LoadedPlan`). connect, load, apply, unload and abort are answered here; execute
+runs in its own thread (refit_command.py), probe in probe.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from refitd.agent.commands import Applied, Apply, Connect, Load, Loaded, Response
+from refitd.agent.executor import (
+    DEFAULT_STAGING_BYTES,
+    WIRE_CHUNK,
+    ExecutionError,
+    Executor,
+    ExecutorConfig,
+)
+from refitd.agent.mapped import MappedResolver
+from refitd.agent.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
+from refitd.plan.program import STORAGES, ProgramError, SlotProgram
+from refitd.transport.base import ConnectInfo, Transport, create_transport
+from refitd.transport.memory import MemoryHandle, MemoryMapper
+
+DEFAULT_SNAPSHOT_BYTES = 2 << 30
+
+
+@dataclass
+class LoadedPlan:
+    program: SlotProgram
+    resolver: MappedResolver
+    config: ExecutorConfig
+    executor: Executor | None = None
+    source: tuple[bytes, dict[int, bytes]] = (b"", {})  # program and handles as loaded
+    model: str = ""
+    filled: int | None = None  # refit id whose execute filled the staging buffers in full
+    delta: Any = None  # (ProgramAccess, DeltaBase) of delta refits, made on first use
+    snapshot: Snapshot | None = None  # snapshot release of this slot's sources (snapshot.py)
+    snapshot_request: tuple[tuple[int, ...], int] = ((), 0)  # (tensors asked, cap) at load
+
+
+class SlotState:
+    """Everything a transfer process holds between commands."""
+
+    def __init__(self, conn: Connection, slot: int | None = None) -> None:
+        self.conn = conn
+        self.slot = slot
+        self.send_lock = threading.Lock()
+        self.mapper = MemoryMapper()
+        self.transport: Transport | None = None
+        self.slot_ranks: dict[int, int] | None = None
+        self.loaded: dict[str, LoadedPlan] = {}
+        self.abort = threading.Event()
+        self.running: threading.Thread | None = None
+        self.busy = threading.Event()
+        self.aborted: dict[int, None] = {}  # refit ids aborted (latest 64), even before execute
+        self.probe_bufs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def reply(self, msg: Response) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def connect(self, cmd: Connect) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        for entry in self.loaded.values():
+            entry.executor = None
+        transport = create_transport(cmd.transport)
+        transport.connect(
+            ConnectInfo(
+                epoch=cmd.epoch,
+                store_host=cmd.store_host,
+                store_port=cmd.store_port,
+                rank=cmd.rank,
+                world_size=cmd.world_size,
+                timeout_s=cmd.timeout_s,
+                store_token=cmd.store_token,
+                local_address=cmd.data_plane_address,
+                local_interface=cmd.data_plane_interface,
+            )
+        )
+        self.transport = transport
+        self.slot_ranks = cmd.slot_ranks
+
+    def load(self, cmd: Load) -> Loaded:
+        try:
+            program = SlotProgram.from_bytes(cmd.program, self.slot)
+        except ProgramError as e:
+            raise ExecutionError(f"cannot load the program of plan {cmd.digest!r}: {e}") from e
+        if program.digest != cmd.digest:
+            raise ExecutionError(f"program digest {program.digest!r} != {cmd.digest!r}")
+        # The program lists tensors of other slots too; only this slot's are staged here.
+        table = program.table  # the tensors held on this slot
+        mine = set(table.index.tolist())
+        staged = frozenset(i for i in map(int, cmd.staged) if i in mine)
+        raw = {int(i): b for i, b in cmd.handles.items()}
+        wanted = tuple(sorted(int(i) for i in cmd.snapshot))
+        cap = DEFAULT_SNAPSHOT_BYTES if cmd.snapshot_bytes is None else int(cmd.snapshot_bytes)
+        old = self.loaded.get(cmd.digest)
+        if (
+            old is not None
+            and old.source == (cmd.program, raw)
+            and old.resolver.staged == staged
+            and old.snapshot_request == (wanted, cap)
+        ):
+            # Reloaded after a reconnect: keep the mappings and the staging buffers (a
+            # filled staging is what a retried apply copies).
+            old.executor = None
+            return Loaded()
+        model = cmd.model
+        if staged:
+            # A newer plan of the model (a new membership epoch: the old digest never runs
+            # again) replaces the staging buffers of the older ones, which are freed first.
+            for digest, entry in list(self.loaded.items()):
+                if entry.model == model and entry.resolver.staged:
+                    del self.loaded[digest]
+        handles = {i: MemoryHandle.from_bytes(b) for i, b in raw.items()}
+        storages = dict(
+            zip(
+                table.index.tolist(),
+                [STORAGES[k] for k in table.storage.tolist()],
+                strict=True,
+            )
+        )
+        resolver = MappedResolver(self.mapper, handles, storages, staged)
+        resolver.stage()
+        config = ExecutorConfig(
+            staging_bytes=cmd.staging_bytes or DEFAULT_STAGING_BYTES,
+            wire_chunk=cmd.wire_chunk or WIRE_CHUNK,
+            staged_chunk=cmd.staged_chunk,
+        )
+        snapshot = prepare_snapshot(program, resolver, wanted, cap) if wanted else None
+        entry = LoadedPlan(
+            program,
+            resolver,
+            config,
+            source=(cmd.program, raw),
+            model=model,
+            snapshot=snapshot,
+            snapshot_request=(wanted, cap),
+        )
+        for other in list(self.loaded.values()):
+            # a newer plan of the same layout (a new epoch) keeps the sender's delta base
+            if other.model == model and other.delta is not None and _same_sends(other, program):
+                entry.delta = (None, other.delta[1])
+                other.delta = None
+        self.loaded[cmd.digest] = entry
+        return Loaded(None if snapshot is None else snapshot.info())
+
+    def apply(self, cmd: Apply) -> Applied:
+        """Copy the staging buffers of a loaded plan into live memory (a staged pool is
+        paused); only when they hold, in full, what the execute of cmd.refit_id wrote."""
+        entry = self.loaded.get(cmd.digest)
+        if entry is None:
+            raise ExecutionError(
+                f"plan {cmd.digest!r} is not loaded in this transfer process: its staging "
+                "buffers are gone"
+            )
+        if self.busy.is_set():
+            raise ExecutionError("cannot apply while a refit is running on this slot")
+        if entry.filled != cmd.refit_id:
+            raise ExecutionError(
+                f"staging buffers hold refit {entry.filled}, not refit {cmd.refit_id}: "
+                "nothing applied"
+            )
+        t0 = time.monotonic()
+        n = entry.resolver.apply()
+        for dev in {entry.resolver.resolve(i).data.device for i in entry.resolver.staged}:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        return Applied(n, time.monotonic() - t0)
+
+    def executor(self, digest: str) -> Executor:
+        entry = self.loaded.get(digest)
+        if entry is None:
+            raise ExecutionError(f"plan {digest!r} is not loaded in this transfer process")
+        if entry.executor is None:
+            snap = entry.snapshot
+            resolver: Any = entry.resolver
+            device = None
+            if snap is not None and snap.active:
+                resolver = SnapshotResolver(entry.resolver, snap)
+                live = [entry.resolver.resolve(i).data for i in sorted(snap.indices)[:1]]
+                device = live[0].device if live else None
+            entry.executor = Executor(
+                entry.program,
+                resolver,
+                self.transport,
+                self.slot_ranks,
+                entry.config,
+                device=device,
+            )
+        return entry.executor
+
+    def abort_refit(self, refit_id: int) -> None:
+        """Stop the running execute; with a refit id, also any later execute of that refit.
+
+        A running execute may be blocked in a transfer wait on a dead peer: the communicator
+        is closed to unblock it (the controller reconnects every slot after an abort)."""
+        if refit_id:
+            self.aborted[refit_id] = None
+            while len(self.aborted) > 64:
+                del self.aborted[next(iter(self.aborted))]
+        self.abort.set()
+        if self.busy.is_set() and self.transport is not None:
+            transport, self.transport = self.transport, None
+            for entry in self.loaded.values():
+                entry.executor = None
+            with contextlib.suppress(Exception):
+                transport.close()
+
+    def close(self) -> None:
+        self.abort.set()
+        if self.running is not None:
+            self.running.join(5)
+        if self.transport is not None:
+            self.transport.close()
+        self.loaded.clear()
+        self.mapper.close()
+
+
+def _same_sends(old: LoadedPlan, program: SlotProgram) -> bool:
+    """Whether a program sends the same copies of the same source tensors as a loaded one
+    (the rows of the sender's delta base mean the same regions)."""
+    if old.program.sends != program.sends:
+        return False
+    srcs = {c.src_tensor for m in program.sends for c in m.copies}
+    return all(old.program.tensors.get(i) == program.tensors.get(i) for i in srcs)
