@@ -5,40 +5,21 @@ Commands go down the Pipe as `Request(rid, command)`; the process answers each w
 `Executed`, the `SourcesReleased` event. node.py converts the controller's protos into these
 commands and their replies into report protos (proto_codec.py); nothing in between reads a
 string-keyed dict.
-
-The replies also answer `reply["field"]` (`_ItemAccess`): the benchmark scripts of refitd/cli
-read them that way; the agent itself reads attributes.
 """
 
 from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 from refitd.agent.chunks import ExecutionError
 from refitd.transport.base import TransportError
 from refitd.transport.memory import StorageMovedError
 
 
-class _ItemAccess:
-    """Read-only `obj["field"]` / `obj.get("field")` over a dataclass's attributes."""
-
-    __slots__ = ()
-
-    def __getitem__(self, name: str) -> Any:
-        try:
-            return getattr(self, name)
-        except AttributeError:
-            raise KeyError(name) from None
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self, name, default)
-
-
 # ---------------------------------------------------------------------- reports
 @dataclass
-class MessageStat(_ItemAccess):
+class MessageStat:
     id: int
     direction: str  # "send" | "recv"
     peer_slot: int
@@ -49,7 +30,7 @@ class MessageStat(_ItemAccess):
 
 
 @dataclass
-class ExecReport(_ItemAccess):
+class ExecReport:
     """What one refit of one slot did: bytes and seconds per message, and totals.
 
     phases: seconds of the refit's phases (check_start_s: storage check and thread start;
@@ -182,17 +163,17 @@ Command = Connect | Load | Execute | Apply | Unload | Abort | Probe | Ping | Clo
 
 # ---------------------------------------------------------------------- replies
 @dataclass(frozen=True, slots=True)
-class Ack(_ItemAccess):
+class Ack:
     """A command that answers nothing but success (connect, abort, close, probe setup)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Pong(_ItemAccess):
+class Pong:
     slot: int | None
 
 
 @dataclass(frozen=True, slots=True)
-class SnapshotInfo(_ItemAccess):
+class SnapshotInfo:
     """What a slot's snapshot holds: its bytes (0 when not taken) and why not, if so."""
 
     bytes: int
@@ -200,28 +181,28 @@ class SnapshotInfo(_ItemAccess):
 
 
 @dataclass(frozen=True, slots=True)
-class Loaded(_ItemAccess):
+class Loaded:
     snapshot: SnapshotInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Applied(_ItemAccess):
+class Applied:
     bytes: int
     seconds: float
 
 
 @dataclass(frozen=True, slots=True)
-class Unloaded(_ItemAccess):
+class Unloaded:
     unloaded: bool
 
 
 @dataclass(frozen=True, slots=True)
-class Probed(_ItemAccess):
+class Probed:
     seconds: float
 
 
 @dataclass(frozen=True, slots=True)
-class DeltaResult(_ItemAccess):
+class DeltaResult:
     """The delta path's part of one execute (refitd.agent.delta_exchange): the base it
     holds, per message sent its kind and stats (delta_exchange's own records), timings."""
 
@@ -239,7 +220,7 @@ class DeltaResult(_ItemAccess):
 
 
 @dataclass(frozen=True, slots=True)
-class Executed(_ItemAccess):
+class Executed:
     """One refit of the slot: the executor's report (delta bytes and checksums included),
     and the delta path's and the snapshot's parts when they took part."""
 
@@ -251,7 +232,7 @@ class Executed(_ItemAccess):
 
 
 @dataclass(frozen=True, slots=True)
-class SourcesReleased(_ItemAccess):
+class SourcesReleased:
     """Event before an Executed: the trainer's memory is no longer read (wall time t)."""
 
     t: float

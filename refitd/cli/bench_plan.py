@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 MEGATRON_REF = {
     # (model, src layout, src world, dst layout, dst world): (plan seconds, send imbalance)
@@ -80,15 +81,7 @@ def run(args: argparse.Namespace) -> int:
     pause = contextlib.nullcontext() if args.no_gc_pause else GcPause()
 
     def best(f: Callable[[], object]) -> tuple[float, list[float], object]:
-        times, result = [], None
-        for _ in range(repeat):
-            result = None
-            gc.collect()
-            t = time.perf_counter()
-            with pause:
-                result = f()
-            times.append(time.perf_counter() - t)
-        return min(times), times, result
+        return _best(f, repeat, pause)
 
     # same-run reference: one Python pass reading one field of every TensorSpec, the
     # floor of any planner that starts from the lists
@@ -103,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
     with pause:
         program = plan.program(plan.slots()[0])  # type: ignore[attr-defined]
     program_s = time.perf_counter() - t0
-    s = plan.stats  # type: ignore[attr-defined]
     ref = MEGATRON_REF.get((args.model, args.src, args.src_world, args.dst, args.dst_world))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = {
@@ -124,19 +116,7 @@ def run(args: argparse.Namespace) -> int:
         "plan_vs_spec_scan": round(plan_s / scan_s, 1) if scan_s else None,
         "program_slot0_s": round(program_s, 4),
         "program_slot0_bytes": len(program.to_bytes()),
-        "copies": s.copies,
-        "local_copies": s.local_copies,
-        "messages": s.messages,
-        "rounds": s.rounds,
-        "total_bytes": s.total_bytes,
-        "local_bytes": s.local_bytes,
-        "max_send_bytes": s.max_send_bytes,
-        "source_max_send_bytes": s.source_max_send_bytes,
-        "ideal_send_bytes": round(s.ideal_send_bytes),
-        "send_imbalance": round(s.send_imbalance, 5),
-        "relay_bytes": s.relay_bytes,
-        "relay_copies": s.relay_copies,
-        "max_recv_bytes": s.max_recv_bytes,
+        **_stat_fields(plan.stats),  # type: ignore[attr-defined]
         "peak_rss_bytes": peak,
     }
     if ref is not None:
@@ -150,6 +130,41 @@ def run(args: argparse.Namespace) -> int:
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out))
     return 0
+
+
+def _best(
+    f: Callable[[], object], repeat: int, pause: contextlib.AbstractContextManager
+) -> tuple[float, list[float], object]:
+    """(best seconds, every run's seconds, the last result) of `repeat` runs of f, each
+    after a full collection and inside `pause`."""
+    times, result = [], None
+    for _ in range(repeat):
+        result = None
+        gc.collect()
+        t = time.perf_counter()
+        with pause:
+            result = f()
+        times.append(time.perf_counter() - t)
+    return min(times), times, result
+
+
+def _stat_fields(s: Any) -> dict[str, Any]:
+    """The plan statistics the JSON line reports (PlanStats fields, rounded)."""
+    return {
+        "copies": s.copies,
+        "local_copies": s.local_copies,
+        "messages": s.messages,
+        "rounds": s.rounds,
+        "total_bytes": s.total_bytes,
+        "local_bytes": s.local_bytes,
+        "max_send_bytes": s.max_send_bytes,
+        "source_max_send_bytes": s.source_max_send_bytes,
+        "ideal_send_bytes": round(s.ideal_send_bytes),
+        "send_imbalance": round(s.send_imbalance, 5),
+        "relay_bytes": s.relay_bytes,
+        "relay_copies": s.relay_copies,
+        "max_recv_bytes": s.max_recv_bytes,
+    }
 
 
 def _programs(

@@ -29,6 +29,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from refitd.agent.commands import SnapshotInfo
 from refitd.agent.transfer_process import TransferProcessHandle
 from refitd.plan.layout import MXFP8, PLAIN, TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
@@ -297,7 +298,7 @@ def _load_programs(
     n_src: int,
 ) -> dict[int, dict]:
     """Load every slot's program with its tensors' handles; the snapshot replies by slot."""
-    snapshots: dict[int, dict] = {}
+    snapshots: dict[int, SnapshotInfo] = {}
     for h in handles:
         prog = plan.program(h.slot)
         if args.transport == "local" and (prog.sends or prog.recvs):
@@ -312,8 +313,8 @@ def _load_programs(
             snapshot=list(range(n_src)) if args.snapshot else None,
             snapshot_bytes=args.snapshot_bytes,
         )
-        if reply.get("snapshot"):
-            snapshots[h.slot] = reply["snapshot"]
+        if reply.snapshot is not None:
+            snapshots[h.slot] = reply.snapshot
     return snapshots
 
 
@@ -347,7 +348,7 @@ def _refit(
     released: dict[int, float] = {}
     pend = [h.start_execute(plan.digest, refit_id, refit_id, args.timeout, verify) for h in handles]
     reports = [
-        p.result(args.timeout + 10.0, lambda m, s=h.slot: released.setdefault(s, m["t"]))["report"]
+        p.result(args.timeout + 10.0, lambda m, s=h.slot: released.setdefault(s, m.t)).report
         for h, p in zip(handles, pend, strict=True)
     ]
     seconds = time.monotonic() - t0
@@ -390,13 +391,13 @@ def _summary(
     model_bytes: int,
     slots: int,
     ok: bool,
-    snapshots: dict[int, dict],
+    snapshots: dict[int, SnapshotInfo],
 ) -> dict:
     """The bench's JSON document (the MXFP8 part is the caller's)."""
     runs, refs, reports = timed.runs, timed.refs, timed.reports
     seconds, ref_seconds = statistics.median(runs), statistics.median(refs)
-    wire_bytes = sum(r["sent_bytes"] for r in reports)
-    local_bytes = sum(r["local_bytes"] for r in reports)
+    wire_bytes = sum(r.sent_bytes for r in reports)
+    local_bytes = sum(r.local_bytes for r in reports)
     moved = wire_bytes if args.transport == "gloo" else local_bytes
     blocked, memcpy = statistics.median(timed.blocked), statistics.median(timed.memcpys)
     out = {
@@ -414,22 +415,22 @@ def _summary(
         "ratio_of_medians": round(ref_seconds / seconds, 3),
         "seconds_all": [round(x, 4) for x in runs],
         "ref_seconds_all": [round(x, 4) for x in refs],
-        "staging_peak_bytes": max(r["staging_peak_bytes"] for r in reports),
+        "staging_peak_bytes": max(r.staging_peak_bytes for r in reports),
         "staging_cap_bytes": args.staging,
-        "sources_released_s": round(max(r["sources_released_s"] for r in reports), 4),
+        "sources_released_s": round(max(r.sources_released_s for r in reports), 4),
         # trainer_blocked_s: refit start -> its last source slot released it (median);
         # over a memcpy of each source slot's bytes, all slots at once, same run
         "trainer_blocked_s": round(blocked, 4),
         "memcpy_s": round(memcpy, 4),
         "trainer_blocked_over_memcpy": round(blocked / max(memcpy, 1e-9), 3),
         "snapshot": _snapshot_summary(args, snapshots),
-        "messages": sum(len(r["messages"]) for r in reports) // 2,
-        "zero_copy_chunks": sum(m["zero_copy_chunks"] for r in reports for m in r["messages"]),
-        "staged_chunks": sum(m["staged_chunks"] for r in reports for m in r["messages"]),
+        "messages": sum(len(r.messages) for r in reports) // 2,
+        "zero_copy_chunks": sum(m.zero_copy_chunks for r in reports for m in r.messages),
+        "staged_chunks": sum(m.staged_chunks for r in reports for m in r.messages),
         "wire_over_bf16": round(plan.stats.remote_bytes / max(1, model_bytes), 4),
         "relay_bytes": plan.stats.relay_bytes,
         "phases_max": {
-            k: round(max(r["phases"].get(k, 0.0) for r in reports), 4) for k in reports[0]["phases"]
+            k: round(max(r.phases.get(k, 0.0) for r in reports), 4) for k in reports[0].phases
         },
         "slots": slots,
         "verified": ok,
@@ -441,19 +442,19 @@ def _summary(
             "verify_gbps": round(moved / vs / 1e9, 3),
             "verify_ratio": round(seconds / vs, 3),
             "checksums_s_max": round(
-                max(r["phases"].get("checksums_s", 0.0) for r in timed.vreports), 4
+                max(r.phases.get("checksums_s", 0.0) for r in timed.vreports), 4
             ),
             "checksum_mismatch": timed.mismatch,
         }
     return out
 
 
-def _snapshot_summary(args, snapshots: dict[int, dict]) -> dict | None:
+def _snapshot_summary(args, snapshots: dict[int, SnapshotInfo]) -> dict | None:
     if not args.snapshot:
         return None
     return {
-        "bytes": sum(s["bytes"] for s in snapshots.values()),
-        "fallback": sorted({s["fallback"] for s in snapshots.values() if s["fallback"]}),
+        "bytes": sum(s.bytes for s in snapshots.values()),
+        "fallback": sorted({s.fallback for s in snapshots.values() if s.fallback}),
     }
 
 
@@ -487,8 +488,8 @@ def _compare_checksums(plan, handles, reports) -> str | None:
 
     sent, landed = {}, {}
     for h, r in zip(handles, reports, strict=True):
-        sent |= {i: (h.slot, c) for i, c in r["checksums"]["send"].items()}
-        landed |= {i: (h.slot, c) for i, c in r["checksums"]["recv"].items()}
+        sent |= {i: (h.slot, c) for i, c in r.checksums["send"].items()}
+        landed |= {i: (h.slot, c) for i, c in r.checksums["recv"].items()}
     return compare_checksums(plan, sent, landed)
 
 
@@ -497,7 +498,7 @@ def _reference(args, handles, plan, rank_of, reports) -> float:
     if args.transport == "local":
         sizes = []
         for r in reports:
-            n = r["local_bytes"]
+            n = r.local_bytes
             chunk = min(n, args.ref_chunk)
             sizes.append({"memcpy": chunk, "repeat": max(1, round(n / chunk))})
         for h, size in zip(handles, sizes, strict=True):
@@ -511,9 +512,9 @@ def _reference(args, handles, plan, rank_of, reports) -> float:
         return seconds
     pair: dict[tuple[int, int], int] = defaultdict(int)
     for r in reports:
-        for m in r["messages"]:
-            if m["direction"] == "send":
-                pair[(r["slot"], m["peer_slot"])] += m["nbytes"]
+        for m in r.messages:
+            if m.direction == "send":
+                pair[(r.slot, m.peer_slot)] += m.nbytes
     pend = []
     for h in handles:
         sends = {

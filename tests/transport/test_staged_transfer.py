@@ -75,8 +75,10 @@ def test_staging_fills_then_apply_lands_bit_for_bit() -> None:
             assert copied == sum(t.numel() * t.element_size() for t in tensors[len(src) :])
             for i, d in enumerate(dst):
                 assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
-        # A newer plan of the model frees the staging of the older one.
-        newer = build_plan("m", 2, src, dst, PlanConfig(bucket_bytes=2048))
+        # A newer plan of the model frees the staging of the older one (another layout
+        # identity: here another bucket size; a new epoch alone keeps the digest).
+        newer = build_plan("m", 2, src, dst, PlanConfig(bucket_bytes=4096))
+        assert newer.digest != plan.digest
         load(newer.digest, newer.program)
         assert not handles[0].unload(plan.digest)
         assert handles[0].unload(newer.digest)
