@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from refitd.agent.errors import ExecutionError
 from refitd.plan.program import (
     DTYPES,
     FLAG_LANDS_DIRECT,
@@ -33,10 +34,6 @@ WIRE_CHUNK = 32 << 20
 DIRECT_MIN = 1 << 20
 TAG_CHUNK_BITS = 12
 _ESIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], np.int64)
-
-
-class ExecutionError(RuntimeError):
-    """A refit of one slot failed: which message, which peer, why."""
 
 
 @dataclass(slots=True)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass, field
 
-from refitd.agent.chunks import ExecutionError
-from refitd.transport.base import TransportError
-from refitd.transport.memory import StorageMovedError
+from refitd.agent.errors import ExecutionError
+from refitd.transport.errors import StorageMovedError, TransportError
 
 
 # ---------------------------------------------------------------------- reports

@@ -39,10 +39,14 @@ from refitd.agent.proto_codec import (
     report_proto,
     slot_command,
 )
-from refitd.agent.transfer_process import TransferProcessHandle, wait_execute
+from refitd.agent.transfer_process import (
+    TransferProcessHandle,
+    start_transfer_server,
+    wait_execute,
+)
 from refitd.limits import raise_nofile_limit
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError, security_for
-from refitd.transport.memory import reap_orphaned_segments
+from refitd.transport.segment_names import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 60.0  # orphaned shared memory of killed workers is unlinked this often
@@ -293,7 +297,7 @@ class NodeAgent:
             if wanted.get(slot_id) != self.slots[slot_id].device:
                 self.slots.pop(slot_id).close()
         missing = [(s, d) for s, d in wanted.items() if s not in self.slots]
-        if missing:  # spawn transfer processes in parallel: each imports torch
+        if missing:  # start transfer processes in parallel (each forks, then connects)
             with ThreadPoolExecutor(len(missing)) as pool:
                 runners = pool.map(lambda sd: SlotRunner(self, sd[0], sd[1], self.options), missing)
                 self.slots.update({r.slot: r for r in runners})
@@ -461,4 +465,5 @@ def run_node_agent(
 ) -> None:
     """Run a node agent until stop_event is set (used by `refitd serve` and `refitd agent`)."""
     raise_nofile_limit()
+    start_transfer_server()
     NodeAgent(controller_address, host, devices, settings, data_plane).run(stop_event)

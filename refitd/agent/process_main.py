@@ -8,6 +8,8 @@ arriving meanwhile is served at once; at most one execute runs at a time.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from multiprocessing.connection import Connection
 
 import torch
@@ -36,9 +38,19 @@ from refitd.agent.refit_command import start_execute
 from refitd.agent.slot_state import SlotState
 from refitd.limits import raise_nofile_limit
 
+PR_SET_NAME = 15  # prctl(2): the thread's name, which ps, top and psutil's name() show
 
-def transfer_process_main(conn: Connection, slot: int, device: str | None) -> None:
+
+def name_this_process(name: str) -> None:
+    """Give the process a name operators and the fault suite can find (Linux; else a no-op).
+    Forked transfer processes otherwise all look like their fork server."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def transfer_process_main(conn: Connection, slot: int, device: str | None, name: str) -> None:
     """Entry point of a transfer process: serve commands until close or the pipe closes."""
+    name_this_process(name)
     raise_nofile_limit()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if device is not None and device.startswith("cuda"):

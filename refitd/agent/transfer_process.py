@@ -15,6 +15,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import TypeVar
 
 from refitd.agent.commands import (
@@ -39,10 +40,45 @@ from refitd.agent.commands import (
     Unload,
     Unloaded,
 )
-from refitd.agent.process_main import transfer_process_main
-from refitd.transport.memory import StorageMovedError
+from refitd.transport.errors import StorageMovedError
 
-__all__ = ["Pending", "TransferProcessError", "TransferProcessHandle", "expect", "wait_execute"]
+__all__ = [
+    "PROCESS_NAME_PREFIX",
+    "Pending",
+    "TransferProcessError",
+    "TransferProcessHandle",
+    "expect",
+    "start_transfer_server",
+    "wait_execute",
+]
+
+PROCESS_NAME_PREFIX = "refitd-slot"  # a transfer process's name in ps/top: refitd-slot<N>
+
+
+def transfer_context() -> mp.context.ForkServerContext:
+    """Transfer processes fork from a server that has imported their modules (torch among
+    them) once: N slots cost one torch import, not N. The server never touches a device, so
+    a child may still initialise CUDA."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["refitd.agent.process_main"])
+    return ctx
+
+
+def start_transfer_server() -> None:
+    """Start the fork server now, without waiting: its imports run while the caller does
+    other start-up work, and the first transfer process starts faster."""
+    from multiprocessing import forkserver
+
+    transfer_context()
+    forkserver.ensure_running()
+
+
+def run_transfer_process(conn: Connection, slot: int, device: str | None, name: str) -> None:
+    """The child's entry point. It imports the process's modules only here (the fork server
+    has them already), so the node agent itself never imports torch."""
+    from refitd.agent.process_main import transfer_process_main
+
+    transfer_process_main(conn, slot, device, name)
 
 
 class TransferProcessError(RuntimeError):
@@ -78,12 +114,12 @@ class TransferProcessHandle:
 
     def __init__(self, slot: int, device: str | None = None, start_timeout_s: float = 60.0) -> None:
         self.slot = slot
-        ctx = mp.get_context("spawn")
+        ctx = transfer_context()
         self._conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=transfer_process_main,
-            args=(child, slot, device),
-            name=f"refitd-transfer-slot{slot}",
+            target=run_transfer_process,
+            args=(child, slot, device, f"{PROCESS_NAME_PREFIX}{slot}"),
+            name=f"{PROCESS_NAME_PREFIX}{slot}",
             daemon=True,
         )
         self.process.start()

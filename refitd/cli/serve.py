@@ -44,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"refitd serve: embedded agent: refusing to start: {e}", file=sys.stderr)
             return 2
     stop = start_daemon_process(settings)
+    if plane is not None:  # the fork server imports torch while the controller starts
+        from refitd.agent.transfer_process import start_transfer_server
+
+        start_transfer_server()
     controller = Controller(settings).start()
     agent_thread = None
     if plane is not None:

@@ -33,6 +33,7 @@ import psutil
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.agent.transfer_process import PROCESS_NAME_PREFIX
 from refitd.demo.run import free_port
 
 ROLES = ("trainer", "inference", "transfer", "agent", "controller")
@@ -280,7 +281,7 @@ class Cluster:
             children = psutil.Process(self.agent.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
-        return [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+        return [p for p in children if p.name().startswith(PROCESS_NAME_PREFIX)]
 
     def step(self, version: int, trainers: list[Child] | None = None) -> None:
         for t in trainers if trainers is not None else self.trainers:

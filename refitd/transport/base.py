@@ -12,9 +12,7 @@ from typing import Protocol
 
 import torch
 
-
-class TransportError(RuntimeError):
-    """A connect, send or receive failed or timed out."""
+from refitd.transport.errors import TransportError
 
 
 class Work(Protocol):

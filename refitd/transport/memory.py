@@ -28,13 +28,9 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
-from refitd.transport.shm import (
-    SHM_DIR,
-    Segment,
-    StorageMovedError,
-    new_segment_name,
-    reap_orphaned_segments,
-)
+from refitd.transport.errors import StorageMovedError
+from refitd.transport.segment_names import SHM_DIR, new_segment_name, reap_orphaned_segments
+from refitd.transport.shm import Segment
 
 __all__ = [
     "SHM_DIR",

@@ -15,17 +15,12 @@ import ctypes
 import fcntl
 import mmap
 import os
-import secrets
 import weakref
 
-import psutil
 import torch
 
-SHM_DIR = "/dev/shm"
-
-
-class StorageMovedError(RuntimeError):
-    """A registered tensor's storage moved or was released: it must be registered again."""
+from refitd.transport.errors import StorageMovedError
+from refitd.transport.segment_names import SHM_DIR
 
 
 def _libc() -> ctypes.CDLL:
@@ -120,41 +115,3 @@ class Segment:
         if self._owner_fd is not None:
             os.close(self._owner_fd)
             self._owner_fd = None
-
-
-def new_segment_name(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def reap_orphaned_segments(prefix: str = "refitd", shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink this user's `prefix-*-PID-HEX` segments whose creator is gone: no process holds
-    the creator's flock (it dies with the process, in any PID namespace) and PID is not a
-    live process here. Mappings that still use a segment keep it until they unmap."""
-    removed: list[str] = []
-    uid = os.getuid()
-    try:
-        entries = list(os.scandir(shm_dir))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        head, _, tail = entry.name.rpartition("-")
-        _, _, pid = head.rpartition("-")
-        if not entry.name.startswith(prefix + "-") or len(tail) != 12 or not pid.isdigit():
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != uid or psutil.pid_exists(int(pid)):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its creator (or a fork of it) still holds it
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-            removed.append(entry.name)
-        finally:
-            os.close(fd)
-    return removed

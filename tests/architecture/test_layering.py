@@ -87,6 +87,12 @@ RULES = [
         "the node agent talks to the controller over gRPC only, never through its code",
         ("refitd.server", "refitd.client", *ENTRY_POINTS),
     ),
+    Rule(
+        "refitd.agent.node",
+        "the node agent relays commands: only its transfer processes touch tensors, so a host "
+        "pays one torch import for all its slots (their fork server's), not one more",
+        ("torch", "triton"),
+    ),
 ]
 
 # (module, imported module): why this function-level import is fine
@@ -99,8 +105,11 @@ ALLOWED_LAZY = {
 
 
 def _modules(layer: str) -> list[str]:
-    """Every module of the layer's package, found on disk (nothing is imported here)."""
+    """Every module of the layer's package (or the layer itself, a module), found on disk
+    (nothing is imported here)."""
     base = ROOT / layer.replace(".", "/")
+    if base.with_suffix(".py").is_file():
+        return [layer]
     out = []
     for path in sorted(base.rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)

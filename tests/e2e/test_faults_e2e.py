@@ -25,6 +25,7 @@ import torch
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.agent.transfer_process import PROCESS_NAME_PREFIX
 from refitd.client import RefitError, TrainerClient
 from refitd.demo.gpt import ParallelLayout, WeightGenerator, rank_shards
 from refitd.demo.run import Daemon, free_port
@@ -127,7 +128,7 @@ def transfer_processes(root: int) -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process(root).children(recursive=True)
-        if "spawn_main" in " ".join(p.cmdline())
+        if p.name().startswith(PROCESS_NAME_PREFIX)
     ]
 
 
