@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.plan.program import SlotProgram
 from refitd.server.delta_policy import DeltaSettings, Timing, refit_mode
 
 COLS = 4096
@@ -107,7 +108,6 @@ def _rank(
     from refitd.agent.delta_access import ProgramAccess
     from refitd.agent.delta_exchange import KIND_DELTA, DeltaBase, DeltaReport, run_delta
     from refitd.agent.executor import DirectResolver, Executor
-    from refitd.agent.segments import ResolvedTensor
     from refitd.demo.versions import VersionGenerator, perturb
     from refitd.transport.base import ConnectInfo
     from refitd.transport.gloo import GlooTransport
@@ -116,15 +116,8 @@ def _rank(
     src, dst = specs(args.bytes, args.tensor_bytes)
     plan = build_plan("m", 1, src, dst, PlanConfig(64 << 20))
     program = plan.program(rank)
-    mine = {i: s for i, s in program.tensors.items() if s.slot == rank}
-    total = sum(s.local_shape[0] * s.local_shape[1] for s in mine.values())
-    flat = torch.zeros(total, dtype=torch.bfloat16)
-    tensors, at = {}, 0
-    for i, s in sorted(mine.items()):
-        n = s.local_shape[0] * s.local_shape[1]
-        tensors[i] = ResolvedTensor(f"tensor {i}", flat[at : at + n].view(s.local_shape))
-        at += n
-    gen = VersionGenerator(total, args.lr, seed=rank) if rank in SRC else None
+    flat, tensors = _slot_tensors(program, rank)
+    gen = VersionGenerator(flat.numel(), args.lr, seed=rank) if rank in SRC else None
     if gen is not None:
         gen.current(flat)
     host = store_host or args.host
@@ -137,7 +130,6 @@ def _rank(
     access = ProgramAccess(program, lambda i: tensors[i], lambda s: s)
     base = DeltaBase()
     sends, recvs = access.messages("send", access.sends), access.messages("recv", access.recvs)
-    allowed = frozenset(access.sends)
     ex.run(args.timeout)  # version 0 dense, warms the executor
     run_delta(t, sends, recvs, access, base, 0, allowed=frozenset(), max_density=0.0,
               deadline=time.monotonic() + args.timeout)  # fmt: skip
@@ -146,18 +138,17 @@ def _rank(
     densities: list[float | None] = []
     timings: list[Timing] = []
     for v in range(1, args.versions + 1):
-        if gen is not None:
-            if args.density is None:
-                gen.step(flat)
-            else:
-                perturb(flat, args.density, seed=v * 10 + rank)
+        if gen is not None and args.density is None:  # a source publishes version v
+            gen.step(flat)
+        elif gen is not None:
+            perturb(flat, args.density, seed=v * 10 + rank)
         # the controller's refit-level choice
         mode = refit_mode(policy, densities, () if args.no_speed_rule else timings)
         use_delta = mode.delta
         _barrier(store, f"delta{v}", rank, args.timeout)
         t0 = time.monotonic()
         if use_delta:
-            rep = run_delta(t, sends, recvs, access, base, v, allowed=allowed,
+            rep = run_delta(t, sends, recvs, access, base, v, allowed=frozenset(access.sends),
                             max_density=args.max_density, deadline=t0 + args.timeout)  # fmt: skip
         else:
             rep = DeltaReport()
@@ -173,18 +164,13 @@ def _rank(
         sent = list(rep.sent.values())
         changed = sum(m["changed"] for m in sent)
         elements = sum(m["elements"] for m in sent)
-        if rank in SRC:
-            ndelta = sum(m["kind"] == KIND_DELTA for m in sent)
-            store.set(f"density{v}/{rank}", f"{changed} {elements} {ndelta}")
-        store.set(f"seconds{v}/{rank}", f"{delta_s} {dense_s}")
-        both = [store.get(f"density{v}/{r}").decode().split() for r in SRC]
-        c, e = sum(int(x[0]) for x in both), sum(int(x[1]) for x in both)
-        densities.append(c / e if e else None)
-        secs = [[float(x) for x in store.get(f"seconds{v}/{r}").decode().split()] for r in range(4)]
-        slow_delta, slow_dense = max(x[0] for x in secs), max(x[1] for x in secs)
-        sent_delta = use_delta and sum(int(x[2]) for x in both) > 0  # the same on every rank
+        ndelta = sum(m["kind"] == KIND_DELTA for m in sent)
+        density, slow_delta, slow_dense, any_delta = _exchange_outcome(
+            store, v, rank, (changed, elements, ndelta), (delta_s, dense_s)
+        )
+        densities.append(density)
         if use_delta:  # the controller times every refit: here the dense one of v, then v's
-            timings += [Timing(False, slow_dense), Timing(sent_delta, slow_delta)]
+            timings += [Timing(False, slow_dense), Timing(any_delta, slow_delta)]
         else:
             timings.append(Timing(False, min(slow_delta, slow_dense)))
         out.put({"rank": rank, "version": v, "delta_s": delta_s, "dense_s": dense_s,
@@ -192,10 +178,49 @@ def _rank(
                  "wire_bytes": rep.wire_bytes if use_delta else report.sent_bytes,
                  "dense_bytes": report.sent_bytes, "changed": changed, "elements": elements,
                  "picked": "delta" if use_delta else "dense", "why": mode.why.name.lower(),
-                 "delta_messages": sum(m["kind"] == KIND_DELTA for m in sent),
+                 "delta_messages": ndelta,
                  "messages": len(sent), "base_bytes": base.nbytes})  # fmt: skip
     _barrier(store, "end", rank, args.timeout)
     t.close()
+
+
+def _slot_tensors(program: SlotProgram, rank: int) -> tuple[torch.Tensor, dict]:
+    """The rank's tensors of the program as views of one flat bf16 buffer (zeros)."""
+    from refitd.agent.segments import ResolvedTensor
+
+    mine = {i: s for i, s in program.tensors.items() if s.slot == rank}
+    flat = torch.zeros(sum(s.local_shape[0] * s.local_shape[1] for s in mine.values()),
+                       dtype=torch.bfloat16)  # fmt: skip
+    tensors, at = {}, 0
+    for i, s in sorted(mine.items()):
+        n = s.local_shape[0] * s.local_shape[1]
+        tensors[i] = ResolvedTensor(f"tensor {i}", flat[at : at + n].view(s.local_shape))
+        at += n
+    return flat, tensors
+
+
+def _exchange_outcome(
+    store: dist.TCPStore,
+    v: int,
+    rank: int,
+    counts: tuple[int, int, int],
+    seconds: tuple[float, float],
+) -> tuple[float | None, float, float, bool]:
+    """Every rank's view of version v, through the store: the sources' changed-element
+    density, the slowest rank's delta and dense seconds, and whether any message went as
+    a delta. `counts`: this rank's (changed, elements, delta messages)."""
+    if rank in SRC:
+        store.set(f"density{v}/{rank}", " ".join(map(str, counts)))
+    store.set(f"seconds{v}/{rank}", f"{seconds[0]} {seconds[1]}")
+    both = [store.get(f"density{v}/{r}").decode().split() for r in SRC]
+    c, e = sum(int(x[0]) for x in both), sum(int(x[1]) for x in both)
+    secs = [[float(x) for x in store.get(f"seconds{v}/{r}").decode().split()] for r in range(4)]
+    return (
+        c / e if e else None,
+        max(x[0] for x in secs),
+        max(x[1] for x in secs),
+        sum(int(x[2]) for x in both) > 0,
+    )
 
 
 def _summary(rows: list[dict], args: argparse.Namespace) -> dict:

@@ -246,16 +246,13 @@ class MemoryStore:
 
     def finish(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
         with m.cond:
-            if run.final:
-                return
-            run.set_final(state, reason)
-            m.remember(run)
-        self.record(run, state, reason)
+            ended = m.end(run, state, reason)
+        if ended:
+            self.record(run, state, reason)
 
     def end(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
-        run.set_final(state, reason)
-        m.remember(run)
-        self.record(run, state, reason)
+        if m.end(run, state, reason):
+            self.record(run, state, reason)
 
     def record(self, run: RefitRun, state: int, reason: str) -> None:
         self.records.append((run.version, pb.RefitState.Name(state)))

@@ -58,19 +58,14 @@ class RefitRecords:
     def finish(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
         """Final state: waiters wake first, then the history row and metrics are written."""
         with m.cond:
-            if run.final:
-                return
-            run.set_final(state, reason)
-            m.remember(run)
-        self.record(run, state, reason)
+            ended = m.end(run, state, reason)
+        if ended:
+            self.record(run, state, reason)
 
     def end(self, m: ModelRefits, run: RefitRun, state: int, reason: str) -> None:
         """Record a final state (caller holds the model's cond) and wake its waiters."""
-        if run.final:
-            return
-        run.set_final(state, reason)
-        m.remember(run)
-        self.record(run, state, reason)
+        if m.end(run, state, reason):
+            self.record(run, state, reason)
 
     def record(self, run: RefitRun, state: int, reason: str) -> None:
         """The history row of an ended run, and its metrics."""

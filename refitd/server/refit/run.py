@@ -168,6 +168,15 @@ class ModelRefits:
     # gets its recorded outcome instead of starting a second run of the same version.
     ended: dict[int, RefitRun] = field(default_factory=dict)
 
+    def end(self, run: RefitRun, state: int, reason: str) -> bool:
+        """Give `run` its final state and remember it (caller holds cond); False when it
+        had one already (the first final state stands)."""
+        if run.final:
+            return False
+        run.set_final(state, reason)
+        self.remember(run)
+        return True
+
     def remember(self, run: RefitRun) -> None:
         """Keep a failed or superseded version's outcome (caller holds cond); a committed
         one needs no entry: asking for it again is refused as not newer than committed."""
