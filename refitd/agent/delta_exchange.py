@@ -44,6 +44,7 @@ from refitd.formats.delta import (
     Scratch,
     apply_parts,
     encode_parts,
+    sampled_changes,
     worth_delta,
 )
 from refitd.formats.delta_segment import apply_segment_delta, region_streams, segment_streams
@@ -54,6 +55,12 @@ from refitd.transport.base import P2POp, Transport, Work
 UNKNOWN = -1
 KIND_DENSE, KIND_DELTA = 0, 1
 HEADER = 16
+# a message of at least this many bytes is sampled (every SAMPLE_STRIDE-th row of each copy)
+# before its full encode, and goes dense at once when the sample is clearly above the
+# density threshold (by SAMPLE_MARGIN: a borderline sample still gets the exact check)
+SAMPLE_MIN_BYTES = 8 << 20
+SAMPLE_STRIDE = 16
+SAMPLE_MARGIN = 1.25
 TAG_CHUNK_BITS = 12
 
 
@@ -201,6 +208,21 @@ def _live_streams(access: CopyAccess, row: int) -> list[torch.Tensor]:
                            _live_segment(access, row))  # fmt: skip
 
 
+def _sampled(m: DeltaMessage, access: CopyAccess, base: DeltaBase) -> float | None:
+    """The density of a raw-wire message estimated on every SAMPLE_STRIDE-th row of each
+    copy against its base (None for other wires: their live segment is a conversion, too
+    costly to make twice)."""
+    if any(access.wire(r) != "raw" for r in m.rows):
+        return None
+    elements = changed = 0
+    for r in m.rows:
+        live = access.src_block(r)
+        (old,) = segment_streams("raw", access.shape(r), access.src_dtype(r), base.base[r])
+        e, c = sampled_changes([old.view(live.shape)], [live], SAMPLE_STRIDE)
+        elements, changed = elements + e, changed + c
+    return changed / elements if elements else None
+
+
 def _encode_message(
     m: DeltaMessage, access: CopyAccess, base: DeltaBase, max_density: float, allowed: bool
 ) -> tuple[int, torch.Tensor, DeltaStats, list[list[torch.Tensor]]]:
@@ -210,6 +232,14 @@ def _encode_message(
     if not allowed or any(r not in base.base for r in m.rows):
         payload = _dense_payload(m, access, base)
         return KIND_DENSE, payload, DeltaStats(0, 0, payload.numel(), payload.numel(),
+                                               stats.blocks), []  # fmt: skip
+    dense = sum(aligned(access.seg_nbytes(r)) for r in m.rows)
+    estimate = _sampled(m, access, base) if dense >= SAMPLE_MIN_BYTES else None
+    if estimate is not None and estimate > SAMPLE_MARGIN * max_density:
+        payload = _dense_payload(m, access, base)
+        full = sum(int(np.prod(access.shape(r))) for r in m.rows)
+        n = payload.numel()
+        return KIND_DENSE, payload, DeltaStats(full, round(full * estimate), n, n,
                                                stats.blocks), []  # fmt: skip
     sink = base.sinks.setdefault(m.mid, ByteSink())
     sink.reset()
@@ -225,7 +255,6 @@ def _encode_message(
         sink.view(sink.reserve(_pad8(d.size) - d.size), sink.size)[:] = 0
         lives.append(live)
         stats = stats + st
-    dense = sum(aligned(access.seg_nbytes(r)) for r in m.rows)
     stats = DeltaStats(stats.elements, stats.changed, sink.size, dense, stats.blocks)
     if not worth_delta(stats, max_density):
         return KIND_DENSE, _dense_payload(m, access, base), stats, []

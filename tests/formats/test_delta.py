@@ -21,6 +21,7 @@ from refitd.formats.delta import (
     apply_stream,
     encode_parts,
     encode_stream,
+    sampled_changes,
 )
 from refitd.formats.delta_segment import (
     apply_segment_delta,
@@ -231,3 +232,27 @@ def test_converting_destinations_are_not_delta_capable() -> None:
     assert not delta_capable("raw", "bfloat16", "mxfp8", "bfloat16")  # quantize on landing
     assert not delta_capable("mxfp8", "bfloat16", "plain", "bfloat16")  # dequantize on landing
     assert delta_capable("fp8_block", "bfloat16", "fp8_block", "bfloat16")
+
+
+def test_sampled_changes_counts_every_strided_row_exactly() -> None:
+    """The estimate counts exactly the changed bit patterns of rows 0, k, 2k ... of each
+    part (a torch BF16 view and a NumPy FP32 part), a -0.0 for +0.0 included."""
+    rng = np.random.default_rng(7)
+    base16 = rng.integers(0, 2**16, size=(37, 64), dtype=np.uint16)
+    new16 = changed_version(base16.reshape(-1), 0.3, rng).reshape(37, 64)
+    base32 = np.zeros(50, np.float32)
+    new32 = base32.copy()
+    new32[::5] = -0.0
+    tb = torch.from_numpy(base16.view(np.int16)).view(torch.bfloat16)
+    tn = torch.from_numpy(new16.view(np.int16)).view(torch.bfloat16)
+    e, c = sampled_changes([tb, base32], [tn, new32], 4)
+    want = int((base16[::4] != new16[::4]).sum()) + int(
+        (base32[::4].view(np.uint32) != new32[::4].view(np.uint32)).sum()
+    )
+    assert e == base16[::4].size + base32[::4].size
+    assert c == want and c > 0
+    assert sampled_changes([base32], [base32.copy()], 1) == (50, 0)
+    with pytest.raises(DeltaError, match="base shape"):
+        sampled_changes([base32], [base32[:10]], 2)
+    with pytest.raises(ValueError, match="stride"):
+        sampled_changes([base32], [base32], 0)

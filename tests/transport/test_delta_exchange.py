@@ -210,3 +210,27 @@ def test_base_advances_only_on_promote() -> None:
             assert not b.promote(1, c.access[slot]) and b.version == UNKNOWN
     finally:
         c.close()
+
+
+def test_clearly_dense_message_skips_the_full_encode(monkeypatch) -> None:
+    """A message whose sampled density is well above the threshold goes dense without a
+    full delta encode (no encode buffer is made for it), reports the estimated density,
+    and lands bit for bit; at a low density the full encode still runs and sends deltas."""
+    import refitd.agent.delta_exchange as dx
+
+    monkeypatch.setattr(dx, "SAMPLE_MIN_BYTES", 0)  # every message of the small test model
+    monkeypatch.setattr(dx, "SAMPLE_STRIDE", 1)
+    c = Cluster(lr=1e-3)
+    try:
+        c.refit(0, allowed={})
+        for slot, b in c.bases.items():
+            assert b.promote(0, c.access[slot])
+        c.step(1)
+        reps = c.refit(1)
+        c.check()
+        sent = [(r, mid, m) for r in (0, 1) for mid, m in reps[r].sent.items()]
+        assert sent and all(m["kind"] == KIND_DENSE for _, _, m in sent)
+        assert all(m["changed"] / m["elements"] > 0.5 for _, _, m in sent)
+        assert all(mid not in c.bases[r].sinks for r, mid, _ in sent)
+    finally:
+        c.close()
