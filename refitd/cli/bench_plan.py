@@ -272,10 +272,12 @@ def _replan(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
 
 
 def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
-    """A second dp replica (a new destination pool of the same layout on new slots) joins:
-    its specs appended to the kept table, the new plan (a new layout: every slot's
-    program again) and the catch-up plan that copies the committed version from the first
-    replica, with its programs. add_replica_s: all of that planning work."""
+    """A second dp replica (a new destination pool of the same layout on new slots) joins,
+    through the controller's path: each new rank's specs are tabulated as it registers
+    (add_replica_register_s, registration work, outside the planning figures), appended to
+    the kept destination table; the new plan (a new layout: every slot's program again);
+    the catch-up plan from the first replica's ranks (their tables joined) with its
+    programs. add_replica_s: all of that planning work."""
     from refitd.plan.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
     from refitd.server.planning import make_digest, make_plan
@@ -284,11 +286,16 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
     dst_par = Parallel.parse(args.dst, args.dst_world)
     base = (0 if args.collocated else args.src_world) + args.dst_world
     replica = build_specs(preset(args.model), dst_par, args.model, "inference-2", base)
-    grown = SpecTable.from_specs(dst_t.specs)
+    held = [SpecTable.from_specs(w) for w in _by_rank(dst_t.specs)]  # made at registration
+    grown = SpecTable.from_tables(held)
     gc_pause = _gc_pause(pause)
     gc.collect()
+    t0 = time.perf_counter()
+    joining = [SpecTable.from_specs(w) for w in _by_rank(replica)]
+    register_s = time.perf_counter() - t0
     t0, c0 = time.perf_counter(), time.process_time()
-    grown.add(replica)  # as its ranks register
+    for table in joining:  # as its ranks register
+        grown.extend(table)
     table_s = time.perf_counter() - t0
     make_digest(args.model, src_t, grown, options)
     cp = make_plan(args.model, 1, src_t, grown, options, gc_pause)
@@ -299,7 +306,14 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
             cp.load_payload(slot)
     plan_s, plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     t0, c0 = time.perf_counter(), time.process_time()
-    catch = make_plan(args.model, 1, dst_t.specs, replica, options, gc_pause)
+    catch = make_plan(
+        args.model,
+        1,
+        SpecTable.from_tables(held),
+        SpecTable.from_tables(joining),
+        options,
+        gc_pause,
+    )
     with pause:
         for slot in catch.slots:
             catch.load_payload(slot)
@@ -307,12 +321,21 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
     return {
         "add_replica_s": round(plan_s + catch_up_s, 4),
         "add_replica_cpu_s": round(plan_cpu_s + catch_up_cpu_s, 4),
+        "add_replica_register_s": round(register_s, 4),
         "add_replica_plan_s": round(plan_s, 4),
         "add_replica_table_add_s": round(table_s, 4),
         "add_replica_new_plan_s": round(new_plan_s, 4),
         "add_replica_catch_up_s": round(catch_up_s, 4),
         "add_replica_programs": len(cp.slots) + len(catch.slots),
     }
+
+
+def _by_rank(specs: list) -> list[list]:
+    """Specs grouped per worker rank, in rank order (one registration each)."""
+    ranks: dict[int, list] = {}
+    for t in specs:
+        ranks.setdefault(t.rank, []).append(t)
+    return [ranks[r] for r in sorted(ranks)]
 
 
 class _Ticker:

@@ -64,15 +64,7 @@ def _fill(
     cand = np.concatenate([batches[b].cand[i] for b, i in parts])
     nbytes = np.concatenate([batches[b].nbytes[i] for b, i in parts])
     dst = np.concatenate([batches[b].dst[i] for b, i in parts])
-    sets = np.sort(cand, axis=1)
-    weights = np.random.default_rng(0xB1A5).integers(1, 2**62, size=r, dtype=np.int64)
-    h = (sets.astype(np.uint64) * (weights.astype(np.uint64) | np.uint64(1))).sum(axis=1)
-    _, first, cls = np.unique(h, return_index=True, return_inverse=True)
-    cls = cls.reshape(-1)
-    classes = sets[first]
-    if not (classes[cls] == sets).all():  # a hash collision: exact grouping instead
-        classes, cls = np.unique(sets, axis=0, return_inverse=True)
-        cls = cls.reshape(-1)
+    classes, cls = _candidate_classes(cand, load.size)
     # class, then size descending, then destination: equal-sized runs per class.
     order = np.lexsort((dst, -nbytes, cls))
     c_sorted = cls[order]
@@ -99,6 +91,23 @@ def _fill(
     for b, _ in parts:
         m = batch_of == b
         cols[b][row_of[m]] = col[m]
+
+
+def _candidate_classes(cand: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each class's sorted candidate set, the class of every row) for rows of candidate
+    slots, rows with the same set in one class. Rows are keyed by an order-free hash (a
+    sum of random per-slot words, so rows are never sorted: a tensor replicated on all of
+    128 slots has 128 candidates per copy); a second independent hash checks the grouping,
+    and on a collision the rows are grouped exactly instead."""
+    w = np.random.default_rng(0xB1A5).integers(1, 2**63, size=(2, n_slots), dtype=np.uint64)
+    h1 = w[0][cand].sum(axis=1, dtype=np.uint64)
+    _, first, cls = np.unique(h1, return_index=True, return_inverse=True)
+    cls = cls.reshape(-1)
+    h2 = w[1][cand].sum(axis=1, dtype=np.uint64)
+    if (h2 == h2[first][cls]).all():
+        return np.sort(cand[first], axis=1), cls
+    classes, cls = np.unique(np.sort(cand, axis=1), axis=0, return_inverse=True)
+    return classes, cls.reshape(-1)
 
 
 def _waterfill(loads: list[float], size: float, m: int) -> list[int]:

@@ -69,12 +69,22 @@ class SpecTable:
     _geo: array = field(default_factory=lambda: array("i"))
     _slot: array = field(default_factory=lambda: array("i"))
     _rank: array = field(default_factory=lambda: array("i"))
-    _names_hash: hashlib.blake2b = field(default_factory=lambda: hashlib.blake2b(digest_size=32))
+    _names_digest: bytes | None = None  # of the local names in order, made when asked
 
     @classmethod
     def from_specs(cls, specs: Iterable[TensorSpec]) -> SpecTable:
         t = cls()
         t.add(specs)
+        return t
+
+    @classmethod
+    def from_tables(cls, tables: Iterable[SpecTable]) -> SpecTable:
+        """The rows of `tables` in order, as one table (equal to from_specs of their specs
+        up to the order of ids): a controller keeps one small table per worker and joins
+        the workers a plan reads without tabulating their specs again."""
+        t = cls()
+        for other in tables:
+            t.extend(other)
         return t
 
     @property
@@ -117,10 +127,32 @@ class SpecTable:
         )
         self._slot.fromlist(list(map(_SLOT, new)))
         self._rank.fromlist(list(map(_RANK, new)))
-        # local names only matter for identity: hashed as they come, in order
-        self._names_hash.update("\0".join(map(_NAME, new)).encode())
-        self._names_hash.update(b"\0")
         self.specs.extend(new)
+        self._names_digest = None
+
+    def extend(self, other: SpecTable) -> None:
+        """Append another table's rows: its geometry and canonical ids mapped onto ours
+        (one dict look-up per distinct geometry and name, the columns remapped at once)."""
+        if not other.specs:
+            return
+        geo_ids = []
+        for g in other.geos:
+            gid = self._geo_ids.setdefault(g, len(self.geos))
+            if gid == len(self.geos):
+                self.geos.append(g)
+            geo_ids.append(gid)
+        geo_map = np.array(geo_ids, np.int32)
+        canon_map = np.fromiter(
+            _intern(other.canonicals, self._canon_ids, self.canonicals),
+            np.int32,
+            count=len(other.canonicals),
+        )
+        self._geo.frombytes(geo_map[np.frombuffer(other._geo, np.int32)].tobytes())
+        self._canon.frombytes(canon_map[np.frombuffer(other._canon, np.int32)].tobytes())
+        self._slot.extend(other._slot)
+        self._rank.extend(other._rank)
+        self.specs.extend(other.specs)
+        self._names_digest = None
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(canonical id, geometry id, slot) per spec, as int64 arrays."""
@@ -139,6 +171,12 @@ class SpecTable:
         part of each geometry)."""
         h.update(repr(self.geos).encode())
         h.update("\0".join(self.canonicals).encode())
-        h.update(self._names_hash.digest())
+        if self._names_digest is None:
+            # local names only matter for identity; hashed once per content of the table
+            names = hashlib.blake2b(digest_size=32)
+            if self.specs:
+                names.update("\0".join(map(_NAME, self.specs)).encode() + b"\0")
+            self._names_digest = names.digest()
+        h.update(self._names_digest)
         for col in (self._canon, self._geo, self._slot, self._rank):
             h.update(memoryview(col).cast("B"))

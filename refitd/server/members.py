@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from refitd.plan.layout import TensorSpec
+from refitd.plan.table import SpecTable
 from refitd.server.planning import ModelTables
 
 
@@ -30,9 +31,17 @@ class Worker:
     live: bool = True  # False: restored from the database, not re-registered yet
     holds: int = 0  # committed version its registered memory holds (destinations; 0: none)
     paused_in: int = 0  # refit whose PAUSE it re-registered in, not yet told the outcome
+    table: SpecTable | None = field(default=None, repr=False, compare=False)  # of `specs`
 
     def describe(self) -> str:
         return f"worker {self.worker_id} (rank {self.rank} of pool {self.pool!r})"
+
+    def spec_table(self) -> SpecTable:
+        """Its specs as planner columns: made once (at registration, outside the registry
+        lock), joined by the model tables and catch-up plans instead of tabulating again."""
+        if self.table is None:
+            self.table = SpecTable.from_specs(list(self.specs))
+        return self.table
 
 
 @dataclass

@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from refitd.plan.errors import PlanError
 from refitd.plan.gc_pause import GcPause
@@ -33,6 +34,8 @@ WorkerKey = tuple[str, int]  # (pool, rank)
 # the identity of its registration (its memory handles change only with it), and the
 # staged and snapshot pools among them.
 SlotInputs = tuple[tuple[tuple[WorkerKey, str], ...], frozenset[str], frozenset[str]]
+
+_KEY = attrgetter("pool", "rank", "name")  # TensorSpec.key, read in C
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,9 @@ class ControllerPlan:
     def _payload(self, prog: SlotProgram) -> LoadPayload:
         """Encoded program and the registration keys of its tensors (those held on its
         slot: the only ones whose memory the slot maps)."""
-        tensors = self.plan.tensors
         own = prog.table.index.tolist()
-        return LoadPayload(prog.to_bytes(), tuple((i, tensors[i].key) for i in own))
+        keys = map(_KEY, map(self.plan.tensors.__getitem__, own))
+        return LoadPayload(prog.to_bytes(), tuple(zip(own, keys, strict=True)))
 
     def program_bytes(self, slot: int) -> bytes:
         return self.load_payload(slot).program
@@ -178,16 +181,17 @@ class ModelTables:
         self.rebuilds = 0
         self._position: dict[WorkerKey, int] = {}  # (pool, rank) -> order of first add
 
-    def add(self, role: str, specs: Sequence[TensorSpec]) -> None:
-        """Append one worker's registrations."""
-        if specs:
-            self._position.setdefault((specs[0].pool, specs[0].rank), len(self._position))
+    def add(self, role: str, worker: SpecTable) -> None:
+        """Append one worker's registrations (its own table)."""
+        if worker.specs:
+            first = worker.specs[0]
+            self._position.setdefault((first.pool, first.rank), len(self._position))
         if self.stale:
             return
         if self.in_use:
             self.stale = True
             return
-        (self.sources if role == "source" else self.destinations).add(list(specs))
+        (self.sources if role == "source" else self.destinations).extend(worker)
 
     def invalidate(self) -> None:
         self.stale = True

@@ -17,6 +17,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.plan.layout import TensorSpec
+from refitd.plan.table import SpecTable
 from refitd.server.database import StateDB
 from refitd.server.errors import invalid, not_found, precondition
 from refitd.server.members import Agent, Model, Pool, Slot, Worker
@@ -154,8 +155,9 @@ class Registry:
         check_worker_header(req)
         slot = self.slot_for(req.host, req.device)
         specs = specs_from_request(req, slot.slot_id)  # the costly part, outside the lock
+        table = SpecTable.from_specs(specs)
         with self.lock:
-            return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs)
+            return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs, table=table)
 
     def _insert_worker(
         self,
@@ -164,9 +166,11 @@ class Registry:
         slot: int,
         live: bool,
         specs: list[TensorSpec] | None = None,
+        table: SpecTable | None = None,
     ) -> Worker:
         """Check a registration against its model and pool, then add (or replace) the
-        worker, its pool entry and its specs (lock held)."""
+        worker, its pool entry and its specs (lock held); `table`: the specs' SpecTable
+        when the caller made it."""
         role = check_worker_header(req)
         if specs is None:
             specs = specs_from_request(req, slot)
@@ -183,11 +187,12 @@ class Registry:
         pool.snapshot = req.snapshot
         old_id, old = self._replaced_rank(pool, req)
         worker = self._new_worker(req, worker_id, slot, live, role, specs, model)
+        worker.table = table
         self.models[req.model] = model
         pool.ranks[req.rank] = worker.worker_id
         self.workers[worker.worker_id] = worker
         if old_id is None:
-            model.tables.add(role, worker.specs)
+            model.tables.add(role, worker.spec_table())
             if pool.shapes is not None:
                 for t in worker.specs:
                     pool.shapes.setdefault(t.canonical, (t.global_shape, req.rank))

@@ -186,6 +186,42 @@ def test_spec_table_incremental_equals_lists():
     assert len(ts) == len(src) and len(td.geos) < len(dst)
 
 
+def test_spec_table_joined_from_worker_tables_equals_lists():
+    """One table per worker joined (SpecTable.from_tables, as the controller's model
+    tables and catch-up plans do) gives the one-shot list path's columns, digest and plan,
+    with worker tables that share geometries and names; a joined table is unchanged by a
+    later add to a worker table (its names digest follows its own content)."""
+    from refitd.plan.planner import build_plan, build_plan_from_table, plan_digest
+    from refitd.plan.table import SpecTable
+
+    src = tp_side("train", 2, 2, 2, (24, 4), 0, 0) + tp_side("train", 2, 2, 1, (8,), 0, 0, "b")
+    dst = tp_side("inf", 3, 2, 1, (24, 4), 0, 10) + tp_side("inf", 1, 6, 1, (8,), 0, 10, "b")
+    cfg = PlanConfig(bucket_bytes=64, relay=True)
+    src_o = [s for r in range(4) for s in src if s.rank == r]
+    dst_o = [s for r in range(6) for s in dst if s.rank == r]
+    per_src = [SpecTable.from_specs([s for s in src_o if s.rank == r]) for r in range(4)]
+    per_dst = [SpecTable.from_specs([s for s in dst_o if s.rank == r]) for r in range(6)]
+    ts, td = SpecTable.from_tables(per_src), SpecTable.from_tables(per_dst)
+    one_s, one_d = SpecTable.from_specs(src_o), SpecTable.from_specs(dst_o)
+    for joined, one in ((ts, one_s), (td, one_d)):
+        assert joined.specs == one.specs and joined.geos == one.geos
+        assert joined.canonicals == one.canonicals
+        for a_col, b_col in zip(joined.columns(), one.columns(), strict=True):
+            assert np.array_equal(a_col, b_col)
+        assert np.array_equal(joined.ranks(), one.ranks())
+    a = build_plan("m", 1, src_o, dst_o, cfg)
+    b = build_plan_from_table("m", 1, ts, td, cfg)
+    assert a.digest == b.digest == plan_digest("m", one_s, one_d, cfg)
+    assert a.stats == b.stats
+    for slot in a.slots():
+        assert a.program(slot) == b.program(slot)
+    per_dst[0].add([mspec("inf", 0, 10, "c", (8,), canonical="b")])
+    assert plan_digest("m", ts, td, cfg) == a.digest
+    # a joined table extended further hashes its new content
+    td.extend(SpecTable.from_specs([mspec("inf", 6, 16, "x", (8,), canonical="b")]))
+    assert plan_digest("m", ts, td, cfg) != a.digest
+
+
 def test_relays_across_pools_of_the_same_layout():
     """Two pools of the same layout (one replica each) are replicas of each other: one
     source copy feeds one pool, which forwards to the other (the trainer sends each byte

@@ -79,10 +79,10 @@ def test_rebuilt_tables_keep_the_first_registration_order() -> None:
     registry lists workers by rank) give the digest of the tables kept as they came."""
     src, dst = _sides()
     tables = ModelTables()
-    tables.add("source", [t for t in src if t.rank == 1])
-    tables.add("source", [t for t in src if t.rank == 0])
+    tables.add("source", SpecTable.from_specs([t for t in src if t.rank == 1]))
+    tables.add("source", SpecTable.from_specs([t for t in src if t.rank == 0]))
     for rank in (3, 0, 2, 1):
-        tables.add("destination", [t for t in dst if t.rank == rank])
+        tables.add("destination", SpecTable.from_specs([t for t in dst if t.rank == rank]))
     kept = tables.snapshot(lambda: ([], []))
     digest = make_digest("m", *kept, OPTIONS)
     tables.release()

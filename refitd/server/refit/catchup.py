@@ -10,6 +10,7 @@ import time
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
+from refitd.plan.table import SpecTable
 from refitd.server.delta_refits import DeltaRefits
 from refitd.server.errors import ControlError
 from refitd.server.members import Worker
@@ -88,11 +89,11 @@ class CatchUps:
             log.info("%s: no replica holds version %s; caught up by the next refit", who, version)
             return
         model = self.registry.model(m.name)
-        src_specs = [t for w in sources for t in w.specs]
-        dst_specs = [t for w in behind for t in w.specs]
+        src_table = SpecTable.from_tables(w.spec_table() for w in sources)
+        dst_table = SpecTable.from_tables(w.spec_table() for w in behind)
         ms = self.memberships
         try:
-            plan = ms.catch_up_plan(m.name, model.epoch, src_specs, dst_specs)
+            plan = ms.catch_up_plan(m.name, model.epoch, src_table, dst_table)
         except ControlError as e:
             log.info("%s: catch-up to version %s impossible (%s); next refit", who, version, e)
             return

@@ -156,7 +156,7 @@ class Memberships:
         return plan
 
     def catch_up_plan(
-        self, model: str, epoch: int, sources: list[TensorSpec], destinations: list[TensorSpec]
+        self, model: str, epoch: int, sources: SpecTable, destinations: SpecTable
     ) -> ControllerPlan:
         """A catch-up's plan (replicas -> the ranks behind), built each time."""
         plan = make_plan(model, epoch, sources, destinations, self.plan_options, self.gc_pause)
