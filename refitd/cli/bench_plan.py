@@ -276,11 +276,13 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
     through the controller's path: each new rank's specs are tabulated as it registers
     (add_replica_register_s, registration work, outside the planning figures), appended to
     the kept destination table; the new plan (a new layout: every slot's program again);
-    the catch-up plan from the first replica's ranks (their tables joined) with its
-    programs. add_replica_s: all of that planning work."""
+    the catch-up plan from the first replica's ranks (each joining rank copied from a rank
+    of its layout: a twin plan) with its programs. add_replica_s: all of that planning
+    work; add_replica_join_s: what the joining replica waits for before its catch-up (the
+    table add and the catch-up), the new plan being the next refit's."""
     from refitd.plan.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
-    from refitd.server.planning import make_digest, make_plan
+    from refitd.server.planning import make_catch_up_plan, make_digest, make_plan
 
     options = _options(args, config)
     dst_par = Parallel.parse(args.dst, args.dst_world)
@@ -306,20 +308,14 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
             cp.load_payload(slot)
     plan_s, plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     t0, c0 = time.perf_counter(), time.process_time()
-    catch = make_plan(
-        args.model,
-        1,
-        SpecTable.from_tables(held),
-        SpecTable.from_tables(joining),
-        options,
-        gc_pause,
-    )
+    catch = make_catch_up_plan(args.model, 1, held, joining, options, gc_pause)
     with pause:
         for slot in catch.slots:
             catch.load_payload(slot)
     catch_up_s, catch_up_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     return {
         "add_replica_s": round(plan_s + catch_up_s, 4),
+        "add_replica_join_s": round(table_s + catch_up_s, 4),
         "add_replica_cpu_s": round(plan_cpu_s + catch_up_cpu_s, 4),
         "add_replica_register_s": round(register_s, 4),
         "add_replica_plan_s": round(plan_s, 4),

@@ -60,12 +60,14 @@ class Plan:
         slot_of_tensor: np.ndarray,
         config: PlanConfig,
         sources_count: int,
-        tables: tuple[SpecTable, SpecTable] | None = None,
+        tables: Sequence[SpecTable] | None = None,
     ) -> None:
+        """`tables`: SpecTables whose rows, in order, are `tensors` (the two sides', or one
+        per worker); without them the program index tabulates `tensors` itself."""
         self.model, self.epoch, self.digest, self.tensors = model, epoch, digest, tensors
         self.config = config
         self._n_src = sources_count
-        self._tables = tables
+        self._tables = None if tables is None else (tuple(tables), [len(t) for t in tables])
         self._slot_of = slot_of_tensor
         slots = np.unique(slot_of_tensor)
         self._all_slots = slots
@@ -215,11 +217,13 @@ class Plan:
     def program_index(self) -> ProgramIndex:
         """Per-slot positions of all messages and copies, built once per plan."""
         if self._index is None:
-            tables = self._tables or (
-                SpecTable.from_specs(self.tensors[: self._n_src]),
-                SpecTable.from_specs(self.tensors[self._n_src :]),
+            tables, counts = self._tables or (
+                (
+                    SpecTable.from_specs(self.tensors[: self._n_src]),
+                    SpecTable.from_specs(self.tensors[self._n_src :]),
+                ),
+                [self._n_src, len(self.tensors) - self._n_src],
             )
-            counts = (self._n_src, len(self.tensors) - self._n_src)
             tensors = PlanTensors.of(tables, counts, self._slot_of, self._remote.shape.shape[1])
             d = tensors.local_shape.shape[1]
 

@@ -70,6 +70,7 @@ class SpecTable:
     _slot: array = field(default_factory=lambda: array("i"))
     _rank: array = field(default_factory=lambda: array("i"))
     _names_digest: bytes | None = None  # of the local names in order, made when asked
+    _signature: bytes | None = None  # layout_signature(), made when asked
 
     @classmethod
     def from_specs(cls, specs: Iterable[TensorSpec]) -> SpecTable:
@@ -128,7 +129,7 @@ class SpecTable:
         self._slot.fromlist(list(map(_SLOT, new)))
         self._rank.fromlist(list(map(_RANK, new)))
         self.specs.extend(new)
-        self._names_digest = None
+        self._names_digest = self._signature = None
 
     def extend(self, other: SpecTable) -> None:
         """Append another table's rows: its geometry and canonical ids mapped onto ours
@@ -152,7 +153,7 @@ class SpecTable:
         self._slot.extend(other._slot)
         self._rank.extend(other._rank)
         self.specs.extend(other.specs)
-        self._names_digest = None
+        self._names_digest = self._signature = None
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(canonical id, geometry id, slot) per spec, as int64 arrays."""
@@ -165,6 +166,21 @@ class SpecTable:
     def ranks(self) -> np.ndarray:
         """Worker rank per spec, as int64."""
         return np.frombuffer(self._rank, dtype=np.int32).astype(np.int64)
+
+    def layout_signature(self) -> bytes:
+        """A digest of the registrations without where they live (pool, rank, slot): equal
+        for two workers that hold the same tensors (names, canonical tensors, shapes,
+        dtypes, storage, boxes) in the same order, such as two replicas' rank k."""
+        if self._signature is None:
+            h = hashlib.blake2b(digest_size=16)
+            geos = [(g.global_shape, g.dtype, g.storage, g.local_shape, g.boxes) for g in self.geos]
+            h.update(repr(geos).encode())
+            h.update("\0".join(self.canonicals).encode() + b"\1")
+            h.update("\0".join(map(_NAME, self.specs)).encode() + b"\1")
+            h.update(memoryview(self._canon).cast("B"))
+            h.update(memoryview(self._geo).cast("B"))
+            self._signature = h.digest()
+        return self._signature
 
     def digest_into(self, h: hashlib._Hash) -> None:
         """Feed everything that identifies these registrations into a hash (the pool is

@@ -26,6 +26,7 @@ from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
 from refitd.plan.program import SlotProgram
 from refitd.plan.table import SpecTable
+from refitd.plan.twins import build_twin_plan, pair_twins
 from refitd.server.errors import precondition
 
 SpecKey = tuple[str, int, str]  # (pool, rank, tensor name): where a memory handle is found
@@ -69,6 +70,7 @@ class ControllerPlan:
     total_bytes: int
     plan: Plan
     gc_pause: GcPause | None = None  # the owner's pause, held while a program is built
+    kind: str = "general"  # "twin": built by plan/twins.py (a catch-up of same-layout ranks)
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _holders: dict[int, tuple[WorkerKey, ...]] | None = None
@@ -283,6 +285,50 @@ def make_plan(
         plan=plan,
         gc_pause=gc_pause,
     )
+
+
+def make_twin_plan(
+    model: str,
+    epoch: int,
+    pairs: Sequence[tuple[SpecTable, SpecTable]],
+    options: PlanOptions,
+    gc_pause: GcPause | None = None,
+) -> ControllerPlan:
+    """A twin plan (refitd.plan.twins: each pair's second worker copied whole from its
+    first) as the controller uses it; PlanError -> FAILED_PRECONDITION."""
+    with gc_pause or contextlib.nullcontext():
+        try:
+            plan = build_twin_plan(model, epoch, pairs, _planner_config(options))
+        except PlanError as e:
+            raise precondition(f"twin plan of model {model!r} epoch {epoch}: {e}") from e
+    return ControllerPlan(
+        digest=plan.digest,
+        slots=plan.slots(),
+        total_bytes=plan.stats.total_bytes,
+        plan=plan,
+        gc_pause=gc_pause,
+        kind="twin",
+    )
+
+
+def make_catch_up_plan(
+    model: str,
+    epoch: int,
+    holders: Sequence[SpecTable],
+    behind: Sequence[SpecTable],
+    options: PlanOptions,
+    gc_pause: GcPause | None = None,
+) -> ControllerPlan:
+    """The plan copying the committed version from replicas that hold it (`holders`, one
+    table per worker) into the ranks `behind`: each rank behind copied whole from a holder
+    of its layout when every one has such a twin (a new or restarted replica of an existing
+    layout: plan/twins.py, no box intersection), else through the general planner."""
+    twins = pair_twins(holders, behind)
+    if twins is not None:
+        pairs = [(holders[i], behind[j]) for i, j in twins]
+        return make_twin_plan(model, epoch, pairs, options, gc_pause)
+    sources, destinations = SpecTable.from_tables(holders), SpecTable.from_tables(behind)
+    return make_plan(model, epoch, sources, destinations, options, gc_pause)
 
 
 class PlanCache:

@@ -113,6 +113,7 @@ def test_added_replica_catches_up_then_takes_part(tmp_path: Path) -> None:
         assert b.expect("commit 1", timeout_s=60) == "commit 1 ok"
         caught = [r for r in status(d.address)["refits"] if r.get("catch_up")]
         assert caught and caught[0]["state"] == "committed" and caught[0]["version"] == 1
+        assert caught[0]["catch_up_plan"] == "twin"  # the same layout: copied rank to rank
         assert counters(d, model)["plans_catch_up"] == before["plans_catch_up"] + 1
         assert (r := trainer.refit(2))[0] == "committed", r
         assert a.expect("commit 2") == "commit 2 ok"

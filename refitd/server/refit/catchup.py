@@ -10,7 +10,6 @@ import time
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
-from refitd.plan.table import SpecTable
 from refitd.server.delta_refits import DeltaRefits
 from refitd.server.errors import ControlError
 from refitd.server.members import Worker
@@ -89,11 +88,14 @@ class CatchUps:
             log.info("%s: no replica holds version %s; caught up by the next refit", who, version)
             return
         model = self.registry.model(m.name)
-        src_table = SpecTable.from_tables(w.spec_table() for w in sources)
-        dst_table = SpecTable.from_tables(w.spec_table() for w in behind)
         ms = self.memberships
         try:
-            plan = ms.catch_up_plan(m.name, model.epoch, src_table, dst_table)
+            plan = ms.catch_up_plan(
+                m.name,
+                model.epoch,
+                [w.spec_table() for w in sources],
+                [w.spec_table() for w in behind],
+            )
         except ControlError as e:
             log.info("%s: catch-up to version %s impossible (%s); next refit", who, version, e)
             return
@@ -106,6 +108,7 @@ class CatchUps:
         run = RefitRun(refit_id, m.name, version, "", 0, time.monotonic())
         run.started = run.first_ask
         run.detail["catch_up"] = [w.worker_id for w in behind]
+        run.detail["catch_up_plan"] = plan.kind
         paused: set[str] = set()
         wrote = False
         turn = self.dataplane.turn()

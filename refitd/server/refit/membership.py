@@ -19,7 +19,14 @@ from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
-from refitd.server.planning import ControllerPlan, PlanCache, PlanOptions, make_digest, make_plan
+from refitd.server.planning import (
+    ControllerPlan,
+    PlanCache,
+    PlanOptions,
+    make_catch_up_plan,
+    make_digest,
+    make_plan,
+)
 from refitd.server.refit.run import RefitRun
 from refitd.server.registry import Registry
 from refitd.server.streams import AgentHub, EventHub
@@ -156,10 +163,11 @@ class Memberships:
         return plan
 
     def catch_up_plan(
-        self, model: str, epoch: int, sources: SpecTable, destinations: SpecTable
+        self, model: str, epoch: int, holders: list[SpecTable], behind: list[SpecTable]
     ) -> ControllerPlan:
-        """A catch-up's plan (replicas -> the ranks behind), built each time."""
-        plan = make_plan(model, epoch, sources, destinations, self.plan_options, self.gc_pause)
+        """A catch-up's plan (replicas -> the ranks behind, one table per worker), built
+        each time (`make_catch_up_plan`)."""
+        plan = make_catch_up_plan(model, epoch, holders, behind, self.plan_options, self.gc_pause)
         self.built(model, "catch_up")
         return plan
 
