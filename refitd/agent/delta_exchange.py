@@ -190,11 +190,14 @@ def _live_segment(access: CopyAccess, row: int) -> torch.Tensor:
 def _dense_payload(m: DeltaMessage, access: CopyAccess, base: DeltaBase) -> torch.Tensor:
     """The message's live segments end to end, as the executor lays them out; each row's
     segment is kept (a view) as its pending change."""
-    payload = torch.zeros(sum(aligned(access.seg_nbytes(r)) for r in m.rows), dtype=torch.uint8)
+    payload = torch.empty(sum(aligned(access.seg_nbytes(r)) for r in m.rows), dtype=torch.uint8)
     pos = 0
     for r in m.rows:
         n = access.seg_nbytes(r)
+        if access.wire(r) != "raw":  # a quantized segment may leave padding between parts
+            payload[pos : pos + n].zero_()
         access.encode(r, payload[pos : pos + n])
+        payload[pos + n : pos + aligned(n)] = 0  # a raw segment is written whole
         base.pending_full[r] = payload[pos : pos + n]
         pos += aligned(n)
     return payload

@@ -156,6 +156,7 @@ class Registry:
         slot = self.slot_for(req.host, req.device)
         specs = specs_from_request(req, slot.slot_id)  # the costly part, outside the lock
         table = SpecTable.from_specs(specs)
+        table.layout_signature()  # kept with the table: catch-ups pair twins by it
         with self.lock:
             return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs, table=table)
 
