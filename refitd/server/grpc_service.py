@@ -132,8 +132,8 @@ class RefitServicer(pbg.RefitServicer):
     @_translated
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
         check_id(request.worker_id, "worker_id")
-        w = self.c.registry.touch_worker(request.worker_id)
-        return pb.HeartbeatResponse(epoch=self.c.registry.model(w.model).epoch)
+        _, epoch = self.c.registry.touch_worker(request.worker_id)
+        return pb.HeartbeatResponse(epoch=epoch)
 
     @_translated
     def Refit(self, request: pb.RefitRequest, context: Any) -> Any:

@@ -31,6 +31,11 @@ class Registry:
     def __init__(self, db: StateDB) -> None:
         self.db = db
         self.lock = threading.RLock()
+        # Lease renewals (last_seen of workers and agents) take only this lock, never
+        # `lock`: a heartbeat must not queue behind a burst of registrations, which hold
+        # `lock` through their SQLite writes (1,024 registering ranks starved heartbeats
+        # past their lease). Look-ups in the dicts are atomic reads.
+        self._lease_lock = threading.Lock()
         self.models: dict[str, Model] = {}
         self.workers: dict[str, Worker] = {}
         self.agents: dict[str, Agent] = {}
@@ -367,18 +372,22 @@ class Registry:
             self._bump(model)
             return w
 
-    def touch_worker(self, worker_id: str) -> Worker:
-        """Renew a worker's lease. A worker restored from the database (not re-registered
-        since a controller restart) gets NOT_FOUND: that tells its client to register again
-        (with its worker_id and held version), which makes it live."""
-        with self.lock:
-            w = self.worker(worker_id)
-            if not w.live:
-                raise not_found(
-                    f"{w.describe()} was restored after a controller restart; register again"
-                )
+    def touch_worker(self, worker_id: str) -> tuple[Worker, int]:
+        """Renew a worker's lease; returns it and its model's epoch. A worker restored from
+        the database (not re-registered since a controller restart) gets NOT_FOUND: that
+        tells its client to register again (with its worker_id and held version), which
+        makes it live. Leases do not take the registry lock (see `_lease_lock`)."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise not_found(f"worker_id {worker_id!r} is not registered")
+        if not w.live:
+            raise not_found(
+                f"{w.describe()} was restored after a controller restart; register again"
+            )
+        with self._lease_lock:
             w.last_seen = time.monotonic()
-            return w
+        m = self.models.get(w.model)
+        return w, m.epoch if m is not None else 0
 
     def pool_workers(self, model: str, pool: str) -> list[Worker]:
         with self.lock:
@@ -392,19 +401,21 @@ class Registry:
     # --- leases and connections (every change of a worker or agent field goes through here)
     def renew_worker(self, w: Worker) -> None:
         """A call of the worker renews its lease."""
-        with self.lock:
+        with self._lease_lock:
             w.last_seen = time.monotonic()
 
     def touch_agent(self, agent_id: str) -> Agent:
-        """Renew an agent's lease; NOT_FOUND when it is not registered."""
-        with self.lock:
-            a = self.agent(agent_id)
+        """Renew an agent's lease; NOT_FOUND when it is not registered (no registry lock)."""
+        a = self.agents.get(agent_id)
+        if a is None:
+            raise not_found(f"agent_id {agent_id!r} is not registered")
+        with self._lease_lock:
             a.last_seen = time.monotonic()
-            return a
+        return a
 
     def agent_connected(self, agent: Agent) -> None:
         """Its Commands stream opened (the lease counts from here)."""
-        with self.lock:
+        with self.lock, self._lease_lock:
             agent.last_seen = time.monotonic()
             agent.connected = True
 

@@ -177,3 +177,42 @@ def test_agent_lease_counts_from_its_command_stream(tmp_path: Path) -> None:
 
 def status_doc(stub: pbg.RefitStub) -> dict:
     return json.loads(stub.GetStatus(pb.StatusRequest(), timeout=5).json)
+
+
+def test_heartbeats_are_answered_while_the_registry_is_busy(short_leases: Controller) -> None:
+    """A burst of registrations holds the registry lock through its SQLite writes; worker
+    and agent heartbeats renew their leases without it, so none expires meanwhile (1,024
+    registering ranks had starved hundreds of heartbeats past a 10 s lease)."""
+    ch = grpc.insecure_channel(short_leases.grpc_address)
+    stub = pbg.RefitStub(ch)
+    agents = pbg.AgentControlStub(ch)
+    cl = make_cluster(short_leases, stub)
+    reg = short_leases.registry
+    held, release = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        with reg.lock:  # as a registration does while it writes to the database
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    try:
+        assert held.wait(5)
+        before = reg.workers[cl.trainers[0]].last_seen
+        t0 = time.monotonic()
+        for _ in range(3):
+            resp = stub.Heartbeat(pb.HeartbeatRequest(worker_id=cl.trainers[0]), timeout=2)
+            agents.AgentHeartbeat(pb.AgentHeartbeatRequest(agent_id=cl.agent.agent_id), timeout=2)
+        assert time.monotonic() - t0 < 2.0
+        assert resp.epoch == reg.models[cl.model].epoch
+        assert reg.workers[cl.trainers[0]].last_seen > before
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Heartbeat(pb.HeartbeatRequest(worker_id="nosuchworker"), timeout=2)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "nosuchworker" in (e.value.details() or "")
+    finally:
+        release.set()
+        t.join(5)
+        cl.agent.stop()
+        ch.close()

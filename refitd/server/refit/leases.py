@@ -120,6 +120,8 @@ class LeaseWatcher:
         # Again: a stream opened (or a re-registration) meanwhile renews it.
         agents = reg.still_silent([a.agent_id for a in agents], cutoff)
         for w in workers:
+            if w.last_seen >= cutoff:  # a heartbeat came in meanwhile
+                continue
             reason = f"{w.describe()} missed its heartbeats for {timeout:g}s (lease expired)"
             log.warning("%s; unregistering it", reason)
             try:
