@@ -156,6 +156,13 @@ class Settings(BaseSettings):
         description="gRPC thread pool, started on demand: every open stream (a subscribed "
         "inference rank, a node agent) holds one, so keep it above their count plus 64",
     )
+    grpc_max_pending: int = Field(
+        16384,
+        ge=64,
+        description="calls the gRPC core holds while no handler has picked them up yet; above "
+        "it new calls are refused (CANCELLED), from twice it all of them: 1,024 ranks "
+        "heartbeating once a second through a registration burst queue thousands",
+    )
     max_message_bytes: int = Field(256 * MiB, gt=0, description="gRPC max message size")
     plan_cache_size: int = Field(16, ge=1, description="plans kept (LRU, keyed by digest)")
     history_size: int = Field(50, ge=1, description="last refits shown in status")

@@ -97,6 +97,8 @@ class Controller:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.server.max_pending_requests", s.grpc_max_pending),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * s.grpc_max_pending),
         ]
         server = grpc.server(
             ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc"),

@@ -36,6 +36,10 @@ class Registry:
         # `lock` through their SQLite writes (1,024 registering ranks starved heartbeats
         # past their lease). Look-ups in the dicts are atomic reads.
         self._lease_lock = threading.Lock()
+        # Registrations validate one at a time: each is ~50 ms of Python for a rank of
+        # ~1,000 tensors, and several at once leave the GIL to the gRPC poller and the
+        # heartbeat handlers only between them (heartbeats then waited 20 s in a burst).
+        self._validating = threading.Lock()
         self.models: dict[str, Model] = {}
         self.workers: dict[str, Worker] = {}
         self.agents: dict[str, Agent] = {}
@@ -159,9 +163,10 @@ class Registry:
         """Validate and register a worker; re-registering (model, pool, rank) replaces it."""
         check_worker_header(req)
         slot = self.slot_for(req.host, req.device)
-        specs = specs_from_request(req, slot.slot_id)  # the costly part, outside the lock
-        table = SpecTable.from_specs(specs)
-        table.layout_signature()  # kept with the table: catch-ups pair twins by it
+        with self._validating:  # the costly part, outside the lock, one at a time
+            specs = specs_from_request(req, slot.slot_id)
+            table = SpecTable.from_specs(specs)
+            table.layout_signature()  # kept with the table: catch-ups pair twins by it
         with self.lock:
             return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs, table=table)
 
