@@ -102,12 +102,12 @@ def _meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) ->
         agents = pbg.AgentControlStub(ch)
         refit = pbg.RefitStub(ch)
         streams: list[Any] = []
-        agent_ids = _light_agents(agents, args["workers"], streams)
+        agent_ids, period = _light_agents(agents, args["workers"], streams)
         trainer_ids: list[str] = []  # appended by the registering threads
         subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
         beat = threading.Thread(
             target=_heartbeats,
-            args=(agents, refit, agent_ids, trainer_ids, stop, out),
+            args=(agents, refit, agent_ids, trainer_ids, stop, out, period),
             daemon=True,
         )
         beat.start()
@@ -139,10 +139,11 @@ def _stopped_by(peer_stop: Any) -> threading.Event:
     return stop
 
 
-def _light_agents(agents: Any, workers: int, streams: list[Any]) -> list[str]:
+def _light_agents(agents: Any, workers: int, streams: list[Any]) -> tuple[list[str], float]:
     """Register agents of SLOTS_PER_AGENT slots for `workers` slots; each answers
     connect/load at once from a thread and moves no bytes. Their command streams are
-    appended to `streams`; returns the agent ids."""
+    appended to `streams`; returns the agent ids and the heartbeat period the controller
+    hands out."""
     import grpc
 
     from refitd._proto import refitd_pb2 as pb
@@ -153,6 +154,7 @@ def _light_agents(agents: Any, workers: int, streams: list[Any]) -> list[str]:
                 answer_setup(agents, agent_id, cmd, slots)
 
     agent_ids: list[str] = []
+    period = 1.0
     for a in range(-(-workers // SLOTS_PER_AGENT)):
         devices = [
             f"cpu:{i}" for i in range(a * SLOTS_PER_AGENT, min(workers, (a + 1) * SLOTS_PER_AGENT))
@@ -167,12 +169,13 @@ def _light_agents(agents: Any, workers: int, streams: list[Any]) -> list[str]:
             timeout=60,
         )
         agent_ids.append(resp.agent_id)
+        period = resp.heartbeat_interval_s or period
         s = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
         streams.append(s)
         threading.Thread(
             target=drain, args=(resp.agent_id, s, list(resp.slot_ids)), daemon=True
         ).start()
-    return agent_ids
+    return agent_ids, period
 
 
 def _heartbeats(
@@ -182,10 +185,12 @@ def _heartbeats(
     trainer_ids: list[str],
     stop: threading.Event,
     out: Any,
+    period: float,
 ) -> None:
     """Keep the leases as the client library does: agents and trainer ranks heartbeat once a
-    second each, at their own phase (spread over the second, as independent processes do);
-    inference ranks hold a subscription instead. A refused heartbeat is reported."""
+    `period` (the controller's) each, at their own phase (spread over the period, as
+    independent processes do); inference ranks hold a subscription instead. A refused
+    heartbeat is reported."""
     from refitd._proto import refitd_pb2 as pb
 
     due: list[tuple[float, str, str]] = []  # (next beat, kind, id): a heap
@@ -202,11 +207,11 @@ def _heartbeats(
         now = time.monotonic()
         members = [("agent", a) for a in agent_ids] + [("worker", w) for w in trainer_ids]
         for kind, member in members[known:]:
-            heapq.heappush(due, (now + random.random(), kind, member))
+            heapq.heappush(due, (now + period * random.random(), kind, member))
         known = len(members)
         while due and due[0][0] <= now:
             at, kind, member = heapq.heappop(due)
-            heapq.heappush(due, (max(at + 1.0, now), kind, member))
+            heapq.heappush(due, (max(at + period, now), kind, member))
             call = (
                 agents.AgentHeartbeat.future(pb.AgentHeartbeatRequest(agent_id=member), timeout=30)
                 if kind == "agent"

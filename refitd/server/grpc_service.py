@@ -118,7 +118,7 @@ class RefitServicer(pbg.RefitServicer):
             epoch=model.epoch,
             current_version=model.committed_version,
             slot=w.slot,
-            heartbeat_interval_s=self.c.settings.heartbeat_interval_s,
+            heartbeat_interval_s=self.c.settings.heartbeat_period_s,
         )
 
     @_translated
@@ -222,7 +222,7 @@ class AgentControlServicer(pbg.AgentControlServicer):
         return pb.RegisterAgentResponse(
             agent_id=agent.agent_id,
             slot_ids=agent.slot_ids,
-            heartbeat_interval_s=self.c.settings.heartbeat_interval_s,
+            heartbeat_interval_s=self.c.settings.heartbeat_period_s,
         )
 
     def Commands(self, request: pb.AgentStreamRequest, context: Any) -> Iterator[pb.AgentCommand]:

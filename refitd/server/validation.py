@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+import time
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.plan.layout import PLAIN, STORAGE_FORMATS, Box, TensorSpec
@@ -28,6 +29,7 @@ MAX_TENSOR_BYTES = 1 << 50
 MAX_TENSORS = 1 << 18
 MAX_BOXES = 1 << 16
 MAX_TENSOR_NAME = 512
+YIELD_EVERY = 128  # tensors validated between two yields of the GIL
 MAX_HANDLE_BYTES = 1 << 16
 MAX_META = 64
 MAX_META_KEY = 128
@@ -208,7 +210,11 @@ def specs_from_request(req: pb.RegisterWorkerRequest, slot: int) -> list[TensorS
     """TensorSpecs of a RegisterWorker request, every tensor checked on its own."""
     seen: set[str] = set()
     specs = []
-    for t in req.tensors:
+    for i, t in enumerate(req.tensors):
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            # a large registration is tens of milliseconds of Python: let the gRPC poller
+            # and the heartbeat handlers in between, or their calls queue behind it
+            time.sleep(0)
         where = _Where(t.name, req.rank, req.pool)
         if not t.name:
             raise invalid(f"a tensor of rank {req.rank} in pool {req.pool!r} has an empty name")

@@ -216,3 +216,22 @@ def test_heartbeats_are_answered_while_the_registry_is_busy(short_leases: Contro
         t.join(5)
         cl.agent.stop()
         ch.close()
+
+
+def test_heartbeat_period_handed_out_is_a_fraction_of_the_lease(tmp_path: Path) -> None:
+    """Workers and agents are told to beat every heartbeat_interval_s, but never less often
+    than three times a lease, whatever the two settings say."""
+    c = Controller(
+        controller_settings(tmp_path, heartbeat_interval_s=2.5, heartbeat_timeout_s=3.0)
+    ).start()
+    ch = grpc.insecure_channel(c.grpc_address)
+    try:
+        resp = pbg.AgentControlStub(ch).RegisterAgent(
+            pb.RegisterAgentRequest(host="hb-host", slots=[pb.SlotInfo(device="cpu:0")], pid=1),
+            timeout=10,
+        )
+        assert resp.heartbeat_interval_s == pytest.approx(1.0)  # a third of the 3 s lease
+        assert c.settings.heartbeat_period_s == pytest.approx(1.0)
+    finally:
+        ch.close()
+        c.stop()

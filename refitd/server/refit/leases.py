@@ -99,7 +99,7 @@ class LeaseWatcher:
     def _watch(self) -> None:
         """Expire workers and agents silent for heartbeat_timeout_s; run the chores."""
         s = self.settings
-        period = min(s.heartbeat_interval_s, s.heartbeat_timeout_s / 4, 0.5)
+        period = min(s.heartbeat_period_s, s.heartbeat_timeout_s / 4, 0.5)
         while not self._stop.wait(period):
             try:
                 self.expire(time.monotonic() - s.heartbeat_timeout_s)
