@@ -271,19 +271,13 @@ def make_plan(
     """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION.
     No slot program is built here (see ControllerPlan.load_payload); the plan keeps
     `gc_pause` for them. `digest`: make_digest of the same inputs, when the caller has it."""
-    with gc_pause or contextlib.nullcontext():
-        src, dst = _table(sources), _table(destinations)
-        try:
-            config = _planner_config(options)
-            plan = build_plan_from_table(model, epoch, src, dst, config, digest)
-        except PlanError as e:
-            raise precondition(f"plan of model {model!r} epoch {epoch}: {e}") from e
-    return ControllerPlan(
-        digest=plan.digest,
-        slots=plan.slots(),
-        total_bytes=plan.stats.total_bytes,
-        plan=plan,
-        gc_pause=gc_pause,
+    src, dst = _table(sources), _table(destinations)
+    return _controller_plan(
+        lambda c: build_plan_from_table(model, epoch, src, dst, c, digest),
+        f"plan of model {model!r} epoch {epoch}",
+        options,
+        gc_pause,
+        "general",
     )
 
 
@@ -296,18 +290,36 @@ def make_twin_plan(
 ) -> ControllerPlan:
     """A twin plan (refitd.plan.twins: each pair's second worker copied whole from its
     first) as the controller uses it; PlanError -> FAILED_PRECONDITION."""
+    return _controller_plan(
+        lambda c: build_twin_plan(model, epoch, pairs, c),
+        f"twin plan of model {model!r} epoch {epoch}",
+        options,
+        gc_pause,
+        "twin",
+    )
+
+
+def _controller_plan(
+    build: Callable[[PlanConfig], Plan],
+    what: str,
+    options: PlanOptions,
+    gc_pause: GcPause | None,
+    kind: str,
+) -> ControllerPlan:
+    """`build` run with the options' planner config inside the pause; PlanError ->
+    FAILED_PRECONDITION starting with `what`."""
     with gc_pause or contextlib.nullcontext():
         try:
-            plan = build_twin_plan(model, epoch, pairs, _planner_config(options))
+            plan = build(_planner_config(options))
         except PlanError as e:
-            raise precondition(f"twin plan of model {model!r} epoch {epoch}: {e}") from e
+            raise precondition(f"{what}: {e}") from e
     return ControllerPlan(
         digest=plan.digest,
         slots=plan.slots(),
         total_bytes=plan.stats.total_bytes,
         plan=plan,
         gc_pause=gc_pause,
-        kind="twin",
+        kind=kind,
     )
 
 

@@ -158,10 +158,24 @@ def test_relay_off_by_default_and_digest():
         assert relayed.source_slots_of("train", r) == [r]
 
 
+def _same_plan_from_lists_and_tables(src, dst, ts, td, cfg):
+    """The plan from the spec lists and the one from the tables: same digest (also by
+    plan_digest of the tables), statistics and programs; returns the first."""
+    from refitd.plan.planner import build_plan, build_plan_from_table, plan_digest
+
+    a = build_plan("m", 1, src, dst, cfg)
+    b = build_plan_from_table("m", 1, ts, td, cfg)
+    assert a.digest == b.digest == plan_digest("m", ts, td, cfg)
+    assert a.stats == b.stats
+    for slot in a.slots():
+        assert a.program(slot) == b.program(slot)
+    return a
+
+
 def test_spec_table_incremental_equals_lists():
     """A controller adding each worker's specs as it registers gets the plan (digest,
     stats, programs) of the one-shot list path; any registration change moves the digest."""
-    from refitd.plan.planner import build_plan, build_plan_from_table, plan_digest
+    from refitd.plan.planner import plan_digest
     from refitd.plan.table import SpecTable
 
     src = tp_side("train", 2, 2, 2, (24, 4), 0, 0) + tp_side("train", 2, 2, 1, (8,), 0, 0, "b")
@@ -175,12 +189,7 @@ def test_spec_table_incremental_equals_lists():
     # same specs, registration order per worker
     src_o = [s for r in range(4) for s in src if s.rank == r]
     dst_o = [s for r in range(6) for s in dst if s.rank == r]
-    a = build_plan("m", 1, src_o, dst_o, cfg)
-    b = build_plan_from_table("m", 1, ts, td, cfg)
-    assert a.digest == b.digest == plan_digest("m", ts, td, cfg)
-    assert a.stats == b.stats
-    for slot in a.slots():
-        assert a.program(slot) == b.program(slot)
+    _same_plan_from_lists_and_tables(src_o, dst_o, ts, td, cfg)
     renamed = [*dst_o[:-1], mspec("inf", 5, 15, "c", (8,), canonical="b")]
     assert plan_digest("m", ts, td, cfg) != plan_digest("m", src_o, renamed, cfg)
     assert len(ts) == len(src) and len(td.geos) < len(dst)
@@ -191,7 +200,7 @@ def test_spec_table_joined_from_worker_tables_equals_lists():
     tables and catch-up plans do) gives the one-shot list path's columns, digest and plan,
     with worker tables that share geometries and names; a joined table is unchanged by a
     later add to a worker table (its names digest follows its own content)."""
-    from refitd.plan.planner import build_plan, build_plan_from_table, plan_digest
+    from refitd.plan.planner import plan_digest
     from refitd.plan.table import SpecTable
 
     src = tp_side("train", 2, 2, 2, (24, 4), 0, 0) + tp_side("train", 2, 2, 1, (8,), 0, 0, "b")
@@ -209,12 +218,8 @@ def test_spec_table_joined_from_worker_tables_equals_lists():
         for a_col, b_col in zip(joined.columns(), one.columns(), strict=True):
             assert np.array_equal(a_col, b_col)
         assert np.array_equal(joined.ranks(), one.ranks())
-    a = build_plan("m", 1, src_o, dst_o, cfg)
-    b = build_plan_from_table("m", 1, ts, td, cfg)
-    assert a.digest == b.digest == plan_digest("m", one_s, one_d, cfg)
-    assert a.stats == b.stats
-    for slot in a.slots():
-        assert a.program(slot) == b.program(slot)
+    a = _same_plan_from_lists_and_tables(src_o, dst_o, ts, td, cfg)
+    assert a.digest == plan_digest("m", one_s, one_d, cfg)
     per_dst[0].add([mspec("inf", 0, 10, "c", (8,), canonical="b")])
     assert plan_digest("m", ts, td, cfg) == a.digest
     # a joined table extended further hashes its new content
