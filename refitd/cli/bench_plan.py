@@ -327,11 +327,12 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
 
 
 def _registered(specs: list):
-    """A worker's table as the registry makes it at registration (with its signature)."""
+    """A worker's table as the registry makes it at registration (signature and keys)."""
     from refitd.plan.table import SpecTable
 
     table = SpecTable.from_specs(specs)
     table.layout_signature()
+    table.keys()
     return table
 
 

@@ -18,7 +18,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 from refitd.plan.errors import PlanError
 from refitd.plan.gc_pause import GcPause
@@ -35,8 +34,6 @@ WorkerKey = tuple[str, int]  # (pool, rank)
 # the identity of its registration (its memory handles change only with it), and the
 # staged and snapshot pools among them.
 SlotInputs = tuple[tuple[tuple[WorkerKey, str], ...], frozenset[str], frozenset[str]]
-
-_KEY = attrgetter("pool", "rank", "name")  # TensorSpec.key, read in C
 
 
 @dataclass(frozen=True)
@@ -105,7 +102,7 @@ class ControllerPlan:
         """Encoded program and the registration keys of its tensors (those held on its
         slot: the only ones whose memory the slot maps)."""
         own = prog.table.index.tolist()
-        keys = map(_KEY, map(self.plan.tensors.__getitem__, own))
+        keys = map(self.plan.tensor_keys().__getitem__, own)
         return LoadPayload(prog.to_bytes(), tuple(zip(own, keys, strict=True)))
 
     def program_bytes(self, slot: int) -> bytes:

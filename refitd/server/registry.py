@@ -167,6 +167,7 @@ class Registry:
             specs = specs_from_request(req, slot.slot_id)
             table = SpecTable.from_specs(specs)
             table.layout_signature()  # kept with the table: catch-ups pair twins by it
+            table.keys()  # and the keys a slot's load looks memory handles up by
         with self.lock:
             return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs, table=table)
 
