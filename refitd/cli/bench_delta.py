@@ -18,6 +18,7 @@ JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,27 +97,36 @@ def _barrier(store: dist.TCPStore, name: str, rank: int, timeout_s: float) -> No
     store.wait([f"{name}/{r}" for r in range(4)], datetime.timedelta(seconds=timeout_s))
 
 
-def _rank(
-    rank: int,
-    port: int,
-    args: argparse.Namespace,
-    out: mp.Queue | _Printer,
-    store_host: str | None = None,
-    local: str = "",
-) -> None:
-    """One slot: dense refits through the executor, delta refits through the exchange. With
-    store_host, rank 0 serves the store there (the ranks in their own namespaces)."""
+@dataclasses.dataclass
+class _Slot:
+    """One slot of the bench, connected: its store, transport, executor for dense refits,
+    delta access and sender base, and (on sources) the generator of its versions."""
+
+    store: dist.TCPStore
+    transport: Any
+    executor: Any
+    access: Any
+    base: Any
+    sends: list
+    recvs: list
+    flat: torch.Tensor
+    gen: Any
+
+
+def _open_slot(
+    rank: int, port: int, args: argparse.Namespace, store_host: str | None, local: str
+) -> _Slot:
+    """Build the plan, lay the slot's tensors out, connect Gloo and warm both paths up with
+    version 0 (dense), the base promoted to it."""
     from refitd.agent.delta_access import ProgramAccess
-    from refitd.agent.delta_exchange import KIND_DELTA, DeltaBase, DeltaReport, run_delta
+    from refitd.agent.delta_exchange import DeltaBase, run_delta
     from refitd.agent.executor import DirectResolver, Executor
-    from refitd.demo.versions import VersionGenerator, perturb
+    from refitd.demo.versions import VersionGenerator
     from refitd.transport.base import ConnectInfo
     from refitd.transport.gloo import GlooTransport
 
-    torch.set_num_threads(1)
     src, dst = specs(args.bytes, args.tensor_bytes)
-    plan = build_plan("m", 1, src, dst, PlanConfig(64 << 20))
-    program = plan.program(rank)
+    program = build_plan("m", 1, src, dst, PlanConfig(64 << 20)).program(rank)
     flat, tensors = _slot_tensors(program, rank)
     gen = VersionGenerator(flat.numel(), args.lr, seed=rank) if rank in SRC else None
     if gen is not None:
@@ -134,6 +145,26 @@ def _rank(
     run_delta(t, sends, recvs, access, base, 0, allowed=frozenset(), max_density=0.0,
               deadline=time.monotonic() + args.timeout)  # fmt: skip
     base.promote(0, access)
+    return _Slot(store, t, ex, access, base, sends, recvs, flat, gen)
+
+
+def _rank(
+    rank: int,
+    port: int,
+    args: argparse.Namespace,
+    out: mp.Queue | _Printer,
+    store_host: str | None = None,
+    local: str = "",
+) -> None:
+    """One slot: dense refits through the executor, delta refits through the exchange. With
+    store_host, rank 0 serves the store there (the ranks in their own namespaces)."""
+    from refitd.agent.delta_exchange import KIND_DELTA, DeltaReport, run_delta
+    from refitd.demo.versions import perturb
+
+    torch.set_num_threads(1)
+    slot = _open_slot(rank, port, args, store_host, local)
+    store, t, ex, access, base = slot.store, slot.transport, slot.executor, slot.access, slot.base
+    sends, recvs, flat, gen = slot.sends, slot.recvs, slot.flat, slot.gen
     policy = DeltaSettings(True, args.max_density, args.probe_every)
     densities: list[float | None] = []
     timings: list[Timing] = []
