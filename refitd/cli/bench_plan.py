@@ -4,11 +4,9 @@ Prints one JSON line. plan_s: build_plan from the TensorSpec lists to a finished
 table_build_s: turning the lists into SpecTables (a controller can do this as workers
 register); plan_from_table_s: build_plan_from_table; spec_scan_s: same-run reference, one
 Python pass over every spec. The timed calls run inside a GcPause owned by the bench, as
-the controller runs its plan builds (--no-gc-pause: with the collector on). Megatron-Core
-is not installed here; its figures for the same layouts (Megatron-Core 0.19.2, quoted, not
-measured here: 2.7 s to replay its global schedule for kimi-k2 256->128, send imbalance
-1.055 for that layout and 1.030 for llama3-70b 128->64) are printed next to ours as quoted
-references; no ratio is formed from them (they were not measured in this run).
+the controller runs its plan builds (--no-gc-pause: with the collector on). Megatron-Core is
+not installed here, so no figure of it is printed: a reference that was not measured in the
+same run has no place in the line.
 """
 
 from __future__ import annotations
@@ -24,12 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-MEGATRON_REF = {
-    # (model, src layout, src world, dst layout, dst world): (plan seconds, send imbalance)
-    ("kimi-k2", "tp=8,pp=8,ep=32", 256, "tp=8,ep=32", 128): (2.7, 1.055),
-    ("llama3-70b", "tp=8,pp=4", 128, "tp=4", 64): (None, 1.030),
-}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
     with pause:
         program = plan.program(plan.slots()[0])  # type: ignore[attr-defined]
     program_s = time.perf_counter() - t0
-    ref = MEGATRON_REF.get((args.model, args.src, args.src_world, args.dst, args.dst_world))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = {
         "bench": "plan",
@@ -119,12 +110,6 @@ def run(args: argparse.Namespace) -> int:
         **_stat_fields(plan.stats),  # type: ignore[attr-defined]
         "peak_rss_bytes": peak,
     }
-    if ref is not None:
-        ref_s, ref_imb = ref
-        out["megatron_ref_source"] = "quoted Megatron-Core 0.19.2 figures, not run here"
-        if ref_s:
-            out["megatron_plan_s_ref"] = ref_s
-        out["megatron_imbalance_ref"] = ref_imb
     if args.programs:
         out.update(_programs(args, src_t, dst_t, config, from_table_s, pause))
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
