@@ -273,12 +273,12 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
     dst_par = Parallel.parse(args.dst, args.dst_world)
     base = (0 if args.collocated else args.src_world) + args.dst_world
     replica = build_specs(preset(args.model), dst_par, args.model, "inference-2", base)
-    held = [_registered(w) for w in _by_rank(dst_t.specs)]
+    held = [SpecTable.of_worker(w) for w in _by_rank(dst_t.specs)]
     grown = SpecTable.from_tables(held)
     gc_pause = _gc_pause(pause)
     gc.collect()
     t0 = time.perf_counter()
-    joining = [_registered(w) for w in _by_rank(replica)]
+    joining = [SpecTable.of_worker(w) for w in _by_rank(replica)]
     register_s = time.perf_counter() - t0
     t0, c0 = time.perf_counter(), time.process_time()
     for table in joining:  # as its ranks register
@@ -309,16 +309,6 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
         "add_replica_catch_up_s": round(catch_up_s, 4),
         "add_replica_programs": len(cp.slots) + len(catch.slots),
     }
-
-
-def _registered(specs: list):
-    """A worker's table as the registry makes it at registration (signature and keys)."""
-    from refitd.plan.table import SpecTable
-
-    table = SpecTable.from_specs(specs)
-    table.layout_signature()
-    table.keys()
-    return table
 
 
 def _by_rank(specs: list) -> list[list]:

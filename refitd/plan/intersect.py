@@ -16,7 +16,7 @@ from refitd.plan.config import PlanConfig
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import PLAIN
 from refitd.plan.names import Link, resolve_links
-from refitd.plan.sides import Side, member_table, sans_pool
+from refitd.plan.sides import Side, member_table
 from refitd.plan.table import Geo
 from refitd.plan.wireformat import dtype_size
 from refitd.plan.wires import RAW_CODE
@@ -332,7 +332,7 @@ class _Hits:
         # pool may relay to another).
         shape_ids: dict[tuple, int] = {}
         d_shape = np.array(
-            [shape_ids.setdefault(sans_pool(dst.geos[g]), len(shape_ids)) for g in d_geo],
+            [shape_ids.setdefault(dst.geos[g].sans_pool(), len(shape_ids)) for g in d_geo],
             np.int64,
         )
         key = (d_shape[k_of[bi]] * (int(j_of.max()) + 1) + j_of[bi]) * len(sboxes) + si

@@ -55,11 +55,6 @@ def sort_by(*keys: np.ndarray) -> np.ndarray:
     return np.argsort(combined, kind="stable")
 
 
-def sans_pool(g: Geo) -> tuple:
-    """A geometry without its pool: replicas across pools share it."""
-    return (g.global_shape, g.dtype, g.storage, g.local_shape, g.boxes)
-
-
 def side_of(table: SpecTable, base: int) -> Side:
     """The columns of one side (ungrouped); base: its first plan tensor index."""
     canon, geo, slot = table.columns()

@@ -43,6 +43,10 @@ class Geo:
     local_shape: tuple[int, ...]
     boxes: tuple[Box, ...]
 
+    def sans_pool(self) -> tuple:
+        """This geometry without its pool: replicas across pools (and twins) share it."""
+        return (self.global_shape, self.dtype, self.storage, self.local_shape, self.boxes)
+
     @property
     def cover(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
         return tuple(sorted((b.offset, b.shape) for b in self.boxes if all(b.shape)))
@@ -78,6 +82,15 @@ class SpecTable:
     def from_specs(cls, specs: Iterable[TensorSpec]) -> SpecTable:
         t = cls()
         t.add(specs)
+        return t
+
+    @classmethod
+    def of_worker(cls, specs: Iterable[TensorSpec]) -> SpecTable:
+        """One worker's table as the controller keeps it from its registration on: its
+        layout signature and keys made now, so catch-ups and loads only read them."""
+        t = cls.from_specs(specs)
+        t.layout_signature()
+        t.keys()
         return t
 
     @classmethod
@@ -189,8 +202,7 @@ class SpecTable:
         dtypes, storage, boxes) in the same order, such as two replicas' rank k."""
         if self._signature is None:
             h = hashlib.blake2b(digest_size=16)
-            geos = [(g.global_shape, g.dtype, g.storage, g.local_shape, g.boxes) for g in self.geos]
-            h.update(repr(geos).encode())
+            h.update(repr([g.sans_pool() for g in self.geos]).encode())
             h.update("\0".join(self.canonicals).encode() + b"\1")
             h.update("\0".join(map(_NAME, self.specs)).encode() + b"\1")
             h.update(memoryview(self._canon).cast("B"))

@@ -107,12 +107,16 @@ def _check_pair(src: SpecTable, dst: SpecTable) -> None:
             f"twin plan: rank {t.rank} of pool {t.pool!r} does not hold the layout of rank "
             f"{s.rank} of pool {s.pool!r} (tensors, shapes, dtypes, storage or boxes differ)"
         )
-    odd = [g for g in src.geos if g.storage != PLAIN]
-    if odd:
+    if not _plain(src):
+        storage = next(g.storage for g in src.geos if g.storage != PLAIN)
         raise PlanError(
             f"twin plan: rank {src.specs[0].rank} of pool {src.specs[0].pool!r} keeps "
-            f"{odd[0].storage} storage; twins copy plain tensors only"
+            f"{storage} storage; twins copy plain tensors only"
         )
+
+
+def _plain(worker: SpecTable) -> bool:
+    return all(g.storage == PLAIN for g in worker.geos)
 
 
 def pair_twins(
@@ -123,7 +127,7 @@ def pair_twins(
     or None when some worker behind has no holder of its layout."""
     by_layout: dict[bytes, list[int]] = {}
     for i, h in enumerate(holders):
-        if h.specs and all(g.storage == PLAIN for g in h.geos):
+        if h.specs and _plain(h):
             by_layout.setdefault(h.layout_signature(), []).append(i)
     used: dict[bytes, int] = {}
     pairs = []

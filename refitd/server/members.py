@@ -40,7 +40,7 @@ class Worker:
         """Its specs as planner columns: made once (at registration, outside the registry
         lock), joined by the model tables and catch-up plans instead of tabulating again."""
         if self.table is None:
-            self.table = SpecTable.from_specs(list(self.specs))
+            self.table = SpecTable.of_worker(self.specs)
         return self.table
 
 

@@ -165,9 +165,7 @@ class Registry:
         slot = self.slot_for(req.host, req.device)
         with self._validating:  # the costly part, outside the lock, one at a time
             specs = specs_from_request(req, slot.slot_id)
-            table = SpecTable.from_specs(specs)
-            table.layout_signature()  # kept with the table: catch-ups pair twins by it
-            table.keys()  # and the keys a slot's load looks memory handles up by
+            table = SpecTable.of_worker(specs)
         with self.lock:
             return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs, table=table)
 
