@@ -35,6 +35,7 @@ from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.agent.transfer_process import PROCESS_NAME_PREFIX
 from refitd.demo.run import free_port
+from refitd.transport.segment_names import reap_orphaned_segments
 
 ROLES = ("trainer", "inference", "transfer", "agent", "controller")
 PHASES = ("before", "transfer", "commit")
@@ -274,6 +275,9 @@ class Cluster:
                 c.stop()
         self._channel.close()
         self.tmp.cleanup()
+        # workers killed with -9 (the suite's point) or stopped by a signal cannot unlink
+        # their shared memory; no node agent is left to reap it
+        reap_orphaned_segments()
 
     def transfer_processes(self) -> list[psutil.Process]:
         assert self.agent is not None and self.agent.proc is not None
