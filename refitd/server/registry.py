@@ -20,6 +20,7 @@ from refitd.plan.layout import TensorSpec
 from refitd.plan.table import SpecTable
 from refitd.server.database import StateDB
 from refitd.server.errors import invalid, not_found, precondition
+from refitd.server.interning import Interner
 from refitd.server.members import Agent, Model, Pool, Slot, Worker
 from refitd.server.planning import WorkerKey
 from refitd.server.validation import check_device, check_worker_header, specs_from_request
@@ -40,6 +41,7 @@ class Registry:
         # ~1,000 tensors, and several at once leave the GIL to the gRPC poller and the
         # heartbeat handlers only between them (heartbeats then waited 20 s in a burst).
         self._validating = threading.Lock()
+        self._intern = Interner()  # names, shapes and boxes shared by the registered ranks
         self.models: dict[str, Model] = {}
         self.workers: dict[str, Worker] = {}
         self.agents: dict[str, Agent] = {}
@@ -164,7 +166,7 @@ class Registry:
         check_worker_header(req)
         slot = self.slot_for(req.host, req.device)
         with self._validating:  # the costly part, outside the lock, one at a time
-            specs = specs_from_request(req, slot.slot_id)
+            specs = specs_from_request(req, slot.slot_id, self._intern)
             table = SpecTable.of_worker(specs)
         with self.lock:
             return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs, table=table)
@@ -183,7 +185,7 @@ class Registry:
         when the caller made it."""
         role = check_worker_header(req)
         if specs is None:
-            specs = specs_from_request(req, slot)
+            specs = specs_from_request(req, slot, self._intern)
         model = self.models.get(req.model) or Model(req.model)
         pool = model.pools.get(req.pool)
         self._check_pool_role(model, pool, req, role)
@@ -281,7 +283,7 @@ class Registry:
             pid=req.pid,
             slot=slot,
             specs=tuple(specs),
-            memory={t.name: t.memory for t in req.tensors},
+            memory={s.name: t.memory for s, t in zip(specs, req.tensors, strict=True)},
             registered_at=time.time(),
             last_seen=time.monotonic(),
             live=live,

@@ -10,11 +10,13 @@ import ipaddress
 import math
 import re
 import time
+from dataclasses import dataclass
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.plan.layout import PLAIN, STORAGE_FORMATS, Box, TensorSpec
 from refitd.plan.wire import DTYPE_SIZES
 from refitd.server.errors import invalid
+from refitd.server.interning import Interner
 
 DEVICE_RE = re.compile(r"^(cpu|cuda):(\d{1,6})$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -206,10 +208,14 @@ def check_worker_header(req: pb.RegisterWorkerRequest) -> str:
     return ROLE_NAMES[req.role]
 
 
-def specs_from_request(req: pb.RegisterWorkerRequest, slot: int) -> list[TensorSpec]:
-    """TensorSpecs of a RegisterWorker request, every tensor checked on its own."""
+def specs_from_request(
+    req: pb.RegisterWorkerRequest, slot: int, intern: Interner
+) -> list[TensorSpec]:
+    """TensorSpecs of a RegisterWorker request, every tensor checked on its own; names,
+    shapes and boxes shared through `intern` with the ranks registered before."""
     seen: set[str] = set()
     specs = []
+    header = _Header(intern(req.model), intern(req.pool), req.rank, slot)
     for i, t in enumerate(req.tensors):
         if i % YIELD_EVERY == YIELD_EVERY - 1:
             # a large registration is tens of milliseconds of Python: let the gRPC poller
@@ -222,8 +228,18 @@ def specs_from_request(req: pb.RegisterWorkerRequest, slot: int) -> list[TensorS
         if t.name in seen:
             raise invalid(f"{where}: duplicate tensor name")
         seen.add(t.name)
-        specs.append(_spec(req, t, slot, where))
+        specs.append(_spec(header, t, where, intern))
     return specs
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    """What every TensorSpec of one registration shares (read from the request once)."""
+
+    model: str
+    pool: str
+    rank: int
+    slot: int
 
 
 class _Where:
@@ -240,10 +256,10 @@ class _Where:
 
 
 def _spec(
-    req: pb.RegisterWorkerRequest, t: pb.TensorRegistration, slot: int, where: _Where | str
+    head: _Header, t: pb.TensorRegistration, where: _Where | str, intern: Interner
 ) -> TensorSpec:
-    gshape = tuple(t.global_shape)
-    lshape = tuple(t.local_shape)
+    gshape = intern(tuple(t.global_shape))
+    lshape = intern(tuple(t.local_shape))
     ndim = len(gshape)
     if ndim > MAX_DIMS:
         raise invalid(f"{where}: global_shape has {ndim} dims, at most {MAX_DIMS}")
@@ -294,19 +310,20 @@ def _spec(
         )
     boxes = tuple(_box(b, i, gshape, lshape, where) for i, b in enumerate(t.boxes))
     _check_disjoint(boxes, where)
+    name = intern(t.name)
     return TensorSpec(
-        model=req.model,
-        pool=req.pool,
-        rank=req.rank,
-        slot=slot,
-        name=t.name,
-        canonical=t.canonical or t.name,
+        model=head.model,
+        pool=head.pool,
+        rank=head.rank,
+        slot=head.slot,
+        name=name,
+        canonical=intern(t.canonical) if t.canonical else name,
         global_shape=gshape,
-        dtype=t.dtype,
+        dtype=intern(t.dtype),
         local_shape=lshape,
-        boxes=boxes,
-        storage=storage,
-        meta=tuple(sorted(t.meta.items())),
+        boxes=intern(boxes),
+        storage=intern(storage),
+        meta=intern(tuple(sorted(t.meta.items()))) if t.meta else (),
     )
 
 
