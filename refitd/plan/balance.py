@@ -17,11 +17,41 @@ import numpy as np
 
 @dataclass(slots=True)
 class Choices:
-    """Copies of one batch: candidate source slots (dense slot indices) per copy."""
+    """Copies of one batch. Candidates come as sets: copy i may be sent by any slot of
+    `sets[cls[i]]`, and the chosen column indexes that row. Copies of one tensor pattern
+    share a few sets (the same replicas hold every layer of a stage), so the sets stay
+    small where a [copies, candidates] matrix would not (15 M entries at 1,024 ranks)."""
 
-    cand: np.ndarray  # [N, R] int64 dense slot index
+    sets: np.ndarray  # [K, R] int64 dense slot indices of each candidate set
+    cls: np.ndarray  # [N] int64 candidate set of each copy
     nbytes: np.ndarray  # [N] int64 bytes this copy sends if remote
-    dst: np.ndarray  # [N] int64 dense slot index of the destination
+    dst: np.ndarray  # [N] int64 dense slot index of the destination (-1: none)
+
+    @classmethod
+    def of_rows(cls, cand: np.ndarray, nbytes: np.ndarray, dst: np.ndarray) -> Choices:
+        """One candidate row per copy ([N, R] dense slot indices)."""
+        return cls(cand, np.arange(cand.shape[0]), nbytes, dst)
+
+
+class _Columns:
+    """Column of a slot in a copy's candidate set, found by binary search over the
+    (set, slot) pairs: never a [copies, candidates] comparison."""
+
+    def __init__(self, sets: np.ndarray, n_slots: int) -> None:
+        k, self.r = sets.shape
+        self.n_slots = n_slots
+        keys = (np.arange(k, dtype=np.int64)[:, None] * n_slots + sets).reshape(-1)
+        self.order = np.argsort(keys, kind="stable")
+        self.keys = keys[self.order]
+
+    def of(self, cls: np.ndarray, slot: np.ndarray) -> np.ndarray:
+        """Column of `slot` in set `cls` per copy (its first), -1 where it is not there."""
+        if not self.keys.size:
+            return np.full(cls.size, -1, np.int64)
+        q = cls * self.n_slots + slot
+        i = np.minimum(np.searchsorted(self.keys, q), self.keys.size - 1)
+        found = (self.keys[i] == q) & (slot >= 0)
+        return np.where(found, self.order[i] % self.r, -1)
 
 
 def choose_replicas(
@@ -31,40 +61,52 @@ def choose_replicas(
     per slot (remote bytes, on top of `load` when given)."""
     load = np.zeros(n_slots, dtype=np.float64) if load is None else load.astype(np.float64)
     cols: list[np.ndarray] = []
+    columns: list[_Columns | None] = []
     flex: dict[int, list[tuple[int, np.ndarray]]] = {}
     for b, ch in enumerate(batches):
-        n, r = ch.cand.shape
-        col = np.zeros(n, dtype=np.int64)
+        r = ch.sets.shape[1]
+        col = np.zeros(ch.cls.size, dtype=np.int64)
         if r == 1:
-            remote = ch.cand[:, 0] != ch.dst
-            load += np.bincount(ch.cand[remote, 0], weights=ch.nbytes[remote], minlength=n_slots)
+            first = ch.sets[ch.cls, 0]
+            remote = first != ch.dst
+            load += np.bincount(first[remote], weights=ch.nbytes[remote], minlength=n_slots)
+            columns.append(None)
         else:
-            hit = ch.cand == ch.dst[:, None]
-            local = hit.any(axis=1)
-            col[local] = hit[local].argmax(axis=1)
+            at = _Columns(ch.sets, n_slots)
+            hit = at.of(ch.cls, ch.dst)
+            local = hit >= 0
+            col[local] = hit[local]
             idx = np.flatnonzero(~local)
             if idx.size:
                 flex.setdefault(r, []).append((b, idx))
+            columns.append(at)
         cols.append(col)
     for r in sorted(flex):
-        _fill(batches, cols, flex[r], r, load)
+        _fill(batches, columns, cols, flex[r], load)
     return cols, load
 
 
 def _fill(
     batches: list[Choices],
+    columns: list[_Columns | None],
     cols: list[np.ndarray],
     parts: list[tuple[int, np.ndarray]],
-    r: int,
     load: np.ndarray,
 ) -> None:
-    """Water-fill every copy with r candidates: per class of candidate set, per size."""
-    batch_of = np.concatenate([np.full(i.size, b, dtype=np.int64) for b, i in parts])
-    row_of = np.concatenate([i for _, i in parts])
-    cand = np.concatenate([batches[b].cand[i] for b, i in parts])
+    """Water-fill every copy of `parts` (all with r candidates): per class of candidate
+    set (equal sets of several batches are one class), per size."""
+    set_base = np.cumsum([0] + [batches[b].sets.shape[0] for b, _ in parts])
+    classes, class_of_set = _candidate_classes(
+        np.concatenate([batches[b].sets for b, _ in parts]), load.size
+    )
+    cls = np.concatenate(
+        [
+            class_of_set[base + batches[b].cls[i]]
+            for base, (b, i) in zip(set_base[:-1], parts, strict=True)
+        ]
+    )
     nbytes = np.concatenate([batches[b].nbytes[i] for b, i in parts])
     dst = np.concatenate([batches[b].dst[i] for b, i in parts])
-    classes, cls = _candidate_classes(cand, load.size)
     # class, then size descending, then destination: equal-sized runs per class.
     order = np.lexsort((dst, -nbytes, cls))
     c_sorted = cls[order]
@@ -72,25 +114,28 @@ def _fill(
     change = np.flatnonzero((np.diff(c_sorted) != 0) | (np.diff(b_sorted) != 0)) + 1
     starts = np.r_[0, change]
     ends = np.r_[change, order.size]
-    chosen = np.empty(order.size, dtype=np.int64)
     load_l = load.tolist()  # per-run work on Python lists: runs are many and small
     classes_l = classes.tolist()
     c_first = c_sorted[starts].tolist()
     b_first = b_sorted[starts].tolist()
-    picks: list[int] = []
-    for s, e, cl, size in zip(starts.tolist(), ends.tolist(), c_first, b_first, strict=True):
+    pick_slot: list[int] = []  # the sorted copies' slots, as (slot, how many) runs
+    pick_count: list[int] = []
+    for n, cl, size in zip((ends - starts).tolist(), c_first, b_first, strict=True):
         slots = classes_l[cl]
-        counts = _waterfill([load_l[x] for x in slots], float(size), e - s)
+        counts = _waterfill([load_l[x] for x in slots], float(size), n)
         for x, k in zip(slots, counts, strict=True):
             if k:
                 load_l[x] += k * size
-                picks.extend([x] * k)
-    chosen[order] = picks
+                pick_slot.append(x)
+                pick_count.append(k)
+    chosen = np.empty(order.size, dtype=np.int64)
+    chosen[order] = np.repeat(np.array(pick_slot, np.int64), np.array(pick_count, np.int64))
     load[:] = load_l
-    col = (cand == chosen[:, None]).argmax(axis=1)
-    for b, _ in parts:
-        m = batch_of == b
-        cols[b][row_of[m]] = col[m]
+    at = 0
+    for b, i in parts:
+        got = columns[b].of(batches[b].cls[i], chosen[at : at + i.size])  # type: ignore[union-attr]
+        cols[b][i] = got
+        at += i.size
 
 
 def _candidate_classes(cand: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
@@ -114,6 +159,10 @@ def _waterfill(loads: list[float], size: float, m: int) -> list[int]:
     """How many of m equal items of `size` each candidate takes so the largest resulting
     load is as small as possible (the items go to the least loaded first)."""
     r = len(loads)
+    if m == 1:  # most runs: the least loaded (the first of equals) takes it
+        counts = [0] * r
+        counts[loads.index(min(loads))] = 1
+        return counts
     order = sorted(range(r), key=loads.__getitem__)
     ls = [loads[i] for i in order]
     take = [0] * r
@@ -132,11 +181,13 @@ def _waterfill(loads: list[float], size: float, m: int) -> list[int]:
             take[j] = max(math.floor((level - ls[j]) / size + 1e-9), 0)
         over = sum(take) - m
         if over > 0:  # float rounding: take back from the highest resulting loads
-            for j in sorted(range(r), key=lambda j: -(ls[j] + take[j] * size))[:over]:
+            after = [-(x + t * size) for x, t in zip(ls, take, strict=True)]
+            for j in sorted(range(r), key=after.__getitem__)[:over]:
                 take[j] -= 1
         rest = m - sum(take)
         if rest > 0:
-            for j in sorted(range(r), key=lambda j: ls[j] + take[j] * size)[:rest]:
+            after = [x + t * size for x, t in zip(ls, take, strict=True)]
+            for j in sorted(range(r), key=after.__getitem__)[:rest]:
                 take[j] += 1
     counts = [0] * r
     for j, i in enumerate(order):

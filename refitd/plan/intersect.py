@@ -26,8 +26,9 @@ from refitd.plan.wires import RAW_CODE
 class Batch:
     """Copies of one pattern group with the same replica count, before replica choice."""
 
-    dst_spec: np.ndarray  # [N]
-    cand_spec: np.ndarray  # [N, R]
+    dst_spec: np.ndarray  # [N], N = L links x P pieces, link-major
+    link_src: np.ndarray  # [L, M] source spec at each member position, per link
+    cand_pos: np.ndarray  # [P, R] member positions holding each piece's replicas
     piece: np.ndarray  # [N]
     dst_loc: np.ndarray  # [P, D]
     shape: np.ndarray  # [P, D]
@@ -38,6 +39,11 @@ class Batch:
     klass: np.ndarray  # [P] equal within a link: the same block into replica tensors
     nklass: int
     relayable: np.ndarray  # [P] bool: plain storage of the source dtype, raw wire
+
+    def chosen_src(self, col: np.ndarray) -> np.ndarray:
+        """[N] source spec of every copy, given the chosen candidate column per copy."""
+        link = np.arange(self.piece.size) // max(self.cand_pos.shape[0], 1)
+        return self.link_src[link, self.cand_pos[self.piece, col]]
 
 
 def _pad(t: tuple[int, ...], d: int, fill: int) -> list[int]:
@@ -242,7 +248,8 @@ class Planner:
             out.append(
                 Batch(
                     dst_spec=member_table(dst, cd)[:, dpos].reshape(-1),
-                    cand_spec=member_table(src, cs)[:, reps_mat[sb]].reshape(-1, r),
+                    link_src=member_table(src, cs),
+                    cand_pos=reps_mat[sb],
                     piece=np.tile(np.arange(sel.size), cs.size),
                     dst_loc=h.dloc[b] + (plo - h.shift - h.doff[b]),
                     shape=h.phi[sel] - plo,

@@ -101,15 +101,7 @@ def _build(
     planner = Planner(src, dst, config)
     batches = planner.batches()
     n_src = len(sources)
-    choices = [
-        Choices(
-            cand=planner.src_slot_idx[b.cand_spec],
-            nbytes=b.shape[b.piece].prod(axis=1)
-            * config.wires.element_bytes(b.wire[b.piece], b.esize),
-            dst=planner.dst_slot_idx[b.dst_spec],
-        )
-        for b in batches
-    ]
+    choices = [_choices(b, planner, config) for b in batches]
     cols, _ = choose_replicas(choices, planner.slots.size)
     tensors = sources.specs + destinations.specs
     table, group_of, relayable = _copy_table(batches, cols, n_src)
@@ -126,6 +118,19 @@ def _build(
         config,
         sources_count=n_src,
         tables=(sources, destinations),
+    )
+
+
+def _choices(b: Batch, planner: Planner, config: PlanConfig) -> Choices:
+    """A batch's copies for replica choice: links whose members sit on the same slots
+    share their candidate sets (one set per such link class and piece)."""
+    slots, link_cls = np.unique(planner.src_slot_idx[b.link_src], axis=0, return_inverse=True)
+    p = b.cand_pos.shape[0]
+    return Choices(
+        sets=slots[:, b.cand_pos].reshape(-1, b.cand_pos.shape[1]),
+        cls=(link_cls.reshape(-1, 1) * p + np.arange(p)).reshape(-1),
+        nbytes=b.shape[b.piece].prod(axis=1) * config.wires.element_bytes(b.wire[b.piece], b.esize),
+        dst=planner.dst_slot_idx[b.dst_spec],
     )
 
 
@@ -149,7 +154,7 @@ def _copy_table(
         link = np.repeat(np.arange(n_links), b.klass.size)
         parts.append(
             (
-                b.cand_spec[np.arange(n), col],
+                b.chosen_src(col),
                 b.dst_spec + n_src,
                 padc(b.rep_loc[b.piece, col], 0),
                 padc(b.dst_loc[b.piece], 0),

@@ -174,7 +174,7 @@ def _relay_senders(
     for r in np.unique(r_of).tolist():
         pick = np.flatnonzero(r_of == r)
         mat = direct_list[dstart[sel_gid[pick]][:, None] + np.arange(r)[None, :]]
-        batches.append(Choices(cand=c.dst[mat], nbytes=c.nbytes[sel[pick]], dst=c.dst[sel[pick]]))
+        batches.append(Choices.of_rows(c.dst[mat], c.nbytes[sel[pick]], c.dst[sel[pick]]))
         members.append(mat)
         rows.append(sel[pick])
     cols, after = choose_replicas(batches, n_slots, shed_load)
@@ -202,7 +202,7 @@ def _keepers(
         gs = np.flatnonzero(gcount == r)
         pos = gstart[gs][:, None] + np.arange(r)[None, :]
         nbytes = np.rint(weight[pos].sum(axis=1) * (r - 1) / r).astype(np.int64)
-        batches.append(Choices(cand=c.dst[cand[pos]], nbytes=nbytes, dst=np.full(gs.size, -1)))
+        batches.append(Choices.of_rows(c.dst[cand[pos]], nbytes, np.full(gs.size, -1)))
         groups.append(gs)
     cols, _ = choose_replicas(batches, load.size, load)
     for gs, col in zip(groups, cols, strict=True):

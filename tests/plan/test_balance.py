@@ -1,0 +1,72 @@
+"""Replica choice: candidate sets shared by many copies give the choice one row per copy
+gives, local copies stay local, and the busiest slot is within one copy of the ideal."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refitd.plan.balance import Choices, choose_replicas
+
+FEW = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def copies(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """(sets [K, R], set of each copy, bytes, destination slot (-1: none), slot count)."""
+    n_slots = draw(st.integers(2, 12))
+    r = draw(st.integers(1, n_slots))
+    k = draw(st.integers(1, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    sets = np.stack([rng.choice(n_slots, r, replace=False) for _ in range(k)])
+    n = draw(st.integers(1, 60))
+    cls = rng.integers(0, k, n)
+    nbytes = rng.choice([0, 1, 7, 64, 4096], n)
+    dst = rng.integers(-1, n_slots, n)
+    return sets, cls, nbytes, dst, n_slots
+
+
+@FEW
+@given(copies())
+def test_shared_sets_choose_as_rows(case: tuple) -> None:
+    sets, cls, nbytes, dst, n_slots = case
+    rng = np.random.default_rng(len(cls))
+    # one row per copy, each in its own column order
+    rows = np.stack([rng.permutation(sets[c]) for c in cls])
+    (col_sets,), load_sets = choose_replicas([Choices(sets, cls, nbytes, dst)], n_slots)
+    (col_rows,), load_rows = choose_replicas([Choices.of_rows(rows, nbytes, dst)], n_slots)
+    by_sets = sets[cls, col_sets]
+    by_rows = rows[np.arange(cls.size), col_rows]
+    assert (by_sets == by_rows).all()
+    assert np.allclose(load_sets, load_rows)
+    # a destination among the candidates receives locally and loads nobody
+    local = (sets[cls] == dst[:, None]).any(axis=1)
+    assert (by_sets[local] == dst[local]).all()
+    remote = ~local
+    expect = np.bincount(by_sets[remote], weights=nbytes[remote], minlength=n_slots)
+    assert np.allclose(load_sets, expect)
+
+
+@FEW
+@given(copies())
+def test_busiest_slot_within_one_copy_of_ideal(case: tuple) -> None:
+    """With one candidate set and no local copies, water-filling leaves the busiest slot
+    at most one (largest) copy above the even share."""
+    sets, _, nbytes, _, n_slots = case
+    n = nbytes.size
+    choice = Choices(sets[:1], np.zeros(n, np.int64), nbytes, np.full(n, -1))
+    (col,), load = choose_replicas([choice], n_slots)
+    assert col.min() >= 0 and col.max() < sets.shape[1]
+    even = nbytes.sum() / sets.shape[1]
+    assert load.max() <= even + nbytes.max() + 1e-6
+    assert load[np.setdiff1d(np.arange(n_slots), sets[0])].sum() == 0
+
+
+def test_sets_of_several_batches_share_the_load() -> None:
+    """Two batches with the same set (in other orders) are water-filled as one class."""
+    a = Choices(np.array([[0, 1]]), np.zeros(4, np.int64), np.full(4, 10), np.full(4, -1))
+    b = Choices(np.array([[1, 0]]), np.zeros(4, np.int64), np.full(4, 10), np.full(4, -1))
+    cols, load = choose_replicas([a, b], 2)
+    assert load.tolist() == [40.0, 40.0]
+    assert sum((a.sets[0, c] == 0).sum() for c in cols[:1]) + (b.sets[0, cols[1]] == 0).sum() == 4
