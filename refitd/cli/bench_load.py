@@ -277,6 +277,8 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
     """Plan the metadata model on the controller's path, timed: tables snapshot ->
     digest -> build_plan_from_table; then every slot's program (serial, then in threads on
     a second plan); and the reference: the same plan from TensorSpec lists."""
+    import psutil
+
     from refitd.server.planning import make_digest, make_plan
 
     reg, opts, pause = ctl.registry, ctl.refits.plan_options, ctl.refits.gc_pause
@@ -314,6 +316,10 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
             t_threads = time.perf_counter() - t0
             del again
         program_mb = sum(len(plan.program_bytes(s)) for s in plan.slots) / 1e6
+        # the controller's state: registered, one plan and its programs (the reference
+        # plan from lists below is the bench's, not the controller's)
+        planned_rss = psutil.Process().memory_info().rss
+        planned_peak = _peak_rss()
     finally:
         with reg.lock:
             model.tables.release()
@@ -334,7 +340,21 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         "meta_all_programs_s": t_all,
         f"meta_all_programs_{threads}_threads_s": t_threads,
         "meta_program_mb": program_mb,
+        "planned_rss": planned_rss,
+        "meta_rss_peak_to_planned_mb": planned_peak / 1e6,
     }
+
+
+def _peak_rss() -> int:
+    """This process's highest RSS so far (VmHWM), bytes; 0 where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -388,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
         # After the loop: building all 1024 programs is minutes of Python in this process,
         # which would hold up the leases of the metadata workers during the loop.
         meta |= _plan_meta(ctl, args.program_threads)
-        rss["planned"] = me.memory_info().rss
+        rss["planned"] = meta.pop("planned_rss")
         log.warning("bench load: planned")
         result = _result(args, meta, _controls(ctl, args.warmup), loop_s, rss)
         print(json.dumps(result), flush=True)

@@ -232,7 +232,7 @@ def _replan(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
     rank = 0
     old = tuple(t for t in dst_t.specs if t.rank == rank)
     new = tuple(copy.copy(t) for t in old)  # the restarted rank's registration: equal values
-    memory = {t.key: b"new-handle" for t in new}
+    memory = {t.name: b"new-handle" for t in new}
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     with pause:
@@ -243,7 +243,7 @@ def _replan(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
         assert hit is not None and same_layout
         todo = stale_slots(hit, loaded.__getitem__, ident.__getitem__)
         handles = [
-            [(i, memory.get(key, b"")) for i, key in hit.load_payload(slot).tensors]
+            [(i, memory.get(t.name, b"")) for i, t in hit.held(hit.load_payload(slot))]
             for slot in todo
         ]
     replan_s, replan_cpu_s = time.perf_counter() - t0, time.process_time() - c0

@@ -88,7 +88,6 @@ class Plan:
         self.stats = self._statistics(int(nb[local].sum()), int(remote_nb.sum()), relays)
         self._readers: dict[tuple[str, int], list[int]] | None = None
         self._index: ProgramIndex | None = None
-        self._keys: list[tuple[str, int, str]] | None = None
 
     def _schedule(
         self, table: CopyTable, nb: np.ndarray, local: np.ndarray
@@ -257,17 +256,6 @@ class Plan:
                 self.digest, cols(self._remote), cols(self._local), msgs, tensors
             )
         return self._index
-
-    def tensor_keys(self) -> list[tuple[str, int, str]]:
-        """Every plan tensor's registration key (TensorSpec.key), in plan index order; from
-        the tables' kept keys when the plan was built over tables."""
-        if self._keys is None:
-            if self._tables is None:
-                self._keys = [t.key for t in self.tensors]
-            else:
-                tables, counts = self._tables
-                self._keys = [k for t, n in zip(tables, counts, strict=True) for k in t.keys()[:n]]
-        return self._keys
 
     def program(self, slot: int) -> SlotProgram:
         """What the transfer process of `slot` executes (columns), messages ordered by

@@ -29,7 +29,6 @@ _CANON = attrgetter("canonical")
 _SLOT = attrgetter("slot")
 _RANK = attrgetter("rank")
 _NAME = attrgetter("name")
-_KEY = attrgetter("pool", "rank", "name")  # TensorSpec.key
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +75,6 @@ class SpecTable:
     _rank: array = field(default_factory=lambda: array("i"))
     _names_digest: bytes | None = None  # of the local names in order, made when asked
     _signature: bytes | None = None  # layout_signature(), made when asked
-    _keys: list[tuple[str, int, str]] | None = None  # keys(), made when asked
 
     @classmethod
     def from_specs(cls, specs: Iterable[TensorSpec]) -> SpecTable:
@@ -87,10 +85,9 @@ class SpecTable:
     @classmethod
     def of_worker(cls, specs: Iterable[TensorSpec]) -> SpecTable:
         """One worker's table as the controller keeps it from its registration on: its
-        layout signature and keys made now, so catch-ups and loads only read them."""
+        layout signature made now, so catch-ups only read it."""
         t = cls.from_specs(specs)
         t.layout_signature()
-        t.keys()
         return t
 
     @classmethod
@@ -144,7 +141,7 @@ class SpecTable:
         self._slot.fromlist(list(map(_SLOT, new)))
         self._rank.fromlist(list(map(_RANK, new)))
         self.specs.extend(new)
-        self._names_digest = self._signature = self._keys = None
+        self._names_digest = self._signature = None
 
     def extend(self, other: SpecTable) -> None:
         """Append another table's rows: its geometry and canonical ids mapped onto ours
@@ -167,15 +164,8 @@ class SpecTable:
         self._canon.frombytes(canon_map[np.frombuffer(other._canon, np.int32)].tobytes())
         self._slot.extend(other._slot)
         self._rank.extend(other._rank)
-        had_keys = self._keys is not None or len(self.specs) == 0
         self.specs.extend(other.specs)
         self._names_digest = self._signature = None
-        if had_keys and other._keys is not None:  # joined from tables that made theirs
-            if self._keys is None:
-                self._keys = []
-            self._keys.extend(other._keys)  # a plan reads a slice of it (its rows)
-        else:
-            self._keys = None
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(canonical id, geometry id, slot) per spec, as int64 arrays."""
@@ -188,13 +178,6 @@ class SpecTable:
     def ranks(self) -> np.ndarray:
         """Worker rank per spec, as int64."""
         return np.frombuffer(self._rank, dtype=np.int32).astype(np.int64)
-
-    def keys(self) -> list[tuple[str, int, str]]:
-        """Every row's registration key (pool, rank, local name), in row order: how a
-        slot's load finds each tensor's memory handle. Made once per table content."""
-        if self._keys is None:
-            self._keys = list(map(_KEY, self.specs))
-        return self._keys
 
     def layout_signature(self) -> bytes:
         """A digest of the registrations without where they live (pool, rank, slot): equal

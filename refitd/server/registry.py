@@ -517,17 +517,18 @@ class Registry:
 
     def memory_index(
         self, model: str, holders: Collection[WorkerKey]
-    ) -> dict[tuple[str, int, str], bytes]:
-        """(pool, rank, name) -> memory handle of the live workers `holders` of the model:
-        only the workers of the slots being loaded are looked at."""
-        out: dict[tuple[str, int, str], bytes] = {}
+    ) -> dict[WorkerKey, dict[str, bytes]]:
+        """(pool, rank) -> tensor name -> memory handle, of the live workers `holders` of
+        the model: only the workers of the slots being loaded are looked at (their own
+        dicts, which a registration replaces and never changes)."""
+        out: dict[WorkerKey, dict[str, bytes]] = {}
         with self.lock:
             m = self.models.get(model)
             for pool, rank in holders:
                 p = m.pools.get(pool) if m is not None else None
                 w = self.workers.get(p.ranks.get(rank, "")) if p is not None else None
                 if w is not None and w.live:
-                    out.update(((pool, rank, name), mem) for name, mem in w.memory.items())
+                    out[(pool, rank)] = w.memory
         return out
 
     def slot_agents(self, slots: Sequence[int]) -> list[tuple[int, Slot | None, Agent | None]]:

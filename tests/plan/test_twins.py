@@ -117,19 +117,3 @@ def test_workers_without_a_twin_or_of_quantized_storage():
         build_twin_plan("m", 1, list(zip(quantized, same_q, strict=True)), PlanConfig())
     with pytest.raises(PlanError, match=r"no \(source, destination\) worker pair"):
         build_twin_plan("m", 1, [], PlanConfig())
-
-
-def test_keys_follow_the_rows_of_joined_tables():
-    """A plan's tensor keys (how a slot's load finds memory handles) equal TensorSpec.key
-    row by row, from kept worker keys or made afresh, and a table's keys follow its adds."""
-    holders = _workers(_pool("inf", 2, 1, 1, (16, 8), 0, 10))
-    behind = _workers(_pool("inf-2", 2, 1, 1, (16, 8), 0, 100))
-    for w in holders:
-        w.keys()  # as the registry makes them; `behind` makes none
-    plan = build_twin_plan("m", 1, list(zip(holders, behind, strict=True)), PlanConfig())
-    assert plan.tensor_keys() == [t.key for t in plan.tensors]
-    joined = SpecTable.from_tables(holders)
-    assert joined.keys() == [t.key for t in joined.specs]
-    joined.extend(behind[0])
-    joined.add(behind[1].specs)
-    assert joined.keys() == [t.key for t in joined.specs]

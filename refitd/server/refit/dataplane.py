@@ -177,6 +177,7 @@ class DataPlane:
             memory = self.registry.memory_index(
                 ms.model, {k for inputs in todo.values() for k, _ in inputs[0]}
             )
+            none: dict[str, bytes] = {}
             for agent_id, slots in ms.by_agent.items():
                 for slot in slots:
                     if slot not in todo:
@@ -185,11 +186,11 @@ class DataPlane:
                     handles = [
                         pb.TensorHandle(
                             index=i,
-                            memory=memory.get(key, b""),
-                            staged=key[0] in ms.staged_pools,
-                            snapshot=key[0] in ms.snapshot_pools,
+                            memory=memory.get((t.pool, t.rank), none).get(t.name, b""),
+                            staged=t.pool in ms.staged_pools,
+                            snapshot=t.pool in ms.snapshot_pools,
                         )
-                        for i, key in payload.tensors
+                        for i, t in plan.held(payload)
                     ]
                     cmd = pb.AgentCommand(
                         load=pb.LoadProgramCommand(
