@@ -14,9 +14,7 @@ garbage collector stays off while any of them runs, in any thread, and comes bac
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +56,7 @@ class LoadPayload:
     program tensor index, the key of the registration whose memory handle goes with it."""
 
     program: bytes
-    tensors: array  # plan index of every tensor held on the slot: its memory handle goes along
+    tensors: np.ndarray  # plan index of every tensor held on the slot (its handle goes along)
 
 
 @dataclass
@@ -104,12 +102,12 @@ class ControllerPlan:
     def _payload(self, prog: SlotProgram) -> LoadPayload:
         """Encoded program and the plan indices of its tensors (those held on its slot:
         the only ones whose memory the slot maps)."""
-        return LoadPayload(prog.to_bytes(), array("q", prog.table.index.astype(np.int64)))
+        return LoadPayload(prog.to_bytes(), prog.table.index.astype(np.int64))
 
     def held(self, payload: LoadPayload) -> Iterator[tuple[int, TensorSpec]]:
         """(plan index, spec) of every tensor a slot's load carries a handle for."""
         tensors = self.plan.tensors
-        return ((i, tensors[i]) for i in payload.tensors)
+        return ((i, tensors[i]) for i in payload.tensors.tolist())
 
     def program_bytes(self, slot: int) -> bytes:
         return self.load_payload(slot).program
@@ -302,15 +300,6 @@ def make_twin_plan(
     )
 
 
-def release_free_heap() -> None:
-    """Give the heap a plan build freed back to the OS (glibc's malloc_trim; nothing
-    elsewhere). Planning a 1,024-rank cluster peaks ~400 MB above what the plan keeps, and
-    glibc keeps freed NumPy blocks under its (growing) mmap threshold in its arenas: without
-    this the controller holds that peak for good. A few milliseconds."""
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
-        ctypes.CDLL(None).malloc_trim(0)
-
-
 def _controller_plan(
     build: Callable[[PlanConfig], Plan],
     what: str,
@@ -325,8 +314,6 @@ def _controller_plan(
             plan = build(_planner_config(options))
         except PlanError as e:
             raise precondition(f"{what}: {e}") from e
-        finally:
-            release_free_heap()
     return ControllerPlan(
         digest=plan.digest,
         slots=plan.slots(),
