@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     relay: bool = Field(
         True, description="destination replicas forward blocks they received (fewer source sends)"
     )
+    relay_chain: bool = Field(
+        False,
+        description="with relays and several destination pools: the first pool receives "
+        "every block from the sources and forwards it to the others (one flow per link), "
+        "instead of each pool forwarding some (docs/multihost.md)",
+    )
     plan_schedule: str = Field(
         "auto",
         description="rounds of a plan: lanes (each source sends to 4 peers at once), serial "

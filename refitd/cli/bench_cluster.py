@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="the controller's relay setting",
     )
+    parser.add_argument(
+        "--relay-chain",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the controller's relay_chain setting (4 hosts: the first pool forwards all)",
+    )
 
 
 def topology(hosts: int) -> tuple[list[str], dict[str, list[RankSpec]]]:
@@ -76,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         "--plan-schedule",
         args.plan_schedule,
         "--relay" if args.relay else "--no-relay",
+        "--relay-chain" if args.relay_chain else "--no-relay-chain",
     ]
     model_bytes = GptConfig.for_megabytes(args.mb, layers=2).nbytes
     rate_bps = args.rate_mbit * 1e6 / 8
@@ -110,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         "bucket_bytes": int(args.bucket_mb * (1 << 20)),
         "plan_schedule": args.plan_schedule,
         "relay": args.relay,
+        "relay_chain": args.relay_chain,
         "refits": len(refit_s),
         "link_bound_s": bound_s,
         "refit_s_median": refit,

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mib", type=float, default=64.0)
     p.add_argument("--no-relay", action="store_true", help="plan without relays")
     p.add_argument(
+        "--relay-chain", action="store_true", help="relays: the first pool forwards to the others"
+    )
+    p.add_argument(
         "--schedule",
         choices=("lanes", "serial"),
         default="lanes",
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         out |= {"hosts": args.hosts, "rate_mbit": args.rate_mbit, "efficiency": args.efficiency}
     out |= {
         "relay": not args.no_relay,
+        "relay_chain": args.relay_chain,
         "schedule": args.schedule,
         "bucket_bytes": int(args.bucket_mib * (1 << 20)),
     }
@@ -111,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         config = PlanConfig(
             bucket_bytes=int(args.bucket_mib * (1 << 20)),
             relay=not args.no_relay,
+            relay_chain=args.relay_chain,
             sender_quantization=mx,
             schedule=args.schedule,
         )

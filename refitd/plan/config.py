@@ -15,7 +15,9 @@ class PlanConfig:
     relay: let destination replicas forward blocks (see the module docstring);
     schedule: "lanes" (rounds from `fanout` lanes per source) or "serial" (rounds from a
     schedule in which each slot moves one message at a time, as NCCL on one stream runs
-    them: buckets.serial_rounds)."""
+    them: buckets.serial_rounds); relay_chain: a block held by several destination pools
+    goes from the sources to the first of them (in registration order), which forwards it
+    to the others, instead of every pool forwarding some blocks to the others (relay.py)."""
 
     bucket_bytes: int = 64 << 20
     sender_quantization: bool = False
@@ -24,6 +26,7 @@ class PlanConfig:
     name_map: NameMap | None = None
     fanout: int = 4
     relay: bool = False
+    relay_chain: bool = False
     schedule: str = "lanes"
     wires: WireRegistry = field(default_factory=default_wires)
 

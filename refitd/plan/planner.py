@@ -107,7 +107,7 @@ def _build(
     table, group_of, relayable = _copy_table(batches, cols, n_src)
     check_blocks(table, tensors, config.wires)
     if config.relay and table.src.size:
-        _add_relays(planner, table, group_of, relayable)
+        _add_relays(planner, table, group_of, relayable, n_src)
     return Plan(
         model,
         epoch,
@@ -179,10 +179,17 @@ def _copy_table(
 
 
 def _add_relays(
-    planner: Planner, table: CopyTable, group: np.ndarray, relayable: np.ndarray
+    planner: Planner, table: CopyTable, group: np.ndarray, relayable: np.ndarray, n_src: int
 ) -> None:
     """Turn some copies into relays (see relay.py): their source becomes the destination
     region of their feed copy."""
+    chain_pool = None
+    if planner.config.relay_chain:
+        order: dict[str, int] = {}
+        pool_of_geo = np.array(
+            [order.setdefault(g.pool, len(order)) for g in planner.dst.geos], np.int64
+        )
+        chain_pool = pool_of_geo[planner.dst.geo[table.dst - n_src]]
     all_slot_idx = np.concatenate([planner.src_slot_idx, planner.dst_slot_idx])
     is_source = np.zeros(planner.slots.size, dtype=bool)
     is_source[planner.src_slot_idx] = True
@@ -195,6 +202,7 @@ def _add_relays(
             ),
             group=group,
             eligible=relayable,
+            chain_pool=chain_pool,
         ),
         is_source,
     )

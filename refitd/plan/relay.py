@@ -43,6 +43,9 @@ class RelayCandidates:
     group: np.ndarray  # [N] equal: the same global block into the same local region of
     #                    same-geometry destination tensors (replicas of each other)
     eligible: np.ndarray  # [N] bool: raw wire, plain storage, same dtype on both ends
+    # [N] destination pool order (first registered: 0) when pools chain: the direct copy of
+    # a block stays with a member of its group's first pool, the later pools are relayed to
+    chain_pool: np.ndarray | None = None
 
 
 def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
@@ -106,9 +109,10 @@ def _keepers_and_shed(
     hub = np.zeros(n_slots, dtype=bool)
     hub[c.dst[g.cand[g.multi]]] = True
     weight = c.nbytes[g.cand].astype(np.float64)
+    may_keep = _may_keep(c, g)
     level = 0.0
     for step in range(2):
-        keeper = _keepers(c, g.cand, g.gcount, g.gstart, weight, load)
+        keeper = _keepers(c, g, may_keep, weight, load)
         conv = g.cand[g.multi & ~keeper]
         conv_bytes = np.bincount(c.src[conv], weights=c.nbytes[conv], minlength=n_slots)
         if step == 0:
@@ -184,29 +188,40 @@ def _relay_senders(
         feed[:] = -1  # relay senders that also send as sources could not absorb it
 
 
+def _may_keep(c: RelayCandidates, g: _Groups) -> np.ndarray:
+    """Mask over g.cand: the members that may keep their group's direct copy (all, or
+    with chained pools those of the group's first pool)."""
+    if c.chain_pool is None:
+        return np.ones(g.cand.size, dtype=bool)
+    pool = c.chain_pool[g.cand]
+    return pool == np.minimum.reduceat(pool, g.gstart)[g.gid]
+
+
 def _keepers(
-    c: RelayCandidates,
-    cand: np.ndarray,
-    gcount: np.ndarray,
-    gstart: np.ndarray,
-    weight: np.ndarray,
-    load: np.ndarray,
+    c: RelayCandidates, g: _Groups, may_keep: np.ndarray, weight: np.ndarray, load: np.ndarray
 ) -> np.ndarray:
-    """Mask over cand (grouped): the member of each group that stays direct, chosen by
-    water-filling each group's expected relay bytes (its members' weights less one
-    member's share) over its members' destination slots, on top of their own sends."""
-    keeper = np.zeros(cand.size, dtype=bool)
+    """Mask over g.cand (grouped): the member of each group that stays direct, chosen
+    among those that `may_keep` by water-filling each group's expected relay bytes (its
+    members' weights less one member's share) over their destination slots, on top of
+    their own sends."""
+    keeper = np.zeros(g.cand.size, dtype=bool)
+    total = np.bincount(g.gid, weights=weight, minlength=g.gcount.size)
+    ok = np.flatnonzero(may_keep)
+    n_ok = np.bincount(g.gid[ok], minlength=g.gcount.size)
+    ok_start = np.cumsum(n_ok) - n_ok
     batches: list[Choices] = []
-    groups: list[np.ndarray] = []
-    for r in np.unique(gcount[gcount >= 2]).tolist():
-        gs = np.flatnonzero(gcount == r)
-        pos = gstart[gs][:, None] + np.arange(r)[None, :]
-        nbytes = np.rint(weight[pos].sum(axis=1) * (r - 1) / r).astype(np.int64)
-        batches.append(Choices.of_rows(c.dst[cand[pos]], nbytes, np.full(gs.size, -1)))
-        groups.append(gs)
+    rows: list[np.ndarray] = []
+    multi = g.gcount >= 2
+    for r in np.unique(n_ok[multi]).tolist():
+        gs = np.flatnonzero(multi & (n_ok == r))
+        pos = ok[ok_start[gs][:, None] + np.arange(r)[None, :]]
+        n = g.gcount[gs]
+        nbytes = np.rint(total[gs] * (n - 1) / n).astype(np.int64)
+        batches.append(Choices.of_rows(c.dst[g.cand[pos]], nbytes, np.full(gs.size, -1)))
+        rows.append(pos)
     cols, _ = choose_replicas(batches, load.size, load)
-    for gs, col in zip(groups, cols, strict=True):
-        keeper[gstart[gs] + col] = True
+    for pos, col in zip(rows, cols, strict=True):
+        keeper[pos[np.arange(pos.shape[0]), col]] = True
     return keeper
 
 

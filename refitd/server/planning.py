@@ -45,6 +45,7 @@ class PlanOptions:
     bucket_bytes: int
     sender_quantization: bool = False
     relay: bool = True
+    relay_chain: bool = False
     allow_dtype_cast: bool = False
     schedule: str = "auto"
     transport: str = "gloo"
@@ -240,6 +241,7 @@ def _planner_config(options: PlanOptions) -> PlanConfig:
         bucket_bytes=options.bucket_bytes,
         sender_quantization=options.sender_quantization,
         relay=relay,
+        relay_chain=options.relay_chain,
         allow_dtype_cast=options.allow_dtype_cast,
         schedule=schedule,
     )

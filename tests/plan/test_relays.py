@@ -244,3 +244,36 @@ def test_relays_across_pools_of_the_same_layout():
     relay_rounds = [m.round for m in sends if any(c.src_tensor >= len(src) for c in m.copies)]
     direct_rounds = [m.round for m in sends if all(c.src_tensor < len(src) for c in m.copies)]
     assert min(relay_rounds) == 1 < max(direct_rounds)
+
+
+@FEW
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    dp=st.integers(1, 2),
+    bucket=st.sampled_from([96, 256, 1 << 20]),
+    order=st.booleans(),
+)
+def test_relay_chain_feeds_the_later_pool_from_the_first(tp, dp, bucket, order):
+    """With relay_chain, the sources send every block to the first registered pool, whose
+    ranks forward it (to the later pool, and to its own other replicas); the trainer still
+    sends each byte once and everything lands bit for bit."""
+    shape = (64, 12)
+    src = tp_side("train", 2, 1, 2, shape, 0, 0)
+    a = tp_side("pool-a", tp, dp, 1, shape, 0, 10)
+    b = tp_side("pool-b", tp, dp, 1, shape, 0, 30)
+    first, later = (a, b) if order else (b, a)
+    spread = run_and_check(src, first + later, PlanConfig(bucket_bytes=bucket, relay=True))
+    cfg = PlanConfig(bucket_bytes=bucket, relay=True, relay_chain=True)
+    plan = run_and_check(src, first + later, cfg)
+    assert check_relay_rule(plan, len(src)) == plan.stats.relay_copies > 0
+    assert plan.stats.source_max_send_bytes == spread.stats.source_max_send_bytes
+    first_slots = {s.slot for s in first}
+    later_slots = {s.slot for s in later}
+    for slot in plan.slots():
+        for m in plan.program(slot).sends:
+            relay = any(c.src_tensor >= len(src) for c in m.copies)
+            if relay:
+                assert slot in first_slots, f"slot {slot} of the later pool relays"
+            elif m.dst_slot in later_slots:  # a direct copy into the later pool
+                raise AssertionError(f"source slot {slot} sends to the later pool")
+    assert plan.digest != spread.digest

@@ -85,3 +85,29 @@ def test_the_controllers_plans_follow_plan_schedule(
         assert plan.digest == make_digest("m", src, dst, options)
     finally:
         ctl.stop()
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_the_controllers_plans_follow_relay_chain(tmp_path: Path, chain: bool) -> None:
+    """relay_chain reaches the controller's plans: two pools of replicas, and with the
+    chain only the first registered pool's ranks forward."""
+    argv = ["serve", "--relay-chain" if chain else "--no-relay-chain"]
+    assert settings_from_args(build_parser(argv).parse_args(argv)).relay_chain is chain
+    settings = load_settings(
+        None, host="127.0.0.1", grpc_port=0, http_port=0, data_dir=tmp_path, relay_chain=chain
+    )
+    ctl = Controller(settings).start()
+    try:
+        src = _replicas("train", 1, 0)
+        dst = _replicas("inf-a", 1, 10) + _replicas("inf-b", 1, 20)
+        plan = make_plan("m", 1, src, dst, ctl.refits.plan_options).plan
+        assert plan.config.relay_chain is chain and plan.stats.relay_bytes > 0
+        relay_senders = {
+            slot
+            for slot in plan.slots()
+            for m in plan.program(slot).sends
+            if any(c.src_tensor >= len(src) for c in m.copies)
+        }
+        assert relay_senders == ({10} if chain else {10, 20})
+    finally:
+        ctl.stop()

@@ -62,6 +62,7 @@ class RefitCoordinator:
             bucket_bytes=settings.bucket_bytes,
             sender_quantization=settings.sender_quantization,
             relay=settings.relay,
+            relay_chain=settings.relay_chain,
             allow_dtype_cast=settings.allow_dtype_cast,
             schedule=settings.plan_schedule,
             transport=settings.transport,
