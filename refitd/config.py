@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     relay: bool = Field(
         True, description="destination replicas forward blocks they received (fewer source sends)"
     )
+    plan_ahead: bool = Field(
+        True,
+        description="build a model's next plan and slot programs once its pools are all "
+        "registered and live, while no refit is pending (the refit then finds them ready)",
+    )
     relay_chain: bool = Field(
         False,
         description="with relays and several destination pools: the first pool receives "

@@ -6,13 +6,15 @@ registers `--workers` workers of a large model (default kimi-k2: trainer tp=8,pp
 inference pools tp=8,ep=32) through the real gRPC API, on slots of light agent threads:
 their memory handles are metadata only (never mapped, no slot executes them; the light
 agents only keep their command streams open). The controller then plans that model
-through its own path (per-model SpecTables, build_plan_from_table, programs on demand).
-Meanwhile a small real model (the demo GPT: tp=2,pp=2 trainer, two inference pools, on
+through its own path: once every pool is registered it builds the plan and all programs
+ahead (plan_ahead), and the bench waits for that (its RSS then is `rss_planned_mb`).
+Then a small real model (the demo GPT: tp=2,pp=2 trainer, two inference pools, on
 the embedded agent's 4 CPU slots) runs `--refits` consecutive refits, each checked bit for
 bit by the inference ranks. Reported: controller RSS at the start and the end of the refit
 loop, p50/p99 control latency as in `bench control` (start: Refit of the last rank -> all
-ExecuteCommands sent; end: last DONE -> committed), registration and plan times; the plan
-from the tables is compared with a plan from TensorSpec lists built in the same run.
+ExecuteCommands sent; end: last DONE -> committed), registration and plan times (a plan
+built again from the kept tables, timed, after the loop; compared with a plan from
+TensorSpec lists built in the same run).
 Prints one JSON line.
 """
 
@@ -277,8 +279,6 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
     """Plan the metadata model on the controller's path, timed: tables snapshot ->
     digest -> build_plan_from_table; then every slot's program (serial, then in threads on
     a second plan); and the reference: the same plan from TensorSpec lists."""
-    import psutil
-
     from refitd.server.planning import make_digest, make_plan
 
     reg, opts, pause = ctl.registry, ctl.refits.plan_options, ctl.refits.gc_pause
@@ -316,10 +316,6 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
             t_threads = time.perf_counter() - t0
             del again
         program_mb = sum(len(plan.program_bytes(s)) for s in plan.slots) / 1e6
-        # the controller's state: registered, one plan and its programs (the reference
-        # plan from lists below is the bench's, not the controller's)
-        planned_rss = psutil.Process().memory_info().rss
-        planned_peak = _peak_rss()
     finally:
         with reg.lock:
             model.tables.release()
@@ -340,9 +336,24 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         "meta_all_programs_s": t_all,
         f"meta_all_programs_{threads}_threads_s": t_threads,
         "meta_program_mb": program_mb,
-        "planned_rss": planned_rss,
-        "meta_rss_peak_to_planned_mb": planned_peak / 1e6,
     }
+
+
+def _await_plan_ahead(ctl: Any, timeout_s: float = 600.0) -> float:
+    """Seconds until the controller holds the metadata model's plan of its current epoch
+    with every program built (refitd/server/refit/ahead.py; the daemon's default), so the
+    refit loop is measured without it running beside; 0.0 when plan_ahead is off."""
+    if not ctl.settings.plan_ahead:
+        return 0.0
+    t0 = time.perf_counter()
+    while True:
+        ms = ctl.refits.memberships.cached(META_MODEL)
+        epoch = ctl.registry.model(META_MODEL).epoch
+        if ms is not None and ms.epoch == epoch and ms.plan.built_programs == len(ms.plan.slots):
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError(f"the controller built no plan ahead within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def _peak_rss() -> int:
@@ -391,6 +402,10 @@ def run(args: argparse.Namespace) -> int:
         registered = (*msg[1:], time.perf_counter() - t0)
         rss["registered"] = me.memory_info().rss
         log.warning("bench load: registered")
+        ahead_s = _await_plan_ahead(ctl)
+        rss["planned"] = me.memory_info().rss  # the controller's plan and programs built
+        rss["peak_to_planned"] = _peak_rss()
+        log.warning("bench load: the controller planned ahead in %.2f s", ahead_s)
         demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
         demo.start()
         for v in range(1, args.warmup + 1):
@@ -407,8 +422,8 @@ def run(args: argparse.Namespace) -> int:
         meta = _meta_figures(args, ctl, registered, lost)
         # After the loop: building all 1024 programs is minutes of Python in this process,
         # which would hold up the leases of the metadata workers during the loop.
+        meta["meta_plan_ahead_wait_s"] = ahead_s
         meta |= _plan_meta(ctl, args.program_threads)
-        rss["planned"] = meta.pop("planned_rss")
         log.warning("bench load: planned")
         result = _result(args, meta, _controls(ctl, args.warmup), loop_s, rss)
         print(json.dumps(result), flush=True)
@@ -525,6 +540,7 @@ def _result(
         "rss_idle_mb": rss["idle"] / 1e6,
         "rss_registered_mb": rss["registered"] / 1e6,
         "rss_planned_mb": rss["planned"] / 1e6,
+        "rss_peak_to_planned_mb": rss["peak_to_planned"] / 1e6,
         "rss_loop_start_mb": rss["loop_start"] / 1e6,
         "rss_loop_end_mb": rss["loop_end"] / 1e6,
         "rss_growth": rss["loop_end"] / rss["loop_start"] - 1.0,

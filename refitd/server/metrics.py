@@ -49,8 +49,9 @@ class ControllerMetrics:
         )
         self.plans_built = Counter(
             "refitd_plans_built",
-            "Plans built for refits and catch-ups (kind: refit, catch_up); a restart that "
-            "keeps every layout reuses the cached plan and builds none",
+            "Plans built for refits and catch-ups (kind: refit; ahead: for the next refit before "
+            "it asked; catch_up); a restart that keeps every layout reuses the cached plan and "
+            "builds none",
             ["model", "kind"],
             registry=r,
         )

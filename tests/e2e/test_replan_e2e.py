@@ -23,19 +23,24 @@ pytestmark = pytest.mark.slow
 
 def counters(d: Daemon, model: str) -> dict[str, float]:
     """refitd_plans_built_total per kind ("plans_<kind>") and refitd_programs_sent_total
-    ("programs_sent") of `model`, from the controller's /metrics."""
+    ("programs_sent") of `model`, from the controller's /metrics. "plans_refit" counts the
+    refits' plans whether the refit built it or the controller built it ahead."""
     url = f"http://127.0.0.1:{d.http_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     out = {"plans_refit": 0.0, "plans_catch_up": 0.0, "programs_sent": 0.0}
+    ahead = 0.0
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.labels.get("model") != model:
                 continue
-            if s.name == "refitd_plans_built_total":
+            if s.name == "refitd_plans_built_total" and s.labels["kind"] == "ahead":
+                ahead = s.value
+            elif s.name == "refitd_plans_built_total":
                 out[f"plans_{s.labels['kind']}"] = s.value
             elif s.name == "refitd_programs_sent_total":
                 out["programs_sent"] = s.value
+    out["plans_refit"] += ahead
     return out
 
 

@@ -23,6 +23,7 @@ from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanCache, PlanOptions
 from refitd.server.refit.acks import CommitAckBook
+from refitd.server.refit.ahead import PlansAhead
 from refitd.server.refit.catchup import CatchUps
 from refitd.server.refit.dataplane import DataPlane
 from refitd.server.refit.events import WorkerEvents
@@ -87,10 +88,13 @@ class RefitCoordinator:
             settings, registry, self.scheduler, self.memberships, self.dataplane,
             self.events, self.records, self.delta,
         )  # fmt: skip
+        self.ahead = PlansAhead(registry, self.scheduler, self.memberships)
+        chores = [self.acks.settle, self.settler.settle, self.catch_ups.find]
+        if settings.plan_ahead:
+            chores.append(self.ahead.find)
         self.leases = LeaseWatcher(
-            settings, registry, board, events, agents, self.source_gone,
-            [self.acks.settle, self.settler.settle, self.catch_ups.find],
-        )  # fmt: skip
+            settings, registry, board, events, agents, self.source_gone, chores
+        )
         self.leases.start()
 
     @property
@@ -160,12 +164,17 @@ class RefitCoordinator:
                 catch_up = run is None and m.catch_up and not m.pending
                 if catch_up:
                     m.catch_up = False
+                ahead = run is None and not catch_up and m.plan_ahead and not m.pending
+                if ahead:
+                    m.plan_ahead = False
                 m.running = run
-            if catch_up:
+            if catch_up or ahead:
                 try:
-                    self.catch_ups.run(m)
+                    (self.catch_ups if catch_up else self.ahead).run(m)
                 except Exception:
-                    log.exception("catch-up of model %s", m.name)
+                    log.exception(
+                        "%s of model %s", "catch-up" if catch_up else "plan ahead", m.name
+                    )
                 continue
             if run is None:
                 continue

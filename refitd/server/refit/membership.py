@@ -54,6 +54,7 @@ class Membership:
     members: frozenset[str]  # destination workers and agents: losing one fails the refit
     staged_pools: frozenset[str] = frozenset()  # written through staging, applied at the end
     snapshot_pools: frozenset[str] = frozenset()  # sources copied to a snapshot, then released
+    source_pool: str = ""  # the pool whose ranks `readers` counts
 
     @property
     def by_agent(self) -> dict[str, list[int]]:
@@ -124,8 +125,8 @@ class Memberships:
         """The cached Membership of the model's epoch, checked for liveness, else built."""
         model = self.registry.model(run.model)
         ms = self._cache.get(run.model)
-        if ms is None or ms.epoch != model.epoch:
-            ms = self._build(run)
+        if ms is None or ms.epoch != model.epoch or ms.source_pool != run.source_pool:
+            ms = self._build(run.model, run.source_pool, run.pool_size, "refit")
             self._cache[run.model] = ms
         for agent_id in ms.by_agent:
             if not self.agents.connected(agent_id):
@@ -143,15 +144,23 @@ class Memberships:
         run.detail["digest"] = ms.plan.digest
         return ms
 
+    def ahead(self, model: str, source_pool: str, pool_size: int) -> Membership:
+        """Build (and cache) the Membership of the model's current epoch before any refit
+        asks for it: its plan counts as built "ahead" (refit/ahead.py)."""
+        ms = self._build(model, source_pool, pool_size, "ahead")
+        self._cache[model] = ms
+        return ms
+
     def plan(
         self,
         model: str,
         epoch: int,
         sources: Sequence[TensorSpec] | SpecTable,
         destinations: Sequence[TensorSpec] | SpecTable,
+        kind: str = "refit",
     ) -> ControllerPlan:
         """The plan of these layouts, from the cache (by layout digest) or built (and
-        cached); `epoch` is only recorded in a plan built now."""
+        cached, counted as `kind`); `epoch` is only recorded in a plan built now."""
         digest = make_digest(model, sources, destinations, self.plan_options)
         plan = self.plans.get(digest)
         if plan is None:
@@ -159,7 +168,7 @@ class Memberships:
                 model, epoch, sources, destinations, self.plan_options, self.gc_pause, digest
             )
             self.plans.put(plan)
-            self.built(model, "refit")
+            self.built(model, kind)
         return plan
 
     def catch_up_plan(
@@ -172,30 +181,31 @@ class Memberships:
         return plan
 
     def built(self, model: str, kind: str) -> None:
-        """Count a plan built (kind: refit or catch_up), in /metrics and /v1/status."""
+        """Count a plan built (kind: refit, ahead or catch_up), in /metrics and /v1/status."""
         self.metrics.plans_built.labels(model, kind).inc()
         self.plans.built += 1
 
-    def _build(self, run: RefitRun) -> Membership:
-        """Preconditions, then the plan (cached by digest) and what the refit needs."""
+    def _build(self, name: str, source_pool: str, pool_size: int, kind: str) -> Membership:
+        """Preconditions, then the plan (cached by digest) and what a refit from
+        `source_pool` (of `pool_size` ranks) needs."""
         reg = self.registry
         with reg.lock:
-            model = reg.model(run.model)
-            src = model.pools.get(run.source_pool)
+            model = reg.model(name)
+            src = model.pools.get(source_pool)
             if src is None or not src.complete:
                 have = sorted(src.ranks) if src else []
                 raise precondition(
-                    f"source pool {run.source_pool!r} of model {run.model!r} has ranks {have} "
-                    f"of {run.pool_size} registered"
+                    f"source pool {source_pool!r} of model {name!r} has ranks {have} "
+                    f"of {pool_size} registered"
                 )
             dests = model.destination_pools()
             if not dests:
-                raise precondition(f"model {run.model!r} has no destination pool registered")
+                raise precondition(f"model {name!r} has no destination pool registered")
             for p in [src, *dests]:
                 if not p.complete:
                     missing = sorted(set(range(p.size)) - set(p.ranks))
                     raise precondition(
-                        f"destination pool {p.name!r} of model {run.model!r} misses ranks "
+                        f"destination pool {p.name!r} of model {name!r} misses ranks "
                         f"{missing} of {p.size}"
                     )
                 stale = [r for r, w in p.ranks.items() if not reg.workers[w].live]
@@ -215,15 +225,15 @@ class Memberships:
                 )
             )
         try:
-            plan = self.plan(run.model, epoch, sources, destinations)
+            plan = self.plan(name, epoch, sources, destinations, kind)
         finally:
             with reg.lock:
                 tables.release()
         owners = slot_owners(reg, plan.slots, self.agents.connected)
-        readers = {rank: plan.readers(run.source_pool, rank) for rank in range(run.pool_size)}
+        readers = {rank: plan.readers(source_pool, rank) for rank in range(pool_size)}
         members = frozenset([*(w.worker_id for w in dest_workers), *owners.by_agent])
         return Membership(
-            run.model,
+            name,
             epoch,
             plan,
             dest_workers,
@@ -232,6 +242,7 @@ class Memberships:
             members,
             frozenset(p.name for p in dests if p.staged),
             frozenset([src.name] if src.snapshot else []),
+            source_pool,
         )
 
     def for_catch_up(

@@ -164,6 +164,7 @@ class ModelRefits:
     running: RefitRun | None = None
     driver: threading.Thread | None = None
     catch_up: bool = False  # a destination rank lacks the committed version
+    plan_ahead: bool = False  # the membership settled: build the next plan while idle
     # Failed and superseded versions (newest OUTCOMES_KEPT): a rank asking later for one
     # gets its recorded outcome instead of starting a second run of the same version.
     ended: dict[int, RefitRun] = field(default_factory=dict)

@@ -159,7 +159,7 @@ class Scheduler:
         elif self.settings.early_pause and m.pending:
             run = max(m.pending.values(), key=lambda r: r.version)
         else:
-            if not m.catch_up:
+            if not m.catch_up and not m.plan_ahead:
                 deadlines = [
                     r.first_ask + self.settings.barrier_timeout_s for r in m.pending.values()
                 ]
