@@ -155,6 +155,24 @@ def _candidate_classes(cand: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.n
     return classes, cls.reshape(-1)
 
 
+def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct rows, the index of each row among them) of a non-negative int
+    matrix, like np.unique(axis=0) but keyed by a positional hash (one 1-D unique instead
+    of a sort of row records); a second hash checks the grouping, exact on a collision."""
+    if not rows.size:
+        return np.unique(rows, axis=0, return_inverse=True)
+    w = np.random.default_rng(0x5EED).integers(1, 2**63, size=(2, rows.shape[1]), dtype=np.uint64)
+    r = rows.astype(np.uint64)
+    h1 = (r * w[0]).sum(axis=1, dtype=np.uint64)
+    _, first, inv = np.unique(h1, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    h2 = (r * w[1]).sum(axis=1, dtype=np.uint64)
+    if (h2 == h2[first][inv]).all():
+        return rows[first], inv
+    out, inv = np.unique(rows, axis=0, return_inverse=True)
+    return out, inv.reshape(-1)
+
+
 def _waterfill(loads: list[float], size: float, m: int) -> list[int]:
     """How many of m equal items of `size` each candidate takes so the largest resulting
     load is as small as possible (the items go to the least loaded first)."""

@@ -14,6 +14,8 @@ import heapq
 
 import numpy as np
 
+from refitd.plan.sides import sort_by
+
 
 def _ceil(a: np.ndarray, b: int | np.ndarray) -> np.ndarray:
     return -(-a // b)
@@ -50,7 +52,7 @@ def pack(pair_start: np.ndarray, pair_end: np.ndarray, nbytes: np.ndarray, bucke
     s = np.concatenate(starts)
     e = np.concatenate(ends)
     p = np.concatenate(pairs)
-    order = np.lexsort((s, p))
+    order = sort_by(p, s)
     return s[order], e[order], p[order]
 
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from refitd.plan.balance import Choices, choose_replicas
+from refitd.plan.balance import Choices, choose_replicas, unique_rows
 from refitd.plan.checks import check_blocks
 from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable
@@ -124,7 +124,7 @@ def _build(
 def _choices(b: Batch, planner: Planner, config: PlanConfig) -> Choices:
     """A batch's copies for replica choice: links whose members sit on the same slots
     share their candidate sets (one set per such link class and piece)."""
-    slots, link_cls = np.unique(planner.src_slot_idx[b.link_src], axis=0, return_inverse=True)
+    slots, link_cls = unique_rows(planner.src_slot_idx[b.link_src])
     p = b.cand_pos.shape[0]
     return Choices(
         sets=slots[:, b.cand_pos].reshape(-1, b.cand_pos.shape[1]),

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refitd.plan.balance import Choices, choose_replicas
+from refitd.plan.balance import Choices, choose_replicas, unique_rows
 
 FEW = settings(max_examples=60, deadline=None)
 
@@ -70,3 +70,15 @@ def test_sets_of_several_batches_share_the_load() -> None:
     cols, load = choose_replicas([a, b], 2)
     assert load.tolist() == [40.0, 40.0]
     assert sum((a.sets[0, c] == 0).sum() for c in cols[:1]) + (b.sets[0, cols[1]] == 0).sum() == 4
+
+
+@FEW
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_unique_rows_equals_numpy(n: int, width: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 4, (n, width))  # few values: many equal rows, some permutations
+    got, inv = unique_rows(rows)
+    want = np.unique(rows, axis=0)
+    assert (got[inv] == rows).all() and len(got) == len(want)
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, want.tolist()))
+    assert len(set(inv.tolist())) == len(got)
