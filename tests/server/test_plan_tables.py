@@ -109,3 +109,5 @@ def test_bench_load_tiny() -> None:
     assert doc["refits_recorded"] == 10
     assert doc["meta_table_rebuilds"] == 0  # planned from the tables kept at registration
     assert doc["control_start_p99_ms"] > 0 and doc["rss_loop_end_mb"] > 0
+    # the controller planned the metadata model ahead, before the loop (plan_ahead)
+    assert doc["meta_plan_ahead_wait_s"] > 0 and doc["rss_planned_mb"] > doc["rss_idle_mb"]

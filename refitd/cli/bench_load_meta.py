@@ -1,0 +1,233 @@
+"""The metadata peers of `refitd bench load`: a spawned process that registers the large
+model's workers through the real gRPC API and keeps their leases.
+
+Light agents (command streams only, no transfer processes) hold the slots; trainer ranks and
+agents heartbeat at the period the controller hands out, each at its own phase; inference
+ranks hold a subscription. Refused heartbeats are reported to the bench as they happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from refitd.cli.bench_peers import answer_setup
+
+SLOTS_PER_AGENT = 64
+META_HOST = "bench-meta-host"
+META_MODEL = "meta"
+
+
+def worlds(workers: int) -> tuple[int, int]:
+    """(trainer world, inference world per pool): 3/4 + two pools of 1/8."""
+    pool = max(1, workers // 8)
+    return workers - 2 * pool, pool
+
+
+def _registration(spec: Any, memory: bytes) -> Any:
+    from refitd._proto import refitd_pb2 as pb
+
+    return pb.TensorRegistration(
+        name=spec.name,
+        canonical=spec.canonical,
+        global_shape=spec.global_shape,
+        dtype=spec.dtype,
+        local_shape=spec.local_shape,
+        boxes=[
+            pb.Box(offset=b.offset, shape=b.shape, local_offset=b.local_offset) for b in spec.boxes
+        ],
+        memory=memory,
+    )
+
+
+def meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) -> None:
+    """Peer process: light agents for every metadata slot, then every metadata worker
+    registered through gRPC (4 client threads); reports ("registered", seconds)."""
+    import grpc
+
+    from refitd._proto import refitd_pb2_grpc as pbg
+
+    stop = _stopped_by(peer_stop)
+    try:
+        ch = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_send_message_length", 256 << 20)],
+        )
+        agents = pbg.AgentControlStub(ch)
+        refit = pbg.RefitStub(ch)
+        streams: list[Any] = []
+        agent_ids, period = _light_agents(agents, args["workers"], streams)
+        trainer_ids: list[str] = []  # appended by the registering threads
+        subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
+        beat = threading.Thread(
+            target=_heartbeats,
+            args=(agents, refit, agent_ids, trainer_ids, stop, out, period),
+            daemon=True,
+        )
+        beat.start()
+        time.sleep(0.5)  # agent streams open
+        requests, n_specs = _meta_requests(args)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda r: _register(refit, r, trainer_ids, subscriptions), requests))
+        out.put(("registered", time.perf_counter() - t0, len(requests), n_specs, len(agent_ids)))
+        stop.wait()
+        beat.join(30)
+        for s in streams + subscriptions:
+            s.cancel()
+    except Exception as e:  # reported to the bench, which fails with it
+        out.put(("error", repr(e)))
+
+
+def _stopped_by(peer_stop: Any) -> threading.Event:
+    """An event set when the bench closes (or sends on) its end of the pipe: unlike a
+    multiprocessing Event, that never blocks the bench when this process is gone."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            peer_stop.recv()
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return stop
+
+
+def _light_agents(agents: Any, workers: int, streams: list[Any]) -> tuple[list[str], float]:
+    """Register agents of SLOTS_PER_AGENT slots for `workers` slots; each answers
+    connect/load at once from a thread and moves no bytes. Their command streams are
+    appended to `streams`; returns the agent ids and the heartbeat period the controller
+    hands out."""
+    import grpc
+
+    from refitd._proto import refitd_pb2 as pb
+
+    def drain(agent_id: str, stream: Any, slots: list[int]) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for cmd in stream:
+                answer_setup(agents, agent_id, cmd, slots)
+
+    agent_ids: list[str] = []
+    period = 1.0
+    for a in range(-(-workers // SLOTS_PER_AGENT)):
+        devices = [
+            f"cpu:{i}" for i in range(a * SLOTS_PER_AGENT, min(workers, (a + 1) * SLOTS_PER_AGENT))
+        ]
+        resp = agents.RegisterAgent(
+            pb.RegisterAgentRequest(
+                host=META_HOST,
+                slots=[pb.SlotInfo(device=d) for d in devices],
+                pid=os.getpid(),
+                batch_execute=True,
+            ),
+            timeout=60,
+        )
+        agent_ids.append(resp.agent_id)
+        period = resp.heartbeat_interval_s or period
+        s = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
+        streams.append(s)
+        threading.Thread(
+            target=drain, args=(resp.agent_id, s, list(resp.slot_ids)), daemon=True
+        ).start()
+    return agent_ids, period
+
+
+def _heartbeats(
+    agents: Any,
+    refit: Any,
+    agent_ids: list[str],
+    trainer_ids: list[str],
+    stop: threading.Event,
+    out: Any,
+    period: float,
+) -> None:
+    """Keep the leases as the client library does: agents and trainer ranks heartbeat once a
+    `period` (the controller's) each, at their own phase (spread over the period, as
+    independent processes do); inference ranks hold a subscription instead. A refused
+    heartbeat is reported."""
+    from refitd._proto import refitd_pb2 as pb
+
+    due: list[tuple[float, str, str]] = []  # (next beat, kind, id): a heap
+    known = 0
+
+    in_flight: set[Any] = set()  # a dropped gRPC future cancels its call
+
+    def check(call: Any) -> None:
+        in_flight.discard(call)
+        if call.exception() is not None:
+            out.put(("lost", str(call.exception().details())))
+
+    while not stop.wait(0.01):
+        now = time.monotonic()
+        members = [("agent", a) for a in agent_ids] + [("worker", w) for w in trainer_ids]
+        for kind, member in members[known:]:
+            heapq.heappush(due, (now + period * random.random(), kind, member))
+        known = len(members)
+        while due and due[0][0] <= now:
+            at, kind, member = heapq.heappop(due)
+            heapq.heappush(due, (max(at + period, now), kind, member))
+            call = (
+                agents.AgentHeartbeat.future(pb.AgentHeartbeatRequest(agent_id=member), timeout=30)
+                if kind == "agent"
+                else refit.Heartbeat.future(pb.HeartbeatRequest(worker_id=member), timeout=30)
+            )
+            in_flight.add(call)
+            call.add_done_callback(check)
+
+
+def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
+    """The RegisterWorkerRequests of every metadata worker (the preset's trainer and two
+    inference pools) and their total tensor count."""
+    from refitd._proto import refitd_pb2 as pb
+    from refitd.plan.presets import Parallel, build_specs, preset
+
+    p = preset(args["preset"])
+    t_world, i_world = worlds(args["workers"])
+    sides = [
+        ("trainer", pb.ROLE_SOURCE, Parallel.parse(args["trainer_layout"], t_world), 0),
+        ("infer-0", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world),
+        ("infer-1", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world + i_world),
+    ]  # fmt: skip
+    requests = []
+    n_specs = 0
+    for pool, role, par, base in sides:
+        by_rank: dict[int, list[Any]] = {}
+        for spec in build_specs(p, par, META_MODEL, pool, base):
+            by_rank.setdefault(spec.rank, []).append(spec)
+        for rank, specs in sorted(by_rank.items()):
+            n_specs += len(specs)
+            requests.append(
+                pb.RegisterWorkerRequest(
+                    model=META_MODEL,
+                    pool=pool,
+                    role=role,
+                    rank=rank,
+                    pool_size=par.world,
+                    host=META_HOST,
+                    device=f"cpu:{base + rank}",
+                    pid=os.getpid(),
+                    tensors=[
+                        _registration(s, f"meta:{pool}:{rank}:{i}".encode())
+                        for i, s in enumerate(specs)
+                    ],
+                )
+            )
+    return requests, n_specs
+
+
+def _register(refit: Any, req: Any, trainer_ids: list[str], subscriptions: list[Any]) -> None:
+    """Register one metadata worker: a trainer rank joins the heartbeats, an inference rank
+    subscribes (its lease)."""
+    from refitd._proto import refitd_pb2 as pb
+
+    worker_id = refit.RegisterWorker(req, timeout=300).worker_id
+    if req.role == pb.ROLE_SOURCE:
+        trainer_ids.append(worker_id)
+    else:
+        subscriptions.append(refit.Subscribe(pb.SubscribeRequest(worker_id=worker_id)))
