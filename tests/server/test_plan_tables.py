@@ -111,3 +111,21 @@ def test_bench_load_tiny() -> None:
     assert doc["control_start_p99_ms"] > 0 and doc["rss_loop_end_mb"] > 0
     # the controller planned the metadata model ahead, before the loop (plan_ahead)
     assert doc["meta_plan_ahead_wait_s"] > 0 and doc["rss_planned_mb"] > doc["rss_idle_mb"]
+
+
+def test_program_index_released_once_every_program_is_encoded() -> None:
+    """A controller plan drops its program index after the last slot's payload (it holds
+    every encoded program); a later program() rebuilds the same programs."""
+    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.server.planning import PlanOptions, make_plan
+
+    m = preset("llama3-8b")
+    src = build_specs(m, Parallel.parse("tp=2,pp=2", 4), "m", "trainer", 0)
+    dst = build_specs(m, Parallel.parse("tp=2", 2), "m", "infer", 4)
+    cp = make_plan("m", 1, src, dst, PlanOptions(bucket_bytes=64 << 20))
+    encoded = {}
+    for k, slot in enumerate(cp.slots):
+        encoded[slot] = cp.load_payload(slot).program
+        assert (cp.plan._index is None) == (k == len(cp.slots) - 1)  # built once, kept
+    assert len(cp.slots) > 1
+    assert {s: cp.plan.program(s).to_bytes() for s in cp.slots} == encoded
