@@ -26,6 +26,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import resource
 import socket
 import tempfile
 import threading
@@ -133,25 +134,11 @@ def _await_plan_ahead(ctl: Any, timeout_s: float = 600.0) -> float:
         return 0.0
     t0 = time.perf_counter()
     while True:
-        ms = ctl.refits.memberships.cached(META_MODEL)
-        epoch = ctl.registry.model(META_MODEL).epoch
-        if ms is not None and ms.epoch == epoch and ms.plan.built_programs == len(ms.plan.slots):
+        if ctl.refits.ahead.ready(META_MODEL):
             return time.perf_counter() - t0
         if time.perf_counter() - t0 > timeout_s:
             raise RuntimeError(f"the controller built no plan ahead within {timeout_s:.0f} s")
         time.sleep(0.05)
-
-
-def _peak_rss() -> int:
-    """This process's highest RSS so far (VmHWM), bytes; 0 where /proc has none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("bench load: registered")
         ahead_s = _await_plan_ahead(ctl)
         rss["planned"] = me.memory_info().rss  # the controller's plan and programs built
-        rss["peak_to_planned"] = _peak_rss()
+        rss["peak_to_planned"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         log.warning("bench load: the controller planned ahead in %.2f s", ahead_s)
         demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
         demo.start()

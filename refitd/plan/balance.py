@@ -142,14 +142,13 @@ def _candidate_classes(cand: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.n
     """(each class's sorted candidate set, the class of every row) for rows of candidate
     slots, rows with the same set in one class. Rows are keyed by an order-free hash (a
     sum of random per-slot words, so rows are never sorted: a tensor replicated on all of
-    128 slots has 128 candidates per copy); a second independent hash checks the grouping,
-    and on a collision the rows are grouped exactly instead."""
-    w = np.random.default_rng(0xB1A5).integers(1, 2**63, size=(2, n_slots), dtype=np.uint64)
-    h1 = w[0][cand].sum(axis=1, dtype=np.uint64)
-    _, first, cls = np.unique(h1, return_index=True, return_inverse=True)
-    cls = cls.reshape(-1)
-    h2 = w[1][cand].sum(axis=1, dtype=np.uint64)
-    if (h2 == h2[first][cls]).all():
+    128 slots has 128 candidates per copy), and on a collision grouped exactly instead."""
+    w = _hash_words(0xB1A5, n_slots)
+    groups = _hash_groups(
+        w[0][cand].sum(axis=1, dtype=np.uint64), w[1][cand].sum(axis=1, dtype=np.uint64)
+    )
+    if groups is not None:
+        first, cls = groups
         return np.sort(cand[first], axis=1), cls
     classes, cls = np.unique(np.sort(cand, axis=1), axis=0, return_inverse=True)
     return classes, cls.reshape(-1)
@@ -158,19 +157,32 @@ def _candidate_classes(cand: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.n
 def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the distinct rows, the index of each row among them) of a non-negative int
     matrix, like np.unique(axis=0) but keyed by a positional hash (one 1-D unique instead
-    of a sort of row records); a second hash checks the grouping, exact on a collision."""
+    of a sort of row records), and on a collision grouped exactly instead."""
     if not rows.size:
         return np.unique(rows, axis=0, return_inverse=True)
-    w = np.random.default_rng(0x5EED).integers(1, 2**63, size=(2, rows.shape[1]), dtype=np.uint64)
+    w = _hash_words(0x5EED, rows.shape[1])
     r = rows.astype(np.uint64)
-    h1 = (r * w[0]).sum(axis=1, dtype=np.uint64)
-    _, first, inv = np.unique(h1, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
-    h2 = (r * w[1]).sum(axis=1, dtype=np.uint64)
-    if (h2 == h2[first][inv]).all():
+    groups = _hash_groups(
+        (r * w[0]).sum(axis=1, dtype=np.uint64), (r * w[1]).sum(axis=1, dtype=np.uint64)
+    )
+    if groups is not None:
+        first, inv = groups
         return rows[first], inv
     out, inv = np.unique(rows, axis=0, return_inverse=True)
     return out, inv.reshape(-1)
+
+
+def _hash_words(seed: int, n: int) -> np.ndarray:
+    """[2, n] random 64-bit words: two independent row hashes over n keys."""
+    return np.random.default_rng(seed).integers(1, 2**63, size=(2, n), dtype=np.uint64)
+
+
+def _hash_groups(h1: np.ndarray, h2: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(first row of each group, group of every row) of rows grouped by hash h1, when the
+    independent hash h2 agrees within every group; None on a collision."""
+    _, first, inv = np.unique(h1, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    return (first, inv) if (h2 == h2[first][inv]).all() else None
 
 
 def _waterfill(loads: list[float], size: float, m: int) -> list[int]:

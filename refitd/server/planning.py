@@ -54,8 +54,8 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class LoadPayload:
-    """What a LoadProgramCommand carries for one slot: the serialized SlotProgram and, per
-    program tensor index, the key of the registration whose memory handle goes with it."""
+    """What a LoadProgramCommand carries for one slot: the serialized SlotProgram and the
+    plan indices of the tensors whose memory handles go with it (ControllerPlan.held)."""
 
     program: bytes
     tensors: np.ndarray  # plan index of every tensor held on the slot (its handle goes along)
@@ -74,7 +74,6 @@ class ControllerPlan:
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _holders: dict[int, tuple[WorkerKey, ...]] | None = None
-    _released: bool = False  # the program index dropped once every payload was built
 
     def readers(self, pool: str, rank: int) -> frozenset[int]:
         """Slots reading source worker (pool, rank): computed for all on the first call
@@ -100,9 +99,9 @@ class ControllerPlan:
         with self.gc_pause or contextlib.nullcontext():
             payload = self._payload(self.plan.program(slot))
         with self._lock:
+            fresh = slot not in self._payloads
             payload = self._payloads.setdefault(slot, payload)
-            last = len(self._payloads) == len(self.slots) and not self._released
-            self._released |= last
+            last = fresh and len(self._payloads) == len(self.slots)
         if last:
             # every program is encoded: the index only serves rare paths now (a checksum
             # mismatch report, a delta plan, explain), which rebuild it

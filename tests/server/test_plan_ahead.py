@@ -32,13 +32,6 @@ def _wait(cond, what: str, timeout_s: float = 20.0) -> None:  # type: ignore[no-
         time.sleep(0.02)
 
 
-def _ready(c: Controller, model: str) -> bool:
-    """The model's Membership of its current epoch is cached with every program built."""
-    ms = c.refits.memberships.cached(model)
-    epoch = c.registry.model(model).epoch
-    return ms is not None and ms.epoch == epoch and ms.plan.built_programs == len(ms.plan.slots)
-
-
 def test_next_plan_is_built_before_the_refit_asks(ahead_controller: Controller) -> None:
     c = ahead_controller
     ch = grpc.insecure_channel(c.grpc_address)
@@ -46,7 +39,7 @@ def test_next_plan_is_built_before_the_refit_asks(ahead_controller: Controller) 
     try:
         stub = pbg.RefitStub(ch)
         cl = make_cluster(c, stub)
-        _wait(lambda: _ready(c, cl.model), "the plan built ahead")
+        _wait(lambda: c.refits.ahead.ready(cl.model), "the plan built ahead")
         built, hits = c.refits.plans.built, c.refits.plans.hits
         assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cl.refit(1))
         assert c.refits.plans.built == built  # the refit built no plan
@@ -54,11 +47,11 @@ def test_next_plan_is_built_before_the_refit_asks(ahead_controller: Controller) 
 
         # a new destination pool of another layout: a new epoch and a new plan, ahead again
         resp = register(stub, cl.model, "extra", pb.ROLE_DESTINATION, 0, 1, cl.host, "cpu:0")
-        _wait(lambda: _ready(c, cl.model), "the new plan built ahead")
+        _wait(lambda: c.refits.ahead.ready(cl.model), "the new plan built ahead")
         assert c.refits.plans.built == built + 1
         built = c.refits.plans.built
         stub.UnregisterWorker(pb.UnregisterWorkerRequest(worker_id=resp.worker_id), timeout=10)
-        _wait(lambda: _ready(c, cl.model), "the old plan found again")
+        _wait(lambda: c.refits.ahead.ready(cl.model), "the old plan found again")
         assert c.refits.plans.built == built and c.refits.plans.hits > hits  # from the cache
         assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cl.refit(2))
         assert c.refits.plans.built == built
@@ -76,7 +69,7 @@ def test_an_incomplete_pool_gets_no_plan_ahead(ahead_controller: Controller) -> 
         stub = pbg.RefitStub(ch)
         cl = make_cluster(c, stub)
         try:
-            _wait(lambda: _ready(c, cl.model), "the plan built ahead")
+            _wait(lambda: c.refits.ahead.ready(cl.model), "the plan built ahead")
             built = c.refits.plans.built
             # a destination pool of 2 ranks with only rank 0 registered
             register(stub, cl.model, "half", pb.ROLE_DESTINATION, 0, 2, cl.host, "cpu:0")

@@ -75,6 +75,13 @@ class PlansAhead:
             len(ms.plan.slots),
         )
 
+    def ready(self, name: str) -> bool:
+        """Whether the model's Membership of its current epoch is cached with every slot's
+        program encoded (what a build ahead leaves)."""
+        ms = self.memberships.cached(name)
+        epoch = self.registry.model(name).epoch
+        return ms is not None and ms.epoch == epoch and ms.plan.built_programs == len(ms.plan.slots)
+
     def _settled(self, name: str) -> int | None:
         """The model's epoch when it has one source pool and every pool is complete and
         live, else None."""
