@@ -27,6 +27,7 @@ from refitd.plan.program import (
     MessageColumns,
     SlotProgram,
 )
+from refitd.plan.rowwise import row_prod
 from refitd.plan.wire import DTYPE_SIZES
 from refitd.plan.wires import BUILTIN_WIRES, RAW_CODE
 
@@ -57,7 +58,7 @@ class CopyInfo:
         esize = _ESIZE[sdt]
         wire = c.wire.astype(np.int64)
         seg = BUILTIN_WIRES.segment_nbytes(wire, c.shape, c.ndim.astype(np.int64), esize)
-        payload = np.where(wire == RAW_CODE, c.shape.prod(axis=1) * esize, seg)
+        payload = np.where(wire == RAW_CODE, row_prod(c.shape) * esize, seg)
         lands = (c.flags & FLAG_LANDS_DIRECT) != 0
         both = FLAG_LANDS_DIRECT | FLAG_SRC_CONTIGUOUS
         own = ((c.flags & both) == both) & (payload >= direct_min)

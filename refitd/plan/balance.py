@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refitd.plan.rowwise import row_sum
+from refitd.plan.sides import sort_by
+
 
 @dataclass(slots=True)
 class Choices:
@@ -108,7 +111,7 @@ def _fill(
     nbytes = np.concatenate([batches[b].nbytes[i] for b, i in parts])
     dst = np.concatenate([batches[b].dst[i] for b, i in parts])
     # class, then size descending, then destination: equal-sized runs per class.
-    order = np.lexsort((dst, -nbytes, cls))
+    order = sort_by(cls, nbytes.max(initial=0) - nbytes, dst + 1)
     c_sorted = cls[order]
     b_sorted = nbytes[order]
     change = np.flatnonzero((np.diff(c_sorted) != 0) | (np.diff(b_sorted) != 0)) + 1
@@ -144,9 +147,7 @@ def _candidate_classes(cand: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.n
     sum of random per-slot words, so rows are never sorted: a tensor replicated on all of
     128 slots has 128 candidates per copy), and on a collision grouped exactly instead."""
     w = _hash_words(0xB1A5, n_slots)
-    groups = _hash_groups(
-        w[0][cand].sum(axis=1, dtype=np.uint64), w[1][cand].sum(axis=1, dtype=np.uint64)
-    )
+    groups = _hash_groups(row_sum(w[0][cand]), row_sum(w[1][cand]))
     if groups is not None:
         first, cls = groups
         return np.sort(cand[first], axis=1), cls
@@ -162,9 +163,7 @@ def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.unique(rows, axis=0, return_inverse=True)
     w = _hash_words(0x5EED, rows.shape[1])
     r = rows.astype(np.uint64)
-    groups = _hash_groups(
-        (r * w[0]).sum(axis=1, dtype=np.uint64), (r * w[1]).sum(axis=1, dtype=np.uint64)
-    )
+    groups = _hash_groups(row_sum(r * w[0]), row_sum(r * w[1]))
     if groups is not None:
         first, inv = groups
         return rows[first], inv

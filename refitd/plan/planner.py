@@ -42,6 +42,7 @@ from refitd.plan.intersect import Batch, Planner
 from refitd.plan.layout import TensorSpec
 from refitd.plan.plan import Plan, PlanStats
 from refitd.plan.relay import RelayCandidates, choose_relays
+from refitd.plan.rowwise import row_prod
 from refitd.plan.sides import group, side_of
 from refitd.plan.table import SpecTable
 
@@ -129,7 +130,7 @@ def _choices(b: Batch, planner: Planner, config: PlanConfig) -> Choices:
     return Choices(
         sets=slots[:, b.cand_pos].reshape(-1, b.cand_pos.shape[1]),
         cls=(link_cls.reshape(-1, 1) * p + np.arange(p)).reshape(-1),
-        nbytes=b.shape[b.piece].prod(axis=1) * config.wires.element_bytes(b.wire[b.piece], b.esize),
+        nbytes=row_prod(b.shape[b.piece]) * config.wires.element_bytes(b.wire[b.piece], b.esize),
         dst=planner.dst_slot_idx[b.dst_spec],
     )
 

@@ -339,12 +339,13 @@ def narrow_dtypes(top: np.ndarray) -> np.ndarray:
 def contiguous_blocks(shape: np.ndarray, full: np.ndarray, ndim: np.ndarray) -> np.ndarray:
     """Per row: a block of `shape` in a row-major tensor of shape `full` is one run
     (after its leading dims of size 1, every dim is whole)."""
-    k = np.arange(shape.shape[1])[None, :]
-    live = k < ndim[:, None]
-    non1 = (shape != 1) & live
-    first = np.where(non1.any(axis=1), non1.argmax(axis=1), shape.shape[1])
-    need = (k > first[:, None]) & live
-    return ~(need & (shape != full)).any(axis=1)
+    one_run = np.ones(shape.shape[0], dtype=bool)
+    past_first = np.zeros(shape.shape[0], dtype=bool)  # a live dim of size > 1 came before
+    for k in range(shape.shape[1]):  # column by column: few dims, many rows
+        live = ndim > k
+        one_run &= ~(past_first & live & (shape[:, k] != full[:, k]))
+        past_first |= live & (shape[:, k] != 1)
+    return one_run
 
 
 def copy_flags(

@@ -23,6 +23,7 @@ from refitd.plan.program import (
     copy_flags,
     narrow_dtypes,
 )
+from refitd.plan.rowwise import row_max, row_prod
 from refitd.plan.table import SpecTable
 
 
@@ -216,7 +217,7 @@ class ProgramIndex:
             cols[f"tensors.{name}"] = (self.table_cols[name], self.table_lo)
         self.narrow: dict[str, list[str]] = {}
         for name, (a, lo) in cols.items():
-            flat = a.max(axis=1) if a.ndim == 2 and a.shape[1] else a.reshape(-1)
+            flat = row_max(a) if a.ndim == 2 and a.shape[1] else a.reshape(-1)
             padded = np.r_[flat, 0]  # an empty slot's range starts at the end
             top = np.maximum.reduceat(padded, np.minimum(lo, flat.size)) if lo.size else lo
             self.narrow[name] = narrow_dtypes(top).tolist()
@@ -260,7 +261,7 @@ class ProgramIndex:
         their slot maps no memory for them."""
         t = self.tensors
         k = np.searchsorted(self.slots, t.slot)
-        held = np.flatnonzero(t.local_shape.prod(axis=1) > 0)
+        held = np.flatnonzero(row_prod(t.local_shape) > 0)
         idx = held[np.argsort(k[held], kind="stable")]
         k = k[held]
         counts = np.bincount(k, minlength=n_slots)

@@ -182,11 +182,12 @@ def _record_copy_rounds(out: MessageTable, step: np.ndarray | None) -> None:
     the round of every piece, for relays that forward them (MessageTable.need_of)."""
     t = out.copies
     piece_round = np.repeat(out.round, out.end - out.start)
-    o = np.argsort(t.cid, kind="stable")
+    if step is None:  # every copy went whole: one piece each
+        out.round_of_copy[t.cid] = piece_round
+        return
+    key = t.cid * PIECE_KEY + step
+    o = np.argsort(key)  # the keys are unique, so every sort gives the same order
+    out.piece_key, out.piece_round = key[o], piece_round[o]
     cid = t.cid[o]
     first = np.r_[0, np.flatnonzero(np.diff(cid)) + 1]
-    out.round_of_copy[cid[first]] = np.maximum.reduceat(piece_round[o], first)
-    if step is not None:
-        key = t.cid * PIECE_KEY + step
-        o = np.argsort(key, kind="stable")
-        out.piece_key, out.piece_round = key[o], piece_round[o]
+    out.round_of_copy[cid[first]] = np.maximum.reduceat(out.piece_round, first)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refitd.plan.rowwise import row_prod
+
 SEGMENT_ALIGN = 16
 
 DTYPE_SIZES: dict[str, int] = {
@@ -121,7 +123,7 @@ class WireFormat:
     ) -> np.ndarray:
         """segment_nbytes of many copies of this format (shape [N, D] padded with 1s past
         ndim; esize: the source element sizes)."""
-        numel = shape.prod(axis=1)
+        numel = row_prod(shape)
         values = numel * (self.element_bytes or esize)
         if not self.block:
             return aligned_columns(values)
