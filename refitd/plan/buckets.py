@@ -31,13 +31,23 @@ def split_rows(
     return _ceil(np.maximum(shape0, 1), per), per
 
 
-def pack(pair_start: np.ndarray, pair_end: np.ndarray, nbytes: np.ndarray, bucket: int):
-    """Next-fit packing of each pair's run of copies: (message first copy, message end,
-    pair index) for all messages, pairs in order and messages in order within a pair."""
+def pack(pair_start: np.ndarray, nbytes: np.ndarray, bucket: int):
+    """Next-fit packing of each pair's run of copies (the runs, starting at `pair_start`,
+    tile the copies in order): (message first copy, message end, pair index) for all
+    messages, pairs in order and messages in order within a pair."""
     cum = np.cumsum(nbytes)
     before = cum - nbytes
-    cur = pair_start.copy()
-    pair = np.arange(pair_start.size)
+    # a copy that cannot share a message with the one before it (together over a bucket)
+    # starts a message wherever the run began, so the runs between such copies are
+    # packed independently: most are one copy long and leave the loop at once
+    first = np.zeros(nbytes.size, dtype=bool)
+    first[pair_start] = True
+    first[1:] |= nbytes[1:] + nbytes[:-1] > bucket
+    cur = np.flatnonzero(first)
+    pair = np.repeat(
+        np.arange(pair_start.size), np.diff(np.searchsorted(cur, np.r_[pair_start, nbytes.size]))
+    )
+    pair_end = np.r_[cur[1:], nbytes.size]
     starts, ends, pairs = [], [], []
     while cur.size:
         end = np.searchsorted(cum, before[cur] + bucket, side="right")

@@ -130,7 +130,8 @@ def _choices(b: Batch, planner: Planner, config: PlanConfig) -> Choices:
     return Choices(
         sets=slots[:, b.cand_pos].reshape(-1, b.cand_pos.shape[1]),
         cls=(link_cls.reshape(-1, 1) * p + np.arange(p)).reshape(-1),
-        nbytes=row_prod(b.shape[b.piece]) * config.wires.element_bytes(b.wire[b.piece], b.esize),
+        nbytes=row_prod(np.take(b.shape, b.piece, axis=0))
+        * config.wires.element_bytes(b.wire[b.piece], b.esize),
         dst=planner.dst_slot_idx[b.dst_spec],
     )
 
@@ -158,8 +159,8 @@ def _copy_table(
                 b.chosen_src(col),
                 b.dst_spec + n_src,
                 padc(b.rep_loc[b.piece, col], 0),
-                padc(b.dst_loc[b.piece], 0),
-                padc(b.shape[b.piece], 1),
+                padc(np.take(b.dst_loc, b.piece, axis=0), 0),
+                padc(np.take(b.shape, b.piece, axis=0), 1),
                 np.full(n, b.ndim, np.int64),
                 b.wire[b.piece],
                 np.full(n, b.esize, np.int64),

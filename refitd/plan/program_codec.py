@@ -83,12 +83,17 @@ def _narrow(a: np.ndarray, name: str, known: dict[str, str] | None) -> np.ndarra
 
 
 def encode(p: SlotProgram) -> bytes:
-    cols = [(n, _narrow(a, n, p.wire_dtypes)) for n, a in _columns(p)]
     meta: dict[str, list] = {}
+    parts: list = []  # column buffers and the zero padding that 8-byte-aligns the next
     off = 0
-    for n, a in cols:
-        off = -(-off // 8) * 8
+    for n, a in _columns(p):
+        a = _narrow(a, n, p.wire_dtypes)
+        pad = -off % 8
+        if pad:
+            parts.append(bytes(pad))
+            off += pad
         meta[n] = [a.dtype.str, off, zlib.crc32(a)]
+        parts.append(a.data)
         off += a.nbytes
     header = {
         "digest": p.digest,
@@ -105,12 +110,8 @@ def encode(p: SlotProgram) -> bytes:
         "fields": meta,
     }
     h = json.dumps(header, separators=(",", ":")).encode()
-    body = bytearray(off)
-    for n, a in cols:
-        o = meta[n][1]
-        body[o : o + a.nbytes] = a.tobytes()
     pre = _PREAMBLE.pack(MAGIC, PROGRAM_FORMAT_VERSION, 0, len(h), zlib.crc32(h))
-    return pre + h + bytes(body)
+    return b"".join([pre, h, *parts])
 
 
 class _Reader:

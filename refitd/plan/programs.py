@@ -24,6 +24,7 @@ from refitd.plan.program import (
     narrow_dtypes,
 )
 from refitd.plan.rowwise import row_max, row_prod
+from refitd.plan.sides import sort_by
 from refitd.plan.table import SpecTable
 
 
@@ -87,7 +88,7 @@ class PlanTensors:
             dtype=g_dtype[gid],
             storage=g_storage[gid],
             ndim=g_ndim[gid],
-            local_shape=g_shape[gid],
+            local_shape=np.take(g_shape, gid, axis=0),
             pools=tuple(pools),
         )
 
@@ -108,9 +109,9 @@ class CopyCols:
         return CopyColumns(
             src=self.src[rows],
             dst=self.dst[rows],
-            src_off=self.src_loc[rows],
-            dst_off=self.dst_loc[rows],
-            shape=self.shape[rows],
+            src_off=np.take(self.src_loc, rows, axis=0),
+            dst_off=np.take(self.dst_loc, rows, axis=0),
+            shape=np.take(self.shape, rows, axis=0),
             ndim=self.ndim[rows].astype(np.uint8),
             wire=self.wire[rows].astype(np.uint8),
         )
@@ -142,16 +143,16 @@ def _copy_table(remote: CopyCols, local: CopyCols, t: PlanTensors, rows: np.ndar
         t.dtype[dst],
         t.storage[dst] == 0,
         both["shape"],
-        t.local_shape[src],
-        t.local_shape[dst],
+        np.take(t.local_shape, src, axis=0),
+        np.take(t.local_shape, dst, axis=0),
         ndim,
     )
     return CopyColumns(
         src=src[rows],
         dst=dst[rows],
-        src_off=both["src_loc"][rows],
-        dst_off=both["dst_loc"][rows],
-        shape=both["shape"][rows],
+        src_off=np.take(both["src_loc"], rows, axis=0),
+        dst_off=np.take(both["dst_loc"], rows, axis=0),
+        shape=np.take(both["shape"], rows, axis=0),
         ndim=ndim[rows],
         wire=both["wire"].astype(np.uint8)[rows],
         src_dtype=t.dtype[src][rows],
@@ -224,8 +225,9 @@ class ProgramIndex:
 
     def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
         """Messages of one direction grouped by this end's slot, ids ascending."""
-        order = np.argsort(slot_of_msg, kind="stable")
-        slot = np.searchsorted(self.slots, slot_of_msg[order])
+        dense = np.searchsorted(self.slots, slot_of_msg)
+        order = sort_by(dense)
+        slot = dense[order]
         lens = msgs.end[order] - msgs.start[order]
         n = self.slots.size
         return {
@@ -273,7 +275,7 @@ class ProgramIndex:
             "dtype": t.dtype[idx],
             "storage": t.storage[idx],
             "ndim": t.ndim[idx],
-            "local_shape": t.local_shape[idx],
+            "local_shape": np.take(t.local_shape, idx, axis=0),
         }
         self.table_hi = np.cumsum(counts)
         self.table_lo = self.table_hi - counts

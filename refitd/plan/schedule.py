@@ -87,7 +87,7 @@ class Scheduler:
         if step is None:
             rnb = nb[rows]
         else:
-            shape = table.shape[rows]
+            shape = np.take(table.shape, rows, axis=0)
             shape[:, 0] = len0
             wires = self.config.wires
             rnb = wires.segment_nbytes(table.wire[rows], shape, table.ndim[rows], table.esize[rows])
@@ -108,8 +108,7 @@ class Scheduler:
             z = np.zeros(0, np.int64)
             return MessageTable(t, rnb, z, z, z, z, z, z, np.zeros(table.src.size, np.int64))
         pair_first = np.r_[0, np.flatnonzero((np.diff(rs) != 0) | (np.diff(rd) != 0)) + 1]
-        pair_end = np.r_[pair_first[1:], rs.size]
-        ms, me, mp = bk.pack(pair_first, pair_end, rnb, self.config.bucket_bytes)
+        ms, me, mp = bk.pack(pair_first, rnb, self.config.bucket_bytes)
         m_round = self._rounds(t, rnb, pair_first, ms, mp, rs, rd, feeds, need)
         csum = np.r_[0, np.cumsum(rnb)]
         out = MessageTable(

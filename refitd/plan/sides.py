@@ -41,7 +41,8 @@ class Side:
 
 def sort_by(*keys: np.ndarray) -> np.ndarray:
     """Stable order by several non-negative integer keys, the first most significant: one
-    argsort of a combined key when it fits in int64, else lexsort."""
+    argsort of a combined key when it fits in int64 (a radix sort when it fits in 16
+    bits), else lexsort."""
     combined = np.zeros(keys[0].size, np.int64)
     span = 1
     for k in reversed(keys):
@@ -52,6 +53,8 @@ def sort_by(*keys: np.ndarray) -> np.ndarray:
             return np.lexsort(keys[::-1])
         combined += k * span
         span *= hi + 1
+    if span <= 1 << 16:
+        return np.argsort(combined.astype(np.uint16), kind="stable")
     return np.argsort(combined, kind="stable")
 
 
