@@ -37,18 +37,29 @@ class Choices:
 
 
 class _Columns:
-    """Column of a slot in a copy's candidate set, found by binary search over the
-    (set, slot) pairs: never a [copies, candidates] comparison."""
+    """Column of a slot in a copy's candidate set: with a few candidates by comparing
+    each column, else by binary search over the (set, slot) pairs (never a [copies,
+    candidates] comparison for wide sets)."""
+
+    _SCAN = 8  # up to this many candidates, compare column by column
 
     def __init__(self, sets: np.ndarray, n_slots: int) -> None:
         k, self.r = sets.shape
         self.n_slots = n_slots
+        if self.r <= self._SCAN:
+            self.by_column = np.ascontiguousarray(sets.T)
+            return
         keys = (np.arange(k, dtype=np.int64)[:, None] * n_slots + sets).reshape(-1)
         self.order = np.argsort(keys, kind="stable")
         self.keys = keys[self.order]
 
     def of(self, cls: np.ndarray, slot: np.ndarray) -> np.ndarray:
         """Column of `slot` in set `cls` per copy (its first), -1 where it is not there."""
+        if self.r <= self._SCAN:
+            out = np.full(cls.size, -1, np.int64)
+            for j in range(self.r - 1, -1, -1):  # the first match is written last
+                out[np.take(self.by_column[j], cls) == slot] = j
+            return out
         if not self.keys.size:
             return np.full(cls.size, -1, np.int64)
         q = cls * self.n_slots + slot

@@ -139,7 +139,7 @@ def _shed_copies(
     rank = pos - (pos > kpos[gid])
     nth[g.cand] = (rank + gid) % np.maximum(g.gcount[gid] - 1, 1)  # rotated: no replica first
     mix = (c.group[conv].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
-    o = sort_by(c.src[conv], nth[conv], mix.astype(np.int64), conv)
+    o = sort_by(c.src[conv], nth[conv], mix.astype(np.int64), conv, unique=True)
     conv_sorted = conv[o]
     s_sorted = c.src[conv_sorted]
     nb = c.nbytes[conv_sorted]

@@ -39,10 +39,11 @@ class Side:
         return self.order[self.start[c] : self.start[c] + self.count[c]]
 
 
-def sort_by(*keys: np.ndarray) -> np.ndarray:
+def sort_by(*keys: np.ndarray, unique: bool = False) -> np.ndarray:
     """Stable order by several non-negative integer keys, the first most significant: one
     argsort of a combined key when it fits in int64 (a radix sort when it fits in 16
-    bits), else lexsort."""
+    bits), else lexsort. `unique`: the keys together never repeat, so the faster
+    unstable sort gives the same order."""
     combined = np.zeros(keys[0].size, np.int64)
     span = 1
     for k in reversed(keys):
@@ -55,7 +56,7 @@ def sort_by(*keys: np.ndarray) -> np.ndarray:
         span *= hi + 1
     if span <= 1 << 16:
         return np.argsort(combined.astype(np.uint16), kind="stable")
-    return np.argsort(combined, kind="stable")
+    return np.argsort(combined, kind="quicksort" if unique else "stable")
 
 
 def side_of(table: SpecTable, base: int) -> Side:

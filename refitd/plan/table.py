@@ -73,7 +73,7 @@ class SpecTable:
     _geo: array = field(default_factory=lambda: array("i"))
     _slot: array = field(default_factory=lambda: array("i"))
     _rank: array = field(default_factory=lambda: array("i"))
-    _names_digest: bytes | None = None  # of the local names in order, made when asked
+    _names_digest: bytes | None = None  # of the canonical and local names, made when asked
     _signature: bytes | None = None  # layout_signature(), made when asked
 
     @classmethod
@@ -197,10 +197,10 @@ class SpecTable:
         """Feed everything that identifies these registrations into a hash (the pool is
         part of each geometry)."""
         h.update(repr(self.geos).encode())
-        h.update("\0".join(self.canonicals).encode())
         if self._names_digest is None:
-            # local names only matter for identity; hashed once per content of the table
+            # names only matter for identity; hashed once per content of the table
             names = hashlib.blake2b(digest_size=32)
+            names.update("\0".join(self.canonicals).encode() + b"\1")
             if self.specs:
                 names.update("\0".join(map(_NAME, self.specs)).encode() + b"\0")
             self._names_digest = names.digest()
