@@ -17,6 +17,7 @@ from refitd.plan.errors import PlanError
 from refitd.plan.layout import PLAIN
 from refitd.plan.names import Link, resolve_links
 from refitd.plan.sides import Side, member_table
+from refitd.plan.slots import dense_index
 from refitd.plan.table import Geo
 from refitd.plan.wireformat import dtype_size
 from refitd.plan.wires import RAW_CODE
@@ -55,9 +56,10 @@ class Planner:
 
     def __init__(self, src: Side, dst: Side, config: PlanConfig) -> None:
         self.src, self.dst, self.config = src, dst, config
-        self.slots = np.unique(np.concatenate([src.slot, dst.slot]))
-        self.src_slot_idx = np.searchsorted(self.slots, src.slot)
-        self.dst_slot_idx = np.searchsorted(self.slots, dst.slot)
+        self.slot_of = np.concatenate([src.slot, dst.slot])
+        self.slots, self.dense = dense_index(self.slot_of)
+        self.src_slot_idx = self.dense[: src.slot.size]
+        self.dst_slot_idx = self.dense[src.slot.size :]
 
     def links(self) -> tuple[np.ndarray, list[tuple[int, int, int, int]], list[Link]]:
         """(rows of (source canonical id, destination canonical id, transform id), the

@@ -19,6 +19,7 @@ from refitd.plan.program import SlotProgram
 from refitd.plan.programs import CopyCols, Messages, PlanTensors, ProgramIndex, concat_ranges
 from refitd.plan.schedule import MessageTable, Scheduler
 from refitd.plan.sides import sort_by
+from refitd.plan.slots import dense_index
 from refitd.plan.table import SpecTable
 
 
@@ -69,9 +70,8 @@ class Plan:
         self._n_src = sources_count
         self._tables = None if tables is None else (tuple(tables), [len(t) for t in tables])
         self._slot_of = slot_of_tensor
-        slots = np.unique(slot_of_tensor)
+        slots, self._dense = dense_index(slot_of_tensor)
         self._all_slots = slots
-        self._dense = np.searchsorted(slots, slot_of_tensor)
         local = slot_of_tensor[table.src] == slot_of_tensor[table.dst]
         nb = config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
         # local copies from source tensors first; local relays run after all receives

@@ -25,6 +25,7 @@ from refitd.plan.program import (
 )
 from refitd.plan.rowwise import row_max, row_prod
 from refitd.plan.sides import sort_by
+from refitd.plan.slots import dense_index
 from refitd.plan.table import SpecTable
 
 
@@ -179,11 +180,11 @@ class ProgramIndex:
         self, digest: str, remote: CopyCols, local: CopyCols, msgs: Messages, tensors: PlanTensors
     ) -> None:
         self.digest, self.tensors = digest, tensors
-        self.slots = np.unique(tensors.slot)
+        self.slots, self._dense = dense_index(tensors.slot)
         n_slots = self.slots.size
         send = self._side(msgs, msgs.src)
         recv = self._side(msgs, msgs.dst)
-        lslot = np.searchsorted(self.slots, tensors.slot[local.src])
+        lslot = self._dense[local.src]
         l_order = np.argsort(lslot, kind="stable")
         l_cnt = np.bincount(lslot, minlength=n_slots)
         total = send["copies"] + recv["copies"] + l_cnt
@@ -262,7 +263,7 @@ class ProgramIndex:
         shards (a zero-sized local shape) are left out: nothing reads or writes them, so
         their slot maps no memory for them."""
         t = self.tensors
-        k = np.searchsorted(self.slots, t.slot)
+        k = self._dense
         held = np.flatnonzero(row_prod(t.local_shape) > 0)
         idx = held[np.argsort(k[held], kind="stable")]
         k = k[held]
