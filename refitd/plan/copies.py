@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PIECE_KEY = 1 << 32  # (copy id, row offset of a piece) -> one int64 key
-
 
 @dataclass(slots=True)
 class CopyTable:

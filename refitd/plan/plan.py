@@ -100,16 +100,11 @@ class Plan:
         any_relay = bool(relay.any())
         direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)
         relays = sched.messages(table, nb, ~local & relay, direct, False)
-        n_direct = direct.copies.src.size
+        n_direct = direct.rows.size
         if any_relay:
-            self._remote = CopyTable(
-                *(
-                    np.concatenate([getattr(direct.copies, f), getattr(relays.copies, f)])
-                    for f in CopyTable.__slots__
-                )
-            )
+            self._remote = MessageTable.take_all(table, direct, relays)
         else:
-            self._remote = direct.copies
+            self._remote = direct.take(table)
         ms = np.concatenate([direct.start, relays.start + n_direct])
         me = np.concatenate([direct.end, relays.end + n_direct])
         m_round = np.concatenate([direct.round, relays.round])
@@ -147,7 +142,7 @@ class Plan:
             max_recv_bytes=int(recv.max()) if recv.size else 0,
             source_max_send_bytes=src_max,
             relay_bytes=int(relays.copy_bytes.sum()),
-            relay_copies=int(relays.copies.src.size),
+            relay_copies=int(relays.rows.size),
         )
 
     def slots(self) -> list[int]:

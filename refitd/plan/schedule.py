@@ -8,24 +8,33 @@ import numpy as np
 
 from refitd.plan import buckets as bk
 from refitd.plan.config import PlanConfig
-from refitd.plan.copies import PIECE_KEY, CopyTable
+from refitd.plan.copies import CopyTable
+from refitd.plan.errors import PlanError
 from refitd.plan.sides import sort_by
 
 
 @dataclass(slots=True)
 class MessageTable:
-    """Copies of one kind (direct or relay), sorted and bucketed into messages."""
+    """Copies of one kind (direct or relay), cut to pieces, sorted and bucketed into
+    messages. The pieces are rows of the plan's copy table (`rows`, in message order),
+    cut along dim 0 where `step` (row offset) and `len0` (rows) say so."""
 
-    copies: CopyTable
-    copy_bytes: np.ndarray  # [C]
-    start: np.ndarray  # [M] first copy of each message
+    rows: np.ndarray  # [P] copy-table row of every piece, in message order
+    step: np.ndarray | None  # [P] row offset of the piece along dim 0 (None: none cut)
+    len0: np.ndarray | None  # [P] its length along dim 0
+    copy_bytes: np.ndarray  # [P] wire bytes of every piece
+    start: np.ndarray  # [M] first piece of each message
     end: np.ndarray  # [M]
     round: np.ndarray  # [M]
     src: np.ndarray  # [M] source slot
     dst: np.ndarray  # [M] destination slot
     nbytes: np.ndarray  # [M]
     round_of_copy: np.ndarray  # [copies before splitting] last round carrying it
-    piece_key: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted
+    # the pieces of cut copies, for relays that forward them: per copy the position of its
+    # first piece (-1: not here), how many and rows per piece; per piece its round
+    piece_first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    piece_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    piece_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     piece_round: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def need_of(self, feed: np.ndarray, step: np.ndarray | None) -> np.ndarray:
@@ -34,12 +43,32 @@ class MessageTable:
         piece k is forwarded while piece k+1 is still on the wire), else after the feed's
         last piece."""
         need = self.round_of_copy[feed] + 1
-        if step is None or not self.piece_key.size:
+        if step is None or not self.piece_round.size:
             return need
-        key = feed * PIECE_KEY + step
-        i = np.minimum(np.searchsorted(self.piece_key, key), self.piece_key.size - 1)
-        hit = self.piece_key[i] == key
-        return np.where(hit, self.piece_round[i] + 1, need)
+        per = np.maximum(self.piece_rows[feed], 1)
+        k = step // per
+        first = self.piece_first[feed]
+        hit = (first >= 0) & (k * per == step) & (k < self.piece_count[feed])
+        return np.where(hit, self.piece_round[np.where(hit, first + k, 0)] + 1, need)
+
+    def take(self, table: CopyTable) -> CopyTable:
+        """The pieces as a copy table (see take_all)."""
+        return MessageTable.take_all(table, self)
+
+    @staticmethod
+    def take_all(table: CopyTable, *parts: MessageTable) -> CopyTable:
+        """The pieces of `parts`, in order, as one copy table, cut pieces with their own
+        offsets and length: one take from the plan's copy table."""
+        t = table.take(np.concatenate([p.rows for p in parts]))
+        at = 0
+        for p in parts:
+            if p.step is not None and p.len0 is not None:
+                piece = slice(at, at + p.rows.size)
+                t.src_loc[piece, 0] += p.step
+                t.dst_loc[piece, 0] += p.step
+                t.shape[piece, 0] = p.len0
+            at += p.rows.size
+        return t
 
     def pair_last_round(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Per (src, dst) slot pair, the last round of its messages here (-1 if none)."""
@@ -98,21 +127,20 @@ class Scheduler:
             need = feeds.need_of(table.feed[rows], step)
             order = sort_by(rs, rd, need, table.dst[rows])
             need = need[order]
-        t = table.take(rows[order])
-        if step is not None:
-            t.src_loc[:, 0] += step[order]
-            t.dst_loc[:, 0] += step[order]
-            t.shape[:, 0] = len0[order]
-        rs, rd, rnb = rs[order], rd[order], rnb[order]
+        rows, rs, rd, rnb = rows[order], rs[order], rd[order], rnb[order]
+        if step is not None and len0 is not None:
+            step, len0 = step[order], len0[order]
+        z = np.zeros(0, np.int64)
         if not rs.size:
-            z = np.zeros(0, np.int64)
-            return MessageTable(t, rnb, z, z, z, z, z, z, np.zeros(table.src.size, np.int64))
+            return MessageTable(rows, step, len0, rnb, z, z, z, z, z, z, z)
         pair_first = np.r_[0, np.flatnonzero((np.diff(rs) != 0) | (np.diff(rd) != 0)) + 1]
         ms, me, mp = bk.pack(pair_first, rnb, self.config.bucket_bytes)
-        m_round = self._rounds(t, rnb, pair_first, ms, mp, rs, rd, feeds, need)
+        m_round = self._rounds(table, rows, rnb, pair_first, ms, mp, rs, rd, feeds, need)
         csum = np.r_[0, np.cumsum(rnb)]
         out = MessageTable(
-            t,
+            rows,
+            step,
+            len0,
             rnb,
             ms,
             me,
@@ -120,15 +148,16 @@ class Scheduler:
             rs[pair_first][mp],
             rd[pair_first][mp],
             csum[me] - csum[ms],
-            np.zeros(table.src.size if need_rounds else 0, np.int64),
+            z,
         )
         if need_rounds:
-            _record_copy_rounds(out, None if step is None else step[order])
+            _record_copy_rounds(out, table)
         return out
 
     def _rounds(
         self,
-        t: CopyTable,
+        table: CopyTable,
+        rows: np.ndarray,
         rnb: np.ndarray,
         pair_first: np.ndarray,
         ms: np.ndarray,
@@ -138,15 +167,16 @@ class Scheduler:
         feeds: MessageTable | None,
         need: np.ndarray | None,
     ) -> np.ndarray:
-        """The round of every message (ms: first copy, mp: pair of each message)."""
+        """The round of every message (rows: the table row of every piece; ms: first
+        piece, mp: pair of each message)."""
         p_msgs = np.bincount(mp, minlength=pair_first.size)
         k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
         if feeds is not None and need is not None:
             m_need = np.maximum.reduceat(need, ms)
             after = feeds.pair_last_round(rs[pair_first], rd[pair_first]) + 1
             return bk.successive_rounds(np.maximum(m_need, after[mp]), mp, k)
-        p_src = self.dense[t.src[pair_first]]
-        p_dst = self.dense[t.dst[pair_first]]
+        p_src = self.dense[table.src[rows[pair_first]]]
+        p_dst = self.dense[table.dst[rows[pair_first]]]
         if self.config.schedule == "serial":
             m_bytes = np.add.reduceat(rnb, ms) if ms.size else rnb[:0]
             return bk.serial_rounds(p_src, p_dst, mp, m_bytes, self.n_slots)
@@ -176,17 +206,27 @@ class Scheduler:
         return idx[rep], step, len0
 
 
-def _record_copy_rounds(out: MessageTable, step: np.ndarray | None) -> None:
+def _record_copy_rounds(out: MessageTable, table: CopyTable) -> None:
     """The last round carrying each copy (its pieces may be several), and with cut copies
-    the round of every piece, for relays that forward them (MessageTable.need_of)."""
-    t = out.copies
+    where each copy's pieces are and their rounds, for relays that forward them
+    (MessageTable.need_of). Direct pieces are sorted by keys equal for all pieces of a
+    copy, stably, so each copy's pieces stay adjacent and in row order."""
+    n = table.src.size
     piece_round = np.repeat(out.round, out.end - out.start)
-    if step is None:  # every copy went whole: one piece each
-        out.round_of_copy[t.cid] = piece_round
+    cid = table.cid[out.rows]
+    first = np.r_[0, np.flatnonzero(np.diff(cid)) + 1] if cid.size else cid
+    if first.size != np.count_nonzero(np.bincount(cid, minlength=n)):
+        raise PlanError("bucketing: the pieces of a copy are not adjacent")  # never: sorted
+    out.round_of_copy = np.zeros(n, np.int64)
+    out.round_of_copy[cid[first]] = np.maximum.reduceat(piece_round, first) if cid.size else 0
+    if out.step is None:
         return
-    key = t.cid * PIECE_KEY + step
-    o = np.argsort(key)  # the keys are unique, so every sort gives the same order
-    out.piece_key, out.piece_round = key[o], piece_round[o]
-    cid = t.cid[o]
-    first = np.r_[0, np.flatnonzero(np.diff(cid)) + 1]
-    out.round_of_copy[cid[first]] = np.maximum.reduceat(out.piece_round, first)
+    count = np.diff(np.r_[first, cid.size])
+    out.piece_first = np.full(n, -1, np.int64)
+    out.piece_first[cid[first]] = first
+    out.piece_count = np.zeros(n, np.int64)
+    out.piece_count[cid[first]] = count
+    out.piece_rows = np.zeros(n, np.int64)
+    cut = first[count > 1]
+    out.piece_rows[cid[cut]] = out.step[cut + 1] - out.step[cut]
+    out.piece_round = piece_round
