@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refitd.plan.grouping import unique_groups
 from refitd.plan.rowwise import row_sum
 from refitd.plan.sides import sort_by
 
@@ -190,8 +191,7 @@ def _hash_words(seed: int, n: int) -> np.ndarray:
 def _hash_groups(h1: np.ndarray, h2: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """(first row of each group, group of every row) of rows grouped by hash h1, when the
     independent hash h2 agrees within every group; None on a collision."""
-    _, first, inv = np.unique(h1, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
+    _, first, inv = unique_groups(h1)
     return (first, inv) if (h2 == h2[first][inv]).all() else None
 
 

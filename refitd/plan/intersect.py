@@ -14,10 +14,10 @@ import numpy as np
 from refitd.plan.checks import check_cast, check_cover
 from refitd.plan.config import PlanConfig
 from refitd.plan.errors import PlanError
+from refitd.plan.grouping import dense_index, unique_groups
 from refitd.plan.layout import PLAIN
 from refitd.plan.names import Link, resolve_links
 from refitd.plan.sides import Side, member_table
-from refitd.plan.slots import dense_index
 from refitd.plan.table import Geo
 from refitd.plan.wireformat import dtype_size
 from refitd.plan.wires import RAW_CODE
@@ -115,8 +115,7 @@ class Planner:
         self._check_rules(links)
         n_dp, n_t = int(self.dst.pattern.max()) + 1, len(transforms)
         key = (self.src.pattern[lk[:, 0]] * n_dp + self.dst.pattern[lk[:, 1]]) * n_t + lk[:, 2]
-        _, grp = np.unique(key, return_inverse=True)
-        grp = grp.reshape(-1)
+        _, _, grp = unique_groups(key)
         order = np.argsort(grp, kind="stable")
         cuts = np.flatnonzero(np.diff(grp[order])) + 1
         out: list[Batch] = []

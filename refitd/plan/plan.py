@@ -14,12 +14,12 @@ import numpy as np
 
 from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable
+from refitd.plan.grouping import dense_index
 from refitd.plan.layout import TensorSpec
 from refitd.plan.program import SlotProgram
 from refitd.plan.programs import CopyCols, Messages, PlanTensors, ProgramIndex, concat_ranges
 from refitd.plan.schedule import MessageTable, Scheduler
 from refitd.plan.sides import sort_by
-from refitd.plan.slots import dense_index
 from refitd.plan.table import SpecTable
 
 

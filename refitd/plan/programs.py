@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from refitd.plan.grouping import dense_index
 from refitd.plan.program import (
     DTYPES,
     STORAGES,
@@ -25,7 +26,6 @@ from refitd.plan.program import (
 )
 from refitd.plan.rowwise import row_max, row_prod
 from refitd.plan.sides import sort_by
-from refitd.plan.slots import dense_index
 from refitd.plan.table import SpecTable
 
 

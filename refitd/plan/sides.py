@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from refitd.plan.grouping import unique_groups
 from refitd.plan.layout import TensorSpec
 from refitd.plan.table import Geo, SpecTable
 
@@ -82,10 +83,8 @@ def group(side: Side) -> None:
     ).astype(np.uint64) | np.uint64(1)
     h = np.add.reduceat((g.astype(np.uint64) + np.uint64(1)) * weights[pos], side.start)
     h ^= side.count.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    _, pat = np.unique(h, return_inverse=True)
-    pat = pat.reshape(-1)
+    _, firsts, pat = unique_groups(h)
     # exact check of every member against its pattern's first canonical
-    firsts = np.unique(pat, return_index=True)[1]
     rep = firsts[pat]
     canon_sorted = side.canon[side.order]
     same = (side.count[rep] == side.count).all() and (

@@ -1,4 +1,4 @@
-"""Dense slot numbering equals np.unique's, by counting or (large values) by sorting."""
+"""Dense slot numbering and unique groups equal np.unique's answers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refitd.plan.slots import dense_index
+from refitd.plan.grouping import dense_index, unique_groups
 
 
 @settings(max_examples=100, deadline=None)
@@ -17,3 +17,13 @@ def test_dense_index_equals_unique(values: list[int], small: bool) -> None:
     want, inverse = np.unique(a, return_inverse=True)
     assert np.array_equal(distinct, want) and distinct.dtype == a.dtype
     assert np.array_equal(position, inverse.reshape(-1))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=60), st.integers(1, 2**64 - 1))
+def test_unique_groups_equals_unique(values: list[int], modulus: int) -> None:
+    a = np.array([v % modulus for v in values], np.uint64)
+    got = unique_groups(a)
+    want = np.unique(a, return_index=True, return_inverse=True)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g, w.reshape(-1))
