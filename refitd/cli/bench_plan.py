@@ -60,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     from refitd.plan.planner import PlanConfig, build_plan, build_plan_from_table
     from refitd.plan.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
+    from refitd.server.planning import keep_plan_heap
 
+    keep_plan_heap()  # as the controller does at start
     model = preset(args.model)
     src_par = Parallel.parse(args.src, args.src_world)
     dst_par = Parallel.parse(args.dst, args.dst_world)

@@ -23,6 +23,7 @@ from refitd.server.database import StateDB
 from refitd.server.grpc_service import AgentControlServicer, RefitServicer
 from refitd.server.http import HttpServer
 from refitd.server.metrics import ControllerMetrics
+from refitd.server.planning import keep_plan_heap
 from refitd.server.refit.coordinator import RefitCoordinator
 from refitd.server.registry import Registry
 from refitd.server.rendezvous import RendezvousStore
@@ -40,6 +41,7 @@ class Controller:
     """One refitd controller. `start()` binds everything; `stop()` releases everything."""
 
     def __init__(self, settings: Settings) -> None:
+        keep_plan_heap()
         self.settings = settings
         self.security = ServerSecurity.from_settings(settings)
         self.stopping = False
