@@ -113,19 +113,20 @@ class Scheduler:
         rows, step, len0 = self.split(table, np.flatnonzero(mask), nb)
         rs = self.slot_of[table.src[rows]]
         rd = self.slot_of[table.dst[rows]]
-        if step is None:
-            rnb = nb[rows]
-        else:
-            shape = np.take(table.shape, rows, axis=0)
-            shape[:, 0] = len0
+        rnb = nb[rows]
+        if step is not None and len0 is not None:
+            p = np.flatnonzero(len0 != np.take(table.shape[:, 0], rows))  # the cut pieces
+            r = rows[p]
+            shape = np.take(table.shape, r, axis=0)
+            shape[:, 0] = len0[p]
             wires = self.config.wires
-            rnb = wires.segment_nbytes(table.wire[rows], shape, table.ndim[rows], table.esize[rows])
+            rnb[p] = wires.segment_nbytes(table.wire[r], shape, table.ndim[r], table.esize[r])
         need = None
         if feeds is None:
-            order = sort_by(rs, rd, table.dst[rows])
+            order = sort_by(rs, rd, table.dst[rows], shuffled=True)
         else:
             need = feeds.need_of(table.feed[rows], step)
-            order = sort_by(rs, rd, need, table.dst[rows])
+            order = sort_by(rs, rd, need, table.dst[rows], shuffled=True)
             need = need[order]
         rows, rs, rd, rnb = rows[order], rs[order], rd[order], rnb[order]
         if step is not None and len0 is not None:
@@ -194,15 +195,20 @@ class Scheduler:
         big = (nbi > bucket) & (t.ndim[idx] >= 1)
         if not big.any():
             return idx, None, None
-        rows = t.shape[idx, 0]
-        row_bytes = nbi // np.maximum(rows, 1)
-        gran = self.config.wires.split_granularity(t.wire[idx], t.ndim[idx])
-        pieces, per = bk.split_rows(rows, row_bytes, gran, bucket)
-        pieces = np.where(big, pieces, 1)
+        rows = np.take(t.shape[:, 0], idx)
+        cut = np.flatnonzero(big)  # few: the rest stay whole
+        c_rows = rows[cut]
+        gran = self.config.wires.split_granularity(t.wire[idx[cut]], t.ndim[idx[cut]])
+        c_pieces, c_per = bk.split_rows(c_rows, nbi[cut] // np.maximum(c_rows, 1), gran, bucket)
+        pieces = np.ones(idx.size, np.int64)
+        pieces[cut] = c_pieces
+        per = np.zeros(idx.size, np.int64)  # rows per piece, 0: whole
+        per[cut] = c_per
         rep = np.repeat(np.arange(idx.size), pieces)
         k = np.arange(rep.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        step = np.where(big, per, 0)[rep] * k
-        len0 = np.where(big[rep], np.minimum(per[rep], rows[rep] - step), rows[rep])
+        per, rows = per[rep], rows[rep]
+        step = per * k
+        len0 = np.where(per > 0, np.minimum(per, rows - step), rows)
         return idx[rep], step, len0
 
 

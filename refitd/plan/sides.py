@@ -40,11 +40,13 @@ class Side:
         return self.order[self.start[c] : self.start[c] + self.count[c]]
 
 
-def sort_by(*keys: np.ndarray, unique: bool = False) -> np.ndarray:
+def sort_by(*keys: np.ndarray, unique: bool = False, shuffled: bool = False) -> np.ndarray:
     """Stable order by several non-negative integer keys, the first most significant: one
     argsort of a combined key when it fits in int64 (a radix sort when it fits in 16
     bits), else lexsort. `unique`: the keys together never repeat, so the faster
-    unstable sort gives the same order."""
+    unstable sort gives the same order. `shuffled`: the keys come in no useful order (a
+    stable sort gains nothing from runs), so positions join the key as its last part
+    where that fits, and the unstable sort gives the stable order."""
     combined = np.zeros(keys[0].size, np.int64)
     span = 1
     for k in reversed(keys):
@@ -55,8 +57,13 @@ def sort_by(*keys: np.ndarray, unique: bool = False) -> np.ndarray:
             return np.lexsort(keys[::-1])
         combined += k * span
         span *= hi + 1
+    n = combined.size
     if span <= 1 << 16:
         return np.argsort(combined.astype(np.uint16), kind="stable")
+    if shuffled and not unique and span * n < 2**62:
+        combined *= n
+        combined += np.arange(n)
+        unique = True
     return np.argsort(combined, kind="quicksort" if unique else "stable")
 
 

@@ -1,4 +1,5 @@
-"""Dense slot numbering and unique groups equal np.unique's answers."""
+"""Dense slot numbering and unique groups equal np.unique's answers; sort_by is the stable
+lexicographic order whichever sort it picks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refitd.plan.grouping import dense_index, unique_groups
+from refitd.plan.sides import sort_by
 
 
 @settings(max_examples=100, deadline=None)
@@ -27,3 +29,15 @@ def test_unique_groups_equals_unique(values: list[int], modulus: int) -> None:
     want = np.unique(a, return_index=True, return_inverse=True)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(g, w.reshape(-1))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**20), st.integers(0, 9)), max_size=80),
+    st.booleans(),
+)
+def test_sort_by_is_the_stable_lexicographic_order(rows: list, shuffled: bool) -> None:
+    keys = [np.array(c, np.int64) for c in zip(*rows, strict=True)] or [np.zeros(0, np.int64)] * 3
+    want = np.lexsort(keys[::-1]) if rows else np.zeros(0, np.int64)
+    assert np.array_equal(sort_by(*keys, shuffled=shuffled), want)
+    assert np.array_equal(sort_by(keys[0] * 0 + 7, shuffled=shuffled), np.arange(len(rows)))
