@@ -10,7 +10,9 @@ import numpy as np
 @dataclass(slots=True)
 class CopyTable:
     """Copies as columns. feed: the copy (cid) whose destination region a relay reads, -1
-    for a copy from a source tensor; cid: the copy's index before bucket splitting."""
+    for a copy from a source tensor; cid: the copy's index before bucket splitting. ndim,
+    wire (code) and esize (source element bytes) are int8: a table of a million copies is
+    gathered, in message order, as a whole."""
 
     src: np.ndarray
     dst: np.ndarray

@@ -161,9 +161,9 @@ def _copy_table(
                 padc(b.rep_loc[b.piece, col], 0),
                 padc(np.take(b.dst_loc, b.piece, axis=0), 0),
                 padc(np.take(b.shape, b.piece, axis=0), 1),
-                np.full(n, b.ndim, np.int64),
-                b.wire[b.piece],
-                np.full(n, b.esize, np.int64),
+                np.full(n, b.ndim, np.int8),
+                b.wire[b.piece].astype(np.int8),
+                np.full(n, b.esize, np.int8),
                 group_base + link * b.nklass + b.klass[b.piece],
                 b.relayable[b.piece],
             )
@@ -173,7 +173,8 @@ def _copy_table(
         cols_all = [np.concatenate(c) for c in zip(*parts, strict=True)]
     else:
         z = np.zeros(0, np.int64)
-        cols_all = [z, z, z.reshape(0, d), z.reshape(0, d), z.reshape(0, d), z, z, z, z]
+        b8 = np.zeros(0, np.int8)
+        cols_all = [z, z, z.reshape(0, d), z.reshape(0, d), z.reshape(0, d), b8, b8, b8, z]
         cols_all.append(np.zeros(0, bool))
     n_copies = cols_all[0].size
     table = CopyTable(*cols_all[:8], feed=np.full(n_copies, -1, np.int64), cid=np.arange(n_copies))

@@ -76,10 +76,14 @@ class MessageTable:
             return np.full(src.size, -1, np.int64)
         big = int(max(self.src.max(), self.dst.max(), src.max(), dst.max())) + 1
         key = self.src * big + self.dst
-        order = np.lexsort((self.round, key))
-        k, r = key[order], self.round[order]
-        last = np.r_[k[1:] != k[:-1], True]
-        k, r = k[last], r[last]
+        if (key[1:] >= key[:-1]).all():  # messages come pair by pair (as bucketed)
+            first = np.r_[0, np.flatnonzero(key[1:] != key[:-1]) + 1]
+            k, r = key[first], np.maximum.reduceat(self.round, first)
+        else:
+            order = np.lexsort((self.round, key))
+            k, r = key[order], self.round[order]
+            last = np.r_[k[1:] != k[:-1], True]
+            k, r = k[last], r[last]
         q = src * big + dst
         i = np.minimum(np.searchsorted(k, q), k.size - 1)
         return np.where(k[i] == q, r[i], -1)

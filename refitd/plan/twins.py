@@ -23,6 +23,7 @@ from refitd.plan.copies import CopyTable
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import PLAIN
 from refitd.plan.plan import Plan
+from refitd.plan.rowwise import row_prod
 from refitd.plan.table import SpecTable
 from refitd.plan.wireformat import dtype_size
 from refitd.plan.wires import RAW_CODE
@@ -49,12 +50,12 @@ def build_twin_plan(
     for w in workers:
         _, geo, w_slot = w.columns()
         shape.append(np.array([_padded(g.local_shape, d) for g in w.geos], np.int64)[geo])
-        ndim.append(np.array([len(g.local_shape) for g in w.geos], np.int64)[geo])
-        esize.append(np.array([dtype_size(g.dtype) for g in w.geos], np.int64)[geo])
+        ndim.append(np.array([len(g.local_shape) for g in w.geos], np.int8)[geo])
+        esize.append(np.array([dtype_size(g.dtype) for g in w.geos], np.int8)[geo])
         slot.append(w_slot)
     n = sum(len(s) for s, _ in pairs)
     shapes = np.concatenate(shape[: len(pairs)])
-    rows = np.flatnonzero(shapes.prod(axis=1) > 0)  # empty shards move nothing
+    rows = np.flatnonzero(row_prod(shapes) > 0)  # empty shards move nothing
     zeros = np.zeros((rows.size, d), np.int64)
     table = CopyTable(
         src=rows,
@@ -63,7 +64,7 @@ def build_twin_plan(
         dst_loc=zeros.copy(),
         shape=shapes[rows],
         ndim=np.concatenate(ndim[: len(pairs)])[rows],
-        wire=np.full(rows.size, RAW_CODE, np.int64),
+        wire=np.full(rows.size, RAW_CODE, np.int8),
         esize=np.concatenate(esize[: len(pairs)])[rows],
         feed=np.full(rows.size, -1, np.int64),
         cid=np.arange(rows.size),
