@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.plan.config import PlanConfig
-from refitd.plan.copies import CopyTable
+from refitd.plan.copies import CopyTable, Pieces
 from refitd.plan.grouping import dense_index
 from refitd.plan.layout import TensorSpec
 from refitd.plan.program import SlotProgram
-from refitd.plan.programs import CopyCols, Messages, PlanTensors, ProgramIndex, concat_ranges
+from refitd.plan.programs import Messages, PlanTensors, ProgramIndex, concat_ranges
 from refitd.plan.schedule import MessageTable, Scheduler
 from refitd.plan.sides import sort_by
 from refitd.plan.table import SpecTable
@@ -77,13 +77,14 @@ class Plan:
         # local copies from source tensors first; local relays run after all receives
         lidx = np.flatnonzero(local)
         lidx = lidx[np.argsort(table.feed[lidx] >= 0, kind="stable")]
-        self._local = table.take(lidx)
+        self._local = Pieces(table, lidx)
         relays, remote_nb = self._schedule(table, nb, local)
+        self._remote_table: CopyTable | None = None  # relay_feeds' whole table
         self._send_load = np.bincount(
-            self._dense[self._remote.src], weights=remote_nb, minlength=slots.size
+            self._dense[self._remote.column("src")], weights=remote_nb, minlength=slots.size
         )
         self._recv_load = np.bincount(
-            self._dense[self._remote.dst], weights=remote_nb, minlength=slots.size
+            self._dense[self._remote.column("dst")], weights=remote_nb, minlength=slots.size
         )
         self.stats = self._statistics(int(nb[local].sum()), int(remote_nb.sum()), relays)
         self._readers: dict[tuple[str, int], list[int]] | None = None
@@ -101,10 +102,7 @@ class Plan:
         direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)
         relays = sched.messages(table, nb, ~local & relay, direct, False)
         n_direct = direct.rows.size
-        if any_relay:
-            self._remote = MessageTable.take_all(table, direct, relays)
-        else:
-            self._remote = direct.take(table)
+        self._remote = Pieces.concat([direct.pieces(table), relays.pieces(table)])
         ms = np.concatenate([direct.start, relays.start + n_direct])
         me = np.concatenate([direct.end, relays.end + n_direct])
         m_round = np.concatenate([direct.round, relays.round])
@@ -128,8 +126,8 @@ class Plan:
         ideal = float(src_send.sum()) / n_src_slots if n_src_slots else 0.0
         src_max = int(src_send.max()) if src_send.size else 0
         return PlanStats(
-            copies=int(self._local.src.size + self._remote.src.size),
-            local_copies=int(self._local.src.size),
+            copies=int(self._local.rows.size + self._remote.rows.size),
+            local_copies=int(self._local.rows.size),
             messages=int(self._m_start.size),
             rounds=int(self._m_round.max()) + 1 if self._m_round.size else 0,
             total_bytes=remote_bytes + local_bytes,
@@ -153,7 +151,9 @@ class Plan:
         """Slots that read the tensors of source worker (pool, rank); relays, which read
         destination tensors, don't count. Computed for all workers on the first call."""
         if self._readers is None:
-            used = np.unique(np.concatenate([self._remote.src, self._local.src]))
+            used = np.unique(
+                np.concatenate([self._remote.column("src"), self._local.column("src")])
+            )
             used = used[used < self._n_src]
             readers: dict[tuple[str, int], set[int]] = {}
             for i, slot in zip(used.tolist(), self._slot_of[used].tolist(), strict=True):
@@ -170,14 +170,16 @@ class Plan:
             "dst": self._m_dst.copy(),
             "round": self._m_round.copy(),
             "nbytes": self._m_bytes.copy(),
-            "relay": self._remote.feed[self._m_start] >= 0,
+            "relay": self._remote.column("feed", self._m_start) >= 0,
         }
 
     def relay_feeds(self) -> tuple[np.ndarray, np.ndarray]:
         """(relay message id, feeding message id) pairs: the remote messages that write a
         region a relay message forwards (what its sender must have received first; feeds by
         local copies are left out, they run before any receive). For the link model."""
-        t = self._remote
+        if self._remote_table is None:
+            self._remote_table = self._remote.take()
+        t = self._remote_table
         n = t.src.size
         msg = np.repeat(np.arange(self._m_start.size), self._m_end - self._m_start)
         msg_of_row = np.empty(n, np.int64)
@@ -219,26 +221,8 @@ class Plan:
                 ),
                 [self._n_src, len(self.tensors) - self._n_src],
             )
-            tensors = PlanTensors.of(tables, counts, self._slot_of, self._remote.shape.shape[1])
-            d = tensors.local_shape.shape[1]
-
-            def cols(t: CopyTable) -> CopyCols:
-                def pad(a: np.ndarray, fill: int) -> np.ndarray:
-                    extra = d - a.shape[1]
-                    return (
-                        a if extra <= 0 else np.pad(a, ((0, 0), (0, extra)), constant_values=fill)
-                    )
-
-                return CopyCols(
-                    t.src,
-                    t.dst,
-                    pad(t.src_loc, 0),
-                    pad(t.dst_loc, 0),
-                    pad(t.shape, 1),
-                    t.ndim,
-                    t.wire,
-                )
-
+            dims = self._remote.table.shape.shape[1]
+            tensors = PlanTensors.of(tables, counts, self._slot_of, dims)
             msgs = Messages(
                 self._m_round,
                 self._m_src,
@@ -247,9 +231,8 @@ class Plan:
                 self._m_end,
                 self._m_bytes,
             )
-            self._index = ProgramIndex(
-                self.digest, cols(self._remote), cols(self._local), msgs, tensors
-            )
+            copies = Pieces.concat([self._remote, self._local])
+            self._index = ProgramIndex(self.digest, copies, self._remote.rows.size, msgs, tensors)
         return self._index
 
     def release_index(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from refitd.plan.copies import Pieces
 from refitd.plan.grouping import dense_index
 from refitd.plan.program import (
     DTYPES,
@@ -95,30 +96,6 @@ class PlanTensors:
 
 
 @dataclass(slots=True)
-class CopyCols:
-    """Plan-wide copy columns (remote copies in message order, or local copies)."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    src_loc: np.ndarray
-    dst_loc: np.ndarray
-    shape: np.ndarray
-    ndim: np.ndarray
-    wire: np.ndarray
-
-    def take(self, rows: np.ndarray) -> CopyColumns:
-        return CopyColumns(
-            src=self.src[rows],
-            dst=self.dst[rows],
-            src_off=np.take(self.src_loc, rows, axis=0),
-            dst_off=np.take(self.dst_loc, rows, axis=0),
-            shape=np.take(self.shape, rows, axis=0),
-            ndim=self.ndim[rows].astype(np.uint8),
-            wire=self.wire[rows].astype(np.uint8),
-        )
-
-
-@dataclass(slots=True)
 class Messages:
     """Plan-wide message columns, indexed by message id."""
 
@@ -130,34 +107,41 @@ class Messages:
     nbytes: np.ndarray
 
 
-def _copy_table(remote: CopyCols, local: CopyCols, t: PlanTensors, rows: np.ndarray) -> CopyColumns:
-    """Rows `rows` of remote copies then local ones (local rows offset by the remote
-    count); dtypes and flags are computed per plan copy, before the take."""
-    both = {
-        f: np.concatenate([getattr(remote, f), getattr(local, f)])
-        for f in ("src", "dst", "src_loc", "dst_loc", "shape", "ndim", "wire")
-    }
-    src, dst, ndim = both["src"], both["dst"], both["ndim"].astype(np.uint8)
+def _pad(a: np.ndarray, d: int, fill: int) -> np.ndarray:
+    """[N, k] -> [N, d] columns, `fill` past k."""
+    extra = d - a.shape[1]
+    return a if extra <= 0 else np.pad(a, ((0, 0), (0, extra)), constant_values=fill)
+
+
+def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns:
+    """Rows `rows` of the plan's copies (remote pieces, then local copies): dtypes and
+    flags per plan copy, then taken; offsets gathered straight from the planner's copy
+    table for the program rows."""
+    d = t.local_shape.shape[1]
+    src, dst = copies.column("src"), copies.column("dst")
+    wire, ndim = copies.column("wire"), copies.column("ndim").astype(np.uint8)
+    shape = _pad(copies.column("shape"), d, 1)
     flags = copy_flags(
-        both["wire"],
+        wire,
         t.dtype[src],
         t.dtype[dst],
         t.storage[dst] == 0,
-        both["shape"],
+        shape,
         np.take(t.local_shape, src, axis=0),
         np.take(t.local_shape, dst, axis=0),
         ndim,
     )
+    src, dst = src[rows], dst[rows]
     return CopyColumns(
-        src=src[rows],
-        dst=dst[rows],
-        src_off=np.take(both["src_loc"], rows, axis=0),
-        dst_off=np.take(both["dst_loc"], rows, axis=0),
-        shape=np.take(both["shape"], rows, axis=0),
+        src=src,
+        dst=dst,
+        src_off=_pad(copies.column("src_loc", rows), d, 0),
+        dst_off=_pad(copies.column("dst_loc", rows), d, 0),
+        shape=np.take(shape, rows, axis=0),
         ndim=ndim[rows],
-        wire=both["wire"].astype(np.uint8)[rows],
-        src_dtype=t.dtype[src][rows],
-        dst_dtype=t.dtype[dst][rows],
+        wire=wire.astype(np.uint8)[rows],
+        src_dtype=t.dtype[src],
+        dst_dtype=t.dtype[dst],
         flags=flags[rows],
     )
 
@@ -177,14 +161,15 @@ class ProgramIndex:
     rows each slot touches."""
 
     def __init__(
-        self, digest: str, remote: CopyCols, local: CopyCols, msgs: Messages, tensors: PlanTensors
+        self, digest: str, copies: Pieces, n_remote: int, msgs: Messages, tensors: PlanTensors
     ) -> None:
+        """`copies`: the plan's remote pieces in message order, then its local copies."""
         self.digest, self.tensors = digest, tensors
         self.slots, self._dense = dense_index(tensors.slot)
         n_slots = self.slots.size
         send = self._side(msgs, msgs.src)
         recv = self._side(msgs, msgs.dst)
-        lslot = self._dense[local.src]
+        lslot = self._dense[copies.column("src", np.arange(n_remote, copies.rows.size))]
         l_order = np.argsort(lslot, kind="stable")
         l_cnt = np.bincount(lslot, minlength=n_slots)
         total = send["copies"] + recv["copies"] + l_cnt
@@ -194,8 +179,8 @@ class ProgramIndex:
         at = base + send["copies"]
         rows[np.repeat(at, recv["copies"]) + _within(recv["copies"])] = recv["rows"]
         at = at + recv["copies"]
-        rows[np.repeat(at, l_cnt) + _within(l_cnt)] = l_order + remote.src.size
-        self.copies = _copy_table(remote, local, tensors, rows)
+        rows[np.repeat(at, l_cnt) + _within(l_cnt)] = l_order + n_remote
+        self.copies = _copy_table(copies, tensors, rows)
         self.copy_lo, self.copy_hi = base, base + total
         self.local_start = send["copies"] + recv["copies"]
         self.send = self._messages(msgs, send, np.zeros(n_slots, np.int64))

@@ -8,7 +8,7 @@ import numpy as np
 
 from refitd.plan import buckets as bk
 from refitd.plan.config import PlanConfig
-from refitd.plan.copies import CopyTable
+from refitd.plan.copies import CopyTable, Pieces
 from refitd.plan.errors import PlanError
 from refitd.plan.sides import sort_by
 
@@ -51,24 +51,9 @@ class MessageTable:
         hit = (first >= 0) & (k * per == step) & (k < self.piece_count[feed])
         return np.where(hit, self.piece_round[np.where(hit, first + k, 0)] + 1, need)
 
-    def take(self, table: CopyTable) -> CopyTable:
-        """The pieces as a copy table (see take_all)."""
-        return MessageTable.take_all(table, self)
-
-    @staticmethod
-    def take_all(table: CopyTable, *parts: MessageTable) -> CopyTable:
-        """The pieces of `parts`, in order, as one copy table, cut pieces with their own
-        offsets and length: one take from the plan's copy table."""
-        t = table.take(np.concatenate([p.rows for p in parts]))
-        at = 0
-        for p in parts:
-            if p.step is not None and p.len0 is not None:
-                piece = slice(at, at + p.rows.size)
-                t.src_loc[piece, 0] += p.step
-                t.dst_loc[piece, 0] += p.step
-                t.shape[piece, 0] = p.len0
-            at += p.rows.size
-        return t
+    def pieces(self, table: CopyTable) -> Pieces:
+        """The pieces as rows of the plan's copy table."""
+        return Pieces(table, self.rows, self.step, self.len0)
 
     def pair_last_round(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Per (src, dst) slot pair, the last round of its messages here (-1 if none)."""
