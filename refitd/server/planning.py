@@ -208,9 +208,11 @@ class ModelTables:
     marks the tables stale, and the next `snapshot` rebuilds them from the registry's
     workers. A rebuild keeps each (pool, rank) where it was first added, so a rank that
     leaves and registers the same layout again gives the same tables (and plan digest) as
-    before. A table handed to a plan build is not appended to while the build runs (an
-    add then marks the tables stale instead). Callers hold the registry lock for add,
-    invalidate and snapshot.
+    before. A table handed to a plan build is not appended to while the build runs: an
+    add then waits, and the next snapshot appends it if no build uses the tables any more
+    (else it rebuilds). A pool that registers while the model's plan is built ahead for the
+    pools before it so costs no rebuild (a second of Python at 786k tensors). Callers hold
+    the registry lock for add, invalidate, snapshot and release.
     """
 
     def __init__(self) -> None:
@@ -220,6 +222,7 @@ class ModelTables:
         self.in_use = 0  # plan builds running on the current tables
         self.rebuilds = 0
         self._position: dict[WorkerKey, int] = {}  # (pool, rank) -> order of first add
+        self._waiting: list[tuple[str, SpecTable]] = []  # (role, worker) added while in use
 
     def add(self, role: str, worker: SpecTable) -> None:
         """Append one worker's registrations (its own table)."""
@@ -229,17 +232,25 @@ class ModelTables:
         if self.stale:
             return
         if self.in_use:
-            self.stale = True
+            self._waiting.append((role, worker))
             return
         (self.sources if role == "source" else self.destinations).extend(worker)
 
     def invalidate(self) -> None:
         self.stale = True
+        self._waiting.clear()  # the rebuild reads every registered worker
 
     def snapshot(
         self, current: Callable[[], tuple[list[TensorSpec], list[TensorSpec]]]
     ) -> tuple[SpecTable, SpecTable]:
         """The tables (rebuilt from `current()` when stale), marked in use until `release`."""
+        if self._waiting:
+            if self.in_use:  # a build still reads the tables: they cannot grow
+                self.invalidate()
+            else:
+                for role, worker in self._waiting:
+                    (self.sources if role == "source" else self.destinations).extend(worker)
+                self._waiting.clear()
         if self.stale:
             sources, destinations = current()
             self.sources = SpecTable.from_specs(self._in_place(sources))

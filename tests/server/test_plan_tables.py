@@ -129,3 +129,40 @@ def test_program_index_released_once_every_program_is_encoded() -> None:
         assert (cp.plan._index is None) == (k == len(cp.slots) - 1)  # built once, kept
     assert len(cp.slots) > 1
     assert {s: cp.plan.program(s).to_bytes() for s in cp.slots} == encoded
+
+
+def test_a_worker_added_while_a_plan_reads_the_tables_joins_without_a_rebuild() -> None:
+    """A pool registering while the model's plan is built (ahead) for the pools before it
+    is appended at the next snapshot once no build reads the tables; if a build still
+    does, that snapshot rebuilds them instead (the tables a build reads never change)."""
+    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.plan.table import SpecTable
+    from refitd.server.planning import ModelTables
+
+    m = preset("llama3-8b")
+    src = build_specs(m, Parallel.parse("tp=2", 2), "m", "trainer", 0)
+    dst = build_specs(m, Parallel.parse("tp=2", 2), "m", "infer", 2)
+    late = build_specs(m, Parallel.parse("tp=2", 2), "m", "late", 4)
+
+    def worker(specs: list, rank: int) -> SpecTable:
+        return SpecTable.of_worker([s for s in specs if s.rank == rank])
+
+    def current() -> tuple[list, list]:
+        return src, dst + late
+
+    for still_reading in (False, True):
+        tables = ModelTables()
+        for r in range(2):
+            tables.add("source", worker(src, r))
+            tables.add("destination", worker(dst, r))
+        _, d_tab = tables.snapshot(current)  # a build starts
+        n_dst = len(d_tab)
+        for r in range(2):
+            tables.add("destination", worker(late, r))
+        assert len(d_tab) == n_dst  # the build's tables did not grow
+        if not still_reading:
+            tables.release()
+        s2, d2 = tables.snapshot(current)
+        assert set(d2.specs) == set(dst + late) and set(s2.specs) == set(src)
+        assert tables.rebuilds == (1 if still_reading else 0)
+        assert (d2 is d_tab) == (not still_reading)
