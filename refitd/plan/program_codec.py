@@ -130,9 +130,11 @@ class _Reader:
         n = _PREAMBLE.size
         if len(self.data) < n:
             raise self.fail("preamble", f"truncated: {len(self.data)} bytes, need {n}")
-        magic, version, _, hlen, hcrc = _PREAMBLE.unpack_from(self.data)
+        magic, version, reserved, hlen, hcrc = _PREAMBLE.unpack_from(self.data)
         if magic != MAGIC:
             raise self.fail("preamble", f"not a slot program (magic {bytes(magic)!r})")
+        if reserved:
+            raise self.fail("preamble", f"reserved bytes read {reserved}, written as 0")
         if version != PROGRAM_FORMAT_VERSION:
             raise self.fail(
                 "version",
