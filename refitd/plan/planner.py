@@ -95,12 +95,13 @@ def _build(
 ) -> Plan:
     if digest is None:
         digest = fingerprint(model, sources, destinations, config)
-    table, slot_of = _copies(sources, destinations, config)
+    tensors = sources.specs + destinations.specs
+    table, slot_of = _copies(sources, destinations, tensors, config)
     return Plan(
         model,
         epoch,
         digest,
-        sources.specs + destinations.specs,
+        tensors,
         table,
         slot_of,
         config,
@@ -110,9 +111,13 @@ def _build(
 
 
 def _copies(
-    sources: SpecTable, destinations: SpecTable, config: PlanConfig
+    sources: SpecTable,
+    destinations: SpecTable,
+    tensors: list[TensorSpec],
+    config: PlanConfig,
 ) -> tuple[CopyTable, np.ndarray]:
-    """(every copy of the plan, relays chosen; the slot of every plan tensor). The
+    """(every copy of the plan, relays chosen; the slot of every plan tensor); `tensors`:
+    the sides' specs in plan index order. The
     intersections and choices die here, before the Plan buckets the copies: a third of
     the peak memory at 1,024 ranks, which a fresh plan would fault in again."""
     src = side_of(sources, 0)
@@ -125,13 +130,12 @@ def _copies(
     choices = [_choices(b, planner, config) for b in batches]
     cols, _ = choose_replicas(choices, planner.slots.size)
     del choices
-    tensors = sources.specs + destinations.specs
     table, group_of, relayable = _copy_table(batches, cols, n_src)
     del batches, cols
     check_blocks(table, tensors, config.wires)
     if config.relay and table.src.size:
         _add_relays(planner, table, group_of, relayable, n_src)
-    return table, np.concatenate([src.slot, dst.slot])
+    return table, planner.slot_of
 
 
 def _choices(b: Batch, planner: Planner, config: PlanConfig) -> Choices:
