@@ -18,23 +18,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "version": ("refitd.cli.version", "print the refitd version"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "plan": ("refitd.cli.bench_plan", "whole-cluster plan of a preset model"),
+    "plan": ("refitd.bench.plan", "whole-cluster plan of a preset model"),
     "transfer": (
-        "refitd.cli.bench_transfer",
+        "refitd.bench.transfer",
         "move a model through the real executor and transport",
     ),
-    "control": ("refitd.cli.bench_control", "control-plane overhead of cached-plan refits"),
-    "fuzz": ("refitd.cli.bench_fuzz", "bad-input fuzzing of a live controller (gRPC and HTTP)"),
-    "gpu": ("refitd.cli.bench_gpu", "GPU data plane: CUDA IPC, quantizers, NCCL"),
-    "faults": ("refitd.cli.bench_faults", "kill -9 each member at each refit phase (recovery)"),
-    "load": ("refitd.cli.bench_load", "1024 metadata workers of a large model, 1000 small refits"),
-    "staged": ("refitd.cli.bench_staged", "pause window of a staged vs an in-place pool"),
-    "cluster": ("refitd.cli.bench_cluster", "refits across emulated hosts on shaped links (root)"),
+    "control": ("refitd.bench.control", "control-plane overhead of cached-plan refits"),
+    "fuzz": ("refitd.bench.fuzz", "bad-input fuzzing of a live controller (gRPC and HTTP)"),
+    "gpu": ("refitd.bench.gpu.command", "GPU data plane: CUDA IPC, quantizers, NCCL"),
+    "faults": ("refitd.bench.faults.command", "kill -9 each member at each refit phase (recovery)"),
+    "load": (
+        "refitd.bench.load.command",
+        "1024 metadata workers of a large model, 1000 small refits",
+    ),
+    "staged": ("refitd.bench.staged", "pause window of a staged vs an in-place pool"),
+    "cluster": (
+        "refitd.bench.cluster.command",
+        "refits across emulated hosts on shaped links (root)",
+    ),
     "simulate": (
-        "refitd.cli.bench_simulate",
+        "refitd.bench.simulate.command",
         "replay a plan's messages on a link model (NICs, NVLink, fair sharing)",
     ),
-    "delta": ("refitd.cli.bench_delta", "delta refits vs dense refits of the same versions"),
+    "delta": ("refitd.bench.delta", "delta refits vs dense refits of the same versions"),
 }
 
 

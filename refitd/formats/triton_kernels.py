@@ -15,7 +15,7 @@ import torch
 from refitd.formats.fp8 import check_buffer, check_float
 from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, fp8_block_scale_shape, mxfp8_scale_shape
 
-# Defaults from refitd.formats.gpu_bench on an H100 80GB HBM3 (both variants bit-identical
+# Defaults from refitd.bench.gpu.quantizers on an H100 80GB HBM3 (both variants bit-identical
 # to the reference there; fast=True reached 0.77 / 0.76 of copy_ bandwidth).
 MXFP8_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4, "fast": True}
 FP8_BLOCK_CONFIG = {"sub_r": 32, "num_warps": 8, "fast": True}

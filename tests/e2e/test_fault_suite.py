@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from refitd.demo.fault_suite import FaultSuite
+from refitd.bench.faults.suite import FaultSuite
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.cli.bench_fuzz import (
+from refitd.bench.fuzz import (
     METHODS,
     Daemon,
     FuzzStats,

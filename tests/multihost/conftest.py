@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from refitd.demo import netns
-from refitd.demo.host_workers import RankSpec
-from refitd.demo.multihost import AgentSpec, MultiHostCluster
+from refitd.bench.cluster import netns
+from refitd.bench.cluster.host_workers import RankSpec
+from refitd.bench.cluster.multihost import AgentSpec, MultiHostCluster
 
 LEASE_S = 8.0  # > the 5 s partition, with room for a busy 2-core machine
 SERVE_ARGS = [

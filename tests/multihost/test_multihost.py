@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from refitd.bench.cluster.multihost import MultiHostCluster
 from refitd.demo.gpt import GptConfig
-from refitd.demo.multihost import MultiHostCluster
 
 from .conftest import LEASE_S, MB
 

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from refitd.bench.plan_oracle import WireCodec, execute
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
-from refitd.plan.simulate import WireCodec, execute
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float64": np.float64}
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from refitd.bench.presets import PRESETS, preset
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import Box
 from refitd.plan.layouts import (
@@ -17,7 +18,6 @@ from refitd.plan.layouts import (
     megatron_layout,
 )
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.presets import PRESETS, preset
 
 
 def spec(pool, rank, name, shape, dtype="float32", layout=None, storage="plain", slot=None):

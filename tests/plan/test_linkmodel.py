@@ -1,13 +1,12 @@
-"""The link model (refitd.plan.linkmodel) on cases whose times follow by hand, and on plans."""
+"""The link model (refitd.bench.simulate.linkmodel) on cases whose times follow by hand,
+and on plans."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from refitd.plan.layout import TensorSpec
-from refitd.plan.layouts import megatron_layout
-from refitd.plan.linkmodel import (
+from refitd.bench.simulate.linkmodel import (
     ExecMode,
     MessageTable,
     Sharing,
@@ -17,6 +16,8 @@ from refitd.plan.linkmodel import (
     messages_from_plan,
     simulate,
 )
+from refitd.plan.layout import TensorSpec
+from refitd.plan.layouts import megatron_layout
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Copy
 
@@ -240,7 +241,7 @@ def test_relay_feeds_are_the_received_messages_a_relay_reads() -> None:
 
 
 def test_kimi_k2_plan_simulates_above_its_bound() -> None:
-    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.bench.presets import Parallel, build_specs, preset
 
     model = preset("kimi-k2")
     src = build_specs(model, Parallel.parse("tp=8,pp=8,ep=32", 256), "kimi-k2", "trainer", 0)

@@ -6,9 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refitd.bench.plan_oracle import execute
 from refitd.plan.names import canonical_name
 from refitd.plan.planner import Plan, PlanConfig
-from refitd.plan.simulate import execute
 
 from .oracle import run_and_check
 from .test_layouts_plan import mspec, tp_side

@@ -7,9 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from refitd.bench.simulate.linkmodel import (
+    ExecMode,
+    Topology,
+    lower_bound,
+    messages_from_plan,
+    simulate,
+)
 from refitd.plan import buckets as bk
 from refitd.plan.errors import PlanError
-from refitd.plan.linkmodel import ExecMode, Topology, lower_bound, messages_from_plan, simulate
 from refitd.plan.planner import PlanConfig
 
 from .oracle import run_and_check

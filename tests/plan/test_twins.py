@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refitd.bench.plan_oracle import execute
 from refitd.plan.errors import PlanError
 from refitd.plan.planner import PlanConfig
-from refitd.plan.simulate import execute
 from refitd.plan.table import SpecTable
 from refitd.plan.twins import build_twin_plan, pair_twins
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from refitd.bench.plan_oracle import WireCodec
 from refitd.formats import Transform, decode_segment, default_registry, encode_segment, split_parts
 from refitd.formats.fp8 import dtype_name, torch_dtype
 from refitd.formats.region import DestRegion, dest_region
 from refitd.formats.transform import TransformRegistry, store_region
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.simulate import WireCodec
 from refitd.plan.wireformat import WireFormat
 from refitd.plan.wires import RAW_CODE
 

@@ -116,7 +116,7 @@ def test_bench_load_tiny() -> None:
 def test_program_index_released_once_every_program_is_encoded() -> None:
     """A controller plan drops its program index after the last slot's payload (it holds
     every encoded program); a later program() rebuilds the same programs."""
-    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.bench.presets import Parallel, build_specs, preset
     from refitd.server.planning import PlanOptions, make_plan
 
     m = preset("llama3-8b")
@@ -135,7 +135,7 @@ def test_a_worker_added_while_a_plan_reads_the_tables_joins_without_a_rebuild() 
     """A pool registering while the model's plan is built (ahead) for the pools before it
     is appended at the next snapshot once no build reads the tables; if a build still
     does, that snapshot rebuilds them instead (the tables a build reads never change)."""
-    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.bench.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
     from refitd.server.planning import ModelTables
 

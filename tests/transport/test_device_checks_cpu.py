@@ -1,4 +1,4 @@
-"""The GPU bench's refit path (refitd.agent.gpu_checks.ipc_refit) run on the CPU: trainer and
+"""The GPU bench's refit path (refitd.bench.gpu.checks.ipc_refit) run on the CPU: trainer and
 inference processes with shared memory instead of CUDA IPC, a real transfer process, plain
 and persistent quantized destinations (data + scales registered together)."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from refitd.agent.gpu_checks import ipc_refit
+from refitd.bench.gpu.checks import ipc_refit
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_bench_gpu_imports_without_grpc_pydantic_fastapi() -> None:
     blocked = "import sys\nfor m in ('grpc', 'pydantic', 'fastapi', 'pydantic_settings'):\n"
     blocked += "    sys.modules[m] = None\n"
     # everything `run` imports, then the CLI's parser
-    code = blocked + "import refitd.agent.gpu_checks, refitd.formats.gpu_bench\n"
+    code = blocked + "import refitd.bench.gpu.checks, refitd.bench.gpu.quantizers\n"
     code += "from refitd.cli.main import main\nraise SystemExit(main(['bench', 'gpu', '--help']))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""Data-plane checks of one device, driven by `refitd bench gpu` (refitd/cli/bench_gpu.py).
+"""Data-plane checks of one device, driven by `refitd bench gpu` (refitd/bench/gpu/command.py).
 
 `ipc_refit`: a trainer process and an inference process on one device hold a BF16 model
 (each source tensor split in two row shards, each destination whole), registered through

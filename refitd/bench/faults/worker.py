@@ -1,6 +1,6 @@
 """A trainer or inference rank as its own process, driven by stdin lines, for the fault suite.
 
-`python -m refitd.demo.fault_worker trainer|inference ADDRESS MODEL RANK DEVICE MB`
+`python -m refitd.bench.faults.worker trainer|inference ADDRESS MODEL RANK DEVICE MB`
 
 Trainer: on "step <v>" it fills its TP shard with version v and refits (wait committed),
 then prints "refit <v> <state> <seconds> <message>". Inference: prints "ready <version>",

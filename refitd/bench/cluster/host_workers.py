@@ -1,6 +1,7 @@
 """The worker ranks of one emulated host in one process, driven by stdin lines.
 
-`python -m refitd.demo.host_workers ADDRESS MODEL --mb MB [--rank POOL:RANK:SIZE:DEVICE ...]`
+`python -m refitd.bench.cluster.host_workers ADDRESS MODEL --mb MB
+[--rank POOL:RANK:SIZE:DEVICE ...]`
 
 Every rank is its own client (a TrainerClient for pool "trainer", else an InferenceClient)
 holding its TP shard of a GPT-like model (refitd.demo.gpt; trainer shards carry Megatron

@@ -56,9 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from refitd.bench.presets import Parallel, build_specs, preset
     from refitd.plan.gc_pause import GcPause
     from refitd.plan.planner import PlanConfig, build_plan, build_plan_from_table
-    from refitd.plan.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
     from refitd.server.planning import keep_plan_heap
 
@@ -276,7 +276,7 @@ def _add_replica(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
     of its layout: a twin plan) with its programs. add_replica_s: all of that planning
     work; add_replica_join_s: what the joining replica waits for before its catch-up (the
     table add and the catch-up), the new plan being the next refit's."""
-    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.bench.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
     from refitd.server.planning import make_catch_up_plan, make_digest, make_plan
 

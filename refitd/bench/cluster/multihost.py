@@ -1,10 +1,10 @@
-"""A refitd cluster over emulated hosts (refitd.demo.netns): the controller on one host, a
-node agent and worker processes on others, every process in its host's namespace.
+"""A refitd cluster over emulated hosts (refitd.bench.cluster.netns): the controller on one
+host, a node agent and worker processes on others, every process in its host's namespace.
 
 Used by the multi-host tests (tests/multihost) and `refitd bench cluster`. Workers are
-refitd.demo.host_workers processes (one per host, holding that host's ranks); a rank-less
-one on the controller's host is the probe that reads the status document. Every wait is on
-a line or a status condition, with a timeout.
+refitd.bench.cluster.host_workers processes (one per host, holding that host's ranks); a
+rank-less one on the controller's host is the probe that reads the status document. Every
+wait is on a line or a status condition, with a timeout.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refitd.demo.fault_suite import Child
-from refitd.demo.host_workers import RankSpec
-from refitd.demo.netns import Network
+from refitd.bench.cluster.host_workers import RankSpec
+from refitd.bench.cluster.netns import Network
+from refitd.bench.faults.suite import Child
 
 GRPC_PORT = 50151
 HTTP_PORT = 50152
@@ -121,7 +121,7 @@ class MultiHostCluster:
     def worker_argv(self, host: str) -> list[str]:
         ranks = [f"{r.pool}:{r.rank}:{r.size}:{r.device}" for r in self.worker_specs[host]]
         return [
-            self.python, "-m", "refitd.demo.host_workers", self.address, self.model,
+            self.python, "-m", "refitd.bench.cluster.host_workers", self.address, self.model,
             "--mb", str(self.mb), *[a for r in ranks for a in ("--rank", r)], *self.worker_args,
         ]  # fmt: skip
 
@@ -142,7 +142,7 @@ class MultiHostCluster:
         return self
 
     def worker_argv_probe(self) -> list[str]:
-        return [self.python, "-m", "refitd.demo.host_workers", self.address, self.model]
+        return [self.python, "-m", "refitd.bench.cluster.host_workers", self.address, self.model]
 
     def _expect(self, child: Child, prefix: str, deadline: float) -> str:
         line = child.expect(prefix, max(0.0, deadline - time.monotonic()))

@@ -1,6 +1,6 @@
 """`refitd bench cluster`: refits across emulated hosts whose every link is shaped (tc tbf).
 
-Hosts are network namespaces on a private bridge (refitd.demo.netns; needs root): the
+Hosts are network namespaces on a private bridge (refitd.bench.cluster.netns; needs root): the
 controller on its own host, the trainer (tp=2, two ranks) on a second, and one inference
 pool of one rank per further host (3 hosts: one pool; 4 hosts: two pools, fed by relay).
 Every host's link is shaped to --rate-mbit in each direction on both ends.
@@ -23,10 +23,10 @@ import json
 import statistics
 import sys
 
-from refitd.demo import netns
+from refitd.bench.cluster import netns
+from refitd.bench.cluster.host_workers import RankSpec
+from refitd.bench.cluster.multihost import AgentSpec, MultiHostCluster
 from refitd.demo.gpt import GptConfig
-from refitd.demo.host_workers import RankSpec
-from refitd.demo.multihost import AgentSpec, MultiHostCluster
 
 SERVE_ARGS = ["--log-level", "warning", "--transfer-timeout-s", "120", "--pause-timeout-s", "30"]
 

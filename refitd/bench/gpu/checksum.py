@@ -1,13 +1,12 @@
 """GPU timing of the positional checksum (refitd.agent.checksums): the Triton kernel of
 refitd.formats.grouped against the CPU checksum bit for bit, then its bandwidth against a
-device copy. Lives with the agent because the checksum is the agent's; `refitd bench gpu`
-calls it."""
+device copy, for `refitd bench gpu`."""
 
 from __future__ import annotations
 
 import torch
 
-from refitd.formats.gpu_bench import LARGE_SHAPE, _median_seconds
+from refitd.bench.gpu.quantizers import LARGE_SHAPE, _median_seconds
 
 CHECKSUM_SHAPES = [(1,), (2,), (7, 2), (33, 64), (129, 257), (3, 5, 100), (4096, 1024)]
 

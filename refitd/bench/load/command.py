@@ -34,8 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from refitd.cli.bench_load_meta import META_MODEL, meta_peers, worlds
-from refitd.cli.bench_peers import pct
+from refitd.bench.light_agents import pct
+from refitd.bench.load.meta import META_MODEL, meta_peers, worlds
 
 log = logging.getLogger("refitd.bench.load")
 

@@ -2,7 +2,7 @@
 
 Builds a preset model's plan (as `refitd bench plan`, relays on as the daemon default), or
 the plan of `refitd bench cluster`'s emulated hosts (--topology cluster), and replays its
-messages on refitd.plan.linkmodel: hosts of --gpus-per-host GPUs, NVLink inside a host,
+messages on refitd.bench.simulate.linkmodel: hosts of --gpus-per-host GPUs, NVLink inside a host,
 one NIC per GPU at --gbit (cluster: one NIC per host at --rate-mbit times --efficiency),
 max-min fair sharing, each slot running its chunks in the executor's order under each
 --modes (stream: NCCL as driven today; group: one NCCL group per (round, chunk) step;
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from refitd.plan.linkmodel import (
+from refitd.bench.simulate.linkmodel import (
     ExecMode,
     MessageTable,
     Sharing,
@@ -174,7 +174,7 @@ def _mxfp8(spec, mxfp8: str):  # type: ignore[no-untyped-def]
 
 
 def _preset_specs(args: argparse.Namespace) -> tuple[list, list]:
-    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.bench.presets import Parallel, build_specs, preset
 
     model = preset(args.model)
     src = build_specs(model, Parallel.parse(args.src, args.src_world), args.model, "trainer", 0)
@@ -187,9 +187,9 @@ def _preset_specs(args: argparse.Namespace) -> tuple[list, list]:
 def _cluster_specs(args: argparse.Namespace) -> tuple[list, list, np.ndarray]:
     """`refitd bench cluster`'s registrations: a tp=2 trainer (slots 0, 1) on one host and a
     tp=1 pool on each further host (slot 2 + i); the controller's host holds no slot."""
+    from refitd.bench.presets import BF16
     from refitd.demo.gpt import GptConfig, ParallelLayout, rank_shards
     from refitd.plan.layout import TensorSpec
-    from refitd.plan.presets import BF16
 
     cfg = GptConfig.for_megabytes(args.mb, layers=2)
     pools = args.hosts - 2

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from refitd.cli.bench_peers import answer_setup, pct
+from refitd.bench.light_agents import answer_setup, pct
 
 AGENTS = 8
 ROWS_PER_RANK = 4

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from refitd.cli.bench_peers import answer_setup
+from refitd.bench.light_agents import answer_setup
 
 SLOTS_PER_AGENT = 64
 META_HOST = "bench-meta-host"
@@ -185,7 +185,7 @@ def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
     """The RegisterWorkerRequests of every metadata worker (the preset's trainer and two
     inference pools) and their total tensor count."""
     from refitd._proto import refitd_pb2 as pb
-    from refitd.plan.presets import Parallel, build_specs, preset
+    from refitd.bench.presets import Parallel, build_specs, preset
 
     p = preset(args["preset"])
     t_world, i_world = worlds(args["workers"])

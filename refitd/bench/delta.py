@@ -335,7 +335,7 @@ def rank_main(config: str) -> None:
 def _run_netns(args: argparse.Namespace) -> list[dict]:
     """The four ranks on four emulated hosts (network namespaces on a private bridge, every
     link shaped by tc tbf to --link-bit per direction); nothing leaves the machine."""
-    from refitd.demo.netns import Network, unavailable
+    from refitd.bench.cluster.netns import Network, unavailable
 
     why = unavailable()
     if why:
@@ -344,7 +344,7 @@ def _run_netns(args: argparse.Namespace) -> list[dict]:
     with Network([f"d{r}" for r in range(4)]) as net:
         net.shape(args.link_bit)
         store = net.hosts["d0"].address
-        code = "import sys; from refitd.cli.bench_delta import rank_main; rank_main(sys.argv[1])"
+        code = "import sys; from refitd.bench.delta import rank_main; rank_main(sys.argv[1])"
         procs = []
         for r in range(4):
             cfg = {"rank": r, "port": 29650, "args": vars(args) | {"host": store},

@@ -6,7 +6,7 @@ GB/s is comparable across devices (target >= 0.7). It also checks the kernels bi
 against the CPU torch reference on every shape class, and the large outputs against the
 reference run on the device.
 
-    PYTHONPATH=. python3 -m refitd.formats.gpu_bench      # table + one JSON line
+    PYTHONPATH=. python3 -m refitd.bench.gpu.quantizers      # table + one JSON line
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Imports torch, numpy, msgpack (and triton for (d)) only: no grpc, pydantic or fa
 
     refitd bench gpu [--gib 8] [--quant-gib 1] [--refits 5] [--small-count 10000]
                      [--only ipc,quant,staged,small,snapshot,nccl,kernels]
-    PYTHONPATH=. python3 -m refitd.cli.bench_gpu
+    PYTHONPATH=. python3 -m refitd.bench.gpu.command
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _attempt(fn: Callable[[], dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.agent import gpu_checks
+    from refitd.bench.gpu import checks as gpu_checks
 
     parts = [p for p in args.only.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -142,13 +142,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kernels() -> dict:
-    from refitd.agent import checksum_bench
-    from refitd.formats import gpu_bench
+    from refitd.bench.gpu import checksum as checksum_bench
+    from refitd.bench.gpu import quantizers
 
-    rows = gpu_bench.bench_quantizers()
-    summary = gpu_bench.summarize(rows)
+    rows = quantizers.bench_quantizers()
+    summary = quantizers.summarize(rows)
     hash_rows = checksum_bench.bench_checksum()
-    summary.update(gpu_bench.summarize_checksum(hash_rows))
+    summary.update(quantizers.summarize_checksum(hash_rows))
     return {"summary": summary, "rows": rows + hash_rows}
 
 
@@ -201,9 +201,9 @@ def _print_table(out: dict) -> bool:
             ok = False
             print(f"{'kernels':22} ERROR {k['error']}")
         else:
-            from refitd.formats import gpu_bench
+            from refitd.bench.gpu import quantizers
 
-            gpu_bench.print_rows(k["rows"])
+            quantizers.print_rows(k["rows"])
             s = k["summary"]
             ok = ok and s["bit_identical"]
             for fmt in ("mxfp8", "fp8_block"):
@@ -242,7 +242,9 @@ def _targets(key: str, r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m refitd.cli.bench_gpu", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python3 -m refitd.bench.gpu.command", description=__doc__
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -204,7 +204,7 @@ class Cluster:
         # Inference rank r sits on the other slot than trainer rank r: bytes cross slots.
         device = f"cpu:{rank}" if role == "trainer" else f"cpu:{1 - rank}"
         return [
-            sys.executable, "-m", "refitd.demo.fault_worker", role, self.address, MODEL,
+            sys.executable, "-m", "refitd.bench.faults.worker", role, self.address, MODEL,
             str(rank), device, str(self.mb), "--refit-timeout", str(self.refit_timeout_s),
             *(["--density", str(DELTA_DENSITY)] if self.delta else []),
         ]  # fmt: skip

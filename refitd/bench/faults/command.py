@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_cases(text: str) -> list[tuple[str, str]]:
-    from refitd.demo.fault_suite import PHASES, ROLES
+    from refitd.bench.faults.suite import PHASES, ROLES
 
     if text == "all":
         return [(r, p) for r in ROLES for p in PHASES]
@@ -55,7 +55,7 @@ def parse_cases(text: str) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.demo.fault_suite import FaultSuite, RunResult
+    from refitd.bench.faults.suite import FaultSuite, RunResult
 
     cases = parse_cases(args.cases)
     suite = FaultSuite(args.mb, say=lambda s: print(s, file=sys.stderr), delta=args.delta)

@@ -7,7 +7,7 @@ per-region calls (triton_kernels / copy_ per region); the grouped launch with se
 configs; for plain copies also the fused copy + checksum of both sides and the checksum
 alone. Bandwidth counts bytes read + written; ratio = GB/s over the copy's GB/s.
 
-    PYTHONPATH=. python3 -m refitd.formats.grouped_bench
+    PYTHONPATH=. python3 -m refitd.bench.gpu.grouped
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from refitd.bench.gpu.quantizers import _median_seconds
 from refitd.formats import triton_kernels
-from refitd.formats.gpu_bench import _median_seconds
 from refitd.formats.grouped import GroupedLanding
 from refitd.formats.region import dest_region
 from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape

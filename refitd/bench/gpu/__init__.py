@@ -1,0 +1,1 @@
+"""`refitd bench gpu`: the command, its device checks and its kernel timings."""

@@ -1,0 +1,1 @@
+"""`refitd bench load`: the command and its metadata peers."""
