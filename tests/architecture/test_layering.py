@@ -24,7 +24,10 @@ PROBE = Path(__file__).with_name("_blocked_imports.py")
 OPTIONAL = ["triton"]  # optional third-party packages (GPU kernels)
 # the Triton kernel modules: left unchecked where triton is not installed
 TRITON_MODULES = {"refitd.formats._triton_jit", "refitd.formats._triton_grouped"}
-ENTRY_POINTS = ("refitd.cli", "refitd.demo")  # they assemble the layers: nothing imports them
+# they assemble the layers: no layer imports them (refitd.bench: only the CLI, by name)
+ENTRY_POINTS = ("refitd.cli", "refitd.demo", "refitd.bench")
+BENCH = "refitd.bench"
+BENCH_IMPORTERS = ("refitd.cli", BENCH)  # the only packages whose modules name refitd.bench
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,16 @@ RULES = [
         "refitd.agent",
         "the node agent talks to the controller over gRPC only, never through its code",
         ("refitd.server", "refitd.client", *ENTRY_POINTS),
+    ),
+    Rule(
+        "refitd.bench",
+        "benchmarks and harnesses drive any layer; the CLI dispatches to them, never back",
+        ("refitd.cli",),
+    ),
+    Rule(
+        "refitd.demo",
+        "the demo runs the product as a user would, without the benchmarks and harnesses",
+        ("refitd.cli", BENCH),
     ),
     Rule(
         "refitd.agent.node",
@@ -156,6 +169,11 @@ def _imports(tree: ast.AST, module: str) -> list[tuple[int, str]]:
     return out
 
 
+def _source(module: str) -> Path:
+    path = ROOT / (module.replace(".", "/") + ".py")
+    return path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py"
+
+
 def _run_probe(rule: Rule) -> dict:
     args = {
         "root": str(ROOT),
@@ -204,9 +222,7 @@ def test_layer_source_has_no_forbidden_lazy_import(rule: Rule) -> None:
     """Imports inside functions (run only when called) obey the same rule."""
     faults = []
     for module in _modules(rule.layer):
-        path = ROOT / (module.replace(".", "/") + ".py")
-        if not path.exists():
-            path = ROOT / module.replace(".", "/") / "__init__.py"
+        path = _source(module)
         for line, imported in _imports(ast.parse(path.read_text()), module):
             if _blocked(imported, rule) and (module, imported) not in ALLOWED_LAZY:
                 faults.append(f"  {path.relative_to(ROOT)}:{line}: import {imported}")
@@ -222,3 +238,30 @@ def test_rules_cover_every_layer() -> None:
     ruled = {r.layer.split(".")[1] for r in RULES}
     entry = {e.split(".")[1] for e in ENTRY_POINTS}
     assert packages - ruled - entry - {"_proto"} == set()
+
+
+def _names_bench(node: ast.AST) -> bool:
+    """A string that names a refitd.bench module (`python -m ...`, importlib)."""
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+        return False
+    return any(w == BENCH or w.startswith(BENCH + ".") for w in node.value.split())
+
+
+def test_only_the_cli_imports_bench() -> None:
+    """No module of refitd outside the CLI and refitd.bench imports refitd.bench, at module
+    level, inside a function (TYPE_CHECKING aside) or by name in a string."""
+    faults = []
+    for module in _modules("refitd"):
+        if any(module == p or module.startswith(p + ".") for p in BENCH_IMPORTERS):
+            continue
+        path = _source(module)
+        tree = ast.parse(path.read_text())
+        for line, imported in _imports(tree, module):
+            if imported == BENCH or imported.startswith(BENCH + "."):
+                faults.append(f"  {path.relative_to(ROOT)}:{line}: import {imported}")
+        # prose about a bench is fine; a string that launches or imports one is not
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        for node in ast.walk(tree):
+            if id(node) not in docstrings and _names_bench(node):
+                faults.append(f"  {path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not faults, "refitd.bench is imported by the CLI only:\n" + "\n".join(faults)
