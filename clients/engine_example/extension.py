@@ -101,11 +101,14 @@ class RefitdWorkerExtension:
         engine: str = "",
         ep_size: int = 1,
         hf_config: Any = None,
+        source_naming: str = "megatron",
     ) -> str:
         """Register this worker's weights. engine="vllm" (or "sglang"): the model runner's
         own parameters through the engine layout of `hf_config` (default: the runner's
-        model_config.hf_config) for TP = pool_size, this worker's rank, EP = ep_size;
-        engine="": `weights` (or the module) as they are (HF names / Placed)."""
+        model_config.hf_config) for TP = pool_size, this worker's rank, EP = ep_size,
+        reading a trainer named as `source_naming` says ("megatron", or "hf" for a
+        transformers model under FSDP2 / DDP); engine="": `weights` (or the module) as
+        they are (HF names / Placed)."""
         module = weights if weights is not None else self.model_runner.model
         device = f"{torch.device(self.device).type}:{torch.device(self.device).index or 0}"
         self._refitd = RefitdWorker(
@@ -115,7 +118,8 @@ class RefitdWorkerExtension:
         if not engine:
             return self._refitd.register(module)
         cfg = hf_config if hf_config is not None else self.model_runner.model_config.hf_config
-        layout = engine_layout_for(cfg, EngineParallel(pool_size, self.rank, ep_size), engine)
+        parallel = EngineParallel(pool_size, self.rank, ep_size)
+        layout = engine_layout_for(cfg, parallel, engine, source_naming=source_naming)
         return self._refitd.register_engine(dict(module.named_parameters()), layout)
 
     def refitd_served_version(self) -> int | None:

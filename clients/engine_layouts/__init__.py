@@ -1,14 +1,19 @@
 """Inference-engine layouts (vLLM / SGLang): fused qkv_proj and gate_up_proj per TP rank
 (KV heads replicated when TP exceeds them), FusedMoE w13/w2 split by EP, padded vocabulary,
-MLA's fused latent projection; registered against a Megatron trainer without gathering.
+MLA's fused latent projection; registered against a Megatron- or HF-named trainer without
+gathering (`source_naming`: "megatron", "hf" for a transformers model under FSDP2 / DDP,
+"hf-checkpoint").
 
-    layout = engine_layout_for(hf_config, EngineParallel(tp_size=4, tp_rank=rank), "vllm")
+    layout = engine_layout_for(
+        hf_config, EngineParallel(tp_size=4, tp_rank=rank), "vllm", source_naming="hf"
+    )
     client = InferenceClient(controller, "policy", "infer", rank=rank, pool_size=4, ...)
     register_engine(client, dict(model.named_parameters()), layout)
 """
 
 from clients.engine_layouts.layouts import (
     ENGINES,
+    SOURCE_NAMINGS,
     VOCAB_PADDING,
     EngineLayout,
     EngineParallel,
@@ -24,6 +29,7 @@ from clients.engine_layouts.register import engine_placements, register_engine
 
 __all__ = [
     "ENGINES",
+    "SOURCE_NAMINGS",
     "VOCAB_PADDING",
     "EngineLayout",
     "EngineParallel",

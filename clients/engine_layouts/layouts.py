@@ -17,10 +17,19 @@ model runners allocate the same shapes; their weight loaders fill them):
 - MLA: `fused_qkv_a_proj` (vLLM) / `fused_qkv_a_proj_with_mqa` (SGLang): q_a_proj rows then
   kv_a_proj_with_mqa rows, replicated; q_b_proj / kv_b_proj split by heads.
 
-The destination canonical tensors are the HF checkpoint tensors (per expert
-`mlp.experts.{e}.{gate,up,down}_proj.weight`), except the embedding and output layer whose
-global shape is the padded one; the name map is the HF map (clients.hf_names) with padded
-embedding rules. Pure Python: the torch side is clients.engine_layouts.register.
+The pieces name the HF checkpoint tensors (per expert `mlp.experts.{e}.{gate,up,down}_proj
+.weight`), and the layout's name map reads them from the trainer's own names
+(`source_naming`, one of SOURCE_NAMINGS):
+- "megatron": a Megatron-Core trainer; the map is the Megatron -> HF map (clients.hf_names);
+- "hf": a trainer holding a transformers model (FSDP2, DDP, plain): its parameter names are
+  the pieces' names, except that transformers fuses routed experts into 3-D
+  `mlp.experts.gate_up_proj` [E, 2 * ffn, hidden] and `mlp.experts.down_proj`
+  [E, hidden, ffn], which expert pieces then read as slices (`Piece.index`);
+- "hf-checkpoint": HF checkpoint names, per-expert experts as well (what transformers
+  modules before version 5 hold, and clients.hf_names.hf_checkpoint_tensors).
+In every naming the embedding and output rules declare the padded rows, so the engine's
+padded global shape reads the trainer's unpadded tensor. Pure Python: the torch side is
+clients.engine_layouts.register.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from refitd.plan.errors import PlanError
 from refitd.plan.names import NameMap, NameRule, rename
 
 ENGINES = ("vllm", "sglang")
+SOURCE_NAMINGS = ("megatron", "hf", "hf-checkpoint")
 VOCAB_PADDING = 64  # vLLM's and SGLang's DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -70,8 +80,10 @@ class EngineParallel:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Rows [start, start + length) along `dim` of HF canonical `canonical` (global shape
-    `global_shape`), held at `local` along dim in the engine tensor; other dims whole."""
+    """Rows [start, start + length) along `dim` of canonical `canonical` (global shape
+    `global_shape`), held at `local` along dim in the engine tensor; other dims whole.
+    With `index`, the canonical is stacked (transformers' fused experts): the piece lies in
+    its slice [index] along dim 0, and dim counts the slice's dims."""
 
     canonical: str
     global_shape: tuple[int, ...]
@@ -79,6 +91,7 @@ class Piece:
     start: int
     length: int
     local: int
+    index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +112,12 @@ class EngineTensor:
 
 @dataclass(frozen=True, slots=True)
 class EngineLayout:
-    """A rank's engine tensors and the name map from Megatron canonicals to them."""
+    """A rank's engine tensors and the name map that reads them from the trainer's
+    canonicals (named as `source_naming` says)."""
 
     tensors: tuple[EngineTensor, ...]
     name_map: NameMap
+    source_naming: str = "megatron"
 
     def by_key(self) -> dict[str, EngineTensor]:
         return {t.key: t for t in self.tensors}
@@ -187,9 +202,10 @@ def _mlp(prefix: str, hidden: int, ffn: int, p: EngineParallel) -> list[EngineTe
 
 
 def routed_experts(
-    prefix: str, experts: int, hidden: int, ffn: int, p: EngineParallel
+    prefix: str, experts: int, hidden: int, ffn: int, p: EngineParallel, fused: bool = False
 ) -> list[EngineTensor]:
-    """FusedMoE `w13_weight` / `w2_weight`, one EngineTensor per local expert slice."""
+    """FusedMoE `w13_weight` / `w2_weight`, one EngineTensor per local expert slice.
+    fused: the pieces read transformers' stacked `experts.gate_up_proj` / `down_proj`."""
     if experts % p.ep_size:
         raise PlanError(f"{prefix}: {experts} experts do not split over EP {p.ep_size}")
     local = experts // p.ep_size
@@ -199,9 +215,28 @@ def routed_experts(
         hf = f"{prefix}.experts.{e}"
         w13 = gate_up_proj(hf, hidden, ffn, p.moe_tp, p.moe_tp_rank)
         w2 = _split(f"{hf}.down_proj.weight", (hidden, ffn), 1, p.moe_tp, p.moe_tp_rank)
+        if fused:
+            w13 = _stacked(w13, f"{prefix}.experts", experts, e)
+            w2 = _stacked(w2, f"{prefix}.experts", experts, e)
         out.append(EngineTensor(f"{prefix}.experts.w13_weight", w13.local_shape, w13.pieces, k))
         out.append(EngineTensor(f"{prefix}.experts.w2_weight", w2.local_shape, w2.pieces, k))
     return out
+
+
+def _stacked(t: EngineTensor, base: str, experts: int, e: int) -> EngineTensor:
+    """Expert e's pieces as slices of transformers' fused experts under `base`: gate rows
+    then up rows of `gate_up_proj` [E, 2 * ffn, hidden], `down_proj` [E, hidden, ffn]."""
+    pieces = []
+    for pc in t.pieces:
+        ffn = pc.global_shape[0]
+        if pc.canonical.endswith(".down_proj.weight"):
+            name, shape, start = f"{base}.down_proj", (experts, *pc.global_shape), pc.start
+        else:
+            up = pc.canonical.endswith(".up_proj.weight")
+            name, shape = f"{base}.gate_up_proj", (experts, 2 * ffn, pc.global_shape[1])
+            start = pc.start + (ffn if up else 0)
+        pieces.append(Piece(name, shape, pc.dim, start, pc.length, pc.local, e))
+    return EngineTensor(t.name, t.local_shape, tuple(pieces))
 
 
 def _vocab(
@@ -213,18 +248,26 @@ def _vocab(
 
 
 def _ends(
-    base: NameMap, vocab: int, hidden: int, tie: bool, p: EngineParallel, padding: int
+    base: NameMap,
+    vocab: int,
+    hidden: int,
+    tie: bool,
+    p: EngineParallel,
+    padding: int,
+    naming: str,
 ) -> tuple[list[EngineTensor], NameMap]:
     """Embedding, final norm and (untied) output layer; the map's embedding and output
-    rules replaced by their padded versions."""
-    embed, r_embed = _vocab(
-        "model.embed_tokens.weight", "embedding.word_embeddings.weight", vocab, hidden, p, padding
-    )
+    rules replaced by their padded versions (from the trainer's names of the two)."""
+    if naming == "megatron":
+        embed_src, head_src = "embedding.word_embeddings.weight", "output_layer.weight"
+    else:
+        embed_src, head_src = "model.embed_tokens.weight", "lm_head.weight"
+    embed, r_embed = _vocab("model.embed_tokens.weight", embed_src, vocab, hidden, p, padding)
     tensors = [embed, _whole("model.norm.weight", (hidden,))]
     rules = {r.dst: r for r in base.rules}
     rules[r_embed.dst] = r_embed
     if not tie:
-        head, r_head = _vocab("lm_head.weight", "output_layer.weight", vocab, hidden, p, padding)
+        head, r_head = _vocab("lm_head.weight", head_src, vocab, hidden, p, padding)
         tensors.append(head)
         rules[r_head.dst] = r_head
     return tensors, NameMap(tuple(rules.values()))
@@ -235,11 +278,14 @@ def llama_engine_layout(
     p: EngineParallel,
     engine: str = "vllm",
     padding: int = VOCAB_PADDING,
+    source_naming: str = "megatron",
 ) -> EngineLayout:
     """Llama / Qwen2 / Qwen3 / Qwen3-MoE as a vLLM or SGLang rank holds it (the two name
     these tensors alike). Tied embeddings: the engine's lm_head is embed_tokens itself."""
     _engine(engine)
-    tensors, name_map = _ends(llama_name_map(d), d.vocab, d.hidden, d.tie_embeddings, p, padding)
+    base = llama_name_map(d) if _naming(source_naming) == "megatron" else NameMap(())
+    tensors, name_map = _ends(base, d.vocab, d.hidden, d.tie_embeddings, p, padding, source_naming)
+    fused = source_naming == "hf"
     for i in range(d.layers):
         hf = f"model.layers.{i}"
         attn = f"{hf}.self_attn"
@@ -259,10 +305,10 @@ def llama_engine_layout(
             ]
         if d.experts and i not in d.dense_layers:
             tensors.append(_whole(f"{hf}.mlp.gate.weight", (d.experts, d.hidden)))
-            tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p)
+            tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p, fused)
         else:
             tensors += _mlp(f"{hf}.mlp", d.hidden, d.ffn, p)
-    return EngineLayout(tuple(tensors), name_map)
+    return EngineLayout(tuple(tensors), name_map, source_naming)
 
 
 def fused_qkv_a_name(engine: str) -> str:
@@ -276,14 +322,15 @@ def deepseek_v3_engine_layout(
     p: EngineParallel,
     engine: str = "vllm",
     padding: int = VOCAB_PADDING,
+    source_naming: str = "megatron",
 ) -> EngineLayout:
     """DeepSeek-V3 / Kimi-K2 (MLA, routed + shared experts) as a vLLM or SGLang rank holds
     it. SGLang derives its absorbed `w_kc`/`w_vc` from kv_b_proj after a load: call the
     model's post-load hook in the engine's resume hook after a refit."""
     _engine(engine)
-    tensors, name_map = _ends(
-        deepseek_v3_name_map(d), d.vocab, d.hidden, d.tie_embeddings, p, padding
-    )
+    base = deepseek_v3_name_map(d) if _naming(source_naming) == "megatron" else NameMap(())
+    tensors, name_map = _ends(base, d.vocab, d.hidden, d.tie_embeddings, p, padding, source_naming)
+    fused = source_naming == "hf"
     qk = d.nope + d.rope
     kv_a = d.kv_lora + d.rope
     for i in range(d.layers):
@@ -324,19 +371,26 @@ def deepseek_v3_engine_layout(
         if d.shared_experts:
             tensors += _mlp(f"{hf}.mlp.shared_experts", d.hidden,
                             d.expert_ffn * d.shared_experts, p)  # fmt: skip
-        tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p)
-    return EngineLayout(tuple(tensors), name_map)
+        tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p, fused)
+    return EngineLayout(tuple(tensors), name_map, source_naming)
 
 
 def engine_layout_for(
-    cfg: object, p: EngineParallel, engine: str = "vllm", padding: int = VOCAB_PADDING
+    cfg: object,
+    p: EngineParallel,
+    engine: str = "vllm",
+    padding: int = VOCAB_PADDING,
+    source_naming: str = "megatron",
 ) -> EngineLayout:
-    """The layout for a transformers config by its model_type."""
+    """The layout for a transformers config by its model_type, reading a trainer whose
+    tensors are named as `source_naming` says ("megatron", "hf", "hf-checkpoint")."""
     kind = getattr(cfg, "model_type", "")
     if kind in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral"):
-        return llama_engine_layout(LlamaDims.from_hf_config(cfg), p, engine, padding)
+        dims = LlamaDims.from_hf_config(cfg)
+        return llama_engine_layout(dims, p, engine, padding, source_naming)
     if kind in ("deepseek_v3", "kimi_k2"):
-        return deepseek_v3_engine_layout(DeepseekV3Dims.from_hf_config(cfg), p, engine, padding)
+        mla = DeepseekV3Dims.from_hf_config(cfg)
+        return deepseek_v3_engine_layout(mla, p, engine, padding, source_naming)
     raise ValueError(f"no engine layout for model_type {kind!r}")
 
 
@@ -344,3 +398,12 @@ def _engine(engine: str) -> str:
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: expected one of {ENGINES}")
     return engine
+
+
+def _naming(source_naming: str) -> str:
+    if source_naming not in SOURCE_NAMINGS:
+        raise ValueError(
+            f"source_naming {source_naming!r}: expected one of {SOURCE_NAMINGS} (the names "
+            "the trainer registers: Megatron-Core's, or a transformers model's)"
+        )
+    return source_naming

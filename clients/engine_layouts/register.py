@@ -1,13 +1,16 @@
-"""Register an engine rank's parameters (vLLM / SGLang names) as destinations of a Megatron
-trainer, through an EngineLayout (clients.engine_layouts.layouts).
+"""Register an engine rank's parameters (vLLM / SGLang names) as destinations of a trainer
+(Megatron- or HF-named), through an EngineLayout (clients.engine_layouts.layouts).
 
 Each engine tensor becomes one registration per piece: the fused `qkv_proj` registers as
 `...qkv_proj.weight` (its q heads), `...qkv_proj.weight@k_proj` and `@v_proj`, all on the
-same memory, each as boxes of the Megatron tensor the name map reads (fused QKV rows of
-every KV group). One registration per piece keeps replicated KV heads a whole replica of
-their own (ranks sharing a KV head hold identical boxes). A stacked expert parameter
-registers one slice per local expert (`...w13_weight[k]`). A piece that lies entirely in
-declared padding (a vocabulary shard past the real vocabulary) registers nothing.
+same memory, each as boxes of the trainer tensor the name map reads (a Megatron trainer:
+fused QKV rows of every KV group; an HF one: q_proj, k_proj, v_proj). One registration per
+piece keeps replicated KV heads a whole replica of their own (ranks sharing a KV head hold
+identical boxes). A stacked expert parameter registers one slice per local expert
+(`...w13_weight[k]`); a piece of a stacked canonical (transformers' fused experts) views
+that slice with a leading dim of 1, its box at the expert's index. A piece that lies
+entirely in declared padding (a vocabulary shard past the real vocabulary) registers
+nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from refitd.plan.names import source_boxes
 
 
 def _short(canonical: str) -> str:
-    """`model.layers.0.self_attn.k_proj.weight` -> `k_proj`."""
+    """`model.layers.0.self_attn.k_proj.weight` -> `k_proj`,
+    `model.layers.1.mlp.experts.gate_up_proj` -> `gate_up_proj`."""
     parts = canonical.split(".")
-    return parts[-2] if len(parts) > 1 else canonical
+    return parts[-2] if len(parts) > 1 and parts[-1] in ("weight", "bias") else parts[-1]
 
 
 def _local(params: Mapping[str, torch.Tensor], t: EngineTensor) -> torch.Tensor:
@@ -59,12 +63,13 @@ def engine_placements(
 ) -> dict[str, Placed]:
     """Every engine tensor of the layout as Placed boxes, one registration per piece.
 
-    through_map: boxes in the source (Megatron) canonicals, through the layout's name map
+    through_map: boxes in the trainer's canonicals, through the layout's name map
     (`refitd.plan.names.source_boxes`; declared padding rows map to nothing), which any
-    controller plans as is; False: boxes in the HF canonicals (for a planner given the
-    name map itself). storage: registration storage by engine parameter name ("mxfp8",
-    "fp8_block") for quantized persistent buffers (plain by default); such a parameter is
-    its uint8 data, `scales[name]` its scale buffer, `dtype` what they stand for.
+    controller plans as is; False: boxes in the layout's piece canonicals (for a planner
+    given the name map itself). storage: registration storage by engine parameter name
+    ("mxfp8", "fp8_block") for quantized persistent buffers (plain by default); such a
+    parameter is its uint8 data, `scales[name]` its scale buffer, `dtype` what they stand
+    for.
     """
     rules = layout.name_map.index() if through_map else {}
     extents = source_extents(layout.name_map) if through_map else {}
@@ -78,10 +83,15 @@ def engine_placements(
                 raise PlanError(f"engine tensor {t.name!r}: {kind} storage without scales")
             sc = scales[t.name] if t.index is None else scales[t.name][t.index]
         for k, p in enumerate(t.pieces):
-            offset = [0] * x.dim()
-            local = [0] * x.dim()
-            shape = list(x.shape)
-            offset[p.dim], local[p.dim], shape[p.dim] = p.start, p.local, p.length
+            stacked = p.index is not None  # a slice of a stacked canonical: a leading dim
+            held = x.unsqueeze(0) if stacked else x
+            offset = [0] * held.dim()
+            local = [0] * held.dim()
+            shape = list(held.shape)
+            if p.index is not None:
+                offset[0] = p.index
+            d = p.dim + stacked
+            offset[d], local[d], shape[d] = p.start, p.local, p.length
             box = Box(tuple(offset), tuple(shape), tuple(local))
             key = t.key if k == 0 else f"{t.key}@{_short(p.canonical)}"
             for j, (source, b) in enumerate(source_boxes(rules, p.canonical, box)):
@@ -90,12 +100,12 @@ def engine_placements(
                     dim, length = extents[source]
                     gshape[dim] = length
                 out[key if j == 0 else f"{key}#{j}"] = Placed(
-                    x,
+                    held,
                     tuple(gshape),
                     [b],
                     canonical=source,
                     storage=kind,
-                    scales=sc,
+                    scales=sc.unsqueeze(0) if stacked and sc is not None else sc,
                     dtype=dtype if kind != PLAIN else None,
                 )
     return out

@@ -190,3 +190,67 @@ def mxfp8_reference(hf: torch.nn.Module, suffixes: tuple[str, ...]) -> None:
         for n, p in hf.named_parameters():
             if n.endswith(suffixes):
                 p.copy_(mxfp8_dequantize(*mxfp8_quantize(p), dtype=p.dtype))
+
+
+def loaded_buffers(
+    eng: EngineModel, rank: int, hf: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """What the engines' weight loaders put in rank `rank`'s tensors from a transformers
+    model's state dict `hf` (fused experts [E, 2I, H] / [E, H, I]), written here as vLLM's
+    and SGLang's loaders do it: QKVParallelLinear narrows q at rank * q_rows and k / v at
+    (rank // replicas) * kv_rows; MergedColumnParallelLinear puts the rank's gate rows,
+    then its up rows; RowParallelLinear narrows dim 1; the vocabulary is padded to 64 and
+    cut evenly (rows past the real vocabulary hold PAD_FILL: a refit never writes them);
+    FusedMoE holds experts [ep_rank * E / ep, ...) with the ffn narrowed by the MoE TP
+    rank."""
+    cfg, tp = eng.cfg, eng.tp
+    mt = tp // eng.ep
+
+    def part(t: torch.Tensor, dim: int, parts: int, r: int) -> torch.Tensor:
+        n = t.shape[dim] // parts
+        return t.narrow(dim, r * n, n)
+
+    def gate_up(gate: torch.Tensor, up: torch.Tensor, parts: int, r: int) -> torch.Tensor:
+        return torch.cat([part(gate, 0, parts, r), part(up, 0, parts, r)])
+
+    out: dict[str, torch.Tensor] = {}
+    for name, held in eng.ranks[rank].items():
+        pre = name.rsplit(".", 2)[0] + "."  # the module path of `name`'s parent
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            want = torch.full_like(held, PAD_FILL)
+            per = _pad64(cfg.vocab_size) // tp
+            real = hf[name][rank * per : (rank + 1) * per]
+            want[: real.shape[0]] = real
+        elif name.endswith(".qkv_proj.weight"):
+            kv = cfg.num_key_value_heads
+            k_part = rank // max(1, tp // kv)
+            kv_parts = min(tp, kv)
+            want = torch.cat([
+                part(hf[pre + "q_proj.weight"], 0, tp, rank),
+                part(hf[pre + "k_proj.weight"], 0, kv_parts, k_part),
+                part(hf[pre + "v_proj.weight"], 0, kv_parts, k_part),
+            ])  # fmt: skip
+        elif name.endswith(".gate_up_proj.weight"):
+            want = gate_up(hf[pre + "gate_proj.weight"], hf[pre + "up_proj.weight"], tp, rank)
+        elif name.endswith((".o_proj.weight", ".down_proj.weight")):
+            want = part(hf[name], 1, tp, rank)
+        elif name.endswith((".q_b_proj.weight", ".kv_b_proj.weight")):
+            want = part(hf[name], 0, tp, rank)
+        elif name.endswith(("fused_qkv_a_proj.weight", "fused_qkv_a_proj_with_mqa.weight")):
+            want = torch.cat([hf[pre + "q_a_proj.weight"], hf[pre + "kv_a_proj_with_mqa.weight"]])
+        elif name.endswith((".w13_weight", ".w2_weight")):
+            local = held.shape[0]
+            experts = range(rank // mt * local, (rank // mt + 1) * local)
+            pre = name.rsplit(".", 1)[0] + "."  # ...mlp.experts.
+            if name.endswith(".w13_weight"):
+                gu = hf[pre + "gate_up_proj"]
+                ffn = gu.shape[1] // 2
+                pairs = [(gu[e, :ffn], gu[e, ffn:]) for e in experts]
+                want = torch.stack([gate_up(g, u, mt, rank % mt) for g, u in pairs])
+            else:
+                dn = hf[pre + "down_proj"]
+                want = torch.stack([part(dn[e], 1, mt, rank % mt) for e in experts])
+        else:  # replicated: norms, routers, router bias
+            want = hf[name]
+        out[name] = want
+    return out

@@ -166,3 +166,51 @@ def trainer_rank(
     finally:
         for t in trainers:
             t.close()
+
+
+def fsdp_trainer_rank(
+    rank: int, port: int, controller: str, seed: int, kinds: tuple[str, ...], batch: Any,
+    results: Any,
+) -> None:  # fmt: skip
+    """FSDP2 rank of 2 (Gloo) of each model kind: every decoder layer and the root
+    `fully_shard`-ed, registered under the transformers model's own names as
+    `fsdp-{kind}`; after refit v1 rank 0 reports the sharded model's logits of `batch`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from clients.dtensor_adapter import register_dtensor_module
+    from refitd.client import TrainerClient
+
+    trainers = []
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
+        mesh = init_device_mesh("cpu", (2,))
+        models = {}
+        for kind in kinds:
+            m = model(kind, seed)
+            for layer in m.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            t = TrainerClient(controller, f"fsdp-{kind}", rank=rank, pool_size=2,
+                              device=f"cpu:{rank}")  # fmt: skip
+            trainers.append(t)
+            register_dtensor_module(t, m)
+            models[kind] = m
+        dist.barrier()  # every rank registered before any asks for a refit
+        for kind, t in zip(kinds, trainers, strict=True):
+            results.put((rank, kind, t.refit(1, wait="committed", timeout=90).state))
+        with torch.no_grad():
+            for kind, m in models.items():
+                logits = m(batch).logits
+                if rank == 0:
+                    results.put((rank, f"logits-{kind}", logits))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        for t in trainers:
+            t.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

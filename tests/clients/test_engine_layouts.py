@@ -3,7 +3,9 @@ model as TP ranks of an inference engine do (fused qkv_proj with replicated KV h
 gate_up_proj, FusedMoE w13/w2 under EP, padded vocabulary, MLA fused_qkv_a_proj) and runs
 it from those tensors. A Megatron tp=2 x pp=2 trainer refits engine pools of tp 1, 2 and 4
 (4 is above the 2 KV heads) through the daemon; the engine's logits then equal the
-transformers reference's, bit for bit."""
+transformers reference's, bit for bit. An FSDP2 trainer of the transformers models (HF
+names, `source_naming="hf"`) refits such pools too: every engine tensor equals what the
+engines' loaders make of its weights, and the logits equal the trainer's."""
 
 from __future__ import annotations
 
@@ -19,8 +21,18 @@ import torch
 pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp
-from _engine_models import PAD_FILL, EngineModel, mxfp8_reference
-from _hf_models import DSV3, LLAMA, QWEN3, QWEN3_MOE, config, megatron_weights, model, trainer_rank
+from _engine_models import PAD_FILL, EngineModel, loaded_buffers, mxfp8_reference
+from _hf_models import (
+    DSV3,
+    LLAMA,
+    QWEN3,
+    QWEN3_MOE,
+    config,
+    fsdp_trainer_rank,
+    megatron_weights,
+    model,
+    trainer_rank,
+)
 
 from clients.engine_example import RefitdWorker, RefitdWorkerExtension
 from clients.engine_layouts import (
@@ -31,7 +43,7 @@ from clients.engine_layouts import (
     llama_engine_layout,
 )
 from clients.hf_names import LlamaDims, hf_checkpoint_tensors
-from refitd.demo.run import Daemon
+from refitd.demo.run import Daemon, free_port
 from refitd.plan.errors import PlanError
 
 BATCH = torch.tensor([[3, 17, 99, 4, 249, 8, 61, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
@@ -44,10 +56,12 @@ def ep_of(kind: str, tp: int) -> int:
     return tp if kind == QWEN3_MOE else 1
 
 
-def layouts(kind: str, tp: int) -> list[EngineLayout]:
+def layouts(kind: str, tp: int, naming: str = "megatron") -> list[EngineLayout]:
     cfg = config(kind)
     return [
-        engine_layout_for(cfg, EngineParallel(tp, r, ep_of(kind, tp)), ENGINE[kind])
+        engine_layout_for(
+            cfg, EngineParallel(tp, r, ep_of(kind, tp)), ENGINE[kind], source_naming=naming
+        )
         for r in range(tp)
     ]
 
@@ -67,9 +81,12 @@ def shapes_of(lays: list[EngineLayout]) -> Callable[[int], dict[str, tuple[int, 
     return shapes
 
 
-def engine(kind: str, tp: int, seed: int) -> tuple[EngineModel, list[EngineLayout]]:
-    lays = layouts(kind, tp)
-    return EngineModel(model(kind, seed), tp, ep_of(kind, tp), ENGINE[kind], shapes_of(lays)), lays
+def engine(
+    kind: str, tp: int, seed: int, naming: str = "megatron"
+) -> tuple[EngineModel, list[EngineLayout]]:
+    lays = layouts(kind, tp, naming)
+    eng = EngineModel(model(kind, seed), tp, ep_of(kind, tp), ENGINE[kind], shapes_of(lays))
+    return eng, lays
 
 
 @pytest.mark.parametrize(("tp", "through_map"), [(1, 0), (2, 0), (4, 0), (2, 1), (4, 1)])
@@ -124,6 +141,8 @@ def test_bad_engine_layouts_name_the_tensor() -> None:
         llama_engine_layout(dims, EngineParallel(2, 0))
     with pytest.raises(ValueError, match="engine 'trt'"):
         engine_layout_for(cfg, EngineParallel(1, 0), "trt")
+    with pytest.raises(ValueError, match=r"source_naming 'fsdp'.*'megatron', 'hf'"):
+        engine_layout_for(cfg, EngineParallel(1, 0), "vllm", source_naming="fsdp")
     lay = engine_layout_for(cfg, EngineParallel(2, 0), "vllm")
     params = {t.name: torch.zeros(t.local_shape) for t in lay.tensors}
     params["model.layers.1.mlp.gate_up_proj.weight"] = torch.zeros(64, 64)
@@ -252,3 +271,109 @@ def test_quantized_registrations_need_scales_and_the_source_dtype() -> None:
         collect({"w": Placed(data, storage="mxfp8", dtype="bfloat16")})
     with pytest.raises(PlanError, match=r"'w'.*needs dtype="):
         collect({"w": Placed(data, storage="mxfp8", scales=scales)})
+
+
+def fill_from(src: dict[str, torch.Tensor], eng: EngineModel, lays: list[EngineLayout]) -> None:
+    """Write every engine registration from its boxes in the trainer's global tensors; each
+    box must name a trainer tensor of the registration's global shape."""
+    for r, lay in enumerate(lays):
+        for key, p in engine_placements(eng.ranks[r], lay).items():
+            assert p.canonical in src, (r, key, p.canonical)
+            assert tuple(p.global_shape) == tuple(src[p.canonical].shape), (r, key)
+            for b in p.boxes:
+                glob = tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape, strict=True))
+                loc = tuple(slice(o, o + n) for o, n in zip(b.local_offset, b.shape, strict=True))
+                p.tensor[loc] = src[p.canonical][glob]
+
+
+def assert_loaded(eng: EngineModel, hf: dict[str, torch.Tensor]) -> None:
+    """Every engine tensor of every rank equals what the engine's loaders make of `hf`."""
+    bad = [
+        (r, n)
+        for r in range(eng.tp)
+        for n, want in loaded_buffers(eng, r, hf).items()
+        if not torch.equal(eng.ranks[r][n], want)
+    ]
+    assert bad == []
+
+
+@pytest.mark.parametrize(("tp", "naming"), [(2, "hf"), (4, "hf"), (2, "hf-checkpoint")])
+@pytest.mark.parametrize("kind", [LLAMA, QWEN3, QWEN3_MOE, DSV3])
+def test_hf_named_trainer_fills_engine_tensors_as_the_loaders_do(
+    kind: str, tp: int, naming: str
+) -> None:
+    """A trainer named like the transformers model ("hf": fused 3-D experts) or like its
+    checkpoint (per-expert experts): the engine's boxes read its tensors at their own,
+    unpadded global shapes; every engine tensor then holds what vLLM's / SGLang's loaders
+    put there (padding rows untouched) and the engine's logits equal the model's."""
+    ref = model(kind, 0)
+    sd = ref.state_dict()
+    eng, lays = engine(kind, tp, 1, naming)
+    fill_from(dict(sd) if naming == "hf" else hf_checkpoint_tensors(ref), eng, lays)
+    assert_loaded(eng, sd)
+    with torch.no_grad():
+        assert torch.equal(eng.logits(BATCH), ref(BATCH).logits)
+
+
+# pools fed by the FSDP2 trainer: (kind, pool, tp); tp 1 registers through the vLLM worker
+# extension (vLLM layout), the others through RefitdWorker (ENGINE[kind]'s layout)
+FSDP_POOLS = (
+    (QWEN3, "vllm-tp1", 1), (QWEN3, "sglang-tp2", 2), (QWEN3, "sglang-tp4", 4),
+    (QWEN3_MOE, "vllm-tp2-ep2", 2), (DSV3, "sglang-tp2", 2),
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_fsdp2_hf_trainer_refits_engine_pools_to_identical_logits(daemon: Daemon) -> None:
+    """An FSDP2 trainer (fully_shard over 2 Gloo ranks) of transformers models registers
+    its DTensor shards under the models' own names; engine pools laid out as vLLM / SGLang
+    TP ranks (padded vocabulary, tied embeddings, KV heads replicated at tp 4, experts
+    under EP, MLA) take refit v1 with source_naming="hf": every engine tensor equals what
+    the engine's loaders make of the trainer's weights, and the engine's logits equal the
+    sharded trainer model's."""
+    seed, kinds = 21, (QWEN3, QWEN3_MOE, DSV3)
+    refs = {k: model(k, seed) for k in kinds}
+    pools = [(k, pool, engine(k, tp, seed + 1, "hf")) for k, pool, tp in FSDP_POOLS]
+    workers: list[RefitdWorker | VllmWorker] = []
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    args = (free_port(), daemon.address, seed, kinds, BATCH, results)
+    procs = [ctx.Process(target=fsdp_trainer_rank, args=(r, *args), daemon=True) for r in (0, 1)]
+    try:
+        for k, pool, (eng, lays) in pools:
+            if eng.tp == 1:
+                w = VllmWorker(eng, config(k))
+                workers.append(w)
+                assert w.refitd_register(
+                    daemon.address, f"fsdp-{k}", pool, 1, engine="vllm", source_naming="hf"
+                )
+                continue
+            for r in range(eng.tp):
+                ww = RefitdWorker(daemon.address, f"fsdp-{k}", pool, r, eng.tp, f"cpu:{r % 2}",
+                                  pause=lambda v: None, resume=lambda v: None)  # fmt: skip
+                workers.append(ww)
+                ww.register_engine(eng.ranks[r], lays[r])
+        for p in procs:
+            p.start()
+        got: dict[tuple[int, str], object] = {}
+        while len(got) < 2 * len(kinds) + len(kinds):
+            try:
+                rank, what, value = results.get(timeout=240)
+            except queue.Empty:
+                pytest.fail(f"trainer ranks did not report; got {sorted(got)}")
+            assert what != "error", value
+            got[(rank, what)] = value
+        assert {got[(r, k)] for r in (0, 1) for k in kinds} == {"committed"}
+        with torch.no_grad():
+            for k, pool, (eng, _) in pools:
+                assert_loaded(eng, refs[k].state_dict())
+                trainer_logits = got[(0, f"logits-{k}")]
+                assert torch.equal(eng.logits(BATCH), trainer_logits), (k, pool)
+                assert torch.equal(trainer_logits, refs[k](BATCH).logits), k
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        for w in workers:
+            w.close() if isinstance(w, RefitdWorker) else w.refitd_close()
