@@ -5,7 +5,9 @@ Each DTensor's device mesh (shape, this process's coordinate) and placements bec
 through refitd.plan.layouts.dtensor_layout, which follows torch.chunk for uneven shards and
 applies mesh dims left to right (two mesh dims may shard the same tensor dim). The local
 tensor registered is the DTensor's own local shard, so registration moves the storage the
-optimizer writes to, and later steps are what the next refit reads. Wrapper prefixes that
+optimizer writes to, and later steps are what the next refit reads. The storage moves in
+place, so FSDP2's padded all-gather buffer, of which the local shard is a view, moves with
+it and the trainer's forward keeps reading the registered memory. Wrapper prefixes that
 FSDP, activation checkpointing and torch.compile insert are dropped from canonical names.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from refitd.client import Placed
-from refitd.client.tensors import dtensor_placement
+from refitd.client.tensors import dtensor_placement, reshard_fsdp
 from refitd.client.worker import Registration, WorkerClient
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -32,12 +34,17 @@ def canonical_dtensor_name(name: str, wrappers: Sequence[str] = WRAPPER_PREFIXES
 def dtensor_tensors(module: torch.nn.Module) -> dict[str, Placed]:
     """Parameters and persistent buffers as Placed tensors; plain tensors are replicas.
 
+    FSDP2 modules are resharded first (`reshard_fsdp`), so a module can be read at any
+    point of its life (right after fully_shard, after an eval or a training forward): its
+    parameters are then FSDP2's sharded DTensors, whose local shards the optimizer steps.
+
     A shard that is empty on this rank (torch.chunk gives trailing ranks nothing when a
     dim is smaller than the mesh) is registered with no boxes: the rank sends and receives
     nothing for it, and every rank of the pool registers the same names.
     """
     from torch.distributed.tensor import DTensor
 
+    reshard_fsdp(module)
     skip = {
         f"{prefix}.{n}" if prefix else n
         for prefix, mod in module.named_modules()

@@ -16,7 +16,6 @@ nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -111,16 +110,6 @@ def engine_placements(
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class _Slice:
-    """An expert slice of a stacked parameter (to re-point the parameter after its storage
-    moved to shared memory)."""
-
-    param: torch.Tensor
-    view: torch.Tensor
-    offset_delta: int
-
-
 def register_engine(
     client: WorkerClient,
     params: Mapping[str, torch.Tensor],
@@ -129,27 +118,7 @@ def register_engine(
     scales: Mapping[str, torch.Tensor] | None = None,
 ) -> Registration:
     """Register an engine rank's parameters (e.g. `dict(model.named_parameters())`) as
-    destinations through `layout` (quantized ones: see engine_placements). Stacked expert
-    parameters are re-pointed at the shared memory their slices moved to (CPU), so the
-    engine serves what the refit writes."""
-    placed = engine_placements(params, layout, storage, scales=scales)
-    slices = []
-    for t in layout.tensors:
-        if t.index is not None and t.key in placed:
-            p = placed[t.key]
-            pairs = [(params[t.name], p.tensor)]
-            if p.scales is not None and scales is not None:
-                pairs.append((scales[t.name], p.scales))
-            for param, view in pairs:
-                slices.append(_Slice(param, view, param.storage_offset() - view.storage_offset()))
-    reg = client.register(placed)
-    with torch.no_grad():
-        for s in slices:
-            if s.param.untyped_storage().data_ptr() != s.view.untyped_storage().data_ptr():
-                s.param.set_(
-                    s.view.untyped_storage(),
-                    s.view.storage_offset() + s.offset_delta,
-                    s.param.size(),
-                    s.param.stride(),
-                )
-    return reg
+    destinations through `layout` (quantized ones: see engine_placements). A stacked expert
+    parameter registers as slices of itself; registration moves its storage in place, so
+    the parameter serves what the refit writes into the slices."""
+    return client.register(engine_placements(params, layout, storage, scales=scales))

@@ -12,7 +12,6 @@ map works through any controller today and nothing is gathered whole.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -26,45 +25,29 @@ _FUSED_GATE_UP = ".mlp.experts.gate_up_proj"
 _FUSED_DOWN = ".mlp.experts.down_proj"
 
 
-@dataclass(frozen=True, slots=True)
-class _FusedView:
-    """A per-expert view of a fused expert parameter (to re-point the parameter after its
-    storage moved to shared memory)."""
-
-    param: torch.Tensor
-    view: torch.Tensor
-    offset_delta: int  # param.storage_offset() - view.storage_offset(), before registration
-
-
 def hf_checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers under HF checkpoint names (fused experts as
     per-expert views that share the parameter's memory)."""
-    return {n: v for n, v, _ in _checkpoint_views(module)}
-
-
-def _checkpoint_views(
-    module: torch.nn.Module,
-) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
     skip = {
         f"{prefix}.{n}" if prefix else n
         for prefix, mod in module.named_modules()
         for n in getattr(mod, "_non_persistent_buffers_set", ())
     }
-    out: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+    out: dict[str, torch.Tensor] = {}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if name in skip:
             continue
         if name.endswith(_FUSED_GATE_UP) and t.dim() == 3:
             base, half = name[: -len("gate_up_proj")], t.shape[1] // 2
             for e in range(t.shape[0]):
-                out.append((f"{base}{e}.gate_proj.weight", t.data[e, :half], t))
-                out.append((f"{base}{e}.up_proj.weight", t.data[e, half:], t))
+                out[f"{base}{e}.gate_proj.weight"] = t.data[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = t.data[e, half:]
         elif name.endswith(_FUSED_DOWN) and t.dim() == 3:
             base = name[: -len("down_proj")]
             for e in range(t.shape[0]):
-                out.append((f"{base}{e}.down_proj.weight", t.data[e], t))
+                out[f"{base}{e}.down_proj.weight"] = t.data[e]
         else:
-            out.append((name, t, None))
+            out[name] = t
     return out
 
 
@@ -122,22 +105,6 @@ def apply_name_map(tensors: Mapping[str, torch.Tensor], name_map: NameMap) -> di
 
 def register_hf(client: WorkerClient, module: torch.nn.Module, name_map: NameMap) -> Registration:
     """Register an HF model's tensors as destinations of a Megatron source through
-    `name_map`. Fused expert parameters are re-pointed at the shared memory their
-    per-expert views were moved to, so the module serves what the refit writes."""
-    views = _checkpoint_views(module)
-    fused = [
-        _FusedView(param, view, param.storage_offset() - view.storage_offset())
-        for _, view, param in views
-        if param is not None
-    ]
-    reg = client.register(apply_name_map({n: v for n, v, _ in views}, name_map))
-    with torch.no_grad():
-        for f in fused:
-            if f.param.untyped_storage().data_ptr() != f.view.untyped_storage().data_ptr():
-                f.param.set_(
-                    f.view.untyped_storage(),
-                    f.view.storage_offset() + f.offset_delta,
-                    f.param.size(),
-                    f.param.stride(),
-                )
-    return reg
+    `name_map`. Fused expert parameters register as per-expert views of themselves;
+    registration moves their storage in place, so the module serves what the refit writes."""
+    return client.register(apply_name_map(hf_checkpoint_tensors(module), name_map))

@@ -99,12 +99,14 @@ def collect(
 ) -> list[LocalTensor]:
     """The local tensors to register, in a stable order.
 
-    A module contributes its parameters and persistent buffers. A mapping's values may be
+    A module contributes its parameters and persistent buffers (FSDP2 modules resharded
+    first, see `reshard_fsdp`). A mapping's values may be
     torch tensors (Megatron attributes read when present, otherwise whole replicas),
     DTensors, or Placed (explicit boxes).
     """
     coords = coords or MegatronCoords()
     if isinstance(tensors, torch.nn.Module):
+        reshard_fsdp(tensors)
         items: dict[str, Any] = dict(tensors.named_parameters())
         non_persistent = {
             f"{prefix}.{n}" if prefix else n
@@ -121,6 +123,26 @@ def collect(
     if not items:
         raise ValueError(f"nothing to register{f' ({label})' if label else ''}")
     return [_one(name, value, coords, label) for name, value in items.items()]
+
+
+def reshard_fsdp(module: torch.nn.Module) -> None:
+    """Put every FSDP2 module inside `module` back in its sharded state, as FSDP2's own
+    state_dict() does before it reads parameters.
+
+    After a forward FSDP2 may hold a module's parameters unsharded (the root's stay so after
+    an eval forward): plain full tensors living in its all-gather buffers, which it frees
+    and refills, while the optimizer steps the sharded DTensors. Registering those would
+    ship buffers the next step never writes. Resharded, the module's parameters are the
+    sharded DTensors again, the tensors the optimizer and the next all-gather use; the next
+    forward all-gathers them as usual.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch build without distributed
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _one(name: str, value: Any, coords: MegatronCoords, label: str) -> LocalTensor:

@@ -166,8 +166,9 @@ class SharedTensorArena:
     """Worker-side owner of the shared memory behind registered tensors.
 
     `register({name: tensor})` moves CPU storages into owner-only (0600) shared memory in
-    place (`tensor.set_` under no_grad: same Python object, new address, same values) and
-    exports CUDA storages as IPC handles. Tensors that share a storage keep sharing it.
+    place (the storage object itself gets the new address: same tensor objects, same
+    values, and every view of the storage, registered or not, follows) and exports CUDA
+    storages as IPC handles. Tensors that share a storage keep sharing it.
 
     Storages are packed into a few large segments (`segment_bytes` each, sparse: only the
     bytes placed in them use memory; a storage larger than that gets a segment of its own),
@@ -214,7 +215,7 @@ class SharedTensorArena:
                 dtype_name(t.dtype),
                 shape,
                 strides,
-                t.storage_offset() - offset // t.element_size(),
+                t.storage_offset(),
                 ptr,
                 -1,
                 (),
@@ -252,16 +253,20 @@ class SharedTensorArena:
     ) -> dict[str, tuple[Segment, int, int]]:
         """Move the storages of `tensors` into segments; name -> (segment, byte offset of its
         storage there, storage bytes). Bytes are copied with memmove: a torch copy per small
-        storage costs more than the copy itself."""
-        # Taken before any tensor moves: one tensor object may be registered under two names.
-        before: dict[str, tuple[int, int]] = {}
+        storage costs more than the copy itself.
+
+        Each storage moves in place (`_move_storage`): every tensor and view over it, the
+        registered ones and those held elsewhere (a framework's flat or padded buffer, an
+        optimizer's references), reads and writes the shared memory from then on.
+        """
+        # Taken before any storage moves: one storage may back several registered tensors.
         where: dict[int, tuple[Segment, int, int]] = {}
+        old_ptrs: dict[str, int] = {}
         for name, t in tensors.items():
             if t.layout != torch.strided:
                 raise ValueError(f"tensor {name!r}: layout cannot be shared")
             s = t.untyped_storage()
-            ptr = s.data_ptr()
-            before[name] = (ptr, t.storage_offset())
+            ptr = old_ptrs[name] = s.data_ptr()
             if ptr not in where:
                 n = s.nbytes()
                 seg, offset = self._place(n)
@@ -274,22 +279,23 @@ class SharedTensorArena:
             seg.reserve(lo, hi - lo)
         for ptr, (seg, offset, n) in where.items():
             ctypes.memmove(seg.address + offset, ptr, n)
+        moved: dict[int, torch.UntypedStorage] = {}  # old address -> the moved storage
         out: dict[str, tuple[Segment, int, int]] = {}
-        moved: set[int] = set()
-        storages: dict[str, torch.UntypedStorage] = {}
-        with torch.no_grad():
-            for name, t in tensors.items():
-                old_ptr, storage_offset = before[name]
-                seg, offset, _ = out[name] = where[old_ptr]
-                if id(t) not in moved:
-                    moved.add(id(t))
-                    size = t.element_size()
-                    if offset % size:
-                        raise AssertionError("storage offset not aligned to element size")
-                    storage = storages.get(seg.name)
-                    if storage is None:
-                        storage = storages[seg.name] = seg.bytes.untyped_storage()
-                    t.set_(storage, offset // size + storage_offset, t.size(), t.stride())
+        for name, t in tensors.items():
+            seg, offset, n = out[name] = where[old_ptrs[name]]
+            if n == 0:
+                continue  # an empty storage has no bytes to move
+            storage = t.untyped_storage()
+            if storage.data_ptr() == seg.address + offset:
+                continue  # its storage moved already (a view registered under another name)
+            first = moved.get(old_ptrs[name])
+            if first is None:
+                moved[old_ptrs[name]] = _move_storage(storage, seg, offset)
+            else:
+                # A second storage object over the same bytes (from_numpy twice, say): its
+                # tensor follows the moved one, so the registered tensors keep sharing bytes.
+                with torch.no_grad():
+                    t.set_(first, t.storage_offset(), t.size(), t.stride())
         return out
 
     def _register_cuda(self, name: str, t: torch.Tensor) -> MemoryHandle:
@@ -464,6 +470,27 @@ class MemoryMapper:
         self._segments.clear()
         self._typed_views.clear()
         self._cuda.clear()
+
+
+def _move_storage(storage: torch.UntypedStorage, seg: Segment, offset: int) -> torch.UntypedStorage:
+    """Point `storage` itself at the copy of its bytes at `offset` in `seg`, in place.
+
+    The storage object keeps its identity: every tensor and view over it (whoever holds
+    them) sees the shared memory, and no tensor's storage offset changes. The segment's
+    mapping lives as long as the storage does. Its old memory is released as torch's own
+    `share_memory_()` releases it, so raw addresses taken before (numpy views, data_ptr())
+    must not be used after. Returns `storage`.
+    """
+    swap = getattr(storage, "_swap_data_ptr_", None)
+    if swap is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} cannot move a storage into shared memory in place "
+            "(UntypedStorage._swap_data_ptr_ is missing); use the torch version refitd pins"
+        )
+    n = storage.nbytes()
+    shared = torch.frombuffer(seg.buf, dtype=torch.uint8, count=n, offset=offset)
+    swap(shared.untyped_storage())  # `shared` now owns the old memory and frees it
+    return storage
 
 
 def shared_buffer(nbytes: int) -> torch.Tensor:

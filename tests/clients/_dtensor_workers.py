@@ -74,8 +74,8 @@ def trainer_rank(rank: int, port: int, controller: str, results: Any) -> None:
 def _fsdp_linear(
     weight: torch.Tensor, bias: torch.Tensor | None = None, mesh: Any = None
 ) -> torch.nn.Module:
-    """A BF16 nn.Linear holding `weight` (and `bias`), sharded by FSDP2 over a 4-rank mesh
-    and resharded, so each rank registers its real FSDP2 shard."""
+    """A BF16 nn.Linear holding `weight` (and `bias`), sharded by FSDP2 over a 4-rank mesh:
+    each rank registers its real FSDP2 shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -86,10 +86,6 @@ def _fsdp_linear(
         if bias is not None:
             lin.bias.copy_(bias)
     fully_shard(lin, mesh=mesh or init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
-    # FSDP2 re-pads uneven shards at its lazy init (the first forward): register after it.
-    lin(torch.zeros(1, in_f, dtype=torch.bfloat16))
-    # A root module stays unsharded after its forward: reshard, so the shards register.
-    lin.reshard()
     return lin
 
 

@@ -141,3 +141,49 @@ def test_megatron_trainer_refits_an_inference_pool_bit_for_bit(daemon: Daemon) -
         infer.close()
         for t in trainers:
             t.close()
+
+
+def _into_one_flat_buffer(module: torch.nn.Module) -> torch.Tensor:
+    """Megatron's distributed-optimizer layout: every parameter becomes a view of one flat
+    buffer (the first matrix a transposed, non-contiguous one); returns the buffer."""
+    params = list(module.parameters())
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.bfloat16)
+    offset, transposed = 0, False
+    for p in params:
+        view = flat[offset : offset + p.numel()]
+        offset += p.numel()
+        if p.dim() == 2 and not transposed:
+            view, transposed = view.view(p.shape[1], p.shape[0]).t(), True
+        else:
+            view = view.view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+    return flat
+
+
+@pytest.mark.slow
+def test_parameters_that_view_one_flat_buffer_refit_what_the_buffer_holds(
+    daemon: Daemon,
+) -> None:
+    """The distributed optimizer all-gathers each step's parameters into its flat buffer,
+    not into the parameter objects: registration must move the buffer with its views."""
+    weights = CFG.weights(5)
+    state = ParallelState()
+    module = build_rank_module(weights, CFG.layers, state, num_experts=CFG.experts)
+    flat = _into_one_flat_buffer(module)
+    trainer = TrainerClient(daemon.address, "megatron-flat", rank=0, pool_size=1, device="cpu:0")
+    dst = {n: torch.zeros_like(w) for n, w in weights.items()}
+    infer = InferenceClient(
+        daemon.address, "megatron-flat", "infer", rank=0, pool_size=1, device="cpu:1"
+    )
+    try:
+        register_megatron(trainer, module, state)
+        infer.register({n: Placed(t) for n, t in dst.items()})
+        subscribed(infer)
+        flat.mul_(2).add_(1)  # the optimizer's all-gather writes the buffer
+        assert trainer.refit(1, wait="committed", timeout=60).state == "committed"
+        expect = {n: w if n.endswith("expert_bias") else w * 2 + 1 for n, w in weights.items()}
+        assert [n for n, w in expect.items() if not torch.equal(dst[n], w)] == []
+    finally:
+        infer.close()
+        trainer.close()
