@@ -16,8 +16,7 @@ import numpy as np
 
 from refitd.plan.plan import Plan
 from refitd.plan.program import SlotProgram
-from refitd.plan.wireformat import aligned
-from refitd.plan.wires import RAW_CODE, WireRegistry
+from refitd.plan.wire import RAW_CODE, WireRegistry, aligned
 
 
 @dataclass(frozen=True)

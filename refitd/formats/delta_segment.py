@@ -16,8 +16,7 @@ from refitd.formats.delta import DeltaStats, apply_parts, encode_parts
 from refitd.formats.fp8 import torch_dtype
 from refitd.formats.region import DestRegion
 from refitd.formats.transform import split_parts
-from refitd.plan.layout import PLAIN
-from refitd.plan.wire import FP8_BLOCK, MXFP8, RAW, delta_capable, segment_parts
+from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, RAW, delta_capable, segment_parts
 
 __all__ = [
     "apply_segment_delta",

@@ -15,12 +15,10 @@ from refitd.plan.checks import check_cast, check_cover
 from refitd.plan.config import PlanConfig
 from refitd.plan.errors import PlanError
 from refitd.plan.grouping import dense_index, unique_groups
-from refitd.plan.layout import PLAIN
 from refitd.plan.names import Link, resolve_links
 from refitd.plan.sides import Side, member_table
 from refitd.plan.table import Geo
-from refitd.plan.wireformat import dtype_size
-from refitd.plan.wires import RAW_CODE
+from refitd.plan.wire import PLAIN, RAW_CODE, dtype_size
 
 
 @dataclass(slots=True)

@@ -41,9 +41,18 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, TensorSpec
-from refitd.plan.wire import DTYPE_SIZES, RAW, WIRE_FORMATS, segment_nbytes
-from refitd.plan.wires import BUILTIN_WIRES, WireRegistry
+from refitd.plan.layout import TensorSpec
+from refitd.plan.wire import (
+    BUILTIN_WIRES,
+    DTYPE_SIZES,
+    FP8_BLOCK,
+    MXFP8,
+    PLAIN,
+    RAW,
+    WIRE_FORMATS,
+    WireRegistry,
+    segment_nbytes,
+)
 
 PROGRAM_FORMAT_VERSION = 2
 MAGIC = b"RFTP"

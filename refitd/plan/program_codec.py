@@ -34,8 +34,7 @@ from refitd.plan.program import (
     TensorColumns,
     narrow_dtypes,
 )
-from refitd.plan.wire import DTYPE_SIZES
-from refitd.plan.wires import BUILTIN_WIRES, WireRegistry
+from refitd.plan.wire import BUILTIN_WIRES, DTYPE_SIZES, WireRegistry
 
 _BYTE_COLS = {
     "copies.ndim",

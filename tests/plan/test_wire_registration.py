@@ -16,8 +16,7 @@ from refitd.formats.fp8 import dtype_name, torch_dtype
 from refitd.formats.region import DestRegion, dest_region
 from refitd.formats.transform import TransformRegistry, store_region
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.wireformat import WireFormat
-from refitd.plan.wires import RAW_CODE
+from refitd.plan.wire import RAW_CODE, WireFormat
 
 from .oracle import run_and_check
 from .test_layouts_plan import tp_side

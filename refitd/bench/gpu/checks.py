@@ -35,10 +35,10 @@ import torch
 
 from refitd.agent.executor import DirectResolver, Executor, ExecutorConfig
 from refitd.agent.segments import ResolvedTensor
-from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, Box, TensorSpec
+from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Message, SlotProgram, message_nbytes
-from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
 from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 if TYPE_CHECKING:
