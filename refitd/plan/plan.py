@@ -16,8 +16,8 @@ from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable, Pieces
 from refitd.plan.grouping import dense_index
 from refitd.plan.layout import TensorSpec
-from refitd.plan.program import SlotProgram
-from refitd.plan.programs import Messages, PlanTensors, ProgramIndex, concat_ranges
+from refitd.plan.program.build import Messages, PlanTensors, ProgramIndex, concat_ranges
+from refitd.plan.program.columns import SlotProgram
 from refitd.plan.schedule import MessageTable, Scheduler
 from refitd.plan.sides import sort_by
 from refitd.plan.table import SpecTable

@@ -14,7 +14,7 @@ a caller planning large clusters wraps its calls in its own gc_pause.GcPause.
 Relays (PlanConfig.relay, off by default until every executor honours the rule below): a
 destination slot that received a block may forward it to another destination replica of
 the same tensor, so the busiest source slots send fewer replica copies (relay.py picks
-which). Convention on top of program.py:
+which). Convention on top of refitd.plan.program:
 - a relay Copy's src_tensor is the plan index of a DESTINATION tensor held on the sending
   slot, reading a region that an earlier message to that slot wrote in full; relays are
   raw wire, between plain-storage destinations of the same dtype, never forwarded again;
