@@ -49,8 +49,9 @@ def _pad(t: tuple[int, ...], d: int, fill: int) -> list[int]:
     return list(t) + [fill] * (d - len(t))
 
 
-class Planner:
-    """One build: owns the intermediate columns."""
+class BoxIntersector:
+    """One plan build's box intersection: slots, name links, the intersected blocks per
+    pattern (one Batch per replica count) and their wires; owns the intermediate columns."""
 
     def __init__(self, src: Side, dst: Side, config: PlanConfig) -> None:
         self.src, self.dst, self.config = src, dst, config
