@@ -24,7 +24,7 @@ from refitd.agent.slotdata import LocalStep, SlotData
 from refitd.agent.staging import StagingRing
 from refitd.plan.program import SlotProgram
 from refitd.plan.wire import PLAIN
-from refitd.transport.memory import torch_dtype
+from refitd.torch_dtypes import torch_dtype
 
 GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
 

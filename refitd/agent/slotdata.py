@@ -25,7 +25,7 @@ from refitd.agent.chunks import Chunk, CopyInfo, ExecutionError, flat_range_view
 from refitd.agent.segments import ResolvedTensor, block, decode_segment, encode_segment
 from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
 from refitd.plan.wire import PLAIN
-from refitd.transport.memory import torch_dtype
+from refitd.torch_dtypes import torch_dtype
 
 if TYPE_CHECKING:
     from refitd.formats.grouped import GroupedLanding

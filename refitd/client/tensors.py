@@ -27,7 +27,7 @@ from refitd.plan.layouts import (
 )
 from refitd.plan.names import canonical_name as plan_canonical_name
 from refitd.plan.wire import MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
-from refitd.transport.memory import dtype_name
+from refitd.torch_dtypes import dtype_name
 
 
 @dataclass(frozen=True)

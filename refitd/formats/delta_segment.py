@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from refitd.formats.delta import DeltaStats, apply_parts, encode_parts
-from refitd.formats.fp8 import torch_dtype
 from refitd.formats.region import DestRegion
 from refitd.formats.transform import split_parts
 from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, RAW, delta_capable, segment_parts
+from refitd.torch_dtypes import torch_dtype
 
 __all__ = [
     "apply_segment_delta",

@@ -21,7 +21,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from refitd.formats.fp8 import dtype_name, torch_dtype
 from refitd.formats.fp8_block import fp8_block_dequantize_into, fp8_block_quantize_into
 from refitd.formats.mxfp8 import mxfp8_dequantize_into, mxfp8_quantize_into
 from refitd.formats.passthrough import cast_copy
@@ -37,6 +36,7 @@ from refitd.plan.wire import (
     WireRegistry,
     aligned,
 )
+from refitd.torch_dtypes import dtype_name, torch_dtype
 
 
 def split_parts(seg: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
