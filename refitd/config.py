@@ -23,6 +23,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from refitd.credentials import resolve_token, store_secret
+
 CONFIG_ENV = "REFITD_CONFIG"
 MiB = 1 << 20
 
@@ -240,10 +242,9 @@ class Settings(BaseSettings):
         if self.require_client_cert and not (self.tls_cert and self.tls_ca):
             raise ValueError("require_client_cert needs tls_cert, tls_key and tls_ca")
         if not self.store_token:
-            from refitd.security import resolve_token, store_secret
-
             # Rendezvous keys unguessable without the bearer token (docs/security.md).
-            self.store_token = store_secret(resolve_token(self))
+            token = resolve_token(self.auth_token, self.auth_token_file)
+            self.store_token = store_secret(token)
         return self
 
     @property

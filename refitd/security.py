@@ -1,48 +1,28 @@
-"""TLS credentials, the bearer token and the rendezvous-store secret, for both ends.
+"""TLS credentials and the bearer token as both ends of a gRPC channel use them.
 
 The controller, node agents, workers and the CLI all derive what they need from one
 `Settings` (refitd.config), so a deployment turns TLS or the token on in one place:
 `ServerSecurity` is what the controller serves with, `ClientSecurity` what every channel to
-it dials with. Nothing here touches gRPC servicers or tensor bytes.
+it dials with. Files, the token and the rendezvous-store secret are read and derived in
+refitd.credentials. Nothing here touches gRPC servicers or tensor bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-if TYPE_CHECKING:
+from refitd.credentials import read_credential, resolve_token
+
+if TYPE_CHECKING:  # a type only: workers and agents do not load the settings model
     from refitd.config import Settings
 
 AUTH_HEADER = "authorization"
 BEARER = "Bearer "
 TOKEN_COOKIE = "refitd_token"
-STORE_SECRET_CONTEXT = b"refitd rendezvous store prefix v1"
-
-
-def _read(path: str, what: str) -> bytes:
-    p = Path(path).expanduser()
-    try:
-        return p.read_bytes()
-    except OSError as e:
-        raise ValueError(f"{what} {str(p)!r} cannot be read: {e.strerror}") from None
-
-
-def resolve_token(settings: Settings) -> str:
-    """The bearer token: `auth_token`, else the first line of `auth_token_file`, else ''."""
-    if settings.auth_token:
-        return settings.auth_token.strip()
-    if settings.auth_token_file:
-        text = _read(settings.auth_token_file, "auth_token_file").decode().strip()
-        if not text:
-            raise ValueError(f"auth_token_file {settings.auth_token_file!r} is empty")
-        return text.splitlines()[0].strip()
-    return ""
 
 
 def tokens_equal(presented: str, expected: str) -> bool:
@@ -55,18 +35,6 @@ def bearer_token(header_value: str) -> str:
     if header_value[: len(BEARER)].lower() == BEARER.lower():
         return header_value[len(BEARER) :].strip()
     return ""
-
-
-def store_secret(token: str) -> str:
-    """Per-deployment key prefix of the rendezvous TCPStore, derived from the bearer token.
-
-    Agents receive it in ConnectCommand (over the authenticated, optionally TLS, gRPC
-    stream); a process without the token cannot compute it, so it cannot guess the keys
-    of a refit communicator. Empty without a token.
-    """
-    if not token:
-        return ""
-    return hmac.new(token.encode(), STORE_SECRET_CONTEXT, hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -85,11 +53,11 @@ class ServerSecurity:
     @classmethod
     def from_settings(cls, settings: Settings) -> ServerSecurity:
         return cls(
-            cert=_read(settings.tls_cert, "tls_cert") if settings.tls_cert else b"",
-            key=_read(settings.tls_key, "tls_key") if settings.tls_key else b"",
-            ca=_read(settings.tls_ca, "tls_ca") if settings.tls_ca else b"",
+            cert=read_credential(settings.tls_cert, "tls_cert") if settings.tls_cert else b"",
+            key=read_credential(settings.tls_key, "tls_key") if settings.tls_key else b"",
+            ca=read_credential(settings.tls_ca, "tls_ca") if settings.tls_ca else b"",
             require_client_cert=settings.require_client_cert,
-            token=resolve_token(settings),
+            token=resolve_token(settings.auth_token, settings.auth_token_file),
             cert_path=settings.tls_cert,
             key_path=settings.tls_key,
             ca_path=settings.tls_ca,
@@ -152,11 +120,11 @@ class ClientSecurity:
         tls = bool(settings.tls_ca or settings.tls_client_cert or settings.tls_cert)
         return cls(
             tls=tls,
-            ca=_read(ca_path, "tls_ca") if tls and ca_path else b"",
-            cert=_read(cert_path, "tls_client_cert") if tls and cert_path else b"",
-            key=_read(key_path, "tls_client_key") if tls and key_path else b"",
+            ca=read_credential(ca_path, "tls_ca") if tls and ca_path else b"",
+            cert=read_credential(cert_path, "tls_client_cert") if tls and cert_path else b"",
+            key=read_credential(key_path, "tls_client_key") if tls and key_path else b"",
             server_name=settings.tls_server_name,
-            token=resolve_token(settings),
+            token=resolve_token(settings.auth_token, settings.auth_token_file),
         )
 
     def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:

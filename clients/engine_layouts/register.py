@@ -24,8 +24,9 @@ from clients.hf_names import source_extents
 from refitd.client import Placed
 from refitd.client.worker import Registration, WorkerClient
 from refitd.plan.errors import PlanError
-from refitd.plan.layout import PLAIN, Box
+from refitd.plan.layout import Box
 from refitd.plan.names import source_boxes
+from refitd.plan.wire import PLAIN
 
 
 def _short(canonical: str) -> str:

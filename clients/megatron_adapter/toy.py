@@ -25,7 +25,7 @@ _EXPERT = re.compile(r"^(.*\.experts\.linear_fc[12]\.weight)(\d+)$")
 
 
 @dataclass(frozen=True, slots=True)
-class Shard:
+class MegatronSplit:
     """How Megatron splits a tensor: dim (None: replicated), stride, expert (ETP) or TP."""
 
     dim: int | None
@@ -33,21 +33,21 @@ class Shard:
     expert: bool = False
 
 
-def megatron_shard(name: str) -> Shard:
+def megatron_split(name: str) -> MegatronSplit:
     """Megatron-Core's split of a GPT / MLA / MoE tensor by its name."""
     if _EXPERT.match(name):
-        return Shard(0, 2, True) if ".linear_fc1." in name else Shard(1, 1, True)
+        return MegatronSplit(0, 2, True) if ".linear_fc1." in name else MegatronSplit(1, 1, True)
     if name.endswith(("layer_norm_weight", "layernorm.weight", "layer_norm_bias")):
-        return Shard(None)
+        return MegatronSplit(None)
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
-        return Shard(0)
+        return MegatronSplit(0)
     if ".linear_qkv." in name or ".linear_q_up_proj." in name or ".linear_kv_up_proj." in name:
-        return Shard(0)
+        return MegatronSplit(0)
     if name.endswith("linear_fc1.weight"):
-        return Shard(0, 2)  # gated: [gate; up], each rank holds its piece of both
+        return MegatronSplit(0, 2)  # gated: [gate; up], each rank holds its piece of both
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return Shard(1)
-    return Shard(None)  # norms, down projections of MLA, router weight and expert_bias
+        return MegatronSplit(1)
+    return MegatronSplit(None)  # norms, down projections of MLA, router weight and expert_bias
 
 
 def stage_layers(layers: int, pp_size: int, pp_rank: int) -> range:
@@ -88,7 +88,7 @@ def build_rank_module(
         local = _local_name(name, mine, state, num_experts)
         if local is None:
             continue
-        spec = megatron_shard(name)
+        spec = megatron_split(name)
         rank, size = (
             (state.etp_rank, state.etp_size) if spec.expert else (state.tp_rank, state.tp_size)
         )

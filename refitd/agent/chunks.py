@@ -28,8 +28,7 @@ from refitd.plan.program import (
     SlotProgram,
 )
 from refitd.plan.rowwise import row_prod
-from refitd.plan.wire import DTYPE_SIZES
-from refitd.plan.wires import BUILTIN_WIRES, RAW_CODE
+from refitd.plan.wire import BUILTIN_WIRES, DTYPE_SIZES, RAW_CODE
 
 WIRE_CHUNK = 32 << 20
 DIRECT_MIN = 1 << 20

@@ -12,9 +12,9 @@ import torch
 
 from refitd.agent.delta_exchange import DeltaMessage
 from refitd.agent.segments import ResolvedTensor, block, decode_segment, encode_segment
-from refitd.formats.fp8 import torch_dtype
 from refitd.plan.program import DTYPES
 from refitd.plan.wire import segment_nbytes
+from refitd.torch_dtypes import torch_dtype
 
 
 class ProgramAccess:

@@ -10,7 +10,7 @@ overlaps the arrival of later ones), so no pair of slots can wait on each other.
 the executor's (message id, chunk index): a message goes here or through the executor.
 
 Payload of a DELTA message: u32 copies | u32 0 | u64 bytes per copy | per copy (8-aligned)
-the segment delta of refitd.formats.delta_segment. A message whose measured density is above
+the segment delta of refitd.formats.delta.segments. A message whose measured density is above
 the threshold, or whose delta is not smaller, goes as a DENSE payload instead: its segments
 end to end as the executor lays them out.
 
@@ -43,11 +43,13 @@ from refitd.formats.delta import (
     DeltaStats,
     Scratch,
     apply_parts,
+    apply_segment_delta,
     encode_parts,
+    region_streams,
     sampled_changes,
+    segment_streams,
     worth_delta,
 )
-from refitd.formats.delta_segment import apply_segment_delta, region_streams, segment_streams
 from refitd.formats.region import dest_region
 from refitd.plan.wire import aligned
 from refitd.transport.base import P2POp, Transport, Work

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from refitd.agent.chunks import ExecutionError
 from refitd.agent.segments import ResolvedTensor
-from refitd.plan.layout import PLAIN
+from refitd.plan.wire import PLAIN
 from refitd.transport.memory import (
     LivenessCheck,
     MemoryHandle,

@@ -22,9 +22,9 @@ from refitd.agent.chunks import Chunk, CopyInfo, ExecutionError, chunk_messages
 from refitd.agent.segments import ResolvedTensor
 from refitd.agent.slotdata import LocalStep, SlotData
 from refitd.agent.staging import StagingRing
-from refitd.plan.layout import PLAIN
 from refitd.plan.program import SlotProgram
-from refitd.transport.memory import torch_dtype
+from refitd.plan.wire import PLAIN
+from refitd.torch_dtypes import torch_dtype
 
 GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
 

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refitd.plan.layout import PLAIN
-from refitd.plan.wire import RAW
+from refitd.plan.wire import PLAIN, RAW
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,8 +27,9 @@ from refitd.agent.executor import (
 )
 from refitd.agent.mapped import MappedResolver
 from refitd.agent.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
-from refitd.plan.program import STORAGES, ProgramError, SlotProgram
-from refitd.transport.base import ConnectInfo, Transport, create_transport
+from refitd.plan.program import STORAGES, ProgramError, SlotProgram, decode_program
+from refitd.transport.base import ConnectInfo, Transport
+from refitd.transport.factory import create_transport
 from refitd.transport.memory import MemoryHandle, MemoryMapper
 
 DEFAULT_SNAPSHOT_BYTES = 2 << 30
@@ -94,7 +95,7 @@ class SlotState:
 
     def load(self, cmd: Load) -> Loaded:
         try:
-            program = SlotProgram.from_bytes(cmd.program, self.slot)
+            program = decode_program(cmd.program, self.slot)
         except ProgramError as e:
             raise ExecutionError(f"cannot load the program of plan {cmd.digest!r}: {e}") from e
         if program.digest != cmd.digest:

@@ -23,9 +23,9 @@ import torch
 from refitd.agent.checksums import Checksummer, combine
 from refitd.agent.chunks import Chunk, CopyInfo, ExecutionError, flat_range_views
 from refitd.agent.segments import ResolvedTensor, block, decode_segment, encode_segment
-from refitd.plan.layout import PLAIN
 from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
-from refitd.transport.memory import torch_dtype
+from refitd.plan.wire import PLAIN
+from refitd.torch_dtypes import torch_dtype
 
 if TYPE_CHECKING:
     from refitd.formats.grouped import GroupedLanding

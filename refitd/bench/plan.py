@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from refitd.bench.presets import Parallel, build_specs, preset
     from refitd.plan.gc_pause import GcPause
     from refitd.plan.planner import PlanConfig, build_plan, build_plan_from_table
+    from refitd.plan.program import encode_program
     from refitd.plan.table import SpecTable
     from refitd.server.planning import keep_plan_heap
 
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         "spec_scan_s": round(scan_s, 4),
         "plan_vs_spec_scan": round(plan_s / scan_s, 1) if scan_s else None,
         "program_slot0_s": round(program_s, 4),
-        "program_slot0_bytes": len(program.to_bytes()),
+        "program_slot0_bytes": len(encode_program(program)),
         **_stat_fields(plan.stats),  # type: ignore[attr-defined]
         "peak_rss_bytes": peak,
     }
@@ -171,7 +172,7 @@ def _programs(
     meanwhile; the largest decoded; then the membership changes (see _replan and
     _add_replica)."""
     from refitd.plan.planner import build_plan_from_table
-    from refitd.plan.program import SlotProgram
+    from refitd.plan.program import decode_program, encode_program
 
     gc.collect()
     with pause:
@@ -179,7 +180,7 @@ def _programs(
 
     def encode_all(plan: Plan) -> dict[int, bytes]:
         plan.release_index()  # every pass builds the index again, as a new plan does
-        return {s: p.to_bytes() for s, p in plan.programs().items()}
+        return {s: encode_program(p) for s, p in plan.programs().items()}
 
     # as the controller does it (inside the caller's GcPause unless --no-gc-pause)
     programs_s, _, encoded = _best(functools.partial(encode_all, plan), max(args.repeat, 1), pause)
@@ -190,7 +191,7 @@ def _programs(
     sizes = {s: len(b) for s, b in encoded.items()}
     big = max(sizes, key=sizes.__getitem__)
     t0 = time.perf_counter()
-    SlotProgram.from_bytes(encoded[big], big)
+    decode_program(encoded[big], big)
     decode_s = time.perf_counter() - t0
     del encoded, plan
     out = {

@@ -1,7 +1,7 @@
 """In-memory reference executor (NumPy): the oracle of the planner's tests.
 
 Replays every slot's program as it travels: each program is encoded to bytes and decoded
-again (program_codec), then read column by column: local copies, then each message packed
+again (refitd.plan.program.codec), then read column by column: local copies, then each message packed
 into a byte buffer segment by segment (SEGMENT_ALIGN-aligned) and unpacked at its receiver, round by round so relays (copies forwarded by a destination replica) are checked
 against the round rule, exactly as an agent would run it. Raw segments are packed here; another wire format needs a
 WireCodec (e.g. one wrapping a refitd.formats Transform), sized by the plan's wire registry.
@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.plan.plan import Plan
-from refitd.plan.program import SlotProgram
-from refitd.plan.wireformat import aligned
-from refitd.plan.wires import RAW_CODE, WireRegistry
+from refitd.plan.program import SlotProgram, decode_program, encode_program
+from refitd.plan.wire import RAW_CODE, WireRegistry, aligned
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class _Rows:
 def shipped_programs(plan: Plan) -> dict[int, SlotProgram]:
     """Every slot's program after a trip through its wire encoding."""
     wires = plan.config.wires
-    return {s: SlotProgram.from_bytes(p.to_bytes(), s, wires) for s, p in plan.programs().items()}
+    return {s: decode_program(encode_program(p), s, wires) for s, p in plan.programs().items()}
 
 
 def execute(

@@ -31,10 +31,11 @@ import torch.distributed as dist
 
 from refitd.agent.commands import SnapshotInfo
 from refitd.agent.transfer_process import TransferProcessHandle
-from refitd.plan.layout import MXFP8, PLAIN, TensorSpec
+from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.planner import Plan, PlanConfig, build_plan
-from refitd.plan.wire import mxfp8_scale_shape
+from refitd.plan.program import encode_program
+from refitd.plan.wire import MXFP8, PLAIN, mxfp8_scale_shape
 from refitd.transport.memory import SharedTensorArena
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
@@ -305,7 +306,7 @@ def _load_programs(
             raise SystemExit("--transport local: this layout needs copies between slots")
         reply = h.load(
             plan.digest,
-            prog.to_bytes(),
+            encode_program(prog),
             {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
             staging_bytes=args.staging,
             wire_chunk=args.wire_chunk,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from refitd.plan.errors import PlanError
-from refitd.plan.layout import MXFP8, PLAIN, Box
+from refitd.plan.layout import Box
 from refitd.plan.layouts import (
     Layout,
     Replicate,
@@ -26,8 +26,8 @@ from refitd.plan.layouts import (
     megatron_layout,
 )
 from refitd.plan.names import canonical_name as plan_canonical_name
-from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
-from refitd.transport.memory import dtype_name
+from refitd.plan.wire import MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.torch_dtypes import dtype_name
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,6 @@ amax and the non-finite test are exact and identical on every backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 E4M3_MAX = 448.0
@@ -49,46 +47,3 @@ def to_e4m3_codes(x32: torch.Tensor) -> torch.Tensor:
 def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
     """Exact float64 values of uint8 E4M3 codes (0x7F/0xFF are NaN)."""
     return codes.view(torch.float8_e4m3fn).to(torch.float64)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (the names refitd.plan.wire uses)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """ "bfloat16" -> torch.bfloat16, with a clear error for unknown names."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r}")
-    return dtype
-
-
-def quantize_into(
-    fmt: str,
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    scale_dtype: torch.dtype,
-    scale_shape: tuple[int, ...],
-    reference: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-) -> None:
-    """Quantize x into existing buffers of format `fmt` ("mxfp8" or "fp8_block").
-
-    Checks the buffers, then uses the Triton kernel `{fmt}_quantize_into` for CUDA tensors
-    when triton is installed (bit-identical to the torch reference), else `reference`.
-    """
-    check_float(x, f"{fmt} quantize")
-    check_buffer(data, torch.uint8, tuple(x.shape), f"{fmt} data")
-    check_buffer(scales, scale_dtype, scale_shape, f"{fmt} scales")
-    if x.numel() == 0:
-        return
-    if x.is_cuda:
-        from refitd.formats import triton_kernels
-
-        if triton_kernels.available():
-            getattr(triton_kernels, f"{fmt}_quantize_into")(x, data, scales)
-            return
-    codes, scale_values = reference(x)
-    data.copy_(codes)
-    scales.copy_(scale_values)

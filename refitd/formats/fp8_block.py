@@ -28,9 +28,9 @@ from refitd.formats.fp8 import (
     check_buffer,
     check_float,
     e4m3_values,
-    quantize_into,
     to_e4m3_codes,
 )
+from refitd.formats.quantize import quantize_into
 from refitd.plan.wire import FP8_TILE, fp8_block_scale_shape
 
 

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from refitd.formats.region import DestRegion
-from refitd.plan.layout import FP8_BLOCK, MXFP8
-from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK
+from refitd.plan.wire import FP8_BLOCK, FP8_TILE, MXFP8, MXFP8_BLOCK
 
 COPY_BLOCK_R = 8
 COPY_BLOCK_W = 512  # 32-bit words: a 16 KiB tile per program

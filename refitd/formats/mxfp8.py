@@ -30,9 +30,9 @@ from refitd.formats.fp8 import (
     check_buffer,
     check_float,
     e4m3_values,
-    quantize_into,
     to_e4m3_codes,
 )
+from refitd.formats.quantize import quantize_into
 from refitd.plan.wire import MXFP8_BLOCK, mxfp8_scale_shape
 
 E8M0_NAN = 0xFF

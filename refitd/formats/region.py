@@ -11,10 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, STORAGE_FORMATS
 from refitd.plan.wire import (
+    FP8_BLOCK,
     FP8_TILE,
+    MXFP8,
     MXFP8_BLOCK,
+    PLAIN,
+    STORAGE_FORMATS,
     fp8_block_scale_shape,
     mxfp8_scale_shape,
 )
@@ -24,7 +27,7 @@ from refitd.plan.wire import (
 class DestRegion:
     """Where a copy lands on the destination.
 
-    storage: "plain" | "mxfp8" | "fp8_block" (refitd.plan.layout constants).
+    storage: "plain" | "mxfp8" | "fp8_block" (refitd.plan.wire.STORAGE_FORMATS).
     values: plain: view of the destination tensor's region (its dtype); quantized: view of
     the uint8 E4M3 data region. scales: quantized: view of the scale region covering
     exactly these blocks; None for plain.

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from refitd.formats.fp8 import dtype_name
 from refitd.formats.region import DestRegion
 from refitd.formats.transform import TransformRegistry, default_registry, store_region
+from refitd.torch_dtypes import dtype_name
 
 
 def encode_segment(

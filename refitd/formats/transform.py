@@ -8,9 +8,9 @@ it asks the registry for the copy's wire transform and calls
 so a user plugs in a format by subclassing Transform and registering it. should_transform
 lets a transform decline tensors by name (the caller then sends them raw).
 
-A Transform's geometry is its `format`, a refitd.plan.wireformat.WireFormat: segment sizes
+A Transform's geometry is its `format`, a refitd.plan.wire.WireFormat: segment sizes
 come from there (the same rule the planner uses), and TransformRegistry.wires() is the
-refitd.plan.wires.WireRegistry a PlanConfig takes, so a registered format is planned too.
+refitd.plan.wire.WireRegistry a PlanConfig takes, so a registered format is planned too.
 Segment layout: parts of the byte sizes segment_parts() returns, each starting at a
 SEGMENT_ALIGN-aligned offset, so every part can be viewed in its dtype.
 """
@@ -21,19 +21,22 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from refitd.formats.fp8 import dtype_name, torch_dtype
 from refitd.formats.fp8_block import fp8_block_dequantize_into, fp8_block_quantize_into
 from refitd.formats.mxfp8 import mxfp8_dequantize_into, mxfp8_quantize_into
 from refitd.formats.passthrough import cast_copy
 from refitd.formats.region import DestRegion
-from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN
-from refitd.plan.wireformat import WireFormat, aligned
-from refitd.plan.wires import (
+from refitd.plan.wire import (
+    FP8_BLOCK,
     FP8_BLOCK_FORMAT,
+    MXFP8,
     MXFP8_FORMAT,
+    PLAIN,
     RAW_FORMAT,
+    WireFormat,
     WireRegistry,
+    aligned,
 )
+from refitd.torch_dtypes import dtype_name, torch_dtype
 
 
 def split_parts(seg: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:

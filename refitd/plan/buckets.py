@@ -2,7 +2,7 @@
 
 Copies between one (source slot, destination slot) pair are coalesced into messages of at
 most bucket_bytes (a larger copy is first cut along its outermost dim, at quantization
-block boundaries when the wire has blocks: wires.WireRegistry.split_granularity). Each
+block boundaries when the wire has blocks: wire.WireRegistry.split_granularity). Each
 slot's peers are visited in a rotated order over `fanout` lanes, so a slot talks to a few
 peers at a time, every lane stays busy and destinations are not all hit by everyone in the
 same round.

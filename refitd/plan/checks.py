@@ -9,9 +9,8 @@ from refitd.plan.copies import CopyTable
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
 from refitd.plan.sides import Side
-from refitd.plan.wires import CAST_DTYPES, WireRegistry
+from refitd.plan.wire import CAST_DTYPES, WireRegistry
 
-CASTABLE_DTYPES = CAST_DTYPES
 CAST_SETTING = (
     "set allow_dtype_cast (refitd serve --allow-dtype-cast, env REFITD_ALLOW_DTYPE_CAST, "
     "config file key allow_dtype_cast; PlanConfig.allow_dtype_cast when planning directly)"
@@ -22,8 +21,8 @@ def check_cast(cfg: PlanConfig, src_dtype: str, dst_dtype: str, dst: str, src: s
     """A destination of another dtype than its source: allowed only between float dtypes
     (the executor casts those on landing), and only when the configuration turns casts on."""
     what = f"dtype mismatch: {dst} is {dst_dtype}, source {src} is {src_dtype}"
-    if src_dtype not in CASTABLE_DTYPES or dst_dtype not in CASTABLE_DTYPES:
-        raise PlanError(f"{what}; casts exist only between {', '.join(CASTABLE_DTYPES)}")
+    if src_dtype not in CAST_DTYPES or dst_dtype not in CAST_DTYPES:
+        raise PlanError(f"{what}; casts exist only between {', '.join(CAST_DTYPES)}")
     if not cfg.allow_dtype_cast:
         raise PlanError(f"{what}, and dtype casts are off: to land it cast, {CAST_SETTING}")
 

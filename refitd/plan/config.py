@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from refitd.plan.errors import PlanError
 from refitd.plan.names import NameMap
-from refitd.plan.wires import WireRegistry, default_wires
+from refitd.plan.wire import WireRegistry, default_wires
 
 
 @dataclass

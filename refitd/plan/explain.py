@@ -22,7 +22,7 @@ from typing import Any
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan
-from refitd.plan.program import Copy, SlotProgram
+from refitd.plan.program.columns import Copy, SlotProgram
 from refitd.plan.wire import segment_nbytes
 
 Ranges = tuple[tuple[int, int], ...]  # [lo, hi) per dim

@@ -15,12 +15,10 @@ from refitd.plan.checks import check_cast, check_cover
 from refitd.plan.config import PlanConfig
 from refitd.plan.errors import PlanError
 from refitd.plan.grouping import dense_index, unique_groups
-from refitd.plan.layout import PLAIN
 from refitd.plan.names import Link, resolve_links
 from refitd.plan.sides import Side, member_table
 from refitd.plan.table import Geo
-from refitd.plan.wireformat import dtype_size
-from refitd.plan.wires import RAW_CODE
+from refitd.plan.wire import PLAIN, RAW_CODE, dtype_size
 
 
 @dataclass(slots=True)
@@ -51,8 +49,9 @@ def _pad(t: tuple[int, ...], d: int, fill: int) -> list[int]:
     return list(t) + [fill] * (d - len(t))
 
 
-class Planner:
-    """One build: owns the intermediate columns."""
+class BoxIntersector:
+    """One plan build's box intersection: slots, name links, the intersected blocks per
+    pattern (one Batch per replica count) and their wires; owns the intermediate columns."""
 
     def __init__(self, src: Side, dst: Side, config: PlanConfig) -> None:
         self.src, self.dst, self.config = src, dst, config

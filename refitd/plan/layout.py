@@ -10,10 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-PLAIN = "plain"
-MXFP8 = "mxfp8"
-FP8_BLOCK = "fp8_block"
-STORAGE_FORMATS = (PLAIN, MXFP8, FP8_BLOCK)
+from refitd.plan.wire import PLAIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +35,8 @@ class TensorSpec:
     """One registered local tensor of one worker rank.
 
     dtype is the element dtype by torch name without the prefix ("bfloat16", "float32").
-    storage is how the destination keeps it: "plain", or a quantized persistent layout
-    ("mxfp8": uint8 E4M3 data of local_shape plus uint8 E8M0 scales of
+    storage is how the destination keeps it (wire.STORAGE_FORMATS): "plain", or a quantized
+    persistent layout ("mxfp8": uint8 E4M3 data of local_shape plus uint8 E8M0 scales of
     local_shape[:-1] + (ceil(local_shape[-1] / 32),); "fp8_block": uint8 E4M3 data plus
     float32 scales of local_shape[:-2] + (ceil(r / 128), ceil(c / 128))).
     """

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from refitd.plan.errors import PlanError
-from refitd.plan.layout import PLAIN, STORAGE_FORMATS, Box, TensorSpec
+from refitd.plan.layout import Box, TensorSpec
+from refitd.plan.wire import PLAIN, STORAGE_FORMATS
 
 # One run along one dim: (global offset, length, local offset).
 Run = tuple[int, int, int]

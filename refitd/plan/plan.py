@@ -16,9 +16,9 @@ from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable, Pieces
 from refitd.plan.grouping import dense_index
 from refitd.plan.layout import TensorSpec
-from refitd.plan.program import SlotProgram
-from refitd.plan.programs import Messages, PlanTensors, ProgramIndex, concat_ranges
-from refitd.plan.schedule import MessageTable, Scheduler
+from refitd.plan.program.build import Messages, PlanTensors, ProgramIndex, concat_ranges
+from refitd.plan.program.columns import SlotProgram
+from refitd.plan.schedule import BucketScheduler, ScheduledMessages
 from refitd.plan.sides import sort_by
 from refitd.plan.table import SpecTable
 
@@ -92,11 +92,11 @@ class Plan:
 
     def _schedule(
         self, table: CopyTable, nb: np.ndarray, local: np.ndarray
-    ) -> tuple[MessageTable, np.ndarray]:
+    ) -> tuple[ScheduledMessages, np.ndarray]:
         """Bucket the remote copies (direct ones, then relays after what they forward) and
         keep all messages ordered by (round, src, dst): (the relay messages, the wire
         bytes of every remote copy)."""
-        sched = Scheduler(self.config, self._slot_of, self._dense, self._all_slots.size)
+        sched = BucketScheduler(self.config, self._slot_of, self._dense, self._all_slots.size)
         relay = table.feed >= 0
         any_relay = bool(relay.any())
         direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)
@@ -116,7 +116,9 @@ class Plan:
         self._m_bytes = m_bytes[m_order]
         return relays, np.concatenate([direct.copy_bytes, relays.copy_bytes])
 
-    def _statistics(self, local_bytes: int, remote_bytes: int, relays: MessageTable) -> PlanStats:
+    def _statistics(
+        self, local_bytes: int, remote_bytes: int, relays: ScheduledMessages
+    ) -> PlanStats:
         """Totals and loads (see the module docstring for the imbalance)."""
         send, recv = self._send_load, self._recv_load
         is_source = np.zeros(self._all_slots.size, dtype=bool)

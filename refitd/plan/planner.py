@@ -14,7 +14,7 @@ a caller planning large clusters wraps its calls in its own gc_pause.GcPause.
 Relays (PlanConfig.relay, off by default until every executor honours the rule below): a
 destination slot that received a block may forward it to another destination replica of
 the same tensor, so the busiest source slots send fewer replica copies (relay.py picks
-which). Convention on top of program.py:
+which). Convention on top of refitd.plan.program:
 - a relay Copy's src_tensor is the plan index of a DESTINATION tensor held on the sending
   slot, reading a region that an earlier message to that slot wrote in full; relays are
   raw wire, between plain-storage destinations of the same dtype, never forwarded again;
@@ -38,7 +38,7 @@ from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable
 from refitd.plan.digest import fingerprint, plan_digest
 from refitd.plan.errors import PlanError
-from refitd.plan.intersect import Batch, Planner
+from refitd.plan.intersect import Batch, BoxIntersector
 from refitd.plan.layout import TensorSpec
 from refitd.plan.plan import Plan, PlanStats
 from refitd.plan.relay import RelayCandidates, choose_relays
@@ -124,31 +124,31 @@ def _copies(
     dst = side_of(destinations, len(sources))
     group(src)
     group(dst)
-    planner = Planner(src, dst, config)
-    batches = planner.batches()
+    intersector = BoxIntersector(src, dst, config)
+    batches = intersector.batches()
     n_src = len(sources)
-    choices = [_choices(b, planner, config) for b in batches]
-    cols, _ = choose_replicas(choices, planner.slots.size)
+    choices = [_choices(b, intersector, config) for b in batches]
+    cols, _ = choose_replicas(choices, intersector.slots.size)
     del choices
     table, group_of, relayable = _copy_table(batches, cols, n_src)
     del batches, cols
     check_blocks(table, tensors, config.wires)
     if config.relay and table.src.size:
-        _add_relays(planner, table, group_of, relayable, n_src)
-    return table, planner.slot_of
+        _add_relays(intersector, table, group_of, relayable, n_src)
+    return table, intersector.slot_of
 
 
-def _choices(b: Batch, planner: Planner, config: PlanConfig) -> Choices:
+def _choices(b: Batch, intersector: BoxIntersector, config: PlanConfig) -> Choices:
     """A batch's copies for replica choice: links whose members sit on the same slots
     share their candidate sets (one set per such link class and piece)."""
-    slots, link_cls = unique_rows(planner.src_slot_idx[b.link_src])
+    slots, link_cls = unique_rows(intersector.src_slot_idx[b.link_src])
     p = b.cand_pos.shape[0]
     return Choices(
         sets=slots[:, b.cand_pos].reshape(-1, b.cand_pos.shape[1]),
         cls=(link_cls.reshape(-1, 1) * p + np.arange(p)).reshape(-1),
         nbytes=row_prod(np.take(b.shape, b.piece, axis=0))
         * config.wires.element_bytes(b.wire[b.piece], b.esize),
-        dst=planner.dst_slot_idx[b.dst_spec],
+        dst=intersector.dst_slot_idx[b.dst_spec],
     )
 
 
@@ -198,25 +198,29 @@ def _copy_table(
 
 
 def _add_relays(
-    planner: Planner, table: CopyTable, group: np.ndarray, relayable: np.ndarray, n_src: int
+    intersector: BoxIntersector,
+    table: CopyTable,
+    group: np.ndarray,
+    relayable: np.ndarray,
+    n_src: int,
 ) -> None:
     """Turn some copies into relays (see relay.py): their source becomes the destination
     region of their feed copy."""
     chain_pool = None
-    if planner.config.relay_chain:
+    if intersector.config.relay_chain:
         order: dict[str, int] = {}
         pool_of_geo = np.array(
-            [order.setdefault(g.pool, len(order)) for g in planner.dst.geos], np.int64
+            [order.setdefault(g.pool, len(order)) for g in intersector.dst.geos], np.int64
         )
-        chain_pool = pool_of_geo[planner.dst.geo[table.dst - n_src]]
-    all_slot_idx = np.concatenate([planner.src_slot_idx, planner.dst_slot_idx])
-    is_source = np.zeros(planner.slots.size, dtype=bool)
-    is_source[planner.src_slot_idx] = True
+        chain_pool = pool_of_geo[intersector.dst.geo[table.dst - n_src]]
+    all_slot_idx = np.concatenate([intersector.src_slot_idx, intersector.dst_slot_idx])
+    is_source = np.zeros(intersector.slots.size, dtype=bool)
+    is_source[intersector.src_slot_idx] = True
     feed = choose_relays(
         RelayCandidates(
             src=all_slot_idx[table.src],
             dst=all_slot_idx[table.dst],
-            nbytes=planner.config.wires.segment_nbytes(
+            nbytes=intersector.config.wires.segment_nbytes(
                 table.wire, table.shape, table.ndim, table.esize
             ),
             group=group,

@@ -14,7 +14,7 @@ from refitd.plan.sides import sort_by
 
 
 @dataclass(slots=True)
-class MessageTable:
+class ScheduledMessages:
     """Copies of one kind (direct or relay), cut to pieces, sorted and bucketed into
     messages. The pieces are rows of the plan's copy table (`rows`, in message order),
     cut along dim 0 where `step` (row offset) and `len0` (rows) say so."""
@@ -75,7 +75,7 @@ class MessageTable:
 
 
 @dataclass(frozen=True, slots=True)
-class Scheduler:
+class BucketScheduler:
     """Turns selected remote copies into messages with rounds. slot_of: the slot of each
     plan tensor; dense: its slot's index in the sorted slots; n_slots: how many slots."""
 
@@ -89,9 +89,9 @@ class Scheduler:
         table: CopyTable,
         nb: np.ndarray,
         mask: np.ndarray,
-        feeds: MessageTable | None,
+        feeds: ScheduledMessages | None,
         need_rounds: bool,
-    ) -> MessageTable:
+    ) -> ScheduledMessages:
         """Split, sort and bucket the selected remote copies; rounds per message.
 
         Direct copies (feeds None): each source's peers over `fanout` lanes. Relays: a
@@ -122,12 +122,12 @@ class Scheduler:
             step, len0 = step[order], len0[order]
         z = np.zeros(0, np.int64)
         if not rs.size:
-            return MessageTable(rows, step, len0, rnb, z, z, z, z, z, z, z)
+            return ScheduledMessages(rows, step, len0, rnb, z, z, z, z, z, z, z)
         pair_first = np.r_[0, np.flatnonzero((np.diff(rs) != 0) | (np.diff(rd) != 0)) + 1]
         ms, me, mp = bk.pack(pair_first, rnb, self.config.bucket_bytes)
         m_round = self._rounds(table, rows, rnb, pair_first, ms, mp, rs, rd, feeds, need)
         csum = np.r_[0, np.cumsum(rnb)]
-        out = MessageTable(
+        out = ScheduledMessages(
             rows,
             step,
             len0,
@@ -154,7 +154,7 @@ class Scheduler:
         mp: np.ndarray,
         rs: np.ndarray,
         rd: np.ndarray,
-        feeds: MessageTable | None,
+        feeds: ScheduledMessages | None,
         need: np.ndarray | None,
     ) -> np.ndarray:
         """The round of every message (rows: the table row of every piece; ms: first
@@ -201,10 +201,10 @@ class Scheduler:
         return idx[rep], step, len0
 
 
-def _record_copy_rounds(out: MessageTable, table: CopyTable) -> None:
+def _record_copy_rounds(out: ScheduledMessages, table: CopyTable) -> None:
     """The last round carrying each copy (its pieces may be several), and with cut copies
     where each copy's pieces are and their rounds, for relays that forward them
-    (MessageTable.need_of). Direct pieces are sorted by keys equal for all pieces of a
+    (ScheduledMessages.need_of). Direct pieces are sorted by keys equal for all pieces of a
     copy, stably, so each copy's pieces stay adjacent and in row order."""
     n = table.src.size
     piece_round = np.repeat(out.round, out.end - out.start)

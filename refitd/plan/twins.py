@@ -21,12 +21,10 @@ import numpy as np
 from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable
 from refitd.plan.errors import PlanError
-from refitd.plan.layout import PLAIN
 from refitd.plan.plan import Plan
 from refitd.plan.rowwise import row_prod
 from refitd.plan.table import SpecTable
-from refitd.plan.wireformat import dtype_size
-from refitd.plan.wires import RAW_CODE
+from refitd.plan.wire import PLAIN, RAW_CODE, dtype_size
 
 
 def build_twin_plan(

@@ -19,14 +19,14 @@ import numpy as np
 from refitd.plan.planner import Plan
 from refitd.plan.program import DTYPES
 from refitd.plan.wire import delta_capable
-from refitd.server.delta_policy import MessageColumns
+from refitd.server.delta_policy import DeltaMessageColumns
 
 
 @dataclass(frozen=True)
 class PlanDelta:
     mids: np.ndarray  # int64 [messages]
     dst_slot: np.ndarray  # int64 [messages]
-    columns: MessageColumns  # pair_worker indexes `workers`
+    columns: DeltaMessageColumns  # pair_worker indexes `workers`
     workers: list[tuple[str, int]]  # (pool, rank) of destination workers
     layout_key: str  # same for plans of the same layout (epochs and worker ids aside)
 
@@ -79,7 +79,7 @@ def plan_delta(plan: Plan, staged_pools: Collection[str]) -> PlanDelta:
             capable.append(ok)
     mid_arr = np.array(mids, dtype=np.int64)
     ok_arr = np.array(capable, dtype=bool) & ~np.isin(mid_arr, np.array(sorted(relays)))
-    cols = MessageColumns(
+    cols = DeltaMessageColumns(
         np.array(src, dtype=np.int64),
         ok_arr,
         np.array(pm, dtype=np.int64),

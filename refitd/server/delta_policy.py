@@ -154,7 +154,7 @@ def refit_mode(
 
 
 @dataclass(frozen=True)
-class MessageColumns:
+class DeltaMessageColumns:
     """The plan's messages as columns: source slot and delta capability per message, and the
     (message, destination worker) pairs of every destination worker a message writes."""
 
@@ -190,7 +190,7 @@ def decide(
     settings: DeltaSettings,
     mode: RefitMode,
     plan_key: str,
-    columns: MessageColumns,
+    columns: DeltaMessageColumns,
     senders: Mapping[int, SenderBase],
     workers: Sequence[DestinationState],
 ) -> DeltaDecision:

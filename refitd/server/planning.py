@@ -26,7 +26,7 @@ from refitd.plan.errors import PlanError
 from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
-from refitd.plan.program import SlotProgram
+from refitd.plan.program import SlotProgram, encode_program
 from refitd.plan.table import SpecTable
 from refitd.plan.twins import build_twin_plan, pair_twins
 from refitd.server.errors import precondition
@@ -112,7 +112,7 @@ class ControllerPlan:
     def _payload(self, prog: SlotProgram) -> LoadPayload:
         """Encoded program and the plan indices of its tensors (those held on its slot:
         the only ones whose memory the slot maps)."""
-        return LoadPayload(prog.to_bytes(), prog.table.index.astype(np.int64))
+        return LoadPayload(encode_program(prog), prog.table.index.astype(np.int64))
 
     def held(self, payload: LoadPayload) -> Iterator[tuple[int, TensorSpec]]:
         """(plan index, spec) of every tensor a slot's load carries a handle for."""

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.plan.layout import PLAIN, STORAGE_FORMATS, Box, TensorSpec
-from refitd.plan.wire import DTYPE_SIZES
+from refitd.plan.layout import Box, TensorSpec
+from refitd.plan.wire import DTYPE_SIZES, PLAIN, STORAGE_FORMATS
 from refitd.server.errors import invalid
 from refitd.server.interning import Interner
 

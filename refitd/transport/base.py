@@ -96,24 +96,3 @@ def check_buffer(tensor: torch.Tensor, what: str) -> None:
             f"{what}: buffers must be contiguous 1-D uint8 tensors, got "
             f"{tensor.dtype} shape {tuple(tensor.shape)} contiguous={tensor.is_contiguous()}"
         )
-
-
-def create_transport(name: str) -> Transport:
-    """Transport by name: local, gloo, nccl, nvshmem."""
-    if name == "local":
-        from refitd.transport.local import LocalTransport
-
-        return LocalTransport()
-    if name == "gloo":
-        from refitd.transport.gloo import GlooTransport
-
-        return GlooTransport()
-    if name == "nccl":
-        from refitd.transport.nccl import NcclTransport
-
-        return NcclTransport()
-    if name == "nvshmem":
-        from refitd.transport.nvshmem import NvshmemTransport
-
-        return NvshmemTransport()
-    raise ValueError(f"unknown transport {name!r}; known: local, gloo, nccl, nvshmem")

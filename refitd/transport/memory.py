@@ -21,13 +21,13 @@ import dataclasses
 import mmap
 import operator
 import struct
-import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgpack
 import torch
 
+from refitd.torch_dtypes import dtype_name, torch_dtype
 from refitd.transport.errors import StorageMovedError
 from refitd.transport.segment_names import SHM_DIR, new_segment_name, reap_orphaned_segments
 from refitd.transport.shm import Segment
@@ -131,24 +131,6 @@ class MemoryHandle:
             name=d["name"],
             scales=None if d["scales"] is None else cls._from_dict(d["scales"]),
         )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16"."""
-    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
-
-
-_DTYPE_NAMES: Mapping[torch.dtype, str] = types.MappingProxyType(
-    {d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
-)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """ "bfloat16" -> torch.bfloat16, with a clear error for unknown names."""
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown torch dtype name {name!r}")
-    return dt
 
 
 @dataclass

@@ -91,6 +91,12 @@ RULES = [
         ("refitd.server", "refitd.client", *ENTRY_POINTS),
     ),
     Rule(
+        "refitd.torch_dtypes",
+        "torch dtype names sit under every layer that holds tensors: torch, no other refitd module",
+        ("grpc", "google.protobuf", "triton"),
+        only_refitd=("refitd.torch_dtypes",),
+    ),
+    Rule(
         "refitd.bench",
         "benchmarks and harnesses drive any layer; the CLI dispatches to them, never back",
         ("refitd.cli",),

@@ -18,17 +18,14 @@ from refitd.formats.delta import (
     UNCHANGED,
     DeltaError,
     apply_parts,
+    apply_segment_delta,
     apply_stream,
     encode_parts,
+    encode_segment_delta,
     encode_stream,
     sampled_changes,
 )
-from refitd.formats.delta_segment import (
-    apply_segment_delta,
-    delta_capable,
-    encode_segment_delta,
-)
-from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape, segment_nbytes
+from refitd.plan.wire import delta_capable, fp8_block_scale_shape, mxfp8_scale_shape, segment_nbytes
 
 DENSITIES = [0.0, 1e-5, 0.04, 0.5, 1.0]
 UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

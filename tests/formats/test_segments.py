@@ -23,11 +23,11 @@ from refitd.formats import (
 )
 from refitd.plan.wire import (
     SEGMENT_ALIGN,
+    WireFormat,
     fp8_block_scale_shape,
     mxfp8_scale_shape,
     segment_nbytes,
 )
-from refitd.plan.wireformat import WireFormat
 
 QUANTIZE = {"mxfp8": mxfp8_quantize, "fp8_block": fp8_block_quantize}
 DEQUANTIZE = {"mxfp8": mxfp8_dequantize, "fp8_block": fp8_block_dequantize}

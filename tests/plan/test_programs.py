@@ -11,8 +11,12 @@ from hypothesis import strategies as st
 
 from refitd.plan.layouts import Shard, dtensor_layout, make_spec
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.program import PROGRAM_FORMAT_VERSION, ProgramError, SlotProgram
-from refitd.plan.program_codec import encode
+from refitd.plan.program import (
+    PROGRAM_FORMAT_VERSION,
+    ProgramError,
+    decode_program,
+    encode_program,
+)
 
 from .oracle import run_and_check
 from .test_layouts_plan import tp_side
@@ -46,7 +50,7 @@ def test_programs_round_trip_and_replay(tp_s, tp_d, dp_d, relay, bucket):
     assert sorted(every) == plan.slots()
     for slot, p in every.items():
         assert p == plan.program(slot)
-        back = SlotProgram.from_bytes(p.to_bytes(), slot)
+        back = decode_program(encode_program(p), slot)
         assert back == p
         assert back.sends == p.sends and back.recvs == p.recvs and back.local == p.local
         for i, t in back.tensors.items():
@@ -62,7 +66,7 @@ def test_programs_round_trip_and_replay(tp_s, tp_d, dp_d, relay, bucket):
 
 def _err(data: bytes, slot: int) -> str:
     with pytest.raises(ProgramError) as e:
-        SlotProgram.from_bytes(data, slot)
+        decode_program(data, slot)
     msg = str(e.value)
     assert f"slot program for slot {slot}: field '" in msg, msg
     return msg
@@ -74,7 +78,7 @@ def test_truncated_and_corrupted_programs_are_rejected(data):
     src, dst, cfg = _plan()
     plan = build_plan("m", 1, src, dst, cfg)
     slot = data.draw(st.sampled_from(plan.slots()))
-    raw = plan.program(slot).to_bytes()
+    raw = encode_program(plan.program(slot))
     cut = data.draw(st.integers(0, len(raw) - 1))
     _err(raw[:cut], slot)
     pos = data.draw(st.integers(0, len(raw) - 1))
@@ -87,7 +91,7 @@ def test_truncated_and_corrupted_programs_are_rejected(data):
 def test_version_mismatch_and_wrong_slot_name_the_field():
     src, dst, cfg = _plan()
     plan = build_plan("m", 1, src, dst, cfg)
-    raw = bytearray(plan.program(0).to_bytes())
+    raw = bytearray(encode_program(plan.program(0)))
     assert "field 'slot'" in _err(bytes(raw), 21)
     raw[4:6] = (PROGRAM_FORMAT_VERSION + 1).to_bytes(2, "little")
     msg = _err(bytes(raw), 0)
@@ -103,7 +107,7 @@ def test_inconsistent_columns_are_rejected_by_field():
 
     def bad(**changes):
         cols = dataclasses.replace(p.copies, **changes)
-        return encode(dataclasses.replace(p, copies=cols, wire_dtypes=None))
+        return encode_program(dataclasses.replace(p, copies=cols, wire_dtypes=None))
 
     off = p.copies.src_off.copy()
     off[0, 0] += 10_000
@@ -117,7 +121,7 @@ def test_inconsistent_columns_are_rejected_by_field():
     nb = p.send.nbytes.copy()
     nb[0] += 16
     sends = dataclasses.replace(p.send, nbytes=nb)
-    msg = _err(encode(dataclasses.replace(p, send=sends, wire_dtypes=None)), 0)
+    msg = _err(encode_program(dataclasses.replace(p, send=sends, wire_dtypes=None)), 0)
     assert "field 'send.nbytes'" in msg
 
 
@@ -153,7 +157,7 @@ def test_slot_with_an_empty_shard_and_no_copies():
     plan = run_and_check(src, dst, PlanConfig())
     p = plan.program(13)
     assert len(p.copies) == 0 and len(p.send) == len(p.recv) == 0
-    assert SlotProgram.from_bytes(p.to_bytes(), 13) == p
+    assert decode_program(encode_program(p), 13) == p
     # the slot's one tensor is an empty shard: nothing to copy, no memory to map
     (empty,) = [t for t in plan.tensors if t.slot == 13]
     assert empty.local_shape == (0, 8)

@@ -12,12 +12,11 @@ import torch
 
 from refitd.bench.plan_oracle import WireCodec
 from refitd.formats import Transform, decode_segment, default_registry, encode_segment, split_parts
-from refitd.formats.fp8 import dtype_name, torch_dtype
 from refitd.formats.region import DestRegion, dest_region
 from refitd.formats.transform import TransformRegistry, store_region
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.wireformat import WireFormat
-from refitd.plan.wires import RAW_CODE
+from refitd.plan.wire import RAW_CODE, WireFormat
+from refitd.torch_dtypes import dtype_name, torch_dtype
 
 from .oracle import run_and_check
 from .test_layouts_plan import tp_side

@@ -15,8 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.config import load_settings
+from refitd.credentials import store_secret
 from refitd.rpc.connection import ControllerConnection, RefitError
-from refitd.security import TOKEN_COOKIE, ClientSecurity, store_secret
+from refitd.security import TOKEN_COOKIE, ClientSecurity
 from refitd.server.controller import Controller
 
 from .certs import Pki

@@ -12,7 +12,7 @@ import grpc
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
-from refitd.plan.program import SlotProgram
+from refitd.plan.program import SlotProgram, decode_program
 
 
 def tensor(
@@ -99,7 +99,7 @@ class EchoAgent:
                         elif slot in cmd.connect.comm_rank:
                             self._report(cmd, slot, pb.REPORT_KIND_CONNECTED)
                 elif which == "load":
-                    self.programs[cmd.load.slot] = SlotProgram.from_bytes(cmd.load.program)
+                    self.programs[cmd.load.slot] = decode_program(cmd.load.program)
                     self._report(cmd, cmd.load.slot, pb.REPORT_KIND_LOADED)
                 elif which == "execute":
                     slot = cmd.execute.slot

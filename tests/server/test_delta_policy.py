@@ -10,10 +10,10 @@ import pytest
 
 from refitd.server.delta_policy import (
     UNKNOWN,
+    DeltaMessageColumns,
     DeltaSettings,
     DestinationState,
     Landing,
-    MessageColumns,
     SenderBase,
     Timing,
     Why,
@@ -35,7 +35,7 @@ def dest(wid: str, version: int = 5, **kw: object) -> DestinationState:
 
 
 def columns(src: list[int], pairs: list[tuple[int, int]], capable: list[bool] | None = None):
-    return MessageColumns(
+    return DeltaMessageColumns(
         np.array(src, dtype=np.int64),
         np.array(capable if capable is not None else [True] * len(src)),
         np.array([m for m, _ in pairs], dtype=np.int64),

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from refitd._proto import refitd_pb2 as pb
+from refitd.plan.program import encode_program
 from refitd.server.controller import Controller
 
 from .conftest import Cluster, register
@@ -128,7 +129,7 @@ def test_program_index_released_once_every_program_is_encoded() -> None:
         encoded[slot] = cp.load_payload(slot).program
         assert (cp.plan._index is None) == (k == len(cp.slots) - 1)  # built once, kept
     assert len(cp.slots) > 1
-    assert {s: cp.plan.program(s).to_bytes() for s in cp.slots} == encoded
+    assert {s: encode_program(cp.plan.program(s)) for s in cp.slots} == encoded
 
 
 def test_a_worker_added_while_a_plan_reads_the_tables_joins_without_a_rebuild() -> None:

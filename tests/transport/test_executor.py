@@ -24,7 +24,13 @@ from refitd.agent.executor import (
 )
 from refitd.agent.segments import ResolvedTensor
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.program import Copy, Message, ProgramError, ProgramTensor, SlotProgram
+from refitd.plan.program import (
+    Copy,
+    Message,
+    ProgramError,
+    ProgramTensor,
+    program_from_objects,
+)
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport
@@ -55,7 +61,7 @@ def _chunks(copies, nbytes, wire_chunk, staged_chunk=None, lands=None, direct_mi
         0: ProgramTensor("a", 0, 0, "bfloat16", "plain", (100,)),
         1: ProgramTensor("b", 0, 1, "bfloat16", "plain", (100,)),
     }
-    p = SlotProgram.from_objects("d", 0, specs, (m,), (), ())
+    p = program_from_objects("d", 0, specs, (m,), (), ())
     info = CopyInfo.of(p, direct_min)
     if lands is not None:
         info.lands_direct[:] = lands

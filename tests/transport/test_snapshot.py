@@ -20,6 +20,7 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 from refitd.agent.commands import SnapshotInfo
 from refitd.agent.transfer_process import TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.plan.program import encode_program
 from refitd.transport.memory import SharedTensorArena
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def _setup(handles, arena, cap: int, digest_seed: int):
         prog = plan.program(h.slot)
         replies[h.slot] = h.load(
             plan.digest,
-            prog.to_bytes(),
+            encode_program(prog),
             {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
             snapshot=list(range(len(src))),
             snapshot_bytes=cap,

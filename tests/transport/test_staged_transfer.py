@@ -11,6 +11,7 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 
 from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.plan.program import encode_program
 from refitd.transport.memory import SharedTensorArena
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def test_staging_fills_then_apply_lands_bit_for_bit() -> None:
                 p = program_of(h.slot)
                 h.load(
                     digest,
-                    p.to_bytes(),
+                    encode_program(p),
                     {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
                     staging_bytes=2048,
                     wire_chunk=512,

@@ -21,6 +21,7 @@ from _transport_layouts import (
 from refitd.agent.commands import ExecReport
 from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.plan.program import encode_program
 from refitd.transport.memory import SharedTensorArena, StorageMovedError
 
 pytestmark = pytest.mark.slow
@@ -85,7 +86,7 @@ def test_refit_between_layouts_then_moved_storage_then_absent_peer(procs) -> Non
             p = plan.program(h.slot)
             h.load(
                 plan.digest,
-                p.to_bytes(),
+                encode_program(p),
                 {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
                 staging_bytes=2048,
                 wire_chunk=512,
@@ -161,7 +162,7 @@ def test_relay_plans_bit_for_bit(procs, case) -> None:
             p = programs[h.slot]
             h.load(
                 plan.digest,
-                p.to_bytes(),
+                encode_program(p),
                 {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
                 staging_bytes=1024,
                 wire_chunk=256,

@@ -21,9 +21,9 @@ from refitd.agent.executor import (
     ExecutorConfig,
 )
 from refitd.agent.segments import ResolvedTensor
-from refitd.plan.layout import MXFP8, PLAIN, Box, TensorSpec
+from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
-from refitd.plan.wire import RAW, mxfp8_scale_shape
+from refitd.plan.wire import MXFP8, PLAIN, RAW, mxfp8_scale_shape
 from refitd.server.refit.checksums import compare_checksums
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport

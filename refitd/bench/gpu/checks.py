@@ -35,10 +35,15 @@ import torch
 
 from refitd.agent.executor import DirectResolver, Executor, ExecutorConfig
 from refitd.agent.segments import ResolvedTensor
-from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, Box, TensorSpec
+from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.program import Message, SlotProgram, message_nbytes
-from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.plan.program import (
+    Message,
+    encode_program,
+    message_nbytes,
+    program_from_objects,
+)
+from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
 from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 if TYPE_CHECKING:
@@ -306,7 +311,7 @@ def ipc_refit(
         stage = [len(src) + j for j in range(len(dst))] if staged else None
         snap = list(range(len(src))) if snapshot else None
         loaded = handle.load(
-            plan.digest, program.to_bytes(), handles, staged=stage, snapshot=snap,
+            plan.digest, encode_program(program), handles, staged=stage, snapshot=snap,
             snapshot_bytes=2 * total_bytes if snapshot else None,
         )  # fmt: skip
         nbytes = sum(math.prod(c.shape) * 2 for c in program.local)
@@ -466,7 +471,7 @@ def nccl_self_transfer(total_bytes: int = 4 << 30, timeout_s: float = 300.0) -> 
         Message(mid, mid, 0, 0, (c,), message_nbytes((c,), specs))
         for mid, c in enumerate(local.local)
     ]
-    program = SlotProgram.from_objects(plan.digest, 0, specs, tuple(msgs), tuple(msgs), ())
+    program = program_from_objects(plan.digest, 0, specs, tuple(msgs), tuple(msgs), ())
     store = dist.TCPStore(
         "127.0.0.1",
         0,

@@ -79,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.plan.layout import MXFP8
     from refitd.plan.planner import PlanConfig, build_plan
+    from refitd.plan.wire import MXFP8
 
     names = args.modes or ("stream" if args.topology == "gpu" else "posted")
     modes = [ExecMode(m) for m in names.split(",") if m]

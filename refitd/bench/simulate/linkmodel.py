@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from refitd.plan.programs import concat_ranges
+from refitd.plan.program.build import concat_ranges
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # the executor's WIRE_CHUNK
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s

@@ -25,8 +25,8 @@ every section starting at a multiple of 8 bytes):
 A segment with several parts (MXFP8: E4M3 bytes and E8M0 scales; block FP8: E4M3 bytes and
 FP32 scales) is a *container*: magic "RDLP" | u32 parts | u64 stream bytes[parts] | streams.
 
-Everything is vectorised NumPy over a frame (refitd.formats.delta_frames: how the changes
-are found); torch CPU tensors are read and written through zero-copy integer views
+Everything is vectorised NumPy over a frame (frames.py: how the changes are
+found); torch CPU tensors are read and written through zero-copy integer views
 (bits_view). A strided live source is read a frame at a time into reused scratch memory,
 never copied whole; the output goes into a growable ByteSink that a sender reuses.
 """
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refitd.formats.delta_frames import (
+from refitd.formats.delta.frames import (
     BITMAP,
     DENSE,
     INDEX,

@@ -1,6 +1,6 @@
 """One frame of the delta codec: finding the changes, writing and applying the frame bytes.
 
-The byte layout is refitd.formats.delta's. Finding the changes costs most, so it takes one of
+The byte layout is streams.py's. Finding the changes costs most, so it takes one of
 two routes, chosen per frame, that produce the same bytes:
 
 - sparse (few changed elements): base and live are compared as 8-byte words (four BF16, two

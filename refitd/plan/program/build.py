@@ -15,7 +15,8 @@ import numpy as np
 
 from refitd.plan.copies import Pieces
 from refitd.plan.grouping import dense_index
-from refitd.plan.program import (
+from refitd.plan.program.codec import narrow_dtypes
+from refitd.plan.program.columns import (
     DTYPES,
     STORAGES,
     CopyColumns,
@@ -23,7 +24,6 @@ from refitd.plan.program import (
     SlotProgram,
     TensorColumns,
     copy_flags,
-    narrow_dtypes,
 )
 from refitd.plan.rowwise import row_max, row_prod
 from refitd.plan.sides import sort_by
@@ -191,7 +191,7 @@ class ProgramIndex:
         self._narrow()
 
     def _narrow(self) -> None:
-        """Per slot and integer column, the narrowest travelling dtype (program_codec):
+        """Per slot and integer column, the narrowest travelling dtype (codec.narrow_dtypes):
         one maximum per slot and column, from reduceat over the slot-major columns."""
         cols: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         c = self.copies

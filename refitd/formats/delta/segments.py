@@ -12,16 +12,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from refitd.formats.delta import DeltaStats, apply_parts, encode_parts
-from refitd.formats.fp8 import torch_dtype
+from refitd.formats.delta.streams import DeltaStats, apply_parts, encode_parts
 from refitd.formats.region import DestRegion
 from refitd.formats.transform import split_parts
-from refitd.plan.layout import PLAIN
-from refitd.plan.wire import FP8_BLOCK, MXFP8, RAW, delta_capable, segment_parts
+from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, RAW, segment_parts
+from refitd.torch_dtypes import torch_dtype
 
 __all__ = [
     "apply_segment_delta",
-    "delta_capable",
     "encode_segment_delta",
     "region_streams",
     "segment_streams",
