@@ -144,7 +144,7 @@ class RefitCoordinator:
             return run.response()
         waited = timeout_s or self.settings.refit_wait_timeout_s
         deadline = time.monotonic() + waited
-        ok, response = self.scheduler.await_event(m, run, ready, deadline)
+        ok, response = self.scheduler.await_event(m, run, w.rank, ready, deadline)
         if not ok:
             raise ControlError(
                 ErrorKind.DEADLINE,
