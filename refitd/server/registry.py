@@ -154,11 +154,11 @@ class Registry:
     def serves(self, host: str, device: str) -> bool:
         """Whether a connected agent holds the slot of `device` on `host`."""
         with self.lock:
-            return any(
-                s.host == host and s.device == device and a is not None and a.connected
-                for s in self.slots.values()
-                for a in [self.agents.get(s.agent_id or "")]
-            )
+            for s in self.slots.values():
+                if s.host == host and s.device == device:
+                    a = self.agents.get(s.agent_id or "")
+                    return a is not None and a.connected
+            return False
 
     def slot_for(self, host: str, device: str) -> Slot:
         with self.lock:
