@@ -158,13 +158,15 @@ def test_a_refit_right_after_a_controller_restart_lands() -> None:
     ranks see no error (their heartbeat period is long, so each registers again on its
     Refit call)."""
     d = Daemon(cpu_slots=2, extra_args=RESTART_ARGS)
-    d.start(wait=False)
-    wait_ready(d, timeout_s=60)  # a fresh start: ready once the embedded agent is connected
-    assert connected_slots(d) == 2
     model = "restart"
-    infer = infer_proc(d, model, "infer", "cpu:1")
-    trainers = [trainer_proc(d, model, r, 2) for r in (0, 1)]
+    procs: list[Proc] = []
     try:
+        d.start(wait=False)
+        wait_ready(d, timeout_s=60)  # a fresh start: ready once the embedded agent is connected
+        assert connected_slots(d) == 2
+        infer = infer_proc(d, model, "infer", "cpu:1")
+        trainers = [trainer_proc(d, model, r, 2) for r in (0, 1)]
+        procs = [infer, *trainers]
         for p in (infer, *trainers):
             p.expect("ready")
         wait_subscribed(d.address, model)
@@ -179,6 +181,6 @@ def test_a_refit_right_after_a_controller_restart_lands() -> None:
         assert [state(x) for x in answers] == ["committed"] * 2, (answers, d.log_tail())
         assert infer.expect("commit 2") == "commit 2 ok"
     finally:
-        for p in (infer, *trainers):
+        for p in procs:
             p.kill()
         d.stop()
