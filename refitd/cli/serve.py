@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from refitd.server.controller import Controller
+    from refitd.server.readiness import LocalAgent
 
     settings = settings_from_args(args)
     devices = settings.local_devices()
@@ -48,12 +49,13 @@ def run(args: argparse.Namespace) -> int:
         from refitd.agent.transfer_process import start_transfer_server
 
         start_transfer_server()
-    controller = Controller(settings).start()
+    host = args.hostname or socket.gethostname()
+    local = LocalAgent(host, tuple(devices)) if plane is not None else None
+    controller = Controller(settings, local).start()  # ready once this agent connects
     agent_thread = None
     if plane is not None:
         from refitd.agent.node import run_node_agent
 
-        host = args.hostname or socket.gethostname()
         agent_thread = threading.Thread(
             target=run_node_agent,
             args=(controller.grpc_address, host, devices, settings, stop, plane),

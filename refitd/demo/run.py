@@ -59,8 +59,12 @@ class Daemon:
     def status_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/"
 
-    def start(self, ready_timeout_s: float = 60.0) -> Daemon:
-        self._tmp = tempfile.TemporaryDirectory(prefix="refitd-demo-")
+    def start(self, ready_timeout_s: float = 60.0, wait: bool = True) -> Daemon:
+        """Start `refitd serve`; with `wait`, until every slot's agent is connected. After
+        `kill()` it starts again on the same ports and state dir (a restart)."""
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="refitd-demo-")
+            self._log = open(os.path.join(self._tmp.name, "serve.log"), "w+b")  # noqa: SIM115
         self.grpc_port = self.grpc_port or free_port()
         self.http_port = self.http_port or free_port()
         cmd = [
@@ -71,12 +75,18 @@ class Daemon:
             "--data-dir", self._tmp.name,
             *self.extra_args,
         ]  # fmt: skip
-        self._log = open(os.path.join(self._tmp.name, "serve.log"), "w+b")  # noqa: SIM115
         self.process = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=self.preexec_fn
         )
-        self._wait_ready(ready_timeout_s)
+        if wait:
+            self._wait_ready(ready_timeout_s)
         return self
+
+    def kill(self) -> None:
+        """SIGKILL the daemon (a crash): its state dir and ports stay for `start()`."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
 
     def _wait_ready(self, timeout_s: float) -> None:
         import grpc

@@ -24,6 +24,7 @@ from refitd.server.grpc_service import AgentControlServicer, RefitServicer
 from refitd.server.http import HttpServer
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import keep_plan_heap
+from refitd.server.readiness import LocalAgent, Readiness
 from refitd.server.refit.coordinator import RefitCoordinator
 from refitd.server.registry import Registry
 from refitd.server.rendezvous import RendezvousStore
@@ -40,7 +41,9 @@ SERVICE_NAMES = tuple(
 class Controller:
     """One refitd controller. `start()` binds everything; `stop()` releases everything."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, local_agent: LocalAgent | None = None) -> None:
+        """`local_agent`: the node agent this process runs (`refitd serve`), which
+        readiness waits for."""
         keep_plan_heap()
         self.settings = settings
         self.security = ServerSecurity.from_settings(settings)
@@ -54,6 +57,10 @@ class Controller:
         self.board = GatherBoard()
         self.events = EventHub(self.board)
         self.agents = AgentHub(self.board)
+        # Taken right after the restore: the members it waits for are the restored ones.
+        self.ready = Readiness(
+            self.registry, self.events, settings.heartbeat_timeout_s, local_agent
+        )
         self.refits: RefitCoordinator
         self.grpc_server: grpc.Server | None = None
         self.http: HttpServer | None = None
@@ -138,13 +145,14 @@ class Controller:
         return self
 
     def readiness(self) -> dict[str, bool]:
+        """Whether the controller is ready to refit, check by check (refitd.server.readiness)."""
         checks = {
             "grpc": self.grpc_server is not None and not self.stopping,
             "database": self.db.healthy(),
         }
         if self.settings.rendezvous:
             checks["rendezvous"] = self.store is not None and self.store.alive()
-        return checks
+        return {**checks, **self.ready.checks()}
 
     def refresh_gauges(self) -> None:
         pools, slots, agents = self.registry.gauges()

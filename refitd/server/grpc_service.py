@@ -109,7 +109,8 @@ class RefitServicer(pbg.RefitServicer):
 
     @_translated
     def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: Any) -> Any:
-        w = self.c.registry.register_worker(request)
+        claims = self.c.refits.claims  # a live holder of the rank refuses a second process
+        w = self.c.registry.register_worker(request, lambda h: claims.replaced(h, request))
         model = self.c.registry.model(w.model)
         self.c.refresh_gauges()
         self.c.refits.settle_paused([w.worker_id])  # when its stream is open already

@@ -48,10 +48,13 @@ def build_app(c: Controller) -> FastAPI:
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
-        """Ready when gRPC serves, the database answers and the rendezvous store runs."""
+        """Ready to refit: gRPC serves, the database answers, the rendezvous store runs,
+        the embedded agent is connected and the restored members are back (or gone);
+        `waiting` names what it still waits for (refitd.server.readiness)."""
         checks = c.readiness()
         ok = all(checks.values())
-        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+        body = {"ready": ok, "checks": checks, "waiting": [] if ok else c.ready.waiting()}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     def metrics() -> Response:

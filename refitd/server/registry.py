@@ -13,13 +13,13 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.plan.layout import TensorSpec
 from refitd.plan.table import SpecTable
 from refitd.server.database import StateDB
-from refitd.server.errors import invalid, not_found, precondition
+from refitd.server.errors import ControlError, invalid, not_found, precondition
 from refitd.server.interning import Interner
 from refitd.server.members import Agent, Model, Pool, Slot, Worker
 from refitd.server.planning import WorkerKey
@@ -37,6 +37,7 @@ class Registry:
         # `lock` through their SQLite writes (1,024 registering ranks starved heartbeats
         # past their lease). Look-ups in the dicts are atomic reads.
         self._lease_lock = threading.Lock()
+        self._renewed = threading.Condition(self._lease_lock)  # a worker's lease was renewed
         # Registrations validate one at a time: each is ~50 ms of Python for a rank of
         # ~1,000 tensors, and several at once leave the GIL to the gRPC poller and the
         # heartbeat handlers only between them (heartbeats then waited 20 s in a burst).
@@ -150,6 +151,15 @@ class Registry:
                 raise not_found(f"agent_id {agent_id!r} is not registered")
             return a
 
+    def serves(self, host: str, device: str) -> bool:
+        """Whether a connected agent holds the slot of `device` on `host`."""
+        with self.lock:
+            for s in self.slots.values():
+                if s.host == host and s.device == device:
+                    a = self.agents.get(s.agent_id or "")
+                    return a is not None and a.connected
+            return False
+
     def slot_for(self, host: str, device: str) -> Slot:
         with self.lock:
             for s in self.slots.values():
@@ -161,15 +171,28 @@ class Registry:
         )
 
     # --- workers
-    def register_worker(self, req: pb.RegisterWorkerRequest) -> Worker:
-        """Validate and register a worker; re-registering (model, pool, rank) replaces it."""
+    def register_worker(
+        self, req: pb.RegisterWorkerRequest, judge: Callable[[Worker], str] | None = None
+    ) -> Worker:
+        """Validate and register a worker. Re-registering (model, pool, rank) replaces its
+        holder when that is the same worker (its worker_id) or a restored one; a live
+        holder of another identity is passed to `judge` (outside the locks, once the
+        registration is otherwise valid), which returns its id when it is gone (replaced)
+        or raises when it is alive. Without `judge` such a holder is refused."""
         check_worker_header(req)
         slot = self.slot_for(req.host, req.device)
         with self._validating:  # the costly part, outside the lock, one at a time
             specs = specs_from_request(req, slot.slot_id, self._intern)
             table = SpecTable.of_worker(specs)
         with self.lock:
-            return self._insert_worker(req, "", slot.slot_id, live=True, specs=specs, table=table)
+            holder = self._other_live_holder(req)
+            if holder is not None:  # refused for its own faults before any wait
+                self._check_pools(req, specs)
+        replacing = judge(holder) if holder is not None and judge is not None else ""
+        with self.lock:
+            return self._insert_worker(
+                req, "", slot.slot_id, live=True, specs=specs, table=table, replacing=replacing
+            )
 
     def _insert_worker(
         self,
@@ -179,18 +202,18 @@ class Registry:
         live: bool,
         specs: list[TensorSpec] | None = None,
         table: SpecTable | None = None,
+        replacing: str = "",
     ) -> Worker:
         """Check a registration against its model and pool, then add (or replace) the
         worker, its pool entry and its specs (lock held); `table`: the specs' SpecTable
-        when the caller made it."""
+        when the caller made it; `replacing`: a live holder of the rank found gone."""
         role = check_worker_header(req)
         if specs is None:
             specs = specs_from_request(req, slot, self._intern)
-        model = self.models.get(req.model) or Model(req.model)
-        pool = model.pools.get(req.pool)
-        self._check_pool_role(model, pool, req, role)
-        self._check_staged(pool, req, role)
-        self._check_against_pool(model, req, specs)
+        model, pool = self._check_pools(req, specs)
+        holder = self._other_live_holder(req) if live else None
+        if holder is not None and holder.worker_id != replacing:
+            raise rank_taken(holder, req, "it is live")
         if pool is None:
             pool = Pool(req.pool, role, req.pool_size)
             model.pools[req.pool] = pool
@@ -246,6 +269,27 @@ class Registry:
                     f"model {req.model!r} already has source pool {src.name!r}; pool "
                     f"{req.pool!r} cannot be a second source"
                 )
+
+    def _check_pools(
+        self, req: pb.RegisterWorkerRequest, specs: list[TensorSpec]
+    ) -> tuple[Model, Pool | None]:
+        """A registration checked against its model and pool (lock held): its model (new
+        or registered) and pool (None: new)."""
+        role = check_worker_header(req)
+        model = self.models.get(req.model) or Model(req.model)
+        pool = model.pools.get(req.pool)
+        self._check_pool_role(model, pool, req, role)
+        self._check_staged(pool, req, role)
+        self._check_against_pool(model, req, specs)
+        return model, pool
+
+    def _other_live_holder(self, req: pb.RegisterWorkerRequest) -> Worker | None:
+        """The live worker of another identity holding the rank `req` registers (lock
+        held): a rank is registered by one process at a time."""
+        holder = self.rank_worker(req.model, req.pool, req.rank)
+        if holder is None or not holder.live or holder.worker_id == req.worker_id:
+            return None
+        return holder
 
     def _replaced_rank(
         self, pool: Pool, req: pb.RegisterWorkerRequest
@@ -356,6 +400,21 @@ class Registry:
                 known.setdefault(s.canonical, (s.global_shape, rank))
         return known
 
+    def rank_worker(self, model: str, pool: str, rank: int) -> Worker | None:
+        """The worker registered as `rank` of `pool` of `model` (None: none)."""
+        with self.lock:
+            m = self.models.get(model)
+            p = m.pools.get(pool) if m is not None else None
+            return self.workers.get(p.ranks.get(rank, "")) if p is not None else None
+
+    def renewed(self, w: Worker, seen: float, until: float) -> bool:
+        """Wait until `w` renews its lease after `seen` (its last_seen then), or the
+        monotonic time `until`: True when it did."""
+        with self._renewed:
+            return self._renewed.wait_for(
+                lambda: w.last_seen > seen, max(0.0, until - time.monotonic())
+            )
+
     def worker(self, worker_id: str) -> Worker:
         with self.lock:
             w = self.workers.get(worker_id)
@@ -390,8 +449,9 @@ class Registry:
             raise not_found(
                 f"{w.describe()} was restored after a controller restart; register again"
             )
-        with self._lease_lock:
+        with self._renewed:
             w.last_seen = time.monotonic()
+            self._renewed.notify_all()
         m = self.models.get(w.model)
         return w, m.epoch if m is not None else 0
 
@@ -407,8 +467,9 @@ class Registry:
     # --- leases and connections (every change of a worker or agent field goes through here)
     def renew_worker(self, w: Worker) -> None:
         """A call of the worker renews its lease."""
-        with self._lease_lock:
+        with self._renewed:
             w.last_seen = time.monotonic()
+            self._renewed.notify_all()
 
     def touch_agent(self, agent_id: str) -> Agent:
         """Renew an agent's lease; NOT_FOUND when it is not registered (no registry lock)."""
@@ -541,9 +602,15 @@ class Registry:
             return out
 
     def pool_complete(self, model: str, pool: str) -> bool:
+        """Every rank of the pool registered, and live (a rank restored after a controller
+        restart counts once it registered again)."""
         with self.lock:
             p = self.model(model).pools.get(pool)
-            return p is not None and p.complete
+            return (
+                p is not None
+                and p.complete
+                and all(self.workers[w].live for w in p.ranks.values() if w in self.workers)
+            )
 
     def gauges(self) -> tuple[dict[tuple[str, str], int], int, int]:
         """((model, pool) -> ranks registered, slots, agents connected)."""
@@ -551,3 +618,13 @@ class Registry:
             pools = {(m.name, p.name): len(p.ranks) for m in self.models.values()
                      for p in m.pools.values()}  # fmt: skip
             return pools, len(self.slots), sum(1 for a in self.agents.values() if a.connected)
+
+
+def rank_taken(holder: Worker, req: pb.RegisterWorkerRequest, why: str) -> ControlError:
+    """The refusal of a second process registering a rank that a live worker holds."""
+    return precondition(
+        f"rank {req.rank} of pool {req.pool!r} of model {req.model!r} is held by live "
+        f"{holder.describe()}, pid {holder.pid} on host {holder.host!r} ({why}); a rank "
+        "is registered by one process at a time: stop that process (or close its client) "
+        "first, or register this one as another rank"
+    )

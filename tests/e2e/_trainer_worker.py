@@ -1,8 +1,9 @@
 """A trainer rank as its own process (`python _trainer_worker.py ADDRESS MODEL RANK SIZE
 DEVICE`), holding its tensor-parallel shard (tp = SIZE, Megatron attributes) of the TINY
-model of _inference_worker.py. Prints "ready", then answers each stdin line "refit <v>
-<wait>" by filling version v and refitting: "refit <v> <state> <served> <seconds>
-<message>" (state "failed" and the error when it raises). Exits when stdin closes.
+model of _inference_worker.py. Prints "ready <worker_id>" ("refused <error>" and exits
+when the registration is refused), then answers each stdin line "refit <v> <wait>" by
+filling version v and refitting: "refit <v> <state> <served> <seconds> <message>" (state
+"failed" and the error when it raises). Exits when stdin closes.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ def main() -> None:
     client = TrainerClient(
         args.address, args.model, "trainer", args.rank, args.size, args.device, rpc_timeout_s=10
     )
-    client.register(tensors, MegatronCoords(tp_rank=args.rank, tp_size=args.size))
-    say("ready")
+    try:
+        client.register(tensors, MegatronCoords(tp_rank=args.rank, tp_size=args.size))
+    except RefitError as err:
+        say(f"refused {err}")
+        client.close(unregister=False)
+        return
+    say(f"ready {client.worker_id}")
     for line in sys.stdin:
         words = line.split()
         if len(words) != 3 or words[0] != "refit":

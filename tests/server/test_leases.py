@@ -1,6 +1,7 @@
 """Leases over real gRPC: a silent agent is dropped within heartbeat_timeout_s and the
 running refit fails on it; a trainer rank that dies before asking fails the refit when its
-lease expires, naming it (not at the barrier timeout)."""
+lease expires, naming it (not at the barrier timeout); a rank held by a live worker is not
+registered by a second process until the holder's heartbeats stop."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.controller import Controller
 
 from .conftest import Cluster, controller_settings, make_cluster
+from .peers import EchoAgent, row_shard
 from .test_refit_states import last_event, status
 
 pytestmark = pytest.mark.slow
@@ -235,3 +237,53 @@ def test_heartbeat_period_handed_out_is_a_fraction_of_the_lease(tmp_path: Path) 
     finally:
         ch.close()
         c.stop()
+
+
+def test_a_rank_held_by_a_live_trainer_is_refused_until_its_heartbeats_stop(
+    short_leases: Controller,
+) -> None:
+    """A second process registering rank 0 of a pool of 1 while the first one heartbeats
+    is refused, naming the holder; the holder's own re-registration goes through; once its
+    heartbeats stop, a new process takes the rank over."""
+    ch = grpc.insecure_channel(short_leases.grpc_address)
+    stub = pbg.RefitStub(ch)
+    agent = EchoAgent(short_leases.grpc_address, "dup-host", ["cpu:0"]).start()
+
+    def request(pid: int, worker_id: str = "") -> pb.RegisterWorkerRequest:
+        return pb.RegisterWorkerRequest(
+            model="dup", pool="train", role=pb.ROLE_SOURCE, rank=0, pool_size=1,
+            host="dup-host", device="cpu:0", pid=pid, worker_id=worker_id,
+            tensors=[row_shard("w", 4, 8, 0, 1)],
+        )  # fmt: skip
+
+    first = stub.RegisterWorker(request(7), timeout=5).worker_id
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.1):
+            stub.Heartbeat(pb.HeartbeatRequest(worker_id=first), timeout=5)
+
+    beats = threading.Thread(target=beat, daemon=True)
+    beats.start()
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterWorker(request(8), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (
+            f"rank 0 of pool 'train' of model 'dup' is held by live worker {first} (rank 0 of "
+            "pool 'train'), pid 7 on host 'dup-host' (it renewed its lease" in e.value.details()
+        ), e.value.details()
+        assert stub.RegisterWorker(request(7, first), timeout=5).worker_id == first
+        stop.set()
+        beats.join(5)
+        second = stub.RegisterWorker(request(9), timeout=5).worker_id
+        assert second != first
+        assert short_leases.registry.worker(second).pid == 9
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Heartbeat(pb.HeartbeatRequest(worker_id=first), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        stop.set()
+        beats.join(5)
+        agent.stop()
+        ch.close()

@@ -29,7 +29,13 @@ def test_http_endpoints(controller: Controller, cluster: Cluster) -> None:
         assert http.get("/healthz").json() == {"status": "ok"}
         ready = http.get("/readyz")
         assert ready.status_code == 200
-        assert ready.json()["checks"] == {"grpc": True, "database": True, "rendezvous": True}
+        assert ready.json()["checks"] == {
+            "grpc": True,
+            "database": True,
+            "rendezvous": True,
+            "local_agent": True,
+            "restored": True,
+        }
         metrics = http.get("/metrics").text
         assert f'refitd_refits_committed_total{{model="{cluster.model}"}} 1.0' in metrics
         assert f'refitd_registered_workers{{model="{cluster.model}",pool="trainer"}} 2.0' in metrics
@@ -147,21 +153,38 @@ def test_restart_keeps_versions_and_registry(tmp_path: Path) -> None:
             assert {p["name"]: p["registered"] for p in m["pools"]} == {"trainer": 2, "infer": 1}
             assert not any(r["live"] for p in m["pools"] for r in p["ranks"])
             assert [r["version"] for r in doc["refits"][:2]] == [2, 1]
+            # Not ready to refit until the agent and the inference rank it knew are back.
+            ready = http_get(c, "/readyz")
+            assert ready.status_code == 503
+            assert ready.json()["checks"]["restored"] is False
+            assert ready.json()["waiting"] == [
+                *(f"restored slot {x} (cpu:{i} of host {cl.host!r})" for i, x in enumerate(slots)),
+                f"restored inference rank 0 of pool 'infer' of model {cl.model!r}",
+            ]
+            # A restored trainer rank that asks is told to register again (NOT_FOUND).
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Refit(pb.RefitRequest(worker_id=cl.trainers[0], version=3), timeout=5)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "restored after a controller restart; register again" in e.value.details()
             # Workers and the agent re-register; slot ids and versions continue.
             from .peers import EchoAgent, Subscriber
 
             agent = EchoAgent(c.grpc_address, cl.host, ["cpu:0", "cpu:1", "cpu:2"]).start()
             assert agent.slot_ids == slots
             cl2 = Cluster(cl.model, cl.host, stub, agent)
+            resp = register(stub, cl.model, "infer", pb.ROLE_DESTINATION, 0, 1, cl.host, "cpu:2")
+            assert resp.current_version == 2
+            assert http_get(c, "/readyz").json()["waiting"] == [
+                f"restored inference rank 0 of pool 'infer' of model {cl.model!r}"
+            ]  # registered, not subscribed yet
+            cl2.subscribers.append(Subscriber(stub, resp.worker_id).start())
+            assert cl2.subscribers[0].events[0].version == 2  # HELLO carries the current version
+            assert http_get(c, "/readyz").status_code == 200  # trainer ranks come when they ask
             for r in range(2):
                 resp = register(
                     stub, cl.model, "trainer", pb.ROLE_SOURCE, r, 2, cl.host, f"cpu:{r}"
                 )
                 cl2.trainers.append(resp.worker_id)
-            resp = register(stub, cl.model, "infer", pb.ROLE_DESTINATION, 0, 1, cl.host, "cpu:2")
-            assert resp.current_version == 2
-            cl2.subscribers.append(Subscriber(stub, resp.worker_id).start())
-            assert cl2.subscribers[0].events[0].version == 2  # HELLO carries the current version
             err = cl2.refit(2, ranks=[0])[0]
             assert (
                 isinstance(err, grpc.RpcError)
@@ -171,6 +194,11 @@ def test_restart_keeps_versions_and_registry(tmp_path: Path) -> None:
             cl2.stop()
     finally:
         c.stop()
+
+
+def http_get(c: Controller, path: str) -> httpx.Response:
+    with httpx.Client(base_url=f"http://{c.http_address}", timeout=10) as http:
+        return http.get(path)
 
 
 def test_config_from_flags_env_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

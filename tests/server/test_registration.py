@@ -1,4 +1,5 @@
-"""Registration over real gRPC: validation messages, epochs, replacement, unknown ids."""
+"""Registration over real gRPC: validation messages, epochs, one process per rank, unknown
+ids."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.controller import Controller
 
 from .conftest import Cluster, register
-from .peers import EchoAgent, row_shard, tensor
+from .peers import EchoAgent, Subscriber, row_shard, tensor
 
 pytestmark = pytest.mark.slow
 
@@ -134,23 +135,34 @@ def test_global_shape_must_agree_within_pool(cluster: Cluster) -> None:
     assert "global_shape [6, 8] disagrees with [4, 8] registered by rank 0" in err.details()
 
 
-def test_epochs_bump_and_reregistration_replaces(cluster: Cluster) -> None:
+def test_epochs_bump_and_a_live_rank_is_not_registered_twice(cluster: Cluster) -> None:
     r1 = register(
         cluster.stub, cluster.model, "infer2", pb.ROLE_DESTINATION, 0, 1, cluster.host, "cpu:2"
     )
-    r2 = register(
-        cluster.stub, cluster.model, "infer2", pb.ROLE_DESTINATION, 0, 1, cluster.host, "cpu:2"
-    )
+    # The same worker registering again (its client after a restart or moved storage)
+    # replaces its own registration at once.
+    again = request(cluster, worker_id=r1.worker_id, pid=100)
+    r2 = cluster.stub.RegisterWorker(again, timeout=5)
     assert r2.epoch == r1.epoch + 1
-    assert r2.worker_id != r1.worker_id and r2.slot == cluster.agent.slot_ids[2]
-    with pytest.raises(grpc.RpcError) as e:
-        cluster.stub.Heartbeat(pb.HeartbeatRequest(worker_id=r1.worker_id), timeout=5)
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND and r1.worker_id in e.value.details()
-    assert (
-        cluster.stub.Heartbeat(pb.HeartbeatRequest(worker_id=r2.worker_id), timeout=5).epoch
-        == r2.epoch
-    )
-    cluster.stub.UnregisterWorker(pb.UnregisterWorkerRequest(worker_id=r2.worker_id), timeout=5)
+    assert r2.worker_id == r1.worker_id and r2.slot == cluster.agent.slot_ids[2]
+    # A second process (another identity) while the holder's subscription is open: refused,
+    # naming the rank, the pool and the holder, and nothing changes.
+    sub = Subscriber(cluster.stub, r1.worker_id).start()
+    try:
+        err = refused(cluster.stub, request(cluster, pid=4242))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (
+            f"rank 0 of pool 'infer2' of model {cluster.model!r} is held by live worker "
+            f"{r1.worker_id} (rank 0 of pool 'infer2'), pid 100 on host {cluster.host!r} "
+            "(its subscription is open)" in err.details()
+        ), err.details()
+        assert (
+            cluster.stub.Heartbeat(pb.HeartbeatRequest(worker_id=r1.worker_id), timeout=5).epoch
+            == r2.epoch
+        )
+    finally:
+        sub.stop()
+    cluster.stub.UnregisterWorker(pb.UnregisterWorkerRequest(worker_id=r1.worker_id), timeout=5)
     assert (
         cluster.stub.Heartbeat(pb.HeartbeatRequest(worker_id=cluster.trainers[0]), timeout=5).epoch
         == r2.epoch + 1

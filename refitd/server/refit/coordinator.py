@@ -18,7 +18,7 @@ from refitd.config import Settings
 from refitd.plan.gc_pause import GcPause
 from refitd.server.database import RefitRecord, StateDB
 from refitd.server.delta_refits import DeltaRefits
-from refitd.server.errors import ControlError, ErrorKind, precondition
+from refitd.server.errors import ControlError, ErrorKind, not_found, precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanCache, PlanOptions
@@ -27,7 +27,7 @@ from refitd.server.refit.ahead import PlansAhead
 from refitd.server.refit.catchup import CatchUps
 from refitd.server.refit.dataplane import DataPlane
 from refitd.server.refit.events import WorkerEvents
-from refitd.server.refit.leases import LeaseWatcher, PausedSettler
+from refitd.server.refit.leases import LeaseWatcher, PausedSettler, RankClaims
 from refitd.server.refit.lifecycle import RefitLifecycle
 from refitd.server.refit.membership import Memberships
 from refitd.server.refit.records import RefitRecords
@@ -78,6 +78,7 @@ class RefitCoordinator:
             settings, registry, agents, board, self.delta, store_address, metrics, self.plans
         )
         self.settler = PausedSettler(registry, events, db)
+        self.claims = RankClaims(settings, registry, events)
         self.events = WorkerEvents(registry, events, board, self.settler.settle)
         self.acks = CommitAckBook(registry, events, board)
         self.lifecycle = RefitLifecycle(
@@ -133,8 +134,10 @@ class RefitCoordinator:
             raise precondition(
                 f"{w.describe()} is a destination; only source (trainer) ranks call Refit"
             )
-        if not w.live:
-            raise precondition(f"{w.describe()} was restored after a restart; re-register it")
+        if not w.live:  # NOT_FOUND, as for a heartbeat: its client registers again, asks again
+            raise not_found(
+                f"{w.describe()} was restored after a controller restart; register again"
+            )
         if version <= 0:
             raise ControlError(ErrorKind.INVALID, f"field version must be > 0, got {version}")
         self.registry.renew_worker(w)  # a Refit call renews the lease like a heartbeat
@@ -144,7 +147,7 @@ class RefitCoordinator:
             return run.response()
         waited = timeout_s or self.settings.refit_wait_timeout_s
         deadline = time.monotonic() + waited
-        ok, response = self.scheduler.await_event(m, run, ready, deadline)
+        ok, response = self.scheduler.await_event(m, run, w.rank, ready, deadline)
         if not ok:
             raise ControlError(
                 ErrorKind.DEADLINE,

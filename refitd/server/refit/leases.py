@@ -1,6 +1,7 @@
-"""Leases: workers and agents silent for heartbeat_timeout_s expire; ranks that
-re-registered while paused by an ended refit are told its outcome. The watcher thread also
-settles COMMIT acks and looks for ranks to catch up."""
+"""Leases: workers and agents silent for heartbeat_timeout_s expire; a rank held by a live
+worker cannot be registered by a second process; ranks that re-registered while paused by
+an ended refit are told its outcome. The watcher thread also settles COMMIT acks and looks
+for ranks to catch up."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from refitd.config import Settings
 from refitd.server.database import StateDB
 from refitd.server.errors import ControlError
 from refitd.server.members import Worker
-from refitd.server.registry import Registry
+from refitd.server.registry import Registry, rank_taken
 from refitd.server.streams import AgentHub, EventHub, GatherBoard
 
 log = logging.getLogger("refitd.controller")
@@ -64,6 +65,43 @@ class PausedSettler:
                 pb.EventKind.Name(ev.kind),
             )
             self.hub.send(w.worker_id, ev, None)
+
+
+class RankClaims:
+    """Whether a registration may take a rank another worker holds: the same worker again
+    (its client re-registering) or a restored one may; a new process may once the holder is
+    gone (subscription closed and heartbeats stopped, or lease expired). A holder that is
+    alive is named in the refusal."""
+
+    def __init__(self, settings: Settings, registry: Registry, events: EventHub) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.events = events
+
+    @property
+    def silence_s(self) -> float:
+        """How long a holder must be silent for its heartbeats to count as stopped: two
+        heartbeat periods and a second for a loaded host, at most the lease."""
+        s = self.settings
+        return min(s.heartbeat_timeout_s, 2 * s.heartbeat_period_s + 1.0)
+
+    def replaced(self, holder: Worker, req: pb.RegisterWorkerRequest) -> str:
+        """The id of `holder`, a live worker of another identity holding `req`'s rank, when
+        it is gone (this registration replaces it). A holder whose subscription is open, or
+        that renews its lease within `silence_s` of when it was last heard, is alive:
+        FAILED_PRECONDITION naming it. Waits at most `silence_s` (outside the registry lock)."""
+        seen = holder.last_seen
+        gone = (
+            not self.events.subscribed([holder.worker_id])
+            and not self.registry.renewed(holder, seen, seen + self.silence_s)
+            and not self.events.subscribed([holder.worker_id])  # nor subscribed meanwhile
+        )
+        if gone:
+            return holder.worker_id
+        if self.events.subscribed([holder.worker_id]):
+            raise rank_taken(holder, req, "its subscription is open")
+        heard = time.monotonic() - holder.last_seen
+        raise rank_taken(holder, req, f"it renewed its lease {heard:.1f}s ago")
 
 
 class LeaseWatcher:

@@ -25,7 +25,7 @@ STATE_NAMES = {
     pb.REFIT_STATE_SUPERSEDED: "superseded",
 }
 FINAL = (pb.REFIT_STATE_COMMITTED, pb.REFIT_STATE_FAILED, pb.REFIT_STATE_SUPERSEDED)
-OUTCOMES_KEPT = 256  # ended versions remembered per model (one outcome per version)
+OUTCOMES_KEPT = 256  # ended versions remembered per model (one outcome per attempt)
 ATTEMPT_SHIFT = 40  # execute/abort ids: refit_id | attempt << 40 (a retry is a new attempt)
 
 
@@ -61,6 +61,7 @@ class RefitRun:
     first_ask: float
     last_ask: float = 0.0
     asked: set[int] = field(default_factory=set)
+    told: set[int] = field(default_factory=set)  # source ranks given its final state
     state: int = pb.REFIT_STATE_REQUESTED
     reason: str = ""
     readers: dict[int, frozenset[int]] = field(default_factory=dict)  # rank -> slots
@@ -86,6 +87,12 @@ class RefitRun:
     @property
     def barrier_done(self) -> bool:
         return len(self.asked) >= self.pool_size
+
+    @property
+    def all_told(self) -> bool:
+        """Every rank of the source pool got this run's final state (an ended run is then
+        no longer the answer for its version: asking again starts a new run)."""
+        return self.final and self.told.issuperset(range(self.pool_size))
 
     def missing_ranks(self) -> list[int]:
         """Source ranks that have not asked for this version yet."""
@@ -165,8 +172,9 @@ class ModelRefits:
     driver: threading.Thread | None = None
     catch_up: bool = False  # a destination rank lacks the committed version
     plan_ahead: bool = False  # the membership settled: build the next plan while idle
-    # Failed and superseded versions (newest OUTCOMES_KEPT): a rank asking later for one
-    # gets its recorded outcome instead of starting a second run of the same version.
+    # Failed and superseded runs by version (newest OUTCOMES_KEPT): a rank asking for the
+    # version before every rank of the pool was told the outcome gets that outcome; once
+    # every rank was told, asking again starts a new run (a retry of the version).
     ended: dict[int, RefitRun] = field(default_factory=dict)
 
     def end(self, run: RefitRun, state: int, reason: str) -> bool:
@@ -179,8 +187,8 @@ class ModelRefits:
         return True
 
     def remember(self, run: RefitRun) -> None:
-        """Keep a failed or superseded version's outcome (caller holds cond); a committed
-        one needs no entry: asking for it again is refused as not newer than committed."""
+        """Keep a failed or superseded run's outcome (caller holds cond); a committed one
+        needs no entry: asking for its version again is refused as not newer than committed."""
         if run.state == pb.REFIT_STATE_COMMITTED:
             return
         self.ended[run.version] = run

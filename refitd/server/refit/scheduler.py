@@ -3,6 +3,8 @@
 A refit transfers once every rank of the source pool has asked for its version (a barrier
 with a timeout). While one runs for a model, newer requests wait; when it ends only the
 newest fully-requested version runs and every older pending version returns SUPERSEDED.
+One outcome per attempt: a failed or superseded run stays the answer for its version until
+every rank of the source pool was told it; the next ask for that version starts a new run.
 Each model has one driver thread; RPC threads only record requests and wait on an Event of
 the run they joined (no polling, no spurious wake-ups).
 """
@@ -97,15 +99,20 @@ class Scheduler:
         running); returns the run and the event to wait on (None: answer at once)."""
         m = self.model(w.model)
         with m.cond:
-            run = m.running if m.running and m.running.version == version else None
+            running = m.running
+            run = running if running and running.version == version and not running.final else None
             if version <= committed:
                 raise precondition(
                     f"version {version} of model {w.model!r} is not newer than the committed "
                     f"version {committed}"
                 )
             ended = m.ended.get(version)
-            if ended is not None:  # one outcome per version: every rank gets the same one
+            if ended is not None and not ended.all_told:
+                # One outcome per attempt: a rank asking late gets the ended run's outcome.
+                ended.told.add(w.rank)
                 return m, ended, None
+            if ended is not None:  # every rank was told: this ask starts a new attempt
+                del m.ended[version]
             if run is None and m.running is not None and version < m.running.version:
                 raise precondition(
                     f"version {version} of model {w.model!r} is older than the running "
@@ -130,16 +137,19 @@ class Scheduler:
 
     @staticmethod
     def await_event(
-        m: ModelRefits, run: RefitRun, ready: threading.Event, deadline: float
+        m: ModelRefits, run: RefitRun, rank: int, ready: threading.Event, deadline: float
     ) -> tuple[bool, pb.RefitResponse]:
-        """Wait for `ready` until `deadline`: (whether it came, the run's answer now)."""
+        """Wait for `ready` until `deadline`: (whether it came, the run's answer now), with
+        source rank `rank` counted as told when that answer is the final state."""
         while True:
             ok = ready.wait(max(0.0, deadline - time.monotonic()))
             with m.cond:
                 # A retry clears the rank events (under m.cond) before re-reading sources:
                 # a waiter woken just before that goes back to waiting.
                 if ready.is_set() or run.final or not ok:
-                    if not run.final:
+                    if run.final:
+                        run.told.add(rank)
+                    else:
                         run.handed_back = True
                     return ok, run.response()
 
