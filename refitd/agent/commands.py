@@ -13,7 +13,8 @@ import traceback
 from dataclasses import dataclass, field
 
 from refitd.agent.errors import ExecutionError
-from refitd.transport.errors import StorageMovedError, TransportError
+from refitd.memory.errors import StorageMovedError
+from refitd.transport.errors import TransportError
 
 
 # ---------------------------------------------------------------------- reports

@@ -60,9 +60,9 @@ from refitd.agent.preparation import (
 )
 from refitd.agent.segments import ResolvedTensor
 from refitd.agent.slotdata import SlotData
+from refitd.memory.errors import StorageMovedError
 from refitd.plan.program import SlotProgram
 from refitd.transport.base import Transport
-from refitd.transport.memory import StorageMovedError
 
 DEFAULT_STAGING_BYTES = 256 << 20
 

@@ -45,8 +45,8 @@ from refitd.agent.transfer_process import (
     wait_execute,
 )
 from refitd.limits import raise_nofile_limit
+from refitd.memory.segment_names import reap_orphaned_segments
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError, security_for
-from refitd.transport.segment_names import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 60.0  # orphaned shared memory of killed workers is unlinked this often

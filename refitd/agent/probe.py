@@ -9,8 +9,8 @@ import torch
 
 from refitd.agent.commands import Ack, Probe, Probed
 from refitd.agent.slot_state import SlotState
+from refitd.memory.segments import shared_buffer
 from refitd.transport.base import TransportError
-from refitd.transport.memory import shared_buffer
 
 
 def probe(state: SlotState, cmd: Probe) -> Ack | Probed:

@@ -27,10 +27,11 @@ from refitd.agent.executor import (
 )
 from refitd.agent.mapped import MappedResolver
 from refitd.agent.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
+from refitd.memory.handles import MemoryHandle
+from refitd.memory.mapping import MemoryMapper
 from refitd.plan.program import STORAGES, ProgramError, SlotProgram, decode_program
 from refitd.transport.base import ConnectInfo, Transport
 from refitd.transport.factory import create_transport
-from refitd.transport.memory import MemoryHandle, MemoryMapper
 
 DEFAULT_SNAPSHOT_BYTES = 2 << 30
 

@@ -40,7 +40,7 @@ from refitd.agent.commands import (
     Unload,
     Unloaded,
 )
-from refitd.transport.errors import StorageMovedError
+from refitd.memory.errors import StorageMovedError
 
 __all__ = [
     "PROCESS_NAME_PREFIX",

@@ -31,12 +31,12 @@ import torch.distributed as dist
 
 from refitd.agent.commands import SnapshotInfo
 from refitd.agent.transfer_process import TransferProcessHandle
+from refitd.memory.arena import SharedTensorArena
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.plan.wire import MXFP8, PLAIN, mxfp8_scale_shape
-from refitd.transport.memory import SharedTensorArena
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
 COLS = 4096

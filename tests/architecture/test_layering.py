@@ -50,11 +50,16 @@ RULES = [
     ),
     Rule(
         "refitd.transport",
-        "transports move bytes only: they never know gRPC, the controller or the clients",
-        (
-            *("grpc", "google.protobuf", "refitd._proto", "refitd.server", "refitd.client"),
-            *("refitd.agent", *ENTRY_POINTS),
-        ),
+        "transports move bytes only: no gRPC, no worker memory, no other refitd layer",
+        ("grpc", "google.protobuf", "triton"),
+        only_refitd=("refitd.transport",),
+    ),
+    Rule(
+        "refitd.memory",
+        "worker memory is shared by the worker library and the transfer processes: torch and "
+        "the dtype names only, no gRPC, no transport, no process's own code",
+        ("grpc", "google.protobuf", "triton"),
+        only_refitd=("refitd.memory", "refitd.torch_dtypes"),
     ),
     Rule(
         "refitd.formats",

@@ -23,6 +23,7 @@ from refitd.agent.executor import (
     flat_range_views,
 )
 from refitd.agent.segments import ResolvedTensor
+from refitd.memory.errors import StorageMovedError
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import (
     Copy,
@@ -34,7 +35,6 @@ from refitd.plan.program import (
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport
-from refitd.transport.memory import StorageMovedError
 
 
 @settings(max_examples=25, deadline=None)

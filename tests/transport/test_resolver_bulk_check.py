@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from refitd.agent.mapped import MappedResolver
-from refitd.transport.memory import MemoryMapper, SharedTensorArena, StorageMovedError
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.errors import StorageMovedError
+from refitd.memory.mapping import MemoryMapper
 
 
 @pytest.mark.parametrize("count", [1, 63, 192])

@@ -19,9 +19,9 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 
 from refitd.agent.commands import SnapshotInfo
 from refitd.agent.transfer_process import TransferProcessHandle
+from refitd.memory.arena import SharedTensorArena
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
-from refitd.transport.memory import SharedTensorArena
 
 pytestmark = pytest.mark.slow
 

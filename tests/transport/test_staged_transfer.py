@@ -10,9 +10,9 @@ import torch.distributed as dist
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
 from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
+from refitd.memory.arena import SharedTensorArena
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
-from refitd.transport.memory import SharedTensorArena
 
 pytestmark = pytest.mark.slow
 

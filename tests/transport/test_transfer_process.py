@@ -20,9 +20,10 @@ from _transport_layouts import (
 
 from refitd.agent.commands import ExecReport
 from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.errors import StorageMovedError
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
-from refitd.transport.memory import SharedTensorArena, StorageMovedError
 
 pytestmark = pytest.mark.slow
 SLOTS = 3

@@ -35,6 +35,8 @@ import torch
 
 from refitd.agent.executor import DirectResolver, Executor, ExecutorConfig
 from refitd.agent.segments import ResolvedTensor
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.handles import MemoryHandle
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import (
@@ -44,7 +46,6 @@ from refitd.plan.program import (
     program_from_objects,
 )
 from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
-from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 if TYPE_CHECKING:
     from refitd.agent.transfer_process import TransferProcessHandle
