@@ -21,7 +21,7 @@ from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings, load_settings
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import megatron_layout
-from refitd.server.delta_refits import DeltaRefits
+from refitd.server.delta.refits import DeltaRefits
 from refitd.server.errors import precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics

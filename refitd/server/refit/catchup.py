@@ -10,7 +10,7 @@ import time
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
-from refitd.server.delta_refits import DeltaRefits
+from refitd.server.delta.refits import DeltaRefits
 from refitd.server.errors import ControlError
 from refitd.server.members import Worker
 from refitd.server.refit.dataplane import DataPlane

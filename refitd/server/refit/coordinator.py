@@ -17,7 +17,7 @@ from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.plan.gc_pause import GcPause
 from refitd.server.database import RefitRecord, StateDB
-from refitd.server.delta_refits import DeltaRefits
+from refitd.server.delta.refits import DeltaRefits
 from refitd.server.errors import ControlError, ErrorKind, not_found, precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics

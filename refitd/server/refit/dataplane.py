@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
-from refitd.server.delta_refits import DeltaRefits
+from refitd.server.delta.refits import DeltaRefits
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanCache, SlotInputs, stale_slots
 from refitd.server.refit.checksums import compare_checksums

@@ -119,7 +119,7 @@ class AckBook(Protocol):
 
 
 class DeltaBook(Protocol):
-    """Delta-refit bookkeeping (delta_refits.DeltaRefits)."""
+    """Delta-refit bookkeeping (delta.refits.DeltaRefits)."""
 
     def failed(self, model: str, workers: Iterable[Worker]) -> None: ...
     def committed(
