@@ -19,7 +19,7 @@ from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.config import Settings
 from refitd.security import ServerSecurity
 from refitd.server.database import StateDB
-from refitd.server.grpc_service import AgentControlServicer, RefitServicer, server_interceptors
+from refitd.server.grpc_service import AgentControlService, RefitService, server_interceptors
 from refitd.server.http import HttpServer
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import keep_plan_heap
@@ -114,8 +114,8 @@ class Controller:
             options=opts,
             interceptors=server_interceptors(self.security),
         )
-        pbg.add_RefitServicer_to_server(RefitServicer(self), server)
-        pbg.add_AgentControlServicer_to_server(AgentControlServicer(self), server)
+        pbg.add_RefitServicer_to_server(RefitService(self), server)
+        pbg.add_AgentControlServicer_to_server(AgentControlService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (

@@ -1,6 +1,7 @@
-"""gRPC front end: the Refit and AgentControl servicers over the controller's objects.
+"""gRPC front end: the Refit and AgentControl services (the generated servicers' subclasses)
+over what the controller offers them (frontend.ServiceBackend).
 
-Servicers only translate: proto in, ControlError -> status code out. Streams (Subscribe,
+The services only translate: proto in, ControlError -> status code out. Streams (Subscribe,
 Commands) hold a pool thread each and end when the client goes or the controller stops.
 """
 
@@ -108,7 +109,7 @@ def server_interceptors(security: ServerSecurity) -> list[grpc.ServerInterceptor
     return [*auth, RequestDecodeInterceptor()]
 
 
-class RefitServicer(pbg.RefitServicer):
+class RefitService(pbg.RefitServicer):
     """What workers call (through refitd.client)."""
 
     def __init__(self, controller: ServiceBackend) -> None:
@@ -209,7 +210,7 @@ class RefitServicer(pbg.RefitServicer):
         return pb.ExplainResponse(json=json.dumps(doc), text=text)
 
 
-class AgentControlServicer(pbg.AgentControlServicer):
+class AgentControlService(pbg.AgentControlServicer):
     """What node agents call."""
 
     def __init__(self, controller: ServiceBackend) -> None:

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from refitd.plan.wire import dtype_size
+from refitd.refit_states import STATE_NAMES
 from refitd.server.frontend import StatusSource
-from refitd.server.refit.run import STATE_NAMES
 
 if TYPE_CHECKING:
     from refitd.server.members import Pool

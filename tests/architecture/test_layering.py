@@ -102,6 +102,13 @@ RULES = [
         only_refitd=("refitd.torch_dtypes",),
     ),
     Rule(
+        "refitd.refit_states",
+        "the refit state names sit under the controller and the worker library: the proto "
+        "enum only",
+        ("torch", "grpc", "triton"),
+        only_refitd=("refitd.refit_states", "refitd._proto"),
+    ),
+    Rule(
         "refitd.bench",
         "benchmarks and harnesses drive any layer; the CLI dispatches to them, never back",
         ("refitd.cli",),

@@ -11,7 +11,7 @@ registry is the controller's in-memory view, written through to StateDB.
 - state: `RegistryState`, the members' dicts and the locks
 - queries: `Queries`, look-ups and the snapshots refits, status, readiness and gauges read
 - pool_checks: a registration checked against its model and pool
-- registration: `Registration`, workers and agents registered, replaced and unregistered,
+- registration: `Registrar`, workers and agents registered, replaced and unregistered,
   the restore from StateDB, the versions members hold (`rank_taken`: a rank's live holder)
 - liveness: `Liveness`, leases, Commands-stream connections and the "is the holder live" wait
 
@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from refitd.server.database import StateDB
 from refitd.server.registry.liveness import Liveness
-from refitd.server.registry.registration import Registration, rank_taken
+from refitd.server.registry.registration import Registrar, rank_taken
 
 __all__ = ["Registry", "rank_taken"]
 
 
-class Registry(Registration, Liveness):
+class Registry(Registrar, Liveness):
     """Membership of the cluster, persisted through StateDB; thread-safe (see above)."""
 
     def __init__(self, db: StateDB) -> None:

@@ -22,7 +22,7 @@ from refitd.server.registry.queries import Queries
 from refitd.server.validation import check_device, check_worker_header, specs_from_request
 
 
-class Registration(Queries):
+class Registrar(Queries):
     """Registering, replacing and unregistering members; what they hold."""
 
     def _restore(self) -> None:
