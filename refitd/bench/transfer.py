@@ -29,12 +29,12 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from refitd.agent.commands import SnapshotInfo
-from refitd.agent.transfer_process import TransferProcessHandle
+from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.layout import MXFP8, PLAIN, TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.wire import mxfp8_scale_shape
+from refitd.slot_protocol import SnapshotInfo
 from refitd.transport.memory import SharedTensorArena
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     devices = settings.local_devices()
     plane = None
     if settings.embedded_agent and devices:
-        from refitd.agent.dataplane import DataPlaneError, choose_data_plane
+        from refitd.node.address import DataPlaneError, choose_data_plane
 
         try:  # peers reach the embedded agent where agents reach the store
             plane = choose_data_plane(
@@ -45,13 +45,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
     stop = start_daemon_process(settings)
     if plane is not None:  # the fork server imports torch while the controller starts
-        from refitd.agent.transfer_process import start_transfer_server
+        from refitd.node.process_handle import start_transfer_server
 
         start_transfer_server()
     controller = Controller(settings).start()
     agent_thread = None
     if plane is not None:
-        from refitd.agent.node import run_node_agent
+        from refitd.node.agent import run_node_agent
 
         host = args.hostname or socket.gethostname()
         agent_thread = threading.Thread(

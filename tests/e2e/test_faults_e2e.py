@@ -25,10 +25,10 @@ import torch
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
-from refitd.agent.transfer_process import PROCESS_NAME_PREFIX
 from refitd.client import RefitError, TrainerClient
 from refitd.demo.gpt import ParallelLayout, WeightGenerator, rank_shards
 from refitd.demo.run import Daemon, free_port
+from refitd.node.process_handle import PROCESS_NAME_PREFIX
 
 from ._inference_worker import SEED, TINY
 
@@ -273,7 +273,7 @@ def test_kill_transfer_process_is_retried_while_paused(
 
 
 def test_abort_reaches_a_transfer_process_before_its_execute() -> None:
-    from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle
+    from refitd.node.process_handle import TransferProcessError, TransferProcessHandle
 
     h = TransferProcessHandle(slot=0)
     try:

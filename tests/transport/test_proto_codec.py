@@ -9,7 +9,15 @@ from collections.abc import Callable
 import pytest
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.agent.commands import (
+from refitd.node.codec import (
+    CommandError,
+    SlotContext,
+    command_proto,
+    outcome_of,
+    report_proto,
+    slot_command,
+)
+from refitd.slot_protocol import (
     Applied,
     Connect,
     DeltaResult,
@@ -19,14 +27,6 @@ from refitd.agent.commands import (
     Load,
     Request,
     SnapshotInfo,
-)
-from refitd.agent.proto_codec import (
-    CommandError,
-    SlotContext,
-    command_proto,
-    outcome_of,
-    report_proto,
-    slot_command,
 )
 
 CTX = SlotContext(slot=3, data_plane_address="10.0.0.7", connect_timeout_s=11.0)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
-from refitd.agent.commands import SnapshotInfo
-from refitd.agent.transfer_process import TransferProcessHandle
+from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.slot_protocol import SnapshotInfo
 from refitd.transport.memory import SharedTensorArena
 
 pytestmark = pytest.mark.slow

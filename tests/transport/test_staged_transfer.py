@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
-from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
+from refitd.node.process_handle import TransferProcessError, TransferProcessHandle, wait_execute
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.transport.memory import SharedTensorArena
 

@@ -18,9 +18,9 @@ from _transport_layouts import (
     megatron_side,
 )
 
-from refitd.agent.commands import ExecReport
-from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
+from refitd.node.process_handle import TransferProcessError, TransferProcessHandle, wait_execute
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.slot_protocol import ExecReport
 from refitd.transport.memory import SharedTensorArena, StorageMovedError
 
 pytestmark = pytest.mark.slow

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refitd.agent.executor import DirectResolver, Executor, ExecutorConfig
-from refitd.agent.segments import ResolvedTensor
+from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
+from refitd.executor.segments import ResolvedTensor
 from refitd.plan.layout import FP8_BLOCK, MXFP8, PLAIN, Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Message, SlotProgram, message_nbytes
@@ -42,7 +42,7 @@ from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
 from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 if TYPE_CHECKING:
-    from refitd.agent.transfer_process import TransferProcessHandle
+    from refitd.node.process_handle import TransferProcessHandle
 
 COLS = 8192
 ROW_ALIGN = 256  # two row shards of whole 128-row FP8 tiles
@@ -270,7 +270,7 @@ def ipc_refit(
     trainer's sources are copied into the slot's snapshot (device memory where it fits)
     before the trainer is released, and the refit reads the snapshot.
     """
-    from refitd.agent.transfer_process import TransferProcessHandle
+    from refitd.node.process_handle import TransferProcessHandle
 
     model_key = ("small", small) if small else ("big", total_bytes)
     ctx = mp.get_context("spawn")
@@ -423,8 +423,8 @@ def _memcpy_seconds(
     handle: TransferProcessHandle, nbytes: int, device: str, timeout_s: float
 ) -> float:
     """Median of 3 memcpys of nbytes (in chunks of at most 1 GiB) in the transfer process."""
-    from refitd.agent.commands import Probed
-    from refitd.agent.transfer_process import expect
+    from refitd.node.process_handle import expect
+    from refitd.slot_protocol import Probed
 
     chunk = min(nbytes, 1 << 30)
     repeat = max(1, round(nbytes / chunk))

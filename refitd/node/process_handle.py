@@ -3,7 +3,7 @@
 The process (process_main.py) holds the slot's rank of the refit communicator, maps worker
 memory, and keeps programs, mappings and prepared executors cached per plan digest, so a
 cached-plan refit is one `Execute` command. `TransferProcessHandle` spawns it and sends it
-typed commands (refitd.agent.commands: connect, load, unload, execute, apply, abort, probe,
+typed commands (refitd.slot_protocol: connect, load, unload, execute, apply, abort, probe,
 close), one method per command, each with a timeout; replies come back typed, `Failed`
 ones raised here (StorageMovedError or TransferProcessError).
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TypeVar
 
-from refitd.agent.commands import (
+from refitd.slot_protocol import (
     Abort,
     Applied,
     Apply,
@@ -60,7 +60,7 @@ def transfer_context() -> mp.context.ForkServerContext:
     them) once: N slots cost one torch import, not N. The server never touches a device, so
     a child may still initialise CUDA."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["refitd.agent.process_main"])
+    ctx.set_forkserver_preload(["refitd.transfer.main"])
     return ctx
 
 
@@ -76,7 +76,7 @@ def start_transfer_server() -> None:
 def run_transfer_process(conn: Connection, slot: int, device: str | None, name: str) -> None:
     """The child's entry point. It imports the process's modules only here (the fork server
     has them already), so the node agent itself never imports torch."""
-    from refitd.agent.process_main import transfer_process_main
+    from refitd.transfer.main import transfer_process_main
 
     transfer_process_main(conn, slot, device, name)
 

@@ -7,13 +7,13 @@ import time
 
 import torch
 
-from refitd.agent.commands import Ack, Probe, Probed
-from refitd.agent.slot_state import SlotState
+from refitd.slot_protocol import Ack, Probe, Probed
+from refitd.transfer.slot import TransferSlot
 from refitd.transport.base import TransportError
 from refitd.transport.memory import shared_buffer
 
 
-def probe(state: SlotState, cmd: Probe) -> Ack | Probed:
+def probe(state: TransferSlot, cmd: Probe) -> Ack | Probed:
     """Seconds of `repeat` sends/receives per peer (or of `repeat` memcpys). `prepare` only
     allocates (and drops other buffers); buffers live until `release`, so freeing them is
     never timed."""
@@ -52,7 +52,7 @@ def probe(state: SlotState, cmd: Probe) -> Ack | Probed:
     return Probed(time.monotonic() - t0)
 
 
-def _memcpy(state: SlotState, cmd: Probe, n: int) -> Ack | Probed:
+def _memcpy(state: TransferSlot, cmd: Probe, n: int) -> Ack | Probed:
     dev = torch.device(cmd.device)
     if cmd.prepare:
         state.probe_bufs = {k: v for k, v in state.probe_bufs.items() if k[0] == "m"}

@@ -1,6 +1,6 @@
 """What a transfer process holds between commands, and the handlers of the quick ones.
 
-`SlotState` keeps the communicator, the memory mapper, and per plan digest the loaded
+`TransferSlot` keeps the communicator, the memory mapper, and per plan digest the loaded
 program, its mappings and staging buffers, its snapshot, its delta base and its prepared
 executor (`LoadedPlan`). connect, load, apply, unload and abort are answered here; execute
 runs in its own thread (refit_command.py), probe in probe.py.
@@ -17,17 +17,13 @@ from typing import Any
 
 import torch
 
-from refitd.agent.commands import Applied, Apply, Connect, Load, Loaded, Response
-from refitd.agent.executor import (
-    DEFAULT_STAGING_BYTES,
-    WIRE_CHUNK,
-    ExecutionError,
-    Executor,
-    ExecutorConfig,
-)
-from refitd.agent.mapped import MappedResolver
-from refitd.agent.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
+from refitd.executor.chunks import WIRE_CHUNK
+from refitd.executor.errors import ExecutionError
+from refitd.executor.run import DEFAULT_STAGING_BYTES, Executor, ExecutorConfig
 from refitd.plan.program import STORAGES, ProgramError, SlotProgram
+from refitd.slot_protocol import Applied, Apply, Connect, Load, Loaded, Response
+from refitd.transfer.mapped import MappedResolver
+from refitd.transfer.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
 from refitd.transport.base import ConnectInfo, Transport, create_transport
 from refitd.transport.memory import MemoryHandle, MemoryMapper
 
@@ -48,7 +44,7 @@ class LoadedPlan:
     snapshot_request: tuple[tuple[int, ...], int] = ((), 0)  # (tensors asked, cap) at load
 
 
-class SlotState:
+class TransferSlot:
     """Everything a transfer process holds between commands."""
 
     def __init__(self, conn: Connection, slot: int | None = None) -> None:

@@ -1,7 +1,7 @@
 """The node agent's boundary with the controller's protos, both ways, in one place.
 
 `slot_command` turns a controller command (pb.AgentCommand) into the typed command one slot's
-transfer process runs (refitd.agent.commands), checking it on the way: a malformed command is
+transfer process runs (refitd.slot_protocol), checking it on the way: a malformed command is
 refused with a `CommandError` naming the field. `outcome_of` turns a transfer process's typed
 reply into the `Outcome` the agent reports, and `report_proto` that into a pb.AgentReport.
 `command_proto` is the inverse of `slot_command` for a command of one slot (tests, tools).
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.agent.commands import (
+from refitd.slot_protocol import (
     Applied,
     Apply,
     Connect,

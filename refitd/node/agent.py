@@ -2,7 +2,7 @@
 
 It registers its slots (AgentControl.RegisterAgent), opens the Commands stream and relays
 each command to the transfer process of the slot it names (one process per slot, spawned
-through refitd.agent.transfer_process.TransferProcessHandle), reporting CONNECTED, LOADED,
+through refitd.node.process_handle.TransferProcessHandle), reporting CONNECTED, LOADED,
 SOURCES_RELEASED, DONE or FAILED with bytes and seconds (an ApplyCommand, which copies a
 staged pool's staging buffers in place, answers DONE too). Commands of one slot run in order on
 that slot's thread; different slots run at the same time (they talk to each other). One
@@ -29,22 +29,11 @@ from typing import Any
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.agent.commands import Applied, Apply, Connect, Executed, Load, Loaded
-from refitd.agent.dataplane import DataPlane, choose_data_plane
-from refitd.agent.proto_codec import (
-    Outcome,
-    SlotContext,
-    apply_timeout,
-    outcome_of,
-    report_proto,
-    slot_command,
-)
-from refitd.agent.transfer_process import (
-    TransferProcessHandle,
-    start_transfer_server,
-    wait_execute,
-)
 from refitd.limits import raise_nofile_limit
+from refitd.node.address import DataPlaneAddress, choose_data_plane
+from refitd.node.codec import Outcome, report_proto
+from refitd.node.process_handle import start_transfer_server
+from refitd.node.slot_runner import SlotRunner
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError, security_for
 from refitd.transport.segment_names import reap_orphaned_segments
 
@@ -80,134 +69,6 @@ class AgentOptions:
         )
 
 
-class SlotRunner:
-    """One device slot: its transfer process and a thread running its commands in order."""
-
-    def __init__(self, agent: NodeAgent, slot: int, device: str, options: AgentOptions) -> None:
-        self.agent = agent
-        self.slot = slot
-        self.device = device
-        self.options = options
-        self._spawn = lambda: TransferProcessHandle(slot=slot, device=device)
-        self.context = SlotContext(
-            slot,
-            agent.data_plane.address,
-            agent.data_plane.interface,
-            options.connect_timeout_s,
-            options.transfer_timeout_s,
-            options.staging_bytes,
-            options.snapshot_bytes,
-        )
-        self.process = self._spawn()
-        self._aborted: dict[int, None] = {}  # refit ids aborted (latest 64)
-        self._queue: queue.Queue[pb.AgentCommand | str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=f"refitd-slot-{slot}", daemon=True)
-        self._thread.start()
-
-    def submit(self, cmd: pb.AgentCommand | str) -> None:
-        self._queue.put(cmd)
-
-    def abort(self, refit_id: int, reason: str) -> None:
-        log.info("slot %d: aborting refit %d: %s", self.slot, refit_id, reason)
-        self._aborted[refit_id] = None
-        while len(self._aborted) > 64:
-            del self._aborted[next(iter(self._aborted))]
-        if not self.process.process.is_alive():
-            return
-        try:
-            self.process.abort(timeout_s=self.options.rpc_timeout_s, refit_id=refit_id)
-        except Exception as exc:
-            log.warning("slot %d: abort of refit %d: %r", self.slot, refit_id, exc)
-
-    def alive(self) -> bool:
-        return self.process.process.is_alive()
-
-    def restart(self) -> None:
-        """Replace a dead transfer process (its communicator and programs are gone)."""
-        code = self.process.process.exitcode
-        log.warning("slot %d: transfer process died (exit code %s); restarting it", self.slot, code)
-        try:
-            self.process.close(timeout_s=1.0)
-        except Exception as exc:
-            log.debug("slot %d: closing the dead process: %r", self.slot, exc)
-        self.process = self._spawn()
-        self.agent.slot_restarted(self.slot)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        try:
-            self.process.close()
-        except Exception as exc:
-            log.warning("slot %d: closing transfer process: %r", self.slot, exc)
-        self._thread.join(timeout=10.0)
-
-    def _loop(self) -> None:
-        while True:
-            cmd = self._queue.get()
-            if cmd is None:
-                return
-            if cmd == "restart":
-                if not self.alive():
-                    self._restart_quietly()
-                continue
-            which = cmd.WhichOneof("command")
-            refit_id = cmd.execute.refit_id if which == "execute" else 0
-            start = time.perf_counter()
-            try:
-                if which == "execute" and refit_id in self._aborted:
-                    raise RuntimeError(f"refit {refit_id} was aborted before it started")
-                if not self.alive():
-                    self._restart_quietly()
-                    if which != "connect":
-                        raise RuntimeError(
-                            "transfer process had died and was restarted; the controller "
-                            "reconnects and reloads this slot"
-                        )
-                outcome = self._run(cmd)
-            except Exception as exc:
-                log.warning("slot %d: %s failed: %s", self.slot, which, exc)
-                outcome = Outcome(
-                    pb.REPORT_KIND_FAILED,
-                    seconds=time.perf_counter() - start,
-                    message=f"slot {self.slot} ({self.agent.host} {self.device}) {which}: {exc}",
-                )
-            self.agent.report(self.slot, cmd.command_id, refit_id, outcome)
-            if not self.alive():
-                self._restart_quietly()
-
-    def _restart_quietly(self) -> None:
-        try:
-            self.restart()
-        except Exception as exc:
-            log.error("slot %d: restarting the transfer process failed: %r", self.slot, exc)
-
-    def _run(self, cmd: pb.AgentCommand) -> Outcome:
-        """Convert the controller's command (once), run it on the transfer process, and turn
-        its typed reply into the report."""
-        start = time.perf_counter()
-        typed = slot_command(cmd, self.context)
-        kind = pb.REPORT_KIND_DONE
-        reply: Loaded | Applied | Executed | None = None
-        if isinstance(typed, Connect):
-            self.process.connect_with(typed)
-            kind = pb.REPORT_KIND_CONNECTED
-        elif isinstance(typed, Load):
-            reply = self.process.load_with(typed, self.options.load_timeout_s)
-            kind = pb.REPORT_KIND_LOADED
-        elif isinstance(typed, Apply):
-            timeout_s = apply_timeout(cmd.apply, self.context)
-            reply = self.process.apply(typed.digest, typed.refit_id, timeout_s)
-        else:
-
-            def released() -> None:
-                outcome = Outcome(pb.REPORT_KIND_SOURCES_RELEASED)
-                self.agent.report(self.slot, cmd.command_id, typed.refit_id, outcome)
-
-            pending = self.process.send(typed)
-            reply = wait_execute(pending, typed.timeout_s, released)
-        return outcome_of(reply, kind, time.perf_counter() - start)
-
-
 class NodeAgent:
     """Registers with the controller and serves its commands until `stop` is set."""
 
@@ -217,7 +78,7 @@ class NodeAgent:
         host: str,
         devices: list[str],
         settings: Any = None,
-        data_plane: DataPlane | None = None,
+        data_plane: DataPlaneAddress | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a node agent needs at least one device slot (e.g. cpu:0)")
@@ -461,7 +322,7 @@ def run_node_agent(
     devices: list[str],
     settings: Any,
     stop_event: threading.Event,
-    data_plane: DataPlane | None = None,
+    data_plane: DataPlaneAddress | None = None,
 ) -> None:
     """Run a node agent until stop_event is set (used by `refitd serve` and `refitd agent`)."""
     raise_nofile_limit()

@@ -1,7 +1,7 @@
 """The execute command of a transfer process: one refit of a loaded plan, in its own thread.
 
 The snapshot (if the slot takes one) is captured first and the trainer released; the delta
-path (refitd.agent.delta_exchange) moves its messages next; the executor runs the rest. The
+path (refitd.executor.delta.exchange) moves its messages next; the executor runs the rest. The
 reply is one `Executed`, preceded by a `SourcesReleased` event.
 """
 
@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
-from refitd.agent.commands import (
+from refitd.executor.errors import ExecutionError
+from refitd.executor.run import Executor
+from refitd.slot_protocol import (
     DeltaPlan,
     DeltaResult,
     Execute,
@@ -21,14 +24,24 @@ from refitd.agent.commands import (
     Response,
     SourcesReleased,
 )
-from refitd.agent.executor import ExecutionError, Executor
-from refitd.agent.slot_state import LoadedPlan, SlotState
+from refitd.transfer.slot import LoadedPlan, TransferSlot
+from refitd.transport.errors import StorageMovedError, TransportError
 
 
-def start_execute(state: SlotState, rid: int, cmd: Execute) -> None:
+def failure(e: BaseException) -> Failed:
+    """The reply for an exception: our own errors by their message, others with the end of
+    their traceback; kind "storage_moved" or the exception's class name."""
+    kind = "storage_moved" if isinstance(e, StorageMovedError) else type(e).__name__
+    detail = f"{e}"
+    if not isinstance(e, ExecutionError | StorageMovedError | TransportError):
+        detail += "\n" + "".join(traceback.format_exception(e)[-3:])
+    return Failed(kind, detail)
+
+
+def start_execute(state: TransferSlot, rid: int, cmd: Execute) -> None:
     """Answer `cmd` from a new thread (the command loop stays free for abort)."""
     if cmd.refit_id in state.aborted:
-        state.reply(Response(rid, Failed.of(ExecutionError(f"refit {cmd.refit_id} was aborted"))))
+        state.reply(Response(rid, failure(ExecutionError(f"refit {cmd.refit_id} was aborted"))))
         return
     state.abort.clear()
 
@@ -44,7 +57,7 @@ def start_execute(state: SlotState, rid: int, cmd: Execute) -> None:
         try:
             reply = _execute(state, cmd, entry, released)
         except BaseException as e:
-            reply = Failed.of(e)
+            reply = failure(e)
         state.busy.clear()
         state.reply(Response(rid, reply))
 
@@ -54,7 +67,7 @@ def start_execute(state: SlotState, rid: int, cmd: Execute) -> None:
 
 
 def _execute(
-    state: SlotState, cmd: Execute, entry: LoadedPlan | None, released: Callable[[], None]
+    state: TransferSlot, cmd: Execute, entry: LoadedPlan | None, released: Callable[[], None]
 ) -> Executed:
     t0 = time.monotonic()
     snap = entry.snapshot if entry is not None else None
@@ -72,7 +85,7 @@ def _execute(
     delta = None
     sums: tuple[dict[int, int], dict[int, int]] = ({}, {})
     if cmd.delta is not None and entry is not None:  # reads the snapshot when there is one
-        delta, sums = run_delta(state, entry, ex, cmd.delta, cmd)
+        delta, sums = _delta_path(state, entry, ex, cmd.delta, cmd)
         skip = frozenset(cmd.delta.send) | frozenset(cmd.delta.recv)
     report = ex.run(cmd.timeout_s, on_released, state.abort, verify=cmd.verify, skip=skip)
     if entry is not None and not state.abort.is_set():
@@ -95,15 +108,14 @@ def _execute(
     )
 
 
-def run_delta(
-    state: SlotState, entry: LoadedPlan, ex: Executor, plan: DeltaPlan, cmd: Execute
+def _delta_path(
+    state: TransferSlot, entry: LoadedPlan, ex: Executor, plan: DeltaPlan, cmd: Execute
 ) -> tuple[DeltaResult, tuple[dict[int, int], dict[int, int]]]:
     """This slot's messages of the delta path, before the executor runs the others: promote
     the base the controller reports committed, then exchange; returns what the controller
     records and the (send, recv) checksums of those messages (with verify)."""
-    from refitd.agent.delta_access import ProgramAccess
-    from refitd.agent.delta_exchange import DeltaBase
-    from refitd.agent.delta_exchange import run_delta as exchange
+    from refitd.executor.delta.access import ProgramAccess
+    from refitd.executor.delta.exchange import DeltaBase, exchange_deltas
 
     if state.transport is None:
         raise ExecutionError("delta refit: no connected transport")
@@ -117,7 +129,7 @@ def run_delta(
     access, base = entry.delta
     promoted = base.promote(plan.promote, access) if plan.promote >= 0 else False
     t0 = time.monotonic()
-    rep = exchange(
+    rep = exchange_deltas(
         state.transport,
         access.messages("send", list(plan.send)),
         access.messages("recv", list(plan.recv)),

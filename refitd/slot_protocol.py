@@ -9,11 +9,7 @@ string-keyed dict.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass, field
-
-from refitd.agent.errors import ExecutionError
-from refitd.transport.errors import StorageMovedError, TransportError
 
 
 # ---------------------------------------------------------------------- reports
@@ -202,7 +198,7 @@ class Probed:
 
 @dataclass(frozen=True, slots=True)
 class DeltaResult:
-    """The delta path's part of one execute (refitd.agent.delta_exchange): the base it
+    """The delta path's part of one execute (refitd.executor.delta.exchange): the base it
     holds, per message sent its kind and stats (delta_exchange's own records), timings."""
 
     promoted: bool
@@ -243,16 +239,6 @@ class Failed:
 
     kind: str
     error: str
-
-    @classmethod
-    def of(cls, e: BaseException) -> Failed:
-        """The reply for an exception: our own errors by their message, others with the
-        end of their traceback."""
-        kind = "storage_moved" if isinstance(e, StorageMovedError) else type(e).__name__
-        detail = f"{e}"
-        if not isinstance(e, ExecutionError | StorageMovedError | TransportError):
-            detail += "\n" + "".join(traceback.format_exception(e)[-3:])
-        return cls(kind, detail)
 
 
 Reply = Ack | Pong | Loaded | Applied | Unloaded | Probed | Executed | SourcesReleased | Failed

@@ -1,5 +1,5 @@
 """The transfer process's command loop: one OS process per device slot, serving typed
-commands (refitd.agent.commands) from its node agent over a multiprocessing Pipe.
+commands (refitd.slot_protocol) from its node agent over a multiprocessing Pipe.
 
 Each `Request` is answered by a `Response` with the same rid; errors come back as `Failed`
 and are raised in the parent. execute runs in its own thread (refit_command.py), so an abort
@@ -14,14 +14,15 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from refitd.agent.commands import (
+from refitd.executor.errors import ExecutionError
+from refitd.limits import raise_nofile_limit
+from refitd.slot_protocol import (
     Abort,
     Ack,
     Apply,
     Close,
     Connect,
     Execute,
-    Failed,
     Load,
     Ping,
     Pong,
@@ -32,11 +33,9 @@ from refitd.agent.commands import (
     Unload,
     Unloaded,
 )
-from refitd.agent.executor import ExecutionError
-from refitd.agent.probe import probe
-from refitd.agent.refit_command import start_execute
-from refitd.agent.slot_state import SlotState
-from refitd.limits import raise_nofile_limit
+from refitd.transfer.execute import failure, start_execute
+from refitd.transfer.probe import probe
+from refitd.transfer.slot import TransferSlot
 
 PR_SET_NAME = 15  # prctl(2): the thread's name, which ps, top and psutil's name() show
 
@@ -55,14 +54,14 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None, name:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if device is not None and device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    state = SlotState(conn, slot)
+    state = TransferSlot(conn, slot)
     while True:
         try:
             req = conn.recv()
         except (EOFError, OSError):
             break
         if not isinstance(req, Request):
-            state.reply(Response(-1, Failed.of(ExecutionError(f"not a request: {req!r}"))))
+            state.reply(Response(-1, failure(ExecutionError(f"not a request: {req!r}"))))
             continue
         cmd, rid = req.command, req.rid
         if isinstance(cmd, Close):
@@ -75,19 +74,19 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None, name:
         elif isinstance(cmd, Execute):
             if state.busy.is_set():
                 err = ExecutionError("a refit is already running on this slot")
-                state.reply(Response(rid, Failed.of(err)))
+                state.reply(Response(rid, failure(err)))
             else:
                 start_execute(state, rid, cmd)
         else:
             try:
                 body = _answer(state, cmd)
             except BaseException as e:
-                body = Failed.of(e)
+                body = failure(e)
             state.reply(Response(rid, body))
     conn.close()
 
 
-def _answer(state: SlotState, cmd: object) -> Reply:
+def _answer(state: TransferSlot, cmd: object) -> Reply:
     """The reply of a command answered on the loop's own thread."""
     match cmd:
         case Connect():
