@@ -1,15 +1,55 @@
-"""The typed messages between a node agent (or a benchmark) and a transfer process.
+"""The slot protocol: what a node agent (or a benchmark) and a transfer process say to each
+other, and the one table every side dispatches from.
 
-Commands go down the Pipe as `Request(rid, command)`; the process answers each with
-`Response(rid, body)` where body is the command's reply, a `Failed`, or, before an
-`Executed`, the `SourcesReleased` event. node.py converts the controller's protos into these
-commands and their replies into report protos (proto_codec.py); nothing in between reads a
-string-keyed dict.
+A command has three forms end to end: the controller's protobuf (refitd.node.codec decodes
+it), the typed command here, and the typed report the transfer process answers with (the
+codec encodes it into a pb.AgentReport). Down the transfer process's pipe a command travels
+as `(request id, command)` and comes back as `(request id, report)`; an execute sends the
+`SourcesReleased` event first with the same id. `VERBS` says, per command, which report a
+success answers with, its field of pb.AgentCommand, the transfer slot's method that answers
+it and how it runs. `SlotOptions` are the timeouts and buffer sizes a slot takes from
+refitd.config.Settings, the only place their defaults are written.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+from refitd.config import Settings
+
+R = TypeVar("R")
+REPLY_MARGIN_S = 10.0  # waited beyond a command's own timeout for its report to come back
+
+
+def _default(name: str) -> Any:
+    return Settings.model_fields[name].default
+
+
+@dataclass(frozen=True, slots=True)
+class SlotOptions:
+    """A slot's timeouts (seconds) and buffer caps (bytes), from Settings."""
+
+    connect_timeout_s: float = _default("connect_timeout_s")
+    load_timeout_s: float = _default("load_timeout_s")
+    transfer_timeout_s: float = _default("transfer_timeout_s")
+    rpc_timeout_s: float = _default("rpc_timeout_s")
+    staging_bytes: int = _default("staging_bytes")
+    snapshot_bytes: int = _default("snapshot_bytes")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SlotOptions:
+        return cls(
+            connect_timeout_s=settings.connect_timeout_s,
+            load_timeout_s=settings.load_timeout_s,
+            transfer_timeout_s=settings.transfer_timeout_s,
+            rpc_timeout_s=settings.rpc_timeout_s,
+            staging_bytes=settings.staging_bytes,
+            snapshot_bytes=settings.snapshot_bytes,
+        )
+
+
+DEFAULTS = SlotOptions()
 
 
 # ---------------------------------------------------------------------- reports
@@ -48,118 +88,15 @@ class ExecReport:
     checksums: dict[str, dict[int, int]] | None = None
 
 
-# ---------------------------------------------------------------------- commands
-@dataclass(frozen=True, slots=True)
-class Connect:
-    """Join the refit communicator of `epoch` as `rank` (peers reach this rank at the
-    agent's data-plane address or interface)."""
-
-    epoch: int
-    store_host: str
-    store_port: int
-    rank: int
-    world_size: int
-    transport: str
-    timeout_s: float
-    slot_ranks: dict[int, int] | None = None
-    store_token: str = ""
-    data_plane_address: str = ""
-    data_plane_interface: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """Cache a slot program and the memory handles of its tensors under `digest`."""
-
-    digest: str
-    program: bytes
-    handles: dict[int, bytes]
-    staging_bytes: int | None = None
-    wire_chunk: int | None = None
-    staged_chunk: int | None = None
-    staged: tuple[int, ...] = ()
-    model: str = ""
-    snapshot: tuple[int, ...] = ()
-    snapshot_bytes: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DeltaPlan:
-    """This slot's part of a delta refit: message ids sent and received on the delta path,
-    those allowed to go as a delta, the version to promote (-1: none), the density cap."""
-
-    send: tuple[int, ...]
-    recv: tuple[int, ...]
-    allowed: tuple[int, ...]
-    promote: int
-    max_density: float
-
-
-@dataclass(frozen=True, slots=True)
-class Execute:
-    """Run one refit of a loaded plan."""
-
-    digest: str
-    version: int
-    refit_id: int
-    timeout_s: float
-    verify: bool = False
-    delta: DeltaPlan | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Apply:
-    """Copy the staged tensors of `digest` in place, if refit_id's execute filled them."""
-
-    digest: str
-    refit_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Unload:
-    digest: str
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Stop the running execute; with a refit id, a later execute of that refit too."""
-
-    refit_id: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """Raw reference for benchmarks: per peer rank one buffer of nbytes sent (or received)
-    `repeat` times ({rank: (nbytes, repeat)}), or one memcpy of `memcpy` bytes `repeat`
-    times on `device`. `prepare` only allocates; buffers live until `release`."""
-
-    timeout_s: float
-    sends: dict[int, tuple[int, int]] = field(default_factory=dict)
-    recvs: dict[int, tuple[int, int]] = field(default_factory=dict)
-    memcpy: int | None = None
-    repeat: int = 1
-    device: str = "cpu"
-    prepare: bool = False
-    release: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Ping:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    pass
-
-
-Command = Connect | Load | Execute | Apply | Unload | Abort | Probe | Ping | Close
-
-
-# ---------------------------------------------------------------------- replies
+# `reported_as`: the pb.ReportKind (REPORT_KIND_<name>) of a report the controller receives
 @dataclass(frozen=True, slots=True)
 class Ack:
-    """A command that answers nothing but success (connect, abort, close, probe setup)."""
+    """A command that answers nothing but success (abort, close)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    reported_as: ClassVar[str] = "connected"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +114,13 @@ class SnapshotInfo:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
+    reported_as: ClassVar[str] = "loaded"
     snapshot: SnapshotInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Applied:
+    reported_as: ClassVar[str] = "done"
     bytes: int
     seconds: float
 
@@ -193,13 +132,15 @@ class Unloaded:
 
 @dataclass(frozen=True, slots=True)
 class Probed:
+    """Seconds of a timed probe (0.0 when it only allocated or released its buffers)."""
+
     seconds: float
 
 
 @dataclass(frozen=True, slots=True)
 class DeltaResult:
     """The delta path's part of one execute (refitd.executor.delta.exchange): the base it
-    holds, per message sent its kind and stats (delta_exchange's own records), timings."""
+    holds, per message sent its kind and stats (the exchange's own records), timings."""
 
     promoted: bool
     base_version: int
@@ -219,6 +160,7 @@ class Executed:
     """One refit of the slot: the executor's report (delta bytes and checksums included),
     and the delta path's and the snapshot's parts when they took part."""
 
+    reported_as: ClassVar[str] = "done"
     report: ExecReport
     version: int
     refit_id: int
@@ -230,6 +172,7 @@ class Executed:
 class SourcesReleased:
     """Event before an Executed: the trainer's memory is no longer read (wall time t)."""
 
+    reported_as: ClassVar[str] = "sources_released"
     t: float
 
 
@@ -237,20 +180,212 @@ class SourcesReleased:
 class Failed:
     """A command failed; kind is "storage_moved" or the exception's class name."""
 
+    reported_as: ClassVar[str] = "failed"
     kind: str
     error: str
 
 
-Reply = Ack | Pong | Loaded | Applied | Unloaded | Probed | Executed | SourcesReleased | Failed
+Report = (
+    Ack
+    | Connected
+    | Pong
+    | Loaded
+    | Applied
+    | Unloaded
+    | Probed
+    | Executed
+    | SourcesReleased
+    | Failed
+)
+
+
+# ---------------------------------------------------------------------- commands
+class SlotCommand(Generic[R]):
+    """A command of one slot whose success is answered by a report of type R."""
+
+    __slots__ = ()
+
+    def wait_s(self, options: SlotOptions) -> float:
+        """How long the sender waits for the report."""
+        return options.rpc_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
-    rid: int
-    command: Command
+class Connect(SlotCommand[Connected]):
+    """Join the refit communicator of `epoch` as `rank` (all ranks connect at the same
+    time; peers reach this rank at the agent's data-plane address or interface)."""
+
+    epoch: int
+    store_host: str
+    store_port: int
+    rank: int
+    world_size: int
+    transport: str
+    timeout_s: float
+    slot_ranks: dict[int, int] | None = None
+    store_token: str = ""
+    data_plane_address: str = ""
+    data_plane_interface: str = ""
+
+    def wait_s(self, options: SlotOptions) -> float:
+        return self.timeout_s + REPLY_MARGIN_S
 
 
 @dataclass(frozen=True, slots=True)
-class Response:
-    rid: int
-    body: Reply
+class Load(SlotCommand[Loaded]):
+    """Cache a slot program and the memory handles of its tensors under `digest`.
+
+    wire_chunk and staged_chunk must be the same on every slot of a plan (None: the
+    executor's). `staged`: plan tensor indices written into staging buffers (allocated
+    here; those of the model's older plans are freed) and copied in place by `Apply`.
+    `snapshot`: source tensors copied into a snapshot before the trainer is released (at
+    most snapshot_bytes per slot, else live reads; the report's `snapshot` says which).
+    """
+
+    digest: str
+    program: bytes
+    handles: dict[int, bytes]
+    staging_bytes: int = DEFAULTS.staging_bytes
+    wire_chunk: int | None = None
+    staged_chunk: int | None = None
+    staged: tuple[int, ...] = ()
+    model: str = ""
+    snapshot: tuple[int, ...] = ()
+    snapshot_bytes: int = DEFAULTS.snapshot_bytes
+
+    def wait_s(self, options: SlotOptions) -> float:
+        return options.load_timeout_s
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaPlan:
+    """This slot's part of a delta refit: message ids sent and received on the delta path,
+    those allowed to go as a delta, the version to promote (-1: none), the density cap."""
+
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    allowed: tuple[int, ...]
+    promote: int
+    max_density: float
+
+
+@dataclass(frozen=True, slots=True)
+class Execute(SlotCommand[Executed]):
+    """Run one refit of a loaded plan (with verify, its checksums; with delta, the delta
+    path's part)."""
+
+    digest: str
+    version: int
+    refit_id: int
+    timeout_s: float
+    verify: bool = False
+    delta: DeltaPlan | None = None
+
+    def wait_s(self, options: SlotOptions) -> float:
+        return self.timeout_s + REPLY_MARGIN_S
+
+
+@dataclass(frozen=True, slots=True)
+class Apply(SlotCommand[Applied]):
+    """Copy the staged tensors of `digest` in place, if refit_id's execute filled them."""
+
+    digest: str
+    refit_id: int
+    timeout_s: float = DEFAULTS.transfer_timeout_s
+
+    def wait_s(self, options: SlotOptions) -> float:
+        return self.timeout_s
+
+
+@dataclass(frozen=True, slots=True)
+class Unload(SlotCommand[Unloaded]):
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(SlotCommand[Ack]):
+    """Stop the running execute of this slot (the node agent refuses a later execute of
+    refit_id itself)."""
+
+    refit_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Probe(SlotCommand[Probed]):
+    """Raw reference for benchmarks: per peer rank one buffer of nbytes sent (or received)
+    `repeat` times ({rank: (nbytes, repeat)}), or one memcpy of `memcpy` bytes `repeat`
+    times on `device`. `prepare` only allocates; buffers live until `release`."""
+
+    timeout_s: float
+    sends: dict[int, tuple[int, int]] = field(default_factory=dict)
+    recvs: dict[int, tuple[int, int]] = field(default_factory=dict)
+    memcpy: int | None = None
+    repeat: int = 1
+    device: str = "cpu"
+    prepare: bool = False
+    release: bool = False
+
+    def wait_s(self, options: SlotOptions) -> float:
+        return self.timeout_s
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(SlotCommand[Pong]):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Close(SlotCommand[Ack]):
+    pass
+
+
+# ---------------------------------------------------------------------- the table
+@dataclass(frozen=True, slots=True)
+class Verb:
+    """How every side handles one command.
+
+    wire: its field of pb.AgentCommand ("": the controller never sends it). handler: the
+    method of the transfer process's slot (refitd.transfer.slot.TransferSlot) answering it.
+    refit: it runs a refit: on its own thread in the transfer process (the command loop
+    stays free for abort), reporting SourcesReleased before its report, and refused by the
+    node agent once its refit was aborted. all_slots: the node agent hands it to every slot
+    at once, ahead of their queued commands. fresh: it can run on a restarted transfer
+    process (the others need the communicator or programs it lost).
+    """
+
+    command: type[SlotCommand[Any]]
+    report: type
+    wire: str
+    handler: str
+    refit: bool = False
+    all_slots: bool = False
+    fresh: bool = False
+
+
+VERBS: dict[type, Verb] = {
+    v.command: v
+    for v in (
+        Verb(Connect, Connected, "connect", "connect", fresh=True),
+        Verb(Load, Loaded, "load", "load"),
+        Verb(Execute, Executed, "execute", "execute", refit=True),
+        Verb(Apply, Applied, "apply", "apply"),
+        Verb(Abort, Ack, "abort", "abort", all_slots=True),
+        Verb(Unload, Unloaded, "", "unload"),
+        Verb(Probe, Probed, "", "probe"),
+        Verb(Ping, Pong, "", "ping"),
+        Verb(Close, Ack, "", "close"),
+    )
+}
+WIRE_VERBS: dict[str, Verb] = {v.wire: v for v in VERBS.values() if v.wire}
+
+
+class ProtocolError(ValueError):
+    """Something that is not a command of this protocol."""
+
+
+def verb_of(command: object) -> Verb:
+    """The table's entry of a typed command."""
+    verb = VERBS.get(type(command))
+    if verb is None:
+        raise ProtocolError(f"not a slot command: {type(command).__name__}")
+    return verb

@@ -1,18 +1,17 @@
 """The node agent: one per host, it serves the controller's commands on its device slots.
 
-It registers its slots (AgentControl.RegisterAgent), opens the Commands stream and relays
-each command to the transfer process of the slot it names (one process per slot, spawned
-through refitd.node.process_handle.TransferProcessHandle), reporting CONNECTED, LOADED,
-SOURCES_RELEASED, DONE or FAILED with bytes and seconds (an ApplyCommand, which copies a
-staged pool's staging buffers in place, answers DONE too). Commands of one slot run in order on
-that slot's thread; different slots run at the same time (they talk to each other). One
+It registers its slots (AgentControl.RegisterAgent), opens the Commands stream and hands
+each command to the runner of every slot it names (slot_runner.py: one transfer process per
+slot, commands of one slot in order on its thread, different slots at the same time), which
+reports CONNECTED, LOADED, SOURCES_RELEASED, DONE or FAILED with bytes and seconds (an
+ApplyCommand, which copies a staged pool's staging buffers in place, answers DONE too). One
 ExecuteCommand names all the agent's slots of a refit (`slots`), and reports go out batched
-(whatever is queued when the reporter thread is free goes in one Report call). Abort goes
-straight to the processes, with the refit id, so an execute of that refit that has not
-started yet fails at once. A transfer process that dies is restarted and the agent registers
-again (its slots get a new incarnation: the controller reconnects and reloads them). When
-the controller goes away the agent registers again with backoff; every call has a deadline
-and every wait a timeout.
+(whatever is queued when the reporter thread is free goes in one Report call). An abort
+goes to every slot at once, ahead of their queued commands, so an execute of that refit that
+has not started yet fails at once. A transfer process that dies is restarted and the agent
+registers again (its slots get a new incarnation: the controller reconnects and reloads
+them). When the controller goes away the agent registers again with backoff; every call has
+a deadline and every wait a timeout.
 """
 
 from __future__ import annotations
@@ -23,50 +22,31 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
+from refitd.config import Settings
 from refitd.limits import raise_nofile_limit
 from refitd.node.address import DataPlaneAddress, choose_data_plane
-from refitd.node.codec import Outcome, report_proto
+from refitd.node.codec import (
+    CommandError,
+    SlotContext,
+    refit_id_of,
+    report_proto,
+    target_slots,
+    verb_of_proto,
+)
 from refitd.node.process_handle import start_transfer_server
 from refitd.node.slot_runner import SlotRunner
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError, security_for
+from refitd.slot_protocol import Failed, Report, SlotOptions
 from refitd.transport.segment_names import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 60.0  # orphaned shared memory of killed workers is unlinked this often
-
-
-@dataclass(frozen=True, slots=True)
-class AgentOptions:
-    """The agent's tunables, taken from refitd.config.Settings."""
-
-    rpc_timeout_s: float = 30.0
-    connect_timeout_s: float = 60.0
-    load_timeout_s: float = 60.0
-    transfer_timeout_s: float = 300.0
-    staging_bytes: int = 256 << 20
-    snapshot_bytes: int = 2 << 30
-    heartbeat_timeout_s: float = 10.0
-    reconnect_max_s: float = 1.0
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> AgentOptions:
-        if settings is None:
-            return cls()
-        return cls(
-            rpc_timeout_s=settings.rpc_timeout_s,
-            connect_timeout_s=settings.connect_timeout_s,
-            load_timeout_s=settings.load_timeout_s,
-            transfer_timeout_s=settings.transfer_timeout_s,
-            staging_bytes=settings.staging_bytes,
-            snapshot_bytes=settings.snapshot_bytes,
-            heartbeat_timeout_s=settings.heartbeat_timeout_s,
-        )
+RECONNECT_MAX_S = 1.0  # longest wait between attempts to register again
 
 
 class NodeAgent:
@@ -77,7 +57,7 @@ class NodeAgent:
         controller_address: str,
         host: str,
         devices: list[str],
-        settings: Any = None,
+        settings: Settings,
         data_plane: DataPlaneAddress | None = None,
     ) -> None:
         if not devices:
@@ -87,12 +67,13 @@ class NodeAgent:
         self.devices = list(devices)
         # Chosen before anything starts: a loopback one with a remote controller refuses.
         self.data_plane = data_plane or choose_data_plane(settings, controller_address)
-        self.options = AgentOptions.from_settings(settings)
+        self.settings = settings
+        self.slot_options = SlotOptions.from_settings(settings)
         self.agent_id = ""
         self.slots: dict[int, SlotRunner] = {}
         self.heartbeat_interval_s = 1.0
         self._conn = ControllerConnection(
-            controller_address, self.options.rpc_timeout_s, security_for(settings)
+            controller_address, settings.rpc_timeout_s, security_for(settings)
         )
         self._stream: Any = None
         self._stream_lock = threading.Lock()
@@ -116,7 +97,7 @@ class NodeAgent:
     # ------------------------------------------------------------------ main loop
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop` is set; reconnect (and register again) with backoff."""
-        backoff = Backoff(maximum_s=self.options.reconnect_max_s)
+        backoff = Backoff(maximum_s=RECONNECT_MAX_S)
         watcher = threading.Thread(target=self._cancel_on, args=(stop,), daemon=True)
         watcher.start()
         try:
@@ -137,8 +118,8 @@ class NodeAgent:
         finally:
             self.close()
 
-    def _register(self) -> None:
-        req = pb.RegisterAgentRequest(
+    def _registration(self) -> pb.RegisterAgentRequest:
+        return pb.RegisterAgentRequest(
             host=self.host,
             slots=[pb.SlotInfo(device=d) for d in self.devices],
             pid=os.getpid(),
@@ -146,7 +127,11 @@ class NodeAgent:
             batch_execute=True,
             data_plane_address=self.data_plane.address,
         )
-        resp = self._conn.call(self._conn.agents.RegisterAgent, req, f"register agent {self.host}")
+
+    def _register(self) -> None:
+        resp = self._conn.call(
+            self._conn.agents.RegisterAgent, self._registration(), f"register agent {self.host}"
+        )
         if len(resp.slot_ids) != len(self.devices):
             raise RefitError(
                 f"controller assigned {len(resp.slot_ids)} slot ids for {len(self.devices)} devices"
@@ -160,9 +145,18 @@ class NodeAgent:
         missing = [(s, d) for s, d in wanted.items() if s not in self.slots]
         if missing:  # start transfer processes in parallel (each forks, then connects)
             with ThreadPoolExecutor(len(missing)) as pool:
-                runners = pool.map(lambda sd: SlotRunner(self, sd[0], sd[1], self.options), missing)
+                runners = pool.map(lambda sd: self._runner(*sd), missing)
                 self.slots.update({r.slot: r for r in runners})
         log.info("agent %s registered as %s with slots %s", self.host, self.agent_id, wanted)
+
+    def _runner(self, slot: int, device: str) -> SlotRunner:
+        context = SlotContext(
+            slot,
+            self.data_plane.address,
+            self.data_plane.interface,
+            self.slot_options,
+        )
+        return SlotRunner(context, device, self.host, self.report, self.slot_restarted)
 
     def _serve(self, stop: threading.Event) -> None:
         stream = self._conn.agents.Commands(pb.AgentStreamRequest(agent_id=self.agent_id))
@@ -179,41 +173,31 @@ class NodeAgent:
             with self._stream_lock:
                 self._stream = None
             stream.cancel()
-            beat.join(timeout=self.heartbeat_interval_s + self.options.rpc_timeout_s)
+            beat.join(timeout=self.heartbeat_interval_s + self.settings.rpc_timeout_s)
 
     def _dispatch(self, cmd: pb.AgentCommand) -> None:
-        which = cmd.WhichOneof("command")
-        if which == "abort":
-            for runner in self.slots.values():
-                runner.abort(cmd.abort.refit_id, cmd.abort.reason)
+        """Hand a controller command to the runners of the slots it is for."""
+        try:
+            verb = verb_of_proto(cmd)
+        except CommandError as err:
+            log.warning("agent %s: unknown command: %s", self.host, err)
             return
-        if which == "connect":
-            targets = [s for s in cmd.connect.comm_rank if s in self.slots]
-        elif which == "execute":
-            targets = list(cmd.execute.slots) or [cmd.execute.slot]
-        elif which == "load":
-            targets = [cmd.load.slot]
-        elif which == "apply":
-            targets = list(cmd.apply.slots)
-        else:
-            log.warning("agent %s: unknown command %r", self.host, which)
-            return
-        for slot in targets:
+        for slot in target_slots(cmd, self.slots):
             runner = self.slots.get(slot)
             if runner is None:
-                self.report(
-                    slot,
-                    cmd.command_id,
-                    cmd.execute.refit_id if which == "execute" else 0,
-                    Outcome(pb.REPORT_KIND_FAILED, message=f"agent {self.host} has no slot {slot}"),
-                )
+                failed = Failed("KeyError", f"agent {self.host} has no slot {slot}")
+                self.report(slot, cmd.command_id, refit_id_of(cmd), failed, 0.0)
+            elif verb.all_slots:
+                runner.abort(cmd)
             else:
                 runner.submit(cmd)
 
     # ------------------------------------------------------------------ controller calls
-    def report(self, slot: int, command_id: int, refit_id: int, outcome: Outcome) -> None:
+    def report(
+        self, slot: int, command_id: int, refit_id: int, report: Report, seconds: float
+    ) -> None:
         """Queue one report; the reporter thread sends what is queued in one call."""
-        self._reports.put(report_proto(self.agent_id, slot, command_id, refit_id, outcome))
+        self._reports.put(report_proto(self.agent_id, slot, command_id, refit_id, report, seconds))
 
     def _report_loop(self) -> None:
         """Send queued reports, batched (AgentReport.more), in the order they were queued."""
@@ -255,15 +239,9 @@ class NodeAgent:
         self._restarted.set()
 
     def _reregister_after_restart(self) -> None:
-        req = pb.RegisterAgentRequest(
-            host=self.host,
-            slots=[pb.SlotInfo(device=d) for d in self.devices],
-            pid=os.getpid(),
-            agent_id=self.agent_id,
-            batch_execute=True,
-            data_plane_address=self.data_plane.address,
+        self._conn.call(
+            self._conn.agents.RegisterAgent, self._registration(), f"register agent {self.host}"
         )
-        self._conn.call(self._conn.agents.RegisterAgent, req, f"register agent {self.host}")
         log.info("agent %s: registered again after a transfer process restart", self.host)
 
     def _heartbeat(self, stream: Any, stop: threading.Event) -> None:
@@ -274,7 +252,7 @@ class NodeAgent:
             self.reap_shared_memory()
             for runner in list(self.slots.values()):
                 if not runner.alive():
-                    runner.submit("restart")
+                    runner.restart_if_dead()
             if self._restarted.is_set():
                 self._restarted.clear()
                 try:
@@ -294,7 +272,7 @@ class NodeAgent:
                 silent = time.monotonic() - last_ok
                 if (
                     err.code == grpc.StatusCode.NOT_FOUND
-                    or silent > self.options.heartbeat_timeout_s
+                    or silent > self.settings.heartbeat_timeout_s
                 ):
                     log.info("agent %s: reconnecting (%s)", self.host, err)
                     stream.cancel()
@@ -320,7 +298,7 @@ def run_node_agent(
     controller_address: str,
     host: str,
     devices: list[str],
-    settings: Any,
+    settings: Settings,
     stop_event: threading.Event,
     data_plane: DataPlaneAddress | None = None,
 ) -> None:

@@ -1,18 +1,23 @@
 """The node agent's boundary with the controller's protos, both ways, in one place.
 
-`slot_command` turns a controller command (pb.AgentCommand) into the typed command one slot's
+`decode` turns a controller command (pb.AgentCommand) into the typed command one slot's
 transfer process runs (refitd.slot_protocol), checking it on the way: a malformed command is
-refused with a `CommandError` naming the field. `outcome_of` turns a transfer process's typed
-reply into the `Outcome` the agent reports, and `report_proto` that into a pb.AgentReport.
-`command_proto` is the inverse of `slot_command` for a command of one slot (tests, tools).
+refused with a `CommandError` naming the field. `target_slots` says which slots it is for.
+`report_proto` turns a typed report into the pb.AgentReport the agent sends.
+`command_proto` is the inverse of `decode` for a command of one slot (tests, tools).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.slot_protocol import (
+    DEFAULTS,
+    WIRE_VERBS,
+    Abort,
     Applied,
     Apply,
     Connect,
@@ -20,11 +25,14 @@ from refitd.slot_protocol import (
     DeltaResult,
     Execute,
     Executed,
+    Failed,
     Load,
-    Loaded,
+    Report,
+    SlotCommand,
+    SlotOptions,
+    Verb,
+    verb_of,
 )
-
-SlotCommand = Connect | Load | Execute | Apply
 
 
 class CommandError(ValueError):
@@ -34,46 +42,42 @@ class CommandError(ValueError):
 @dataclass(frozen=True, slots=True)
 class SlotContext:
     """What a slot command takes from the agent rather than the controller: the slot, the
-    agent's data-plane address, and the defaults of timeouts and buffer sizes."""
+    agent's data-plane address, and the slot options (defaults of timeouts and sizes)."""
 
     slot: int
     data_plane_address: str = ""
     data_plane_interface: str = ""
-    connect_timeout_s: float = 60.0
-    transfer_timeout_s: float = 300.0
-    staging_bytes: int = 256 << 20
-    snapshot_bytes: int = 2 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What a slot command produced, reported to the controller."""
-
-    kind: int
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_local: int = 0
-    seconds: float = 0.0
-    message: str = ""
-    checksums: tuple[pb.MessageChecksum, ...] = ()
-    delta: pb.DeltaOutcome | None = None
-    snapshot_bytes: int = 0
-    snapshot_fallback: str = ""
+    options: SlotOptions = DEFAULTS
 
 
 # ---------------------------------------------------------------------- proto -> command
-def slot_command(cmd: pb.AgentCommand, ctx: SlotContext) -> SlotCommand:
-    """The typed command slot `ctx.slot` runs for a controller command (not abort)."""
+def verb_of_proto(cmd: pb.AgentCommand) -> Verb:
+    """The slot protocol's entry of a controller command."""
     which = cmd.WhichOneof("command")
-    if which == "connect":
-        return _connect(cmd.connect, ctx)
-    if which == "load":
-        return _load(cmd.load, ctx)
-    if which == "execute":
-        return _execute(cmd.execute, ctx)
-    if which == "apply":
-        return _apply(cmd.apply, ctx)
-    raise CommandError(f"command {cmd.command_id}: field command is {which!r}, not a slot command")
+    verb = WIRE_VERBS.get(which or "")
+    if verb is None:
+        raise CommandError(f"command {cmd.command_id}: field command is {which!r}")
+    return verb
+
+
+def decode(cmd: pb.AgentCommand, ctx: SlotContext) -> SlotCommand[Any]:
+    """The typed command slot `ctx.slot` runs for a controller command."""
+    verb = verb_of_proto(cmd)
+    return _CONVERSIONS[verb.command].decode(getattr(cmd, verb.wire), ctx)
+
+
+def target_slots(cmd: pb.AgentCommand, held: Collection[int]) -> list[int]:
+    """The slots a controller command is for: of a connect, those of the communicator this
+    agent holds (`held`); of an abort, all it holds; of the others, every slot named
+    (held here or not)."""
+    verb = verb_of_proto(cmd)
+    return _CONVERSIONS[verb.command].targets(getattr(cmd, verb.wire), held)
+
+
+def refit_id_of(cmd: pb.AgentCommand) -> int:
+    """The refit id a slot's reports of this command carry (a refit's; else 0)."""
+    verb = WIRE_VERBS.get(cmd.WhichOneof("command") or "")
+    return getattr(cmd, verb.wire).refit_id if verb is not None and verb.refit else 0
 
 
 def _require(ok: bool, command: str, field: str, why: str) -> None:
@@ -101,7 +105,7 @@ def _connect(c: pb.ConnectCommand, ctx: SlotContext) -> Connect:
         rank=ranks[ctx.slot],
         world_size=c.world_size,
         transport=c.transport or "gloo",
-        timeout_s=_timeout(c.timeout_s, ctx.connect_timeout_s, what),
+        timeout_s=_timeout(c.timeout_s, ctx.options.connect_timeout_s, what),
         slot_ranks=ranks,
         store_token=c.store_token,
         data_plane_address=ctx.data_plane_address,
@@ -122,11 +126,11 @@ def _load(c: pb.LoadProgramCommand, ctx: SlotContext) -> Load:
         digest=c.digest,
         program=c.program,
         handles=handles,
-        staging_bytes=ctx.staging_bytes,
+        staging_bytes=ctx.options.staging_bytes,
         staged=tuple(h.index for h in c.handles if h.staged),
         model=c.model,
         snapshot=tuple(h.index for h in c.handles if h.snapshot),
-        snapshot_bytes=ctx.snapshot_bytes,
+        snapshot_bytes=ctx.options.snapshot_bytes,
     )
 
 
@@ -155,7 +159,7 @@ def _execute(c: pb.ExecuteCommand, ctx: SlotContext) -> Execute:
         digest=c.digest,
         version=c.version,
         refit_id=c.refit_id,
-        timeout_s=_timeout(c.timeout_s, ctx.transfer_timeout_s, what),
+        timeout_s=_timeout(c.timeout_s, ctx.options.transfer_timeout_s, what),
         verify=c.verify,
         delta=delta,
     )
@@ -164,103 +168,142 @@ def _execute(c: pb.ExecuteCommand, ctx: SlotContext) -> Execute:
 def _apply(c: pb.ApplyCommand, ctx: SlotContext) -> Apply:
     what = f"ApplyCommand of refit {c.refit_id}"
     _require(bool(c.digest), what, "digest", "is empty")
-    _timeout(c.timeout_s, ctx.transfer_timeout_s, what)
-    return Apply(digest=c.digest, refit_id=c.refit_id)
-
-
-def apply_timeout(c: pb.ApplyCommand, ctx: SlotContext) -> float:
-    """How long the agent waits for an apply (the command's own, else the default)."""
-    return c.timeout_s or ctx.transfer_timeout_s
+    timeout_s = _timeout(c.timeout_s, ctx.options.transfer_timeout_s, what)
+    return Apply(digest=c.digest, refit_id=c.refit_id, timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------------- command -> proto
-def command_proto(cmd: SlotCommand, ctx: SlotContext, command_id: int = 0) -> pb.AgentCommand:
-    """The controller command of one slot that `slot_command` turns into `cmd`."""
+def _connect_proto(cmd: Connect, slot: int) -> pb.ConnectCommand:
+    return pb.ConnectCommand(
+        epoch=cmd.epoch,
+        store_host=cmd.store_host,
+        store_port=cmd.store_port,
+        world_size=cmd.world_size,
+        comm_rank=cmd.slot_ranks or {slot: cmd.rank},
+        transport=cmd.transport,
+        timeout_s=cmd.timeout_s,
+        store_token=cmd.store_token,
+    )
+
+
+def _load_proto(cmd: Load, slot: int) -> pb.LoadProgramCommand:
+    staged, snap = set(cmd.staged), set(cmd.snapshot)
+    return pb.LoadProgramCommand(
+        model=cmd.model,
+        digest=cmd.digest,
+        slot=slot,
+        program=cmd.program,
+        handles=[
+            pb.TensorHandle(index=i, memory=m, staged=i in staged, snapshot=i in snap)
+            for i, m in cmd.handles.items()
+        ],
+    )
+
+
+def _execute_proto(cmd: Execute, slot: int) -> pb.ExecuteCommand:
+    d = cmd.delta
+    return pb.ExecuteCommand(
+        digest=cmd.digest,
+        slot=slot,
+        slots=[slot],
+        version=cmd.version,
+        refit_id=cmd.refit_id,
+        timeout_s=cmd.timeout_s,
+        verify=cmd.verify,
+        delta=[]
+        if d is None
+        else [
+            pb.DeltaCommand(
+                slot=slot,
+                send=d.send,
+                recv=d.recv,
+                allowed=d.allowed,
+                promote=d.promote,
+                max_density=d.max_density,
+            )
+        ],
+    )
+
+
+def _apply_proto(cmd: Apply, slot: int) -> pb.ApplyCommand:
+    return pb.ApplyCommand(
+        digest=cmd.digest, slots=[slot], refit_id=cmd.refit_id, timeout_s=cmd.timeout_s
+    )
+
+
+def command_proto(cmd: SlotCommand[Any], slot: int, command_id: int = 0) -> pb.AgentCommand:
+    """The controller command of one slot that `decode` turns into `cmd`."""
+    verb = verb_of(cmd)
+    if not verb.wire:
+        raise CommandError(f"{type(cmd).__name__} is not a controller command")
     out = pb.AgentCommand(command_id=command_id)
-    if isinstance(cmd, Connect):
-        out.connect.CopyFrom(
-            pb.ConnectCommand(
-                epoch=cmd.epoch,
-                store_host=cmd.store_host,
-                store_port=cmd.store_port,
-                world_size=cmd.world_size,
-                comm_rank=cmd.slot_ranks or {ctx.slot: cmd.rank},
-                transport=cmd.transport,
-                timeout_s=cmd.timeout_s,
-                store_token=cmd.store_token,
-            )
-        )
-    elif isinstance(cmd, Load):
-        staged, snap = set(cmd.staged), set(cmd.snapshot)
-        out.load.CopyFrom(
-            pb.LoadProgramCommand(
-                model=cmd.model,
-                digest=cmd.digest,
-                slot=ctx.slot,
-                program=cmd.program,
-                handles=[
-                    pb.TensorHandle(index=i, memory=m, staged=i in staged, snapshot=i in snap)
-                    for i, m in cmd.handles.items()
-                ],
-            )
-        )
-    elif isinstance(cmd, Execute):
-        d = cmd.delta
-        out.execute.CopyFrom(
-            pb.ExecuteCommand(
-                digest=cmd.digest,
-                slot=ctx.slot,
-                slots=[ctx.slot],
-                version=cmd.version,
-                refit_id=cmd.refit_id,
-                timeout_s=cmd.timeout_s,
-                verify=cmd.verify,
-                delta=[]
-                if d is None
-                else [
-                    pb.DeltaCommand(
-                        slot=ctx.slot,
-                        send=d.send,
-                        recv=d.recv,
-                        allowed=d.allowed,
-                        promote=d.promote,
-                        max_density=d.max_density,
-                    )
-                ],
-            )
-        )
-    else:
-        out.apply.CopyFrom(
-            pb.ApplyCommand(digest=cmd.digest, slots=[ctx.slot], refit_id=cmd.refit_id)
-        )
+    getattr(out, verb.wire).CopyFrom(_CONVERSIONS[verb.command].encode(cmd, slot))
     return out
 
 
-# ---------------------------------------------------------------------- reply -> proto
-def outcome_of(reply: Loaded | Applied | Executed | None, kind: int, seconds: float) -> Outcome:
-    """The report of a slot command's reply (None: connected)."""
-    if isinstance(reply, Applied):
-        return Outcome(kind, bytes_local=reply.bytes, seconds=reply.seconds)
-    if not isinstance(reply, Executed):
-        return Outcome(kind, seconds=seconds)
+@dataclass(frozen=True, slots=True)
+class _Conversion:
+    """One controller command's field both ways, and the slots it names."""
+
+    decode: Callable[[Any, SlotContext], SlotCommand[Any]]
+    encode: Callable[[Any, int], Any]
+    targets: Callable[[Any, Collection[int]], list[int]]
+
+
+# the slot protocol's commands the controller sends (its table's `wire` verbs)
+_CONVERSIONS: dict[type, _Conversion] = {
+    Connect: _Conversion(
+        _connect, _connect_proto, lambda c, held: [s for s in c.comm_rank if s in held]
+    ),
+    Load: _Conversion(_load, _load_proto, lambda c, held: [c.slot]),
+    Execute: _Conversion(_execute, _execute_proto, lambda c, held: list(c.slots) or [c.slot]),
+    Apply: _Conversion(_apply, _apply_proto, lambda c, held: list(c.slots)),
+    Abort: _Conversion(
+        lambda c, ctx: Abort(refit_id=c.refit_id),
+        lambda cmd, slot: pb.AbortCommand(refit_id=cmd.refit_id),
+        lambda c, held: list(held),
+    ),
+}
+
+
+# ---------------------------------------------------------------------- report -> proto
+def report_proto(
+    agent_id: str, slot: int, command_id: int, refit_id: int, report: Report, seconds: float
+) -> pb.AgentReport:
+    """One slot's report of one command; `seconds`: how long the agent saw it take (a
+    refit's and an apply's reports carry their own)."""
+    out = pb.AgentReport(
+        agent_id=agent_id,
+        slot=slot,
+        command_id=command_id,
+        kind=pb.ReportKind.Value(f"REPORT_KIND_{report.reported_as.upper()}"),  # type: ignore[union-attr]
+        refit_id=refit_id,
+        seconds=seconds,
+    )
+    if isinstance(report, Failed):
+        out.message = report.error
+    elif isinstance(report, Applied):
+        out.bytes_local, out.seconds = report.bytes, report.seconds
+    elif isinstance(report, Executed):
+        _executed_fields(out, report)
+    return out
+
+
+def _executed_fields(out: pb.AgentReport, reply: Executed) -> None:
     r = reply.report
     sums = r.checksums or {}
-    snap = reply.snapshot
-    return Outcome(
-        kind,
-        snapshot_bytes=0 if snap is None else snap.bytes,
-        snapshot_fallback="" if snap is None else snap.fallback,
-        bytes_sent=r.sent_bytes,
-        bytes_received=r.recv_bytes,
-        bytes_local=r.local_bytes,
-        seconds=r.seconds,
-        checksums=tuple(
-            pb.MessageChecksum(message_id=int(mid), sent=side == "send", checksum=h)
-            for side in ("send", "recv")
-            for mid, h in sums.get(side, {}).items()
-        ),
-        delta=None if reply.delta is None else delta_proto(reply.delta),
+    if reply.snapshot is not None:
+        out.snapshot_bytes = reply.snapshot.bytes
+        out.snapshot_fallback = reply.snapshot.fallback
+    out.bytes_sent, out.bytes_received, out.bytes_local = r.sent_bytes, r.recv_bytes, r.local_bytes
+    out.seconds = r.seconds
+    out.checksums.extend(
+        pb.MessageChecksum(message_id=int(mid), sent=side == "send", checksum=h)
+        for side in ("send", "recv")
+        for mid, h in sums.get(side, {}).items()
     )
+    if reply.delta is not None:
+        out.delta.CopyFrom(delta_proto(reply.delta))
 
 
 def delta_proto(d: DeltaResult) -> pb.DeltaOutcome:
@@ -282,26 +325,4 @@ def delta_proto(d: DeltaResult) -> pb.DeltaOutcome:
             )
             for mid, m in d.sent.items()
         ],
-    )
-
-
-def report_proto(
-    agent_id: str, slot: int, command_id: int, refit_id: int, outcome: Outcome
-) -> pb.AgentReport:
-    """One slot's report of one command."""
-    return pb.AgentReport(
-        agent_id=agent_id,
-        slot=slot,
-        command_id=command_id,
-        kind=outcome.kind,
-        refit_id=refit_id,
-        bytes_sent=outcome.bytes_sent,
-        bytes_received=outcome.bytes_received,
-        bytes_local=outcome.bytes_local,
-        seconds=outcome.seconds,
-        message=outcome.message,
-        checksums=outcome.checksums,
-        delta=outcome.delta,
-        snapshot_bytes=outcome.snapshot_bytes,
-        snapshot_fallback=outcome.snapshot_fallback,
     )

@@ -1,5 +1,13 @@
-"""One device slot of the node agent: its transfer process and the thread that runs the
-slot's commands in order (the node agent's `SlotRunner`)."""
+"""One device slot of the node agent: its transfer process, the thread that runs the slot's
+commands in order, and the one record of the refits aborted on it.
+
+A controller command is decoded once (refitd.node.codec), sent to the transfer process, and
+its typed report (or a `Failed` naming the slot, host and device) goes to the agent's
+reporter with the seconds it took. An abort goes to the process at once, ahead of queued
+commands; an execute of an aborted refit is refused here. Both take one lock around
+"check or record, then send", so an execute is either refused or reaches the process before
+the abort that stops it.
+"""
 
 from __future__ import annotations
 
@@ -7,60 +15,80 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.node.codec import Outcome, SlotContext, apply_timeout, outcome_of, slot_command
-from refitd.node.process_handle import TransferProcessHandle, wait_execute
-from refitd.slot_protocol import Applied, Apply, Connect, Executed, Load, Loaded
-
-if TYPE_CHECKING:
-    from refitd.node.agent import AgentOptions, NodeAgent
+from refitd.node.codec import SlotContext, decode, refit_id_of
+from refitd.node.process_handle import TransferProcessHandle
+from refitd.slot_protocol import Failed, Report, SlotCommand, SourcesReleased, verb_of
 
 log = logging.getLogger(__name__)
+ABORTED_KEPT = 64  # refit ids of aborts remembered per slot
+# (slot, command id, refit id, report, seconds): queues a report for the controller
+ReportSink = Callable[[int, int, int, Report, float], None]
+
+
+class _Restart:
+    """Queued by the heartbeat: restart the transfer process if it died."""
 
 
 class SlotRunner:
     """One device slot: its transfer process and a thread running its commands in order."""
 
-    def __init__(self, agent: NodeAgent, slot: int, device: str, options: AgentOptions) -> None:
-        self.agent = agent
-        self.slot = slot
+    def __init__(
+        self,
+        context: SlotContext,
+        device: str,
+        host: str,
+        report: ReportSink,
+        restarted: Callable[[int], None],
+    ) -> None:
+        self.slot = context.slot
         self.device = device
-        self.options = options
-        self._spawn = lambda: TransferProcessHandle(slot=slot, device=device)
-        self.context = SlotContext(
-            slot,
-            agent.data_plane.address,
-            agent.data_plane.interface,
-            options.connect_timeout_s,
-            options.transfer_timeout_s,
-            options.staging_bytes,
-            options.snapshot_bytes,
-        )
+        self.context = context
+        self.host = host
+        self._report = report
+        self._restarted = restarted
         self.process = self._spawn()
-        self._aborted: dict[int, None] = {}  # refit ids aborted (latest 64)
-        self._queue: queue.Queue[pb.AgentCommand | str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=f"refitd-slot-{slot}", daemon=True)
+        self._aborted: dict[int, None] = {}  # refit ids aborted, oldest first
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[pb.AgentCommand | _Restart | None] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"refitd-slot-{self.slot}", daemon=True
+        )
         self._thread.start()
 
-    def submit(self, cmd: pb.AgentCommand | str) -> None:
+    def _spawn(self) -> TransferProcessHandle:
+        return TransferProcessHandle(self.slot, self.device, self.context.options)
+
+    def submit(self, cmd: pb.AgentCommand) -> None:
+        """Run a controller command after those queued before it."""
         self._queue.put(cmd)
 
-    def abort(self, refit_id: int, reason: str) -> None:
-        log.info("slot %d: aborting refit %d: %s", self.slot, refit_id, reason)
-        self._aborted[refit_id] = None
-        while len(self._aborted) > 64:
-            del self._aborted[next(iter(self._aborted))]
-        if not self.process.process.is_alive():
-            return
+    def restart_if_dead(self) -> None:
+        """Restart the transfer process (in turn with the commands) if it died."""
+        self._queue.put(_Restart())
+
+    def abort(self, cmd: pb.AgentCommand) -> None:
+        """Stop this slot's running refit now, and refuse a later execute of its refit."""
+        abort, refit_id = decode(cmd, self.context), cmd.abort.refit_id
+        log.info("slot %d: aborting refit %d: %s", self.slot, refit_id, cmd.abort.reason)
         try:
-            self.process.abort(timeout_s=self.options.rpc_timeout_s, refit_id=refit_id)
+            with self._lock:
+                if refit_id:
+                    self._aborted[refit_id] = None
+                    while len(self._aborted) > ABORTED_KEPT:
+                        del self._aborted[next(iter(self._aborted))]
+                if not self.alive():
+                    return
+                pending = self.process.send(abort)
+            pending.result()
         except Exception as exc:
             log.warning("slot %d: abort of refit %d: %r", self.slot, refit_id, exc)
 
     def alive(self) -> bool:
-        return self.process.process.is_alive()
+        return self.process.alive()
 
     def restart(self) -> None:
         """Replace a dead transfer process (its communicator and programs are gone)."""
@@ -71,7 +99,7 @@ class SlotRunner:
         except Exception as exc:
             log.debug("slot %d: closing the dead process: %r", self.slot, exc)
         self.process = self._spawn()
-        self.agent.slot_restarted(self.slot)
+        self._restarted(self.slot)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -82,36 +110,12 @@ class SlotRunner:
         self._thread.join(timeout=10.0)
 
     def _loop(self) -> None:
-        while True:
-            cmd = self._queue.get()
-            if cmd is None:
-                return
-            if cmd == "restart":
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, _Restart):
                 if not self.alive():
                     self._restart_quietly()
                 continue
-            which = cmd.WhichOneof("command")
-            refit_id = cmd.execute.refit_id if which == "execute" else 0
-            start = time.perf_counter()
-            try:
-                if which == "execute" and refit_id in self._aborted:
-                    raise RuntimeError(f"refit {refit_id} was aborted before it started")
-                if not self.alive():
-                    self._restart_quietly()
-                    if which != "connect":
-                        raise RuntimeError(
-                            "transfer process had died and was restarted; the controller "
-                            "reconnects and reloads this slot"
-                        )
-                outcome = self._run(cmd)
-            except Exception as exc:
-                log.warning("slot %d: %s failed: %s", self.slot, which, exc)
-                outcome = Outcome(
-                    pb.REPORT_KIND_FAILED,
-                    seconds=time.perf_counter() - start,
-                    message=f"slot {self.slot} ({self.agent.host} {self.device}) {which}: {exc}",
-                )
-            self.agent.report(self.slot, cmd.command_id, refit_id, outcome)
+            self._serve(item)
             if not self.alive():
                 self._restart_quietly()
 
@@ -121,28 +125,36 @@ class SlotRunner:
         except Exception as exc:
             log.error("slot %d: restarting the transfer process failed: %r", self.slot, exc)
 
-    def _run(self, cmd: pb.AgentCommand) -> Outcome:
-        """Convert the controller's command (once), run it on the transfer process, and turn
-        its typed reply into the report."""
+    def _serve(self, cmd: pb.AgentCommand) -> None:
+        """Run one controller command and report its outcome."""
+        which = cmd.WhichOneof("command")
+        refit_id = refit_id_of(cmd)
         start = time.perf_counter()
-        typed = slot_command(cmd, self.context)
-        kind = pb.REPORT_KIND_DONE
-        reply: Loaded | Applied | Executed | None = None
-        if isinstance(typed, Connect):
-            self.process.connect_with(typed)
-            kind = pb.REPORT_KIND_CONNECTED
-        elif isinstance(typed, Load):
-            reply = self.process.load_with(typed, self.options.load_timeout_s)
-            kind = pb.REPORT_KIND_LOADED
-        elif isinstance(typed, Apply):
-            timeout_s = apply_timeout(cmd.apply, self.context)
-            reply = self.process.apply(typed.digest, typed.refit_id, timeout_s)
-        else:
+        report: Report
+        try:
+            report = self._run(decode(cmd, self.context), cmd.command_id, refit_id)
+        except Exception as exc:
+            log.warning("slot %d: %s failed: %s", self.slot, which, exc)
+            where = f"slot {self.slot} ({self.host} {self.device})"
+            report = Failed(type(exc).__name__, f"{where} {which}: {exc}")
+        self._report(self.slot, cmd.command_id, refit_id, report, time.perf_counter() - start)
 
-            def released() -> None:
-                outcome = Outcome(pb.REPORT_KIND_SOURCES_RELEASED)
-                self.agent.report(self.slot, cmd.command_id, typed.refit_id, outcome)
-
+    def _run(self, typed: SlotCommand[Any], command_id: int, refit_id: int) -> Any:
+        """Send a typed command to the transfer process and wait for its typed report."""
+        verb = verb_of(typed)
+        if not self.alive():
+            self._restart_quietly()
+            if not verb.fresh:
+                raise RuntimeError(
+                    "transfer process had died and was restarted; the controller "
+                    "reconnects and reloads this slot"
+                )
+        with self._lock:
+            if verb.refit and refit_id in self._aborted:
+                raise RuntimeError(f"refit {refit_id} was aborted before it started")
             pending = self.process.send(typed)
-            reply = wait_execute(pending, typed.timeout_s, released)
-        return outcome_of(reply, kind, time.perf_counter() - start)
+
+        def released(event: SourcesReleased) -> None:
+            self._report(self.slot, command_id, refit_id, event, 0.0)
+
+        return pending.result(released)

@@ -1,74 +1,30 @@
-"""The execute command of a transfer process: one refit of a loaded plan, in its own thread.
+"""The execute command of a transfer process: one refit of a loaded plan.
 
-The snapshot (if the slot takes one) is captured first and the trainer released; the delta
-path (refitd.executor.delta.exchange) moves its messages next; the executor runs the rest. The
-reply is one `Executed`, preceded by a `SourcesReleased` event.
+The command loop runs it on its own thread (refitd.transfer.main). The snapshot (if the slot
+takes one) is captured first and the trainer released; the delta path
+(refitd.executor.delta.exchange) moves its messages next; the executor runs the rest. The
+report is one `Executed`, preceded by the `SourcesReleased` event (`released`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from refitd.executor.errors import ExecutionError
 from refitd.executor.run import Executor
-from refitd.slot_protocol import (
-    DeltaPlan,
-    DeltaResult,
-    Execute,
-    Executed,
-    Failed,
-    Reply,
-    Response,
-    SourcesReleased,
-)
-from refitd.transfer.slot import LoadedPlan, TransferSlot
-from refitd.transport.errors import StorageMovedError, TransportError
+from refitd.slot_protocol import DeltaPlan, DeltaResult, Execute, Executed
+
+if TYPE_CHECKING:
+    from refitd.transfer.slot import LoadedPlan, TransferSlot
 
 
-def failure(e: BaseException) -> Failed:
-    """The reply for an exception: our own errors by their message, others with the end of
-    their traceback; kind "storage_moved" or the exception's class name."""
-    kind = "storage_moved" if isinstance(e, StorageMovedError) else type(e).__name__
-    detail = f"{e}"
-    if not isinstance(e, ExecutionError | StorageMovedError | TransportError):
-        detail += "\n" + "".join(traceback.format_exception(e)[-3:])
-    return Failed(kind, detail)
-
-
-def start_execute(state: TransferSlot, rid: int, cmd: Execute) -> None:
-    """Answer `cmd` from a new thread (the command loop stays free for abort)."""
-    if cmd.refit_id in state.aborted:
-        state.reply(Response(rid, failure(ExecutionError(f"refit {cmd.refit_id} was aborted"))))
-        return
-    state.abort.clear()
-
-    def released() -> None:
-        state.reply(Response(rid, SourcesReleased(time.time())))
-
+def execute_refit(state: TransferSlot, cmd: Execute, released: Callable[[], None]) -> Executed:
+    """One refit of the loaded plan `cmd.digest`; raises on failure."""
     entry = state.loaded.get(cmd.digest)
     if entry is not None:
         entry.filled = None  # the staging is being overwritten
-
-    def body() -> None:
-        reply: Reply
-        try:
-            reply = _execute(state, cmd, entry, released)
-        except BaseException as e:
-            reply = failure(e)
-        state.busy.clear()
-        state.reply(Response(rid, reply))
-
-    state.busy.set()
-    state.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
-    state.running.start()
-
-
-def _execute(
-    state: TransferSlot, cmd: Execute, entry: LoadedPlan | None, released: Callable[[], None]
-) -> Executed:
     t0 = time.monotonic()
     snap = entry.snapshot if entry is not None else None
     on_released: Callable[[], None] | None = released
@@ -87,8 +43,8 @@ def _execute(
     if cmd.delta is not None and entry is not None:  # reads the snapshot when there is one
         delta, sums = _delta_path(state, entry, ex, cmd.delta, cmd)
         skip = frozenset(cmd.delta.send) | frozenset(cmd.delta.recv)
-    report = ex.run(cmd.timeout_s, on_released, state.abort, verify=cmd.verify, skip=skip)
-    if entry is not None and not state.abort.is_set():
+    report = ex.run(cmd.timeout_s, on_released, state.aborting, verify=cmd.verify, skip=skip)
+    if entry is not None and not state.aborting.is_set():
         entry.filled = cmd.refit_id
     if delta is not None:
         report.sent_bytes += delta.wire_bytes
