@@ -34,7 +34,7 @@ from refitd.plan.layout import MXFP8, PLAIN, TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.wire import mxfp8_scale_shape
-from refitd.slot_protocol import Connect, Execute, Load, Probe, SnapshotInfo
+from refitd.slot_protocol import DEFAULTS, Connect, Execute, Load, Probe, SnapshotInfo
 from refitd.transport.memory import SharedTensorArena
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wire", choices=("bf16", "mxfp8"), default="bf16")
     parser.add_argument("--src", type=parse_layout, default=None, help="tp=N (default: slots)")
     parser.add_argument("--dst", type=parse_layout, default=None, help="tp=N (default: slots)")
-    parser.add_argument("--staging", type=parse_bytes, default=parse_bytes("256MiB"))
+    parser.add_argument("--staging", type=parse_bytes, default=DEFAULTS.staging_bytes)
     parser.add_argument("--bucket", type=parse_bytes, default=parse_bytes("64MiB"))
     parser.add_argument(
         "--wire-chunk", type=parse_bytes, default=None, help="executor chunk (default: its own)"

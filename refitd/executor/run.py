@@ -52,11 +52,9 @@ from refitd.executor.prepare import (
 from refitd.executor.segments import ResolvedTensor
 from refitd.executor.views import SlotViews
 from refitd.plan.program import SlotProgram
-from refitd.slot_protocol import ExecReport
+from refitd.slot_protocol import DEFAULTS, ExecReport
 from refitd.transport.base import Transport
 from refitd.transport.errors import StorageMovedError
-
-DEFAULT_STAGING_BYTES = 256 << 20
 
 
 class DirectResolver:
@@ -87,7 +85,7 @@ class DirectResolver:
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    staging_bytes: int = DEFAULT_STAGING_BYTES
+    staging_bytes: int = DEFAULTS.staging_bytes
     wire_chunk: int = WIRE_CHUNK
     staged_chunk: int | None = None  # chunk of segments that go through staging
     direct_min: int = DIRECT_MIN  # a contiguous raw copy this large gets its own chunks
