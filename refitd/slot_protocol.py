@@ -7,35 +7,35 @@ codec encodes it into a pb.AgentReport). Down the transfer process's pipe a comm
 as `(request id, command)` and comes back as `(request id, report)`; an execute sends the
 `SourcesReleased` event first with the same id. `VERBS` says, per command, which report a
 success answers with, its field of pb.AgentCommand, the transfer slot's method that answers
-it and how it runs. `SlotOptions` are the timeouts and buffer sizes a slot takes from
-refitd.config.Settings, the only place their defaults are written.
+it and how it runs. `SlotOptions` are a slot's timeouts and buffer sizes: their defaults are
+written here, once (refitd.config.Settings takes its fields' defaults from them), because
+the transfer process and the executor import this module and must not need pydantic.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from refitd.config import Settings
+if TYPE_CHECKING:
+    from refitd.config import Settings
 
 R = TypeVar("R")
 REPLY_MARGIN_S = 10.0  # waited beyond a command's own timeout for its report to come back
-
-
-def _default(name: str) -> Any:
-    return Settings.model_fields[name].default
+MiB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class SlotOptions:
-    """A slot's timeouts (seconds) and buffer caps (bytes), from Settings."""
+    """A slot's timeouts (seconds) and buffer caps (bytes); `from_settings` in a node agent,
+    the defaults in benchmarks and tests."""
 
-    connect_timeout_s: float = _default("connect_timeout_s")
-    load_timeout_s: float = _default("load_timeout_s")
-    transfer_timeout_s: float = _default("transfer_timeout_s")
-    rpc_timeout_s: float = _default("rpc_timeout_s")
-    staging_bytes: int = _default("staging_bytes")
-    snapshot_bytes: int = _default("snapshot_bytes")
+    connect_timeout_s: float = 60.0  # the communicator (re)connects
+    load_timeout_s: float = 60.0  # a slot program is loaded
+    transfer_timeout_s: float = 300.0  # a refit (or an apply) of the slot
+    rpc_timeout_s: float = 30.0  # the quick commands (abort, unload, ...) and the agent's RPCs
+    staging_bytes: int = 256 * MiB  # cap on the slot's staging buffers
+    snapshot_bytes: int = 2048 * MiB  # cap on the snapshot of the slot's sources
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SlotOptions:

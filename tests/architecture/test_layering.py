@@ -53,6 +53,8 @@ BYTE_MOVERS = tuple(
     f"refitd.transport.{m}" for m in ("base", "gloo", "local", "memory", "nccl", "nvshmem", "shm")
 )
 CONTROL_PLANE = ("grpc", "google.protobuf", "refitd._proto", "refitd.rpc", "refitd.server")
+# what only the processes speaking gRPC need: a GPU box's transfer processes run without it
+SETTINGS_LIBS = ("pydantic", "pydantic_settings", "fastapi", "refitd.config")
 
 RULES = [
     Rule(
@@ -82,19 +84,19 @@ RULES = [
         "the controller never touches tensor bytes: no torch, no data-plane layer",
         (
             *("torch", "triton", "refitd.transport", "refitd.formats"),
-            *(*SLOT_SIDE, PROTOCOL, "refitd.client", *ENTRY_POINTS),
+            *(*SLOT_SIDE, "refitd.client", *ENTRY_POINTS),
         ),
     ),
     Rule(
         "refitd.client",
         "the worker library does not carry the controller or the node's processes",
-        ("refitd.server", *SLOT_SIDE, PROTOCOL, *ENTRY_POINTS),
+        ("refitd.server", *SLOT_SIDE, *ENTRY_POINTS),
     ),
     Rule(
         "refitd.rpc",
         "the shared RPC plumbing of workers and agents carries no process's own code",
         (
-            *("torch", "triton", "refitd.server", "refitd.client", *SLOT_SIDE, PROTOCOL),
+            *("torch", "triton", "refitd.server", "refitd.client", *SLOT_SIDE),
             *("refitd.transport", "refitd.formats", "refitd.plan", *ENTRY_POINTS),
         ),
     ),
@@ -111,20 +113,23 @@ RULES = [
     Rule(
         PROTOCOL,
         "the typed commands and reports between a node agent and its transfer processes are "
-        "plain data both sides import: no torch, no gRPC, neither side's code",
-        ("torch", "triton", *CONTROL_PLANE, *SLOT_SIDE, "refitd.client", *ENTRY_POINTS),
+        "plain data both sides import: no torch, no gRPC or settings, neither side's code",
+        (
+            *("torch", "triton", *CONTROL_PLANE, *SETTINGS_LIBS, *SLOT_SIDE),
+            *("refitd.client", *ENTRY_POINTS),
+        ),
     ),
     Rule(
         TRANSFER,
         "a transfer process takes typed commands from its node agent over a pipe: it never "
-        "knows gRPC, the controller, the clients or the agent's code",
-        (*CONTROL_PLANE, NODE, "refitd.client", *ENTRY_POINTS),
+        "knows gRPC, the settings, the controller, the clients or the agent's code",
+        (*CONTROL_PLANE, *SETTINGS_LIBS, NODE, "refitd.client", *ENTRY_POINTS),
     ),
     Rule(
         EXECUTOR,
         "the executor runs a slot program over resolved tensors: it never knows gRPC, the "
-        "controller, the clients, or the processes that drive it",
-        (*CONTROL_PLANE, NODE, TRANSFER, "refitd.client", *ENTRY_POINTS),
+        "settings, the controller, the clients, or the processes that drive it",
+        (*CONTROL_PLANE, *SETTINGS_LIBS, NODE, TRANSFER, "refitd.client", *ENTRY_POINTS),
     ),
     Rule(
         "refitd.bench",
