@@ -289,12 +289,12 @@ def report_proto(
     return out
 
 
-def _executed_fields(out: pb.AgentReport, reply: Executed) -> None:
-    r = reply.report
+def _executed_fields(out: pb.AgentReport, executed: Executed) -> None:
+    r = executed.report
     sums = r.checksums or {}
-    if reply.snapshot is not None:
-        out.snapshot_bytes = reply.snapshot.bytes
-        out.snapshot_fallback = reply.snapshot.fallback
+    if executed.snapshot is not None:
+        out.snapshot_bytes = executed.snapshot.bytes
+        out.snapshot_fallback = executed.snapshot.fallback
     out.bytes_sent, out.bytes_received, out.bytes_local = r.sent_bytes, r.recv_bytes, r.local_bytes
     out.seconds = r.seconds
     out.checksums.extend(
@@ -302,8 +302,8 @@ def _executed_fields(out: pb.AgentReport, reply: Executed) -> None:
         for side in ("send", "recv")
         for mid, h in sums.get(side, {}).items()
     )
-    if reply.delta is not None:
-        out.delta.CopyFrom(delta_proto(reply.delta))
+    if executed.delta is not None:
+        out.delta.CopyFrom(delta_proto(executed.delta))
 
 
 def delta_proto(d: DeltaResult) -> pb.DeltaOutcome:
