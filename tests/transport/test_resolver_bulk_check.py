@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refitd.agent.mapped import MappedResolver
+from refitd.transfer.mapped import MappedResolver
 from refitd.transport.memory import MemoryMapper, SharedTensorArena, StorageMovedError
 
 
