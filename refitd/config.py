@@ -24,6 +24,7 @@ from pydantic_settings import (
 )
 
 from refitd.credentials import resolve_token, store_secret
+from refitd.slot_protocol import DEFAULTS as SLOT  # a slot's timeouts and sizes
 
 CONFIG_ENV = "REFITD_CONFIG"
 MiB = 1 << 20
@@ -82,9 +83,11 @@ class Settings(BaseSettings):
     )
     # --- data plane sizing
     bucket_bytes: int = Field(64 * MiB, gt=0, description="largest message of a plan")
-    staging_bytes: int = Field(256 * MiB, gt=0, description="cap on staging buffers per slot")
+    staging_bytes: int = Field(
+        SLOT.staging_bytes, gt=0, description="cap on staging buffers per slot"
+    )
     snapshot_bytes: int = Field(
-        2048 * MiB,
+        SLOT.snapshot_bytes,
         ge=0,
         description="cap on the snapshot of a slot's sources (pools registered with snapshot); "
         "above it the slot reads live trainer memory and the refit's record says so",
@@ -119,13 +122,19 @@ class Settings(BaseSettings):
     )
     # --- timeouts (seconds), one per refit phase
     barrier_timeout_s: float = Field(60.0, gt=0, description="all trainer ranks ask for v")
-    connect_timeout_s: float = Field(60.0, gt=0, description="communicator (re)connect")
-    load_timeout_s: float = Field(60.0, gt=0, description="slot programs loaded")
+    connect_timeout_s: float = Field(
+        SLOT.connect_timeout_s, gt=0, description="communicator (re)connect"
+    )
+    load_timeout_s: float = Field(SLOT.load_timeout_s, gt=0, description="slot programs loaded")
     pause_timeout_s: float = Field(30.0, gt=0, description="destination workers ack PAUSE")
-    transfer_timeout_s: float = Field(300.0, gt=0, description="every slot reports DONE")
+    transfer_timeout_s: float = Field(
+        SLOT.transfer_timeout_s, gt=0, description="every slot reports DONE"
+    )
     commit_timeout_s: float = Field(30.0, gt=0, description="destination workers ack COMMIT")
     refit_wait_timeout_s: float = Field(600.0, gt=0, description="default Refit RPC wait")
-    rpc_timeout_s: float = Field(30.0, gt=0, description="client-side unary RPC deadline")
+    rpc_timeout_s: float = Field(
+        SLOT.rpc_timeout_s, gt=0, description="client-side unary RPC deadline"
+    )
     # --- refit policy (version safety)
     early_pause: bool = Field(
         True,

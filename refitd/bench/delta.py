@@ -6,9 +6,9 @@ sources and by columns on the destinations (every source sends to every destinat
 source slot keeps FP32 master weights and moves them by +-lr per element per version (Adam's
 normalised step), publishing BF16 (or, with --density, gives that fraction of elements new
 values); the density is measured, not assumed. Per version, a delta refit (capture of the
-pending segments, encode, header + payload exchange, apply in place: refitd.agent.
-delta_exchange) runs first, then a dense refit of the same version through the executor;
-the destinations after both must be equal bit for bit (`verified`). Whether a version goes
+pending segments, encode, header + payload exchange, apply in place:
+refitd.executor.delta.exchange) runs first, then a dense refit of the same version through
+the executor; the destinations after both must be equal bit for bit (`verified`). Whether a version goes
 through the delta path at all is the controller's refit-level choice (refit_mode: after a
 measured density above --max-density the next versions go dense through the executor;
 `picked`). Times are the slowest rank's from a common barrier; medians over versions. One
@@ -118,10 +118,10 @@ def _open_slot(
 ) -> _Slot:
     """Build the plan, lay the slot's tensors out, connect Gloo and warm both paths up with
     version 0 (dense), the base promoted to it."""
-    from refitd.agent.delta_access import ProgramAccess
-    from refitd.agent.delta_exchange import DeltaBase, run_delta
-    from refitd.agent.executor import DirectResolver, Executor
     from refitd.demo.versions import VersionGenerator
+    from refitd.executor.delta.access import ProgramAccess
+    from refitd.executor.delta.exchange import DeltaBase, exchange_deltas
+    from refitd.executor.run import DirectResolver, Executor
     from refitd.transport.base import ConnectInfo
     from refitd.transport.gloo import GlooTransport
 
@@ -142,7 +142,7 @@ def _open_slot(
     base = DeltaBase()
     sends, recvs = access.messages("send", access.sends), access.messages("recv", access.recvs)
     ex.run(args.timeout)  # version 0 dense, warms the executor
-    run_delta(t, sends, recvs, access, base, 0, allowed=frozenset(), max_density=0.0,
+    exchange_deltas(t, sends, recvs, access, base, 0, allowed=frozenset(), max_density=0.0,
               deadline=time.monotonic() + args.timeout)  # fmt: skip
     base.promote(0, access)
     return _Slot(store, t, ex, access, base, sends, recvs, flat, gen)
@@ -158,8 +158,8 @@ def _rank(
 ) -> None:
     """One slot: dense refits through the executor, delta refits through the exchange. With
     store_host, rank 0 serves the store there (the ranks in their own namespaces)."""
-    from refitd.agent.delta_exchange import KIND_DELTA, DeltaReport, run_delta
     from refitd.demo.versions import perturb
+    from refitd.executor.delta.exchange import KIND_DELTA, DeltaReport, exchange_deltas
 
     torch.set_num_threads(1)
     slot = _open_slot(rank, port, args, store_host, local)
@@ -179,7 +179,7 @@ def _rank(
         _barrier(store, f"delta{v}", rank, args.timeout)
         t0 = time.monotonic()
         if use_delta:
-            rep = run_delta(t, sends, recvs, access, base, v, allowed=frozenset(access.sends),
+            rep = exchange_deltas(t, sends, recvs, access, base, v, allowed=frozenset(access.sends),
                             max_density=args.max_density, deadline=t0 + args.timeout)  # fmt: skip
         else:
             rep = DeltaReport()
@@ -217,7 +217,7 @@ def _rank(
 
 def _slot_tensors(program: SlotProgram, rank: int) -> tuple[torch.Tensor, dict]:
     """The rank's tensors of the program as views of one flat bf16 buffer (zeros)."""
-    from refitd.agent.segments import ResolvedTensor
+    from refitd.executor.segments import ResolvedTensor
 
     mine = {i: s for i, s in program.tensors.items() if s.slot == rank}
     flat = torch.zeros(sum(s.local_shape[0] * s.local_shape[1] for s in mine.values()),

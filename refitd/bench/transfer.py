@@ -29,14 +29,14 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from refitd.agent.commands import SnapshotInfo
-from refitd.agent.transfer_process import TransferProcessHandle
 from refitd.memory.arena import SharedTensorArena
+from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.plan.wire import MXFP8, PLAIN, mxfp8_scale_shape
+from refitd.slot_protocol import DEFAULTS, Connect, Execute, Load, Probe, SnapshotInfo
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
 COLS = 4096
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wire", choices=("bf16", "mxfp8"), default="bf16")
     parser.add_argument("--src", type=parse_layout, default=None, help="tp=N (default: slots)")
     parser.add_argument("--dst", type=parse_layout, default=None, help="tp=N (default: slots)")
-    parser.add_argument("--staging", type=parse_bytes, default=parse_bytes("256MiB"))
+    parser.add_argument("--staging", type=parse_bytes, default=DEFAULTS.staging_bytes)
     parser.add_argument("--bucket", type=parse_bytes, default=parse_bytes("64MiB"))
     parser.add_argument(
         "--wire-chunk", type=parse_bytes, default=None, help="executor chunk (default: its own)"
@@ -263,7 +263,7 @@ def _connect(
     it alive while the processes run)."""
     if args.transport != "gloo":
         for h in handles:
-            h.connect(1, "", 0, 0, 1, "local", 10.0)
+            h.send(Connect(1, "", 0, 0, 1, "local", 10.0)).result()
         return None
     store = dist.TCPStore(
         "127.0.0.1",
@@ -273,21 +273,22 @@ def _connect(
         timeout=datetime.timedelta(seconds=120),
     )
     pend = [
-        h.connect(
-            1,
-            "127.0.0.1",
-            store.port,
-            rank_of[h.slot],
-            len(handles),
-            "gloo",
-            120.0,
-            slot_ranks=rank_of,
-            wait=False,
+        h.send(
+            Connect(
+                1,
+                "127.0.0.1",
+                store.port,
+                rank_of[h.slot],
+                len(handles),
+                "gloo",
+                120.0,
+                slot_ranks=rank_of,
+            )
         )
         for h in handles
     ]
     for p in pend:
-        p.result(130.0)
+        p.result()
     return store
 
 
@@ -304,16 +305,17 @@ def _load_programs(
         prog = plan.program(h.slot)
         if args.transport == "local" and (prog.sends or prog.recvs):
             raise SystemExit("--transport local: this layout needs copies between slots")
-        reply = h.load(
+        load = Load(
             plan.digest,
             encode_program(prog),
             {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
             staging_bytes=args.staging,
             wire_chunk=args.wire_chunk,
             staged_chunk=args.staged_chunk,
-            snapshot=list(range(n_src)) if args.snapshot else None,
+            snapshot=tuple(range(n_src)) if args.snapshot else (),
             snapshot_bytes=args.snapshot_bytes,
         )
+        reply = h.send(load).result()
         if reply.snapshot is not None:
             snapshots[h.slot] = reply.snapshot
     return snapshots
@@ -347,9 +349,9 @@ def _refit(
     was held (until the last slot reading it released it: the event's wall time)."""
     t0, wall0 = time.monotonic(), time.time()
     released: dict[int, float] = {}
-    pend = [h.start_execute(plan.digest, refit_id, refit_id, args.timeout, verify) for h in handles]
+    pend = [h.send(Execute(plan.digest, refit_id, refit_id, args.timeout, verify)) for h in handles]
     reports = [
-        p.result(args.timeout + 10.0, lambda m, s=h.slot: released.setdefault(s, m.t)).report
+        p.result(lambda m, s=h.slot: released.setdefault(s, m.t)).report
         for h, p in zip(handles, pend, strict=True)
     ]
     seconds = time.monotonic() - t0
@@ -473,11 +475,11 @@ def _memcpy_reference(args, handles, src) -> float:
         for s, n in per_slot.items()
     }
     for slot, size in sizes.items():
-        by_slot[slot].probe(args.timeout, prepare=True, **size).result(args.timeout)
+        by_slot[slot].send(Probe(args.timeout, prepare=True, **size)).result()
     t0 = time.monotonic()
-    pend = [by_slot[slot].probe(args.timeout, **size) for slot, size in sizes.items()]
+    pend = [by_slot[slot].send(Probe(args.timeout, **size)) for slot, size in sizes.items()]
     for p in pend:
-        p.result(args.timeout)
+        p.result()
     seconds = time.monotonic() - t0
     _release(args, handles)
     return seconds
@@ -503,11 +505,11 @@ def _reference(args, handles, plan, rank_of, reports) -> float:
             chunk = min(n, args.ref_chunk)
             sizes.append({"memcpy": chunk, "repeat": max(1, round(n / chunk))})
         for h, size in zip(handles, sizes, strict=True):
-            h.probe(args.timeout, prepare=True, **size).result(args.timeout)
+            h.send(Probe(args.timeout, prepare=True, **size)).result()
         t0 = time.monotonic()
-        pend = [h.probe(args.timeout, **size) for h, size in zip(handles, sizes, strict=True)]
+        pend = [h.send(Probe(args.timeout, **size)) for h, size in zip(handles, sizes, strict=True)]
         for p in pend:
-            p.result(args.timeout)
+            p.result()
         seconds = time.monotonic() - t0
         _release(args, handles)
         return seconds
@@ -527,11 +529,11 @@ def _reference(args, handles, plan, rank_of, reports) -> float:
         pend.append((h, sends, recvs))
     # buffers are allocated before the clock starts: a prepare call, then the timed run
     for h, sends, recvs in pend:
-        h.probe(args.timeout, sends=sends, recvs=recvs, prepare=True).result(args.timeout)
+        h.send(Probe(args.timeout, sends=sends, recvs=recvs, prepare=True)).result()
     t0 = time.monotonic()
-    started = [h.probe(args.timeout, sends=sends, recvs=recvs) for h, sends, recvs in pend]
+    started = [h.send(Probe(args.timeout, sends=sends, recvs=recvs)) for h, sends, recvs in pend]
     for p in started:
-        p.result(args.timeout)
+        p.result()
     seconds = time.monotonic() - t0
     _release(args, handles)
     return seconds
@@ -540,7 +542,7 @@ def _reference(args, handles, plan, rank_of, reports) -> float:
 def _release(args, handles) -> None:
     """Free the reference buffers (after the clock stopped)."""
     for h in handles:
-        h.probe(args.timeout, release=True).result(args.timeout)
+        h.send(Probe(args.timeout, release=True)).result()
 
 
 def _mxfp8_context(

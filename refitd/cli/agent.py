@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.agent.dataplane import DataPlaneError, choose_data_plane
-    from refitd.agent.node import run_node_agent
+    from refitd.node.address import DataPlaneError, choose_data_plane
+    from refitd.node.agent import run_node_agent
 
     settings = settings_from_args(args)
     host = args.hostname or socket.gethostname()

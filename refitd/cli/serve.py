@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     devices = settings.local_devices()
     plane = None
     if settings.embedded_agent and devices:
-        from refitd.agent.dataplane import DataPlaneError, choose_data_plane
+        from refitd.node.address import DataPlaneError, choose_data_plane
 
         try:  # peers reach the embedded agent where agents reach the store
             plane = choose_data_plane(
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     stop = start_daemon_process(settings)
     if plane is not None:  # the fork server imports torch while the controller starts
-        from refitd.agent.transfer_process import start_transfer_server
+        from refitd.node.process_handle import start_transfer_server
 
         start_transfer_server()
     host = args.hostname or socket.gethostname()
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     controller = Controller(settings, local).start()  # ready once this agent connects
     agent_thread = None
     if plane is not None:
-        from refitd.agent.node import run_node_agent
+        from refitd.node.agent import run_node_agent
 
         agent_thread = threading.Thread(
             target=run_node_agent,

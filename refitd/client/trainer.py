@@ -105,7 +105,7 @@ class TrainerClient(WorkerClient):
         """Ask for `version` to be refitted; returns per `wait`. Raises RefitError on failure.
 
         A result with state "superseded" means a newer version was asked for meanwhile and
-        this one was coalesced into it (see the README's refit policy).
+        this one was coalesced into it (docs/refit.md).
         """
         if wait not in WAITS:
             raise ValueError(f"wait must be one of {sorted(WAITS)}, got {wait!r}")

@@ -13,7 +13,7 @@ The tiles are the per-tensor kernels' own (refitd.formats._triton_jit), so the g
 quantizers are bit-identical to them. The copy kernel optionally hashes what it reads from
 the source and, after storing, what the destination then holds (a volatile load, so the
 value comes back from the memory system, not from registers): the 64-bit positional
-checksum of refitd.agent.checksums, as per-program partial sums.
+checksum of refitd.executor.checksums, as per-program partial sums.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from refitd.formats._triton_jit import fp8_block_tile, mxfp8_tile
 
-# 2 * 0x9E3779B97F4A7C15 mod 2**64 (refitd.agent.checksums.A), positive as an int64
+# 2 * 0x9E3779B97F4A7C15 mod 2**64 (refitd.executor.checksums.A), positive as an int64
 TWO_A = tl.constexpr(0x3C6EF372FE94F82A)
 
 # int64 fields of one region's row in the segment table, per kernel

@@ -6,7 +6,7 @@ more than the GPU needs for a region of a few MiB. `GroupedLanding` collects the
 once (when the executor prepares a program), builds per-kernel tables on the device, and
 each refit then runs one launch per (kernel, source dtype, alignment) group:
   - plain copies of the same dtype (optionally hashing source and landed destination:
-    the checksums of refitd.agent.checksums, fused into the copy),
+    the checksums of refitd.executor.checksums, fused into the copy),
   - MXFP8 and block-FP8 quantization into persistent buffers (the per-tensor kernels'
     tiles, so the bytes are the same); a region large enough to fill the GPU alone gets
     the per-tensor kernel's own launch instead.
@@ -425,7 +425,7 @@ def word_rows(
 
 
 def checksums(regions: list[torch.Tensor]) -> torch.Tensor | None:
-    """Checksums (refitd.agent.checksums) of CUDA regions in one launch, as an int64 tensor
+    """Checksums (refitd.executor.checksums) of CUDA regions in one launch, as an int64 tensor
     on their device (queued, no sync); None when triton is missing or a region is not rows
     of whole 32-bit words (the caller then uses the torch path)."""
     if not regions or not available(regions[0].device):

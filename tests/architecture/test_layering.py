@@ -41,6 +41,23 @@ class Rule:
     only_refitd: tuple[str, ...] | None = None
 
 
+# a node's processes and layers: the agent (no torch), its transfer processes, the executor
+# they run, and the typed protocol between agent and transfer process
+NODE = "refitd.node"
+TRANSFER = "refitd.transfer"
+EXECUTOR = "refitd.executor"
+PROTOCOL = "refitd.slot_protocol"
+SLOT_SIDE = (NODE, TRANSFER, EXECUTOR)
+# the modules that move or map bytes (torch): the node agent only relays their errors and
+# reaps shared memory by name
+BYTE_MOVERS = (
+    *(f"refitd.transport.{m}" for m in ("base", "gloo", "local", "nccl", "nvshmem")),
+    *(f"refitd.memory.{m}" for m in ("arena", "mapping", "segments")),
+)
+CONTROL_PLANE = ("grpc", "google.protobuf", "refitd._proto", "refitd.rpc", "refitd.server")
+# what only the processes speaking gRPC need: a GPU box's transfer processes run without it
+SETTINGS_LIBS = ("pydantic", "pydantic_settings", "fastapi", "refitd.config")
+
 RULES = [
     Rule(
         "refitd.plan",
@@ -66,34 +83,60 @@ RULES = [
         "codecs know tensors and wire layouts, not gRPC or the processes that call them",
         (
             *("grpc", "google.protobuf", "refitd._proto", "refitd.server", "refitd.client"),
-            *("refitd.agent", "refitd.transport", *ENTRY_POINTS),
+            *(*SLOT_SIDE, PROTOCOL, "refitd.transport", *ENTRY_POINTS),
         ),
     ),
     Rule(
         "refitd.server",
         "the controller never touches tensor bytes: no torch, no data-plane layer",
         (
-            *("torch", "triton", "refitd.agent", "refitd.transport", "refitd.formats"),
-            *("refitd.client", *ENTRY_POINTS),
+            *("torch", "triton", "refitd.transport", "refitd.formats"),
+            *(*SLOT_SIDE, "refitd.client", *ENTRY_POINTS),
         ),
     ),
     Rule(
         "refitd.client",
-        "the worker library does not carry the controller or the node agent",
-        ("refitd.server", "refitd.agent", *ENTRY_POINTS),
+        "the worker library does not carry the controller or the node's processes",
+        ("refitd.server", *SLOT_SIDE, *ENTRY_POINTS),
     ),
     Rule(
         "refitd.rpc",
         "the shared RPC plumbing of workers and agents carries no process's own code",
         (
-            *("torch", "triton", "refitd.server", "refitd.client", "refitd.agent"),
+            *("torch", "triton", "refitd.server", "refitd.client", *SLOT_SIDE),
             *("refitd.transport", "refitd.formats", "refitd.plan", *ENTRY_POINTS),
         ),
     ),
     Rule(
-        "refitd.agent",
-        "the node agent talks to the controller over gRPC only, never through its code",
-        ("refitd.server", "refitd.client", *ENTRY_POINTS),
+        NODE,
+        "the node agent relays commands: only its transfer processes touch tensors, so a host "
+        "pays one torch import for all its slots (their fork server's), not one more; it "
+        "talks to the controller over gRPC only, never through its code",
+        (
+            *("torch", "triton", EXECUTOR, TRANSFER, "refitd.formats", *BYTE_MOVERS),
+            *("refitd.server", "refitd.client", *ENTRY_POINTS),
+        ),
+    ),
+    Rule(
+        PROTOCOL,
+        "the typed commands and reports between a node agent and its transfer processes are "
+        "plain data both sides import: no torch, no gRPC or settings, neither side's code",
+        (
+            *("torch", "triton", *CONTROL_PLANE, *SETTINGS_LIBS, *SLOT_SIDE),
+            *("refitd.client", *ENTRY_POINTS),
+        ),
+    ),
+    Rule(
+        TRANSFER,
+        "a transfer process takes typed commands from its node agent over a pipe: it never "
+        "knows gRPC, the settings, the controller, the clients or the agent's code",
+        (*CONTROL_PLANE, *SETTINGS_LIBS, NODE, "refitd.client", *ENTRY_POINTS),
+    ),
+    Rule(
+        EXECUTOR,
+        "the executor runs a slot program over resolved tensors: it never knows gRPC, the "
+        "settings, the controller, the clients, or the processes that drive it",
+        (*CONTROL_PLANE, *SETTINGS_LIBS, NODE, TRANSFER, "refitd.client", *ENTRY_POINTS),
     ),
     Rule(
         "refitd.torch_dtypes",
@@ -118,12 +161,6 @@ RULES = [
         "the demo runs the product as a user would, without the benchmarks and harnesses",
         ("refitd.cli", BENCH),
     ),
-    Rule(
-        "refitd.agent.node",
-        "the node agent relays commands: only its transfer processes touch tensors, so a host "
-        "pays one torch import for all its slots (their fork server's), not one more",
-        ("torch", "triton"),
-    ),
 ]
 
 # (module, imported module): why this function-level import is fine
@@ -131,6 +168,10 @@ ALLOWED_LAZY = {
     ("refitd.server.rendezvous", "torch.distributed"): (
         "runs only in the rendezvous store's own child process (python -m "
         "refitd.server.rendezvous), never in the controller"
+    ),
+    ("refitd.node.process_handle", "refitd.transfer.main"): (
+        "the entry point of a transfer process: runs only in the child, forked from the fork "
+        "server that preloaded it, never in the node agent"
     ),
 }
 

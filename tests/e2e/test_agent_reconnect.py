@@ -13,9 +13,9 @@ import pytest
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pb_grpc
-from refitd.agent.node import run_node_agent
 from refitd.config import load_settings
 from refitd.demo.run import free_port
+from refitd.node.agent import run_node_agent
 from refitd.server.controller import Controller
 
 pytestmark = pytest.mark.slow

@@ -25,10 +25,10 @@ import torch
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
-from refitd.agent.transfer_process import PROCESS_NAME_PREFIX
 from refitd.client import RefitError, TrainerClient
 from refitd.demo.gpt import ParallelLayout, WeightGenerator, rank_shards
 from refitd.demo.run import Daemon, free_port
+from refitd.node.process_handle import PROCESS_NAME_PREFIX
 
 from ._inference_worker import SEED, TINY
 
@@ -272,19 +272,39 @@ def test_kill_transfer_process_is_retried_while_paused(
             w.kill()
 
 
-def test_abort_reaches_a_transfer_process_before_its_execute() -> None:
-    from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle
+def test_abort_reaches_a_slot_before_its_execute() -> None:
+    """An abort that arrives before its refit's execute makes that execute fail at once
+    (the slot runner's record of aborted refits); an execute of another refit still reaches
+    the transfer process (and fails there: nothing is loaded)."""
+    from refitd.node.codec import SlotContext
+    from refitd.node.slot_runner import SlotRunner
+    from refitd.slot_protocol import Failed
 
-    h = TransferProcessHandle(slot=0)
+    reports: queue.Queue = queue.Queue()
+    runner = SlotRunner(
+        SlotContext(0), "cpu:0", "test-host", lambda *r: reports.put(r), lambda slot: None
+    )
+
+    def execute(command_id: int, refit_id: int) -> Failed:
+        runner.submit(
+            pb.AgentCommand(
+                command_id=command_id,
+                execute=pb.ExecuteCommand(
+                    digest="d", version=1, refit_id=refit_id, slots=[0], timeout_s=5
+                ),
+            )
+        )
+        slot, got_id, got_refit, report, _ = reports.get(timeout=30)
+        assert (slot, got_id, got_refit) == (0, command_id, refit_id)
+        assert isinstance(report, Failed), report
+        return report
+
     try:
-        h.abort(refit_id=41)
-        with pytest.raises(TransferProcessError, match="refit 41 was aborted"):
-            h.execute(digest="d", version=1, refit_id=41, timeout_s=5)
-        # Another refit id is not affected by that abort (fails later: nothing loaded).
-        with pytest.raises(TransferProcessError, match="not loaded"):
-            h.execute(digest="d", version=2, refit_id=42, timeout_s=5)
+        runner.abort(pb.AgentCommand(abort=pb.AbortCommand(refit_id=41, reason="test")))
+        assert "refit 41 was aborted before it started" in execute(1, 41).error
+        assert "not loaded" in execute(2, 42).error
     finally:
-        h.close()
+        runner.close()
 
 
 def test_lease_of_a_silent_worker_expires(agent_daemon) -> None:

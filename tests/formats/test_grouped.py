@@ -14,7 +14,7 @@ import pytest
 import torch
 from _fp8_data import special_tensor
 
-from refitd.agent.checksums import MASK, Checksummer, checksum
+from refitd.executor.checksums import MASK, Checksummer, checksum
 from refitd.formats import dest_region, fp8_block_quantize, grouped, mxfp8_quantize
 from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from refitd.agent.dataplane import DataPlaneError, choose_data_plane
 from refitd.config import load_settings
+from refitd.node.address import DataPlaneError, choose_data_plane
 from refitd.transport.base import ConnectInfo, TransportError
 from refitd.transport.gloo import GlooTransport, describe_failure
 

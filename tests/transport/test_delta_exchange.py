@@ -13,17 +13,17 @@ import torch
 import torch.distributed as dist
 from _transport_layouts import expected, make_model, shard
 
-from refitd.agent.delta_access import ProgramAccess
-from refitd.agent.delta_exchange import (
+from refitd.demo.versions import VersionGenerator
+from refitd.executor.delta.access import ProgramAccess
+from refitd.executor.delta.exchange import (
     KIND_DELTA,
     KIND_DENSE,
     UNKNOWN,
     DeltaBase,
     DeltaReport,
-    run_delta,
+    exchange_deltas,
 )
-from refitd.agent.segments import ResolvedTensor
-from refitd.demo.versions import VersionGenerator
+from refitd.executor.segments import ResolvedTensor
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
@@ -96,7 +96,7 @@ class Cluster:
                 base = self.bases.get(r, DeltaBase())
                 sends = a.messages("send", a.sends)
                 ok = every if allowed is None else allowed.get(r, set())
-                results[r] = run_delta(
+                results[r] = exchange_deltas(
                     self.transports[r], sends, a.messages("recv", a.recvs), a, base, version,
                     allowed=frozenset(ok), max_density=0.4,
                     deadline=time.monotonic() + 30, verify=verify,
@@ -216,7 +216,7 @@ def test_clearly_dense_message_skips_the_full_encode(monkeypatch) -> None:
     """A message whose sampled density is well above the threshold goes dense without a
     full delta encode (no encode buffer is made for it), reports the estimated density,
     and lands bit for bit; at a low density the full encode still runs and sends deltas."""
-    import refitd.agent.delta_exchange as dx
+    import refitd.executor.delta.exchange as dx
 
     monkeypatch.setattr(dx, "SAMPLE_MIN_BYTES", 0)  # every message of the small test model
     monkeypatch.setattr(dx, "SAMPLE_STRIDE", 1)

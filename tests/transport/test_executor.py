@@ -13,25 +13,13 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refitd.agent.chunks import CopyInfo
-from refitd.agent.executor import (
-    DirectResolver,
-    ExecReport,
-    Executor,
-    ExecutorConfig,
-    chunk_messages,
-    flat_range_views,
-)
-from refitd.agent.segments import ResolvedTensor
+from refitd.executor.chunks import CopyInfo, chunk_messages, flat_range_views
+from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
+from refitd.executor.segments import ResolvedTensor
 from refitd.memory.errors import StorageMovedError
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.program import (
-    Copy,
-    Message,
-    ProgramError,
-    ProgramTensor,
-    program_from_objects,
-)
+from refitd.plan.program import Copy, Message, ProgramError, ProgramTensor, program_from_objects
+from refitd.slot_protocol import ExecReport
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refitd.agent.mapped import MappedResolver
 from refitd.memory.arena import SharedTensorArena
 from refitd.memory.errors import StorageMovedError
 from refitd.memory.mapping import MemoryMapper
+from refitd.transfer.mapped import MappedResolver
 
 
 @pytest.mark.parametrize("count", [1, 63, 192])

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
-from refitd.agent.commands import SnapshotInfo
-from refitd.agent.transfer_process import TransferProcessHandle
 from refitd.memory.arena import SharedTensorArena
+from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
+from refitd.slot_protocol import Connect, Execute, Load, SnapshotInfo
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,9 @@ def pair():
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
-    pend = [
-        h.connect(1, "127.0.0.1", store.port, h.slot, 2, "gloo", 30.0, wait=False) for h in handles
-    ]
+    pend = [h.send(Connect(1, "127.0.0.1", store.port, h.slot, 2, "gloo", 30.0)) for h in handles]
     for p in pend:
-        p.result(40.0)
+        p.result()
     yield handles
     for h in handles:
         h.close()
@@ -53,13 +51,14 @@ def _setup(handles, arena, cap: int, digest_seed: int):
     replies = {}
     for h in handles:
         prog = plan.program(h.slot)
-        replies[h.slot] = h.load(
+        load = Load(
             plan.digest,
             encode_program(prog),
             {i: mem[f"t{i}"].to_bytes() for i in prog.tensors},
-            snapshot=list(range(len(src))),
+            snapshot=tuple(range(len(src))),
             snapshot_bytes=cap,
         )
+        replies[h.slot] = h.send(load).result()
     return src, dst, tensors, plan, replies
 
 
@@ -67,18 +66,18 @@ def _refit_overwriting_after_release(handles, src, tensors, plan, refit_id: int,
     """Start the source slot alone; on its release overwrite the sources with `seed`'s
     weights, then start the destination slot. Returns the source slot's report."""
     released = threading.Event()
-    p0 = handles[0].start_execute(plan.digest, refit_id, refit_id, 60.0)
+    p0 = handles[0].send(Execute(plan.digest, refit_id, refit_id, 60.0))
     got: dict = {}
 
     def wait0() -> None:
-        got["r"] = p0.result(70.0, lambda m: released.set())
+        got["r"] = p0.result(lambda m: released.set())
 
     t = threading.Thread(target=wait0)
     t.start()
     assert released.wait(30), "the source slot did not release before its peer started"
     for dst_t, v in zip(tensors, fill_sources(src, globals_for(seed)), strict=False):
         dst_t.copy_(v)  # the trainer's next step writes its weights
-    r1 = handles[1].start_execute(plan.digest, refit_id, refit_id, 60.0).result(70.0)
+    r1 = handles[1].send(Execute(plan.digest, refit_id, refit_id, 60.0)).result()
     t.join(70)
     return got["r"], r1
 
@@ -112,8 +111,8 @@ def test_snapshot_over_the_cap_reads_live_memory_and_says_why(pair) -> None:
         src, dst, tensors, plan, replies = _setup(handles, arena, 256, 31)
         why = replies[0].snapshot.fallback
         assert "exceeds snapshot_bytes 256" in why, replies[0]
-        pend = [h.start_execute(plan.digest, 1, 1, 60.0) for h in handles]
-        reports = [p.result(70.0) for p in pend]
+        pend = [h.send(Execute(plan.digest, 1, 1, 60.0)) for h in handles]
+        reports = [p.result() for p in pend]
         assert reports[0].snapshot == SnapshotInfo(0, why)
         g = globals_for(31)
         for i, d in enumerate(dst):

@@ -7,11 +7,11 @@ import pytest
 import torch
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
-from refitd.agent import snapshot as snapshot_mod
-from refitd.agent.executor import DirectResolver, Executor
-from refitd.agent.segments import ResolvedTensor
-from refitd.agent.snapshot import SnapshotResolver, prepare_snapshot
+from refitd.executor.run import DirectResolver, Executor
+from refitd.executor.segments import ResolvedTensor
 from refitd.plan.planner import PlanConfig, build_plan
+from refitd.transfer import snapshot as snapshot_mod
+from refitd.transfer.snapshot import SnapshotResolver, prepare_snapshot
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
-from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
 from refitd.memory.arena import SharedTensorArena
+from refitd.node.process_handle import TransferProcessError, TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
+from refitd.slot_protocol import Apply, Connect, Execute, Load, Unload
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +27,10 @@ def test_staging_fills_then_apply_lands_bit_for_bit() -> None:
     arena = SharedTensorArena(prefix="refitd-test-staged")
     try:
         pending = [
-            h.connect(1, "127.0.0.1", store.port, h.slot, 2, "gloo", 20.0, wait=False)
-            for h in handles
+            h.send(Connect(1, "127.0.0.1", store.port, h.slot, 2, "gloo", 20.0)) for h in handles
         ]
         for p in pending:
-            p.result(30)
+            p.result()
         # source TP=2 on slots 0,1; destination TP=3 on slots 1,0,1 (messages and local copies)
         src, dst = make_model(2, 3, [0, 1], [1, 0, 1])
         tensors = [torch.zeros(s.local_shape, dtype=getattr(torch, s.dtype)) for s in src + dst]
@@ -41,20 +41,21 @@ def test_staging_fills_then_apply_lands_bit_for_bit() -> None:
         def load(digest: str, program_of) -> None:
             for h in handles:
                 p = program_of(h.slot)
-                h.load(
+                load = Load(
                     digest,
                     encode_program(p),
                     {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
                     staging_bytes=2048,
                     wire_chunk=512,
-                    staged=sorted(staged & set(p.tensors)),
+                    staged=tuple(sorted(staged & set(p.tensors))),
                     model="m",
                 )
+                h.send(load).result()
 
         def refit(refit_id: int) -> None:
-            runs = [h.start_execute(plan.digest, 1, refit_id, 20.0) for h in handles]
+            runs = [h.send(Execute(plan.digest, 1, refit_id, 20.0)) for h in handles]
             for r in runs:
-                wait_execute(r, 20.0)
+                r.result()
 
         def live_dst() -> list[torch.Tensor]:
             return [t.clone() for t in tensors[len(src) :]]
@@ -69,10 +70,11 @@ def test_staging_fills_then_apply_lands_bit_for_bit() -> None:
             # Only staging was written: the live destinations hold the previous version.
             assert all(torch.equal(a, b) for a, b in zip(before, live_dst(), strict=True))
             with pytest.raises(TransferProcessError, match="staging buffers hold refit"):
-                handles[0].apply(plan.digest, refit_id + 100, 10.0)
+                handles[0].send(Apply(plan.digest, refit_id + 100, 10.0)).result()
             # A reload of the same plan (after a reconnect) keeps the filled staging.
             load(plan.digest, plan.program)
-            copied = sum(h.apply(plan.digest, refit_id, 10.0).bytes for h in handles)
+            applies = [h.send(Apply(plan.digest, refit_id, 10.0)) for h in handles]
+            copied = sum(a.result().bytes for a in applies)
             assert copied == sum(t.numel() * t.element_size() for t in tensors[len(src) :])
             for i, d in enumerate(dst):
                 assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
@@ -81,8 +83,8 @@ def test_staging_fills_then_apply_lands_bit_for_bit() -> None:
         newer = build_plan("m", 2, src, dst, PlanConfig(bucket_bytes=4096))
         assert newer.digest != plan.digest
         load(newer.digest, newer.program)
-        assert not handles[0].unload(plan.digest)
-        assert handles[0].unload(newer.digest)
+        assert not handles[0].send(Unload(plan.digest)).result().unloaded
+        assert handles[0].send(Unload(newer.digest)).result().unloaded
     finally:
         arena.close()
         for h in handles:

@@ -18,12 +18,12 @@ from _transport_layouts import (
     megatron_side,
 )
 
-from refitd.agent.commands import ExecReport
-from refitd.agent.transfer_process import TransferProcessError, TransferProcessHandle, wait_execute
 from refitd.memory.arena import SharedTensorArena
 from refitd.memory.errors import StorageMovedError
+from refitd.node.process_handle import TransferProcessError, TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
+from refitd.slot_protocol import Connect, ExecReport, Execute, Load
 
 pytestmark = pytest.mark.slow
 SLOTS = 3
@@ -46,24 +46,24 @@ def procs():
 
 def _connect(handles, store, epoch, world, timeout=20.0):
     pending = [
-        h.connect(epoch, "127.0.0.1", store.port, h.slot, world, "gloo", timeout, wait=False)
+        h.send(Connect(epoch, "127.0.0.1", store.port, h.slot, world, "gloo", timeout))
         for h in handles
     ]
     errors = []
     for p in pending:
         try:
-            p.result(timeout + 10)
+            p.result()
         except TransferProcessError as e:
             errors.append(e)
     return errors
 
 
 def _refit(handles, digest, timeout=30.0):
-    pending = [h.start_execute(digest, 1, 1, timeout) for h in handles]
+    pending = [h.send(Execute(digest, 1, 1, timeout)) for h in handles]
     out = []
     for p in pending:
         try:
-            out.append(wait_execute(p, timeout).report)
+            out.append(p.result().report)
         except (TransferProcessError, StorageMovedError) as e:
             out.append(e)
     return out
@@ -85,13 +85,14 @@ def test_refit_between_layouts_then_moved_storage_then_absent_peer(procs) -> Non
         plan = build_plan("m", 1, src, dst, PlanConfig(bucket_bytes=2048, allow_dtype_cast=True))
         for h in handles:
             p = plan.program(h.slot)
-            h.load(
+            load = Load(
                 plan.digest,
                 encode_program(p),
                 {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
                 staging_bytes=2048,
                 wire_chunk=512,
             )
+            h.send(load).result()
         for seed in (11, 12):  # the second refit replays the cached program on new weights
             g = globals_for(seed)
             for t, v in zip(tensors, fill_sources(src, g), strict=False):
@@ -161,13 +162,14 @@ def test_relay_plans_bit_for_bit(procs, case) -> None:
         mem = arena.register({f"t{i}": t for i, t in enumerate(tensors)})
         for h in handles:
             p = programs[h.slot]
-            h.load(
+            load = Load(
                 plan.digest,
                 encode_program(p),
                 {i: mem[f"t{i}"].to_bytes() for i in p.tensors},
                 staging_bytes=1024,
                 wire_chunk=256,
             )
+            h.send(load).result()
         for seed in (21, 22):  # new weights each refit: a stale relay would show
             g = {name: global_tensor(name, shape, seed) for name, shape, _ in RELAY_MODEL}
             for i, s in enumerate(src):

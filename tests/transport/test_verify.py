@@ -12,19 +12,15 @@ import torch
 import torch.distributed as dist
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
-from refitd.agent.checksums import MASK, A, Checksummer, checksum, combine
-from refitd.agent.executor import (
-    DirectResolver,
-    ExecReport,
-    ExecutionError,
-    Executor,
-    ExecutorConfig,
-)
-from refitd.agent.segments import ResolvedTensor
+from refitd.executor.checksums import MASK, A, Checksummer, checksum, combine
+from refitd.executor.errors import ExecutionError
+from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
+from refitd.executor.segments import ResolvedTensor
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.wire import MXFP8, PLAIN, RAW, mxfp8_scale_shape
 from refitd.server.refit.checksums import compare_checksums
+from refitd.slot_protocol import ExecReport
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport

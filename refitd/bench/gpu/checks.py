@@ -33,22 +33,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refitd.agent.executor import DirectResolver, Executor, ExecutorConfig
-from refitd.agent.segments import ResolvedTensor
+from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
+from refitd.executor.segments import ResolvedTensor
 from refitd.memory.arena import SharedTensorArena
 from refitd.memory.handles import MemoryHandle
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.program import (
-    Message,
-    encode_program,
-    message_nbytes,
-    program_from_objects,
-)
+from refitd.plan.program import Message, encode_program, message_nbytes, program_from_objects
 from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.slot_protocol import Apply, Connect, Execute, Load, Probe
 
 if TYPE_CHECKING:
-    from refitd.agent.transfer_process import TransferProcessHandle
+    from refitd.node.process_handle import TransferProcessHandle
 
 COLS = 8192
 ROW_ALIGN = 256  # two row shards of whole 128-row FP8 tiles
@@ -276,7 +272,7 @@ def ipc_refit(
     trainer's sources are copied into the slot's snapshot (device memory where it fits)
     before the trainer is released, and the refit reads the snapshot.
     """
-    from refitd.agent.transfer_process import TransferProcessHandle
+    from refitd.node.process_handle import TransferProcessHandle
 
     model_key = ("small", small) if small else ("big", total_bytes)
     ctx = mp.get_context("spawn")
@@ -308,19 +304,19 @@ def ipc_refit(
         handles = {i: mem["trainer"][i] for i in range(len(src))}
         handles |= {len(src) + j: mem["infer"][j] for j in range(len(dst))}
         handle = TransferProcessHandle(0, device=device if device.startswith("cuda") else None)
-        handle.connect(1, "", 0, 0, 1, "local", 30.0)
-        stage = [len(src) + j for j in range(len(dst))] if staged else None
-        snap = list(range(len(src))) if snapshot else None
-        loaded = handle.load(
-            plan.digest, encode_program(program), handles, staged=stage, snapshot=snap,
-            snapshot_bytes=2 * total_bytes if snapshot else None,
-        )  # fmt: skip
+        handle.send(Connect(1, "", 0, 0, 1, "local", 30.0)).result()
+        stage = tuple(len(src) + j for j in range(len(dst))) if staged else ()
+        snap = tuple(range(len(src))) if snapshot else ()
+        load = Load(plan.digest, encode_program(program), handles, staged=stage, snapshot=snap)
+        if snapshot:
+            load = dataclasses.replace(load, snapshot_bytes=2 * total_bytes)
+        loaded = handle.send(load).result()
         nbytes = sum(math.prod(c.shape) * 2 for c in program.local)
         rw_bytes = nbytes + sum(_stored_bytes(d) for d in dst)  # BF16 read + buffers written
         ask("trainer", ("fill", 7))
-        handle.execute(plan.digest, 1, 1, timeout_s)  # warm: maps the handles
+        handle.send(Execute(plan.digest, 1, 1, timeout_s)).result()  # warm: maps the handles
         if staged:
-            handle.apply(plan.digest, 1, timeout_s)
+            handle.send(Apply(plan.digest, 1, timeout_s)).result()
         run = _Runs(handle, plan.digest, ask, staged, timeout_s)
         plain = run.timed(refits, first_id=2, verify=False)
         checked = run.timed(refits, first_id=2 + refits, verify=True) if verify else None
@@ -393,17 +389,14 @@ class _Runs:
             got: list[float] = []
             rid = first_id + k
             t0 = time.monotonic()
-            executed = self.handle.execute(
-                self.digest,
-                rid,
-                rid,
-                self.timeout_s,
-                on_sources_released=lambda g=got, t=t0: g.append(time.monotonic() - t),
-                verify=verify,
+            execute = Execute(self.digest, rid, rid, self.timeout_s, verify=verify)
+            executed = self.handle.send(execute).result(
+                lambda _, g=got, t=t0: g.append(time.monotonic() - t)
             )
             reports.append(executed.report)
             if self.staged:
-                applies.append(self.handle.apply(self.digest, rid, self.timeout_s).seconds)
+                apply = Apply(self.digest, rid, self.timeout_s)
+                applies.append(self.handle.send(apply).result().seconds)
             walls.append(time.monotonic() - t0)
             held += got
         execs = [r.seconds for r in reports]
@@ -429,20 +422,15 @@ def _memcpy_seconds(
     handle: TransferProcessHandle, nbytes: int, device: str, timeout_s: float
 ) -> float:
     """Median of 3 memcpys of nbytes (in chunks of at most 1 GiB) in the transfer process."""
-    from refitd.agent.commands import Probed
-    from refitd.agent.transfer_process import expect
-
     chunk = min(nbytes, 1 << 30)
     repeat = max(1, round(nbytes / chunk))
     dev = device if device.startswith("cuda") else "cpu"
     times = []
+    probe = Probe(timeout_s, memcpy=chunk, repeat=repeat, device=dev)
     for _ in range(3):
-        handle.probe(timeout_s, memcpy=chunk, repeat=repeat, device=dev, prepare=True).result(
-            timeout_s
-        )
-        probe = handle.probe(timeout_s, memcpy=chunk, repeat=repeat, device=dev)
-        times.append(expect(probe.result(timeout_s), Probed).seconds)
-    handle.probe(timeout_s, release=True).result(timeout_s)
+        handle.send(dataclasses.replace(probe, prepare=True)).result()
+        times.append(handle.send(probe).result().seconds)
+    handle.send(Probe(timeout_s, release=True)).result()
     return statistics.median(times) * nbytes / (chunk * repeat)
 
 

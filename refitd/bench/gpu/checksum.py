@@ -1,4 +1,4 @@
-"""GPU timing of the positional checksum (refitd.agent.checksums): the Triton kernel of
+"""GPU timing of the positional checksum (refitd.executor.checksums): the Triton kernel of
 refitd.formats.grouped against the CPU checksum bit for bit, then its bandwidth against a
 device copy, for `refitd bench gpu`."""
 
@@ -14,8 +14,8 @@ CHECKSUM_SHAPES = [(1,), (2,), (7, 2), (33, 64), (129, 257), (3, 5, 100), (4096,
 def bench_checksum(device: str = "cuda") -> list[dict]:
     """The Triton checksum (refitd.formats.grouped) vs the CPU checksum, bit for bit, on
     dtypes, shapes and strided views; then its GB/s (bytes read) on 1 GiB vs a copy, and
-    vs the torch checksum on the device (refitd.agent.checksums, blocks of int64 ops)."""
-    from refitd.agent.checksums import Checksummer, checksum
+    vs the torch checksum on the device (refitd.executor.checksums, blocks of int64 ops)."""
+    from refitd.executor.checksums import Checksummer, checksum
     from refitd.formats import grouped
 
     rows = []

@@ -249,9 +249,9 @@ def _start_controller(args: argparse.Namespace) -> tuple[Any, threading.Event, t
     """A controller in this process and its embedded node agent (a thread with the demo's
     CPU slots), as `refitd serve` runs them; returns the controller, the agent's stop
     event and its thread."""
-    from refitd.agent.node import run_node_agent
     from refitd.config import Settings
     from refitd.demo.run import DEMO_SLOTS
+    from refitd.node.agent import run_node_agent
     from refitd.server.controller import Controller
 
     data = tempfile.mkdtemp(prefix="refitd-bench-load-")

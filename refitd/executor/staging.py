@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from refitd.agent.chunks import ExecutionError
+from refitd.executor.errors import ExecutionError
 
 
 class StagingRing:

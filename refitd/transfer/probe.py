@@ -4,22 +4,25 @@ process between the same ranks (and on the same device) as the refit they are co
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from refitd.agent.commands import Ack, Probe, Probed
-from refitd.agent.slot_state import SlotState
 from refitd.memory.segments import shared_buffer
-from refitd.transport.base import TransportError
+from refitd.slot_protocol import Probe, Probed
+from refitd.transport.errors import TransportError
+
+if TYPE_CHECKING:
+    from refitd.transfer.slot import TransferSlot
 
 
-def probe(state: SlotState, cmd: Probe) -> Ack | Probed:
+def probe(state: TransferSlot, cmd: Probe) -> Probed:
     """Seconds of `repeat` sends/receives per peer (or of `repeat` memcpys). `prepare` only
     allocates (and drops other buffers); buffers live until `release`, so freeing them is
-    never timed."""
+    never timed (both answer 0.0 seconds)."""
     if cmd.release:
         state.probe_bufs.clear()
-        return Ack()
+        return Probed(0.0)
     if cmd.memcpy is not None:
         return _memcpy(state, cmd, cmd.memcpy)
     if state.transport is None:
@@ -34,7 +37,7 @@ def probe(state: SlotState, cmd: Probe) -> Ack | Probed:
         if buf is None or buf.numel() != n:
             state.probe_bufs[(kind, peer)] = _probe_buffer(n, torch.device("cpu"))
     if cmd.prepare:
-        return Ack()
+        return Probed(0.0)
     t0 = time.monotonic()
     works = []
     for k in range(max((w[3] for w in want), default=0)):
@@ -52,7 +55,7 @@ def probe(state: SlotState, cmd: Probe) -> Ack | Probed:
     return Probed(time.monotonic() - t0)
 
 
-def _memcpy(state: SlotState, cmd: Probe, n: int) -> Ack | Probed:
+def _memcpy(state: TransferSlot, cmd: Probe, n: int) -> Probed:
     dev = torch.device(cmd.device)
     if cmd.prepare:
         state.probe_bufs = {k: v for k, v in state.probe_bufs.items() if k[0] == "m"}
@@ -62,7 +65,7 @@ def _memcpy(state: SlotState, cmd: Probe, n: int) -> Ack | Probed:
         state.probe_bufs[("m", 1)] = _probe_buffer(n, dev)
     b = state.probe_bufs[("m", 1)]
     if cmd.prepare:
-        return Ack()
+        return Probed(0.0)
     t0 = time.monotonic()
     for _ in range(cmd.repeat):
         b.copy_(a)

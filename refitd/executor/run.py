@@ -40,48 +40,21 @@ from dataclasses import dataclass
 
 import torch
 
-from refitd.agent.chunks import (
-    DIRECT_MIN,
-    TAG_CHUNK_BITS,
-    WIRE_CHUNK,
-    Chunk,
-    CopyInfo,
-    ExecutionError,
-    chunk_messages,
-    flat_range_views,
-)
-from refitd.agent.execution import ExecReport, MessageStat, RefitExecution
-from refitd.agent.preparation import (
-    GROUPED_ENV,
+from refitd.executor.chunks import DIRECT_MIN, WIRE_CHUNK, CopyInfo
+from refitd.executor.errors import ExecutionError
+from refitd.executor.execution import RefitExecution
+from refitd.executor.prepare import (
     PreparedProgram,
     TensorResolver,
     resolve_tensors,
     touched_indices,
 )
-from refitd.agent.segments import ResolvedTensor
-from refitd.agent.slotdata import SlotData
+from refitd.executor.segments import ResolvedTensor
+from refitd.executor.views import SlotViews
 from refitd.memory.errors import StorageMovedError
 from refitd.plan.program import SlotProgram
+from refitd.slot_protocol import DEFAULTS, ExecReport
 from refitd.transport.base import Transport
-
-DEFAULT_STAGING_BYTES = 256 << 20
-
-__all__ = [
-    "DEFAULT_STAGING_BYTES",
-    "GROUPED_ENV",
-    "TAG_CHUNK_BITS",
-    "WIRE_CHUNK",
-    "Chunk",
-    "DirectResolver",
-    "ExecReport",
-    "ExecutionError",
-    "Executor",
-    "ExecutorConfig",
-    "MessageStat",
-    "TensorResolver",
-    "chunk_messages",
-    "flat_range_views",
-]
 
 
 class DirectResolver:
@@ -112,7 +85,7 @@ class DirectResolver:
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    staging_bytes: int = DEFAULT_STAGING_BYTES
+    staging_bytes: int = DEFAULTS.staging_bytes
     wire_chunk: int = WIRE_CHUNK
     staged_chunk: int | None = None  # chunk of segments that go through staging
     direct_min: int = DIRECT_MIN  # a contiguous raw copy this large gets its own chunks
@@ -140,7 +113,7 @@ class Executor:
         tensors = resolve_tensors(program, resolver, self._index_list)
         first = next(iter(tensors.values()), None)
         self.device = device or (first.data.device if first else torch.device("cpu"))
-        self.data = SlotData(program, self.info, tensors)
+        self.data = SlotViews(program, self.info, tensors)
         self.prepared = PreparedProgram(
             program,
             self.info,

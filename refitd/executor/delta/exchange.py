@@ -36,8 +36,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from refitd.agent.checksums import Checksummer, combine
-from refitd.agent.segments import ResolvedTensor, block
+from refitd.executor.checksums import Checksummer, combine
+from refitd.executor.chunks import TAG_CHUNK_BITS
+from refitd.executor.segments import ResolvedTensor, block
 from refitd.formats.delta import (
     ByteSink,
     DeltaStats,
@@ -63,7 +64,6 @@ HEADER = 16
 SAMPLE_MIN_BYTES = 8 << 20
 SAMPLE_STRIDE = 16
 SAMPLE_MARGIN = 1.25
-TAG_CHUNK_BITS = 12
 
 
 class DeltaExchangeError(RuntimeError):
@@ -304,7 +304,7 @@ def _wait_all(works: Sequence[tuple[Work, str]], deadline: float) -> None:
             raise DeltaExchangeError(f"{what}: {e}") from e
 
 
-def run_delta(
+def exchange_deltas(
     transport: Transport,
     sends: Sequence[DeltaMessage],
     recvs: Sequence[DeltaMessage],

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from refitd.agent.checksums import Checksummer, combine
-from refitd.agent.chunks import Chunk, CopyInfo, ExecutionError, flat_range_views
-from refitd.agent.segments import ResolvedTensor, block, decode_segment, encode_segment
+from refitd.executor.checksums import Checksummer, combine
+from refitd.executor.chunks import Chunk, CopyInfo, flat_range_views
+from refitd.executor.errors import ExecutionError
+from refitd.executor.segments import ResolvedTensor, block, decode_segment, encode_segment
 from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
 from refitd.plan.wire import PLAIN
 from refitd.torch_dtypes import torch_dtype
@@ -83,7 +84,7 @@ def _run_view(views: list[torch.Tensor], nbytes: int) -> torch.Tensor | None:
     return out.set_(storage, views[0].data_ptr() - storage.data_ptr(), (nbytes,))
 
 
-class SlotData:
+class SlotViews:
     """Regions of one slot program over resolved tensors (see the module docstring)."""
 
     def __init__(

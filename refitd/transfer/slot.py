@@ -1,9 +1,9 @@
-"""What a transfer process holds between commands, and the handlers of the quick ones.
+"""What a transfer process holds between commands, and the method answering each command.
 
-`SlotState` keeps the communicator, the memory mapper, and per plan digest the loaded
+`TransferSlot` keeps the communicator, the memory mapper, and per plan digest the loaded
 program, its mappings and staging buffers, its snapshot, its delta base and its prepared
-executor (`LoadedPlan`). connect, load, apply, unload and abort are answered here; execute
-runs in its own thread (refit_command.py), probe in probe.py.
+executor (`LoadedPlan`). Its methods are the handlers the slot protocol's table names;
+execute (run by the command loop on its own thread) is in execute.py, probe in probe.py.
 """
 
 from __future__ import annotations
@@ -11,29 +11,43 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from refitd.agent.commands import Applied, Apply, Connect, Load, Loaded, Response
-from refitd.agent.executor import (
-    DEFAULT_STAGING_BYTES,
-    WIRE_CHUNK,
-    ExecutionError,
-    Executor,
-    ExecutorConfig,
-)
-from refitd.agent.mapped import MappedResolver
-from refitd.agent.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
+from refitd.executor.chunks import WIRE_CHUNK
+from refitd.executor.errors import ExecutionError
+from refitd.executor.run import Executor, ExecutorConfig
 from refitd.memory.handles import MemoryHandle
 from refitd.memory.mapping import MemoryMapper
 from refitd.plan.program import STORAGES, ProgramError, SlotProgram, decode_program
+from refitd.slot_protocol import (
+    Abort,
+    Ack,
+    Applied,
+    Apply,
+    Close,
+    Connect,
+    Connected,
+    Execute,
+    Executed,
+    Load,
+    Loaded,
+    Ping,
+    Pong,
+    Probe,
+    Probed,
+    Unload,
+    Unloaded,
+)
+from refitd.transfer.execute import execute_refit
+from refitd.transfer.mapped import MappedResolver
+from refitd.transfer.probe import probe
+from refitd.transfer.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
 from refitd.transport.base import ConnectInfo, Transport
 from refitd.transport.factory import create_transport
-
-DEFAULT_SNAPSHOT_BYTES = 2 << 30
 
 
 @dataclass
@@ -50,28 +64,25 @@ class LoadedPlan:
     snapshot_request: tuple[tuple[int, ...], int] = ((), 0)  # (tensors asked, cap) at load
 
 
-class SlotState:
+class TransferSlot:
     """Everything a transfer process holds between commands."""
 
-    def __init__(self, conn: Connection, slot: int | None = None) -> None:
-        self.conn = conn
+    def __init__(self, slot: int | None = None) -> None:
         self.slot = slot
-        self.send_lock = threading.Lock()
         self.mapper = MemoryMapper()
         self.transport: Transport | None = None
         self.slot_ranks: dict[int, int] | None = None
         self.loaded: dict[str, LoadedPlan] = {}
-        self.abort = threading.Event()
+        self.aborting = threading.Event()  # set by abort: the running refit stops
         self.running: threading.Thread | None = None
         self.busy = threading.Event()
-        self.aborted: dict[int, None] = {}  # refit ids aborted (latest 64), even before execute
         self.probe_bufs: dict[tuple[str, int], torch.Tensor] = {}
+        self.closed = False
 
-    def reply(self, msg: Response) -> None:
-        with self.send_lock:
-            self.conn.send(msg)
+    def ping(self, cmd: Ping) -> Pong:
+        return Pong(self.slot)
 
-    def connect(self, cmd: Connect) -> None:
+    def connect(self, cmd: Connect) -> Connected:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -93,6 +104,7 @@ class SlotState:
         )
         self.transport = transport
         self.slot_ranks = cmd.slot_ranks
+        return Connected()
 
     def load(self, cmd: Load) -> Loaded:
         try:
@@ -102,12 +114,11 @@ class SlotState:
         if program.digest != cmd.digest:
             raise ExecutionError(f"program digest {program.digest!r} != {cmd.digest!r}")
         # The program lists tensors of other slots too; only this slot's are staged here.
-        table = program.table  # the tensors held on this slot
-        mine = set(table.index.tolist())
+        mine = set(program.table.index.tolist())  # the tensors held on this slot
         staged = frozenset(i for i in map(int, cmd.staged) if i in mine)
         raw = {int(i): b for i, b in cmd.handles.items()}
         wanted = tuple(sorted(int(i) for i in cmd.snapshot))
-        cap = DEFAULT_SNAPSHOT_BYTES if cmd.snapshot_bytes is None else int(cmd.snapshot_bytes)
+        cap = int(cmd.snapshot_bytes)
         old = self.loaded.get(cmd.digest)
         if (
             old is not None
@@ -119,13 +130,31 @@ class SlotState:
             # filled staging is what a retried apply copies).
             old.executor = None
             return Loaded()
-        model = cmd.model
         if staged:
             # A newer plan of the model (a new membership epoch: the old digest never runs
             # again) replaces the staging buffers of the older ones, which are freed first.
             for digest, entry in list(self.loaded.items()):
-                if entry.model == model and entry.resolver.staged:
+                if entry.model == cmd.model and entry.resolver.staged:
                     del self.loaded[digest]
+        entry = self._prepare(cmd, program, staged, raw, (wanted, cap))
+        for other in list(self.loaded.values()):
+            # a newer plan of the same layout (a new epoch) keeps the sender's delta base
+            if other.model == cmd.model and other.delta is not None and _same_sends(other, program):
+                entry.delta = (None, other.delta[1])
+                other.delta = None
+        self.loaded[cmd.digest] = entry
+        return Loaded(None if entry.snapshot is None else entry.snapshot.info())
+
+    def _prepare(
+        self,
+        cmd: Load,
+        program: SlotProgram,
+        staged: frozenset[int],
+        raw: dict[int, bytes],
+        snapshot_request: tuple[tuple[int, ...], int],
+    ) -> LoadedPlan:
+        """A newly loaded plan: its tensors mapped, staging buffers and snapshot made."""
+        table = program.table
         handles = {i: MemoryHandle.from_bytes(b) for i, b in raw.items()}
         storages = dict(
             zip(
@@ -137,27 +166,23 @@ class SlotState:
         resolver = MappedResolver(self.mapper, handles, storages, staged)
         resolver.stage()
         config = ExecutorConfig(
-            staging_bytes=cmd.staging_bytes or DEFAULT_STAGING_BYTES,
+            staging_bytes=cmd.staging_bytes,
             wire_chunk=cmd.wire_chunk or WIRE_CHUNK,
             staged_chunk=cmd.staged_chunk,
         )
-        snapshot = prepare_snapshot(program, resolver, wanted, cap) if wanted else None
-        entry = LoadedPlan(
+        wanted, cap = snapshot_request
+        return LoadedPlan(
             program,
             resolver,
             config,
             source=(cmd.program, raw),
-            model=model,
-            snapshot=snapshot,
-            snapshot_request=(wanted, cap),
+            model=cmd.model,
+            snapshot=prepare_snapshot(program, resolver, wanted, cap) if wanted else None,
+            snapshot_request=snapshot_request,
         )
-        for other in list(self.loaded.values()):
-            # a newer plan of the same layout (a new epoch) keeps the sender's delta base
-            if other.model == model and other.delta is not None and _same_sends(other, program):
-                entry.delta = (None, other.delta[1])
-                other.delta = None
-        self.loaded[cmd.digest] = entry
-        return Loaded(None if snapshot is None else snapshot.info())
+
+    def unload(self, cmd: Unload) -> Unloaded:
+        return Unloaded(self.loaded.pop(cmd.digest, None) is not None)
 
     def apply(self, cmd: Apply) -> Applied:
         """Copy the staging buffers of a loaded plan into live memory (a staged pool is
@@ -182,6 +207,13 @@ class SlotState:
                 torch.cuda.synchronize(dev)
         return Applied(n, time.monotonic() - t0)
 
+    def execute(self, cmd: Execute, released: Callable[[], None]) -> Executed:
+        """One refit (on the command loop's refit thread); `released` sends SourcesReleased."""
+        return execute_refit(self, cmd, released)
+
+    def probe(self, cmd: Probe) -> Probed:
+        return probe(self, cmd)
+
     def executor(self, digest: str) -> Executor:
         entry = self.loaded.get(digest)
         if entry is None:
@@ -204,31 +236,31 @@ class SlotState:
             )
         return entry.executor
 
-    def abort_refit(self, refit_id: int) -> None:
-        """Stop the running execute; with a refit id, also any later execute of that refit.
+    def abort(self, cmd: Abort) -> Ack:
+        """Stop the running execute (the node agent refuses later executes of the refit).
 
         A running execute may be blocked in a transfer wait on a dead peer: the communicator
         is closed to unblock it (the controller reconnects every slot after an abort)."""
-        if refit_id:
-            self.aborted[refit_id] = None
-            while len(self.aborted) > 64:
-                del self.aborted[next(iter(self.aborted))]
-        self.abort.set()
+        self.aborting.set()
         if self.busy.is_set() and self.transport is not None:
             transport, self.transport = self.transport, None
             for entry in self.loaded.values():
                 entry.executor = None
             with contextlib.suppress(Exception):
                 transport.close()
+        return Ack()
 
-    def close(self) -> None:
-        self.abort.set()
+    def close(self, cmd: Close) -> Ack:
+        """Stop a running refit, drop every plan and mapping; the command loop then ends."""
+        self.aborting.set()
         if self.running is not None:
             self.running.join(5)
         if self.transport is not None:
             self.transport.close()
         self.loaded.clear()
         self.mapper.close()
+        self.closed = True
+        return Ack()
 
 
 def _same_sends(old: LoadedPlan, program: SlotProgram) -> bool:

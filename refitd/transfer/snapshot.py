@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refitd.agent.commands import SnapshotInfo
-from refitd.agent.executor import TensorResolver
-from refitd.agent.segments import ResolvedTensor
+from refitd.executor.prepare import TensorResolver
+from refitd.executor.segments import ResolvedTensor
 from refitd.memory.segments import shared_buffer
 from refitd.plan.program import SlotProgram
 from refitd.plan.wire import PLAIN
+from refitd.slot_protocol import SnapshotInfo
 
 ALIGN = 64  # ranges start on this boundary in source and buffer: element alignment is kept
 MERGE_GAP = 4 << 10  # bytes between two extents of one storage copied rather than split

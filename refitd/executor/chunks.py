@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from refitd.agent.errors import ExecutionError
+from refitd.executor.errors import ExecutionError
 from refitd.plan.program import (
     DTYPES,
     FLAG_LANDS_DIRECT,

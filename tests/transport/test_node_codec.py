@@ -1,5 +1,6 @@
 """The node agent's proto boundary: controller commands become typed slot commands and back,
-malformed ones are refused naming the field, and typed replies become report protos."""
+malformed ones are refused naming the field, and typed reports become report protos; the
+slot protocol's table covers every command once on every side."""
 
 from __future__ import annotations
 
@@ -9,27 +10,37 @@ from collections.abc import Callable
 import pytest
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.agent.commands import (
+from refitd.node.codec import (
+    CommandError,
+    SlotContext,
+    command_proto,
+    decode,
+    report_proto,
+    target_slots,
+)
+from refitd.slot_protocol import (
+    VERBS,
+    WIRE_VERBS,
     Applied,
+    Apply,
     Connect,
+    Connected,
     DeltaResult,
     ExecReport,
     Execute,
     Executed,
+    Failed,
     Load,
-    Request,
+    Loaded,
+    SlotCommand,
+    SlotOptions,
     SnapshotInfo,
-)
-from refitd.agent.proto_codec import (
-    CommandError,
-    SlotContext,
-    command_proto,
-    outcome_of,
-    report_proto,
-    slot_command,
+    SourcesReleased,
 )
 
-CTX = SlotContext(slot=3, data_plane_address="10.0.0.7", connect_timeout_s=11.0)
+CTX = SlotContext(
+    slot=3, data_plane_address="10.0.0.7", options=SlotOptions(connect_timeout_s=11.0)
+)
 
 
 def _commands() -> list[pb.AgentCommand]:
@@ -78,36 +89,44 @@ def _commands() -> list[pb.AgentCommand]:
                 ],
             ),
         ),
-        pb.AgentCommand(command_id=4, apply=pb.ApplyCommand(digest="abc", slots=[3], refit_id=70)),
+        pb.AgentCommand(
+            command_id=4,
+            apply=pb.ApplyCommand(digest="abc", slots=[3], refit_id=70, timeout_s=12.0),
+        ),
+        pb.AgentCommand(command_id=5, abort=pb.AbortCommand(refit_id=70)),
     ]
 
 
 @pytest.mark.parametrize("cmd", _commands(), ids=lambda c: c.WhichOneof("command"))
-def test_slot_command_round_trips_through_the_typed_command(cmd: pb.AgentCommand) -> None:
-    typed = slot_command(cmd, CTX)
-    back = command_proto(typed, CTX, cmd.command_id)
+def test_a_command_round_trips_through_the_typed_command(cmd: pb.AgentCommand) -> None:
+    typed = decode(cmd, CTX)
+    back = command_proto(typed, CTX.slot, cmd.command_id)
     assert back == cmd, (typed, back)
     # what goes down the pipe to the transfer process
-    assert pickle.loads(pickle.dumps(Request(1, typed))) == Request(1, typed)
+    assert pickle.loads(pickle.dumps((1, typed))) == (1, typed)
 
 
-def test_slot_command_takes_this_slot_s_rank_delta_and_the_agent_s_defaults() -> None:
-    connect, load, execute, _ = (slot_command(c, CTX) for c in _commands())
+def test_a_command_takes_this_slot_s_rank_delta_and_the_agent_s_defaults() -> None:
+    connect, load, execute, apply, _ = (decode(c, CTX) for c in _commands())
     assert isinstance(connect, Connect)
     assert (connect.rank, connect.slot_ranks) == (1, {3: 1, 8: 0})
     assert connect.data_plane_address == "10.0.0.7"
     assert isinstance(load, Load)
     assert (load.staged, load.snapshot) == ((5,), (6,))
-    assert load.staging_bytes == CTX.staging_bytes
+    assert (load.staging_bytes, load.snapshot_bytes) == (
+        CTX.options.staging_bytes,
+        CTX.options.snapshot_bytes,
+    )
+    assert isinstance(apply, Apply) and apply.timeout_s == 12.0
     assert isinstance(execute, Execute) and execute.delta is not None
     assert (execute.delta.send, execute.delta.recv, execute.delta.promote) == ((1, 2), (9,), 6)
     other = pb.AgentCommand()
     other.CopyFrom(_commands()[2])
     other.execute.delta[0].slot = 4  # another slot's delta: this slot runs all dense
     other.execute.timeout_s = 0.0  # unset: the agent's default
-    typed = slot_command(other, CTX)
+    typed = decode(other, CTX)
     assert isinstance(typed, Execute)
-    assert typed.delta is None and typed.timeout_s == CTX.transfer_timeout_s
+    assert typed.delta is None and typed.timeout_s == CTX.options.transfer_timeout_s
 
 
 @pytest.mark.parametrize(
@@ -138,15 +157,41 @@ def test_a_malformed_command_is_refused_naming_the_field(
     cmd = next(c for c in _commands() if c.WhichOneof("command") == kind)
     edit(cmd)
     with pytest.raises(CommandError, match=rf"field {field}\b"):
-        slot_command(cmd, CTX)
+        decode(cmd, CTX)
 
 
-def test_abort_is_not_a_slot_command() -> None:
-    with pytest.raises(CommandError, match="field command"):
-        slot_command(pb.AgentCommand(command_id=9, abort=pb.AbortCommand(refit_id=1)), CTX)
+def test_a_command_without_a_known_field_is_refused() -> None:
+    with pytest.raises(CommandError, match="field command is None"):
+        decode(pb.AgentCommand(command_id=9), CTX)
 
 
-def test_typed_replies_become_the_report_proto() -> None:
+def test_each_command_names_its_slots() -> None:
+    connect, load, execute, apply, abort = _commands()
+    held = {3, 4}
+    assert target_slots(connect, held) == [3]  # slot 8 of the communicator is elsewhere
+    assert target_slots(load, held) == [3]
+    execute.execute.slots.append(5)  # a slot not held here is named (and reported failed)
+    assert target_slots(execute, held) == [3, 5]
+    assert target_slots(apply, held) == [3]
+    assert target_slots(abort, held) == [3, 4]
+
+
+def test_the_table_covers_every_command_on_every_side() -> None:
+    """Every typed command has one verb; the controller's commands are decoded and encoded
+    by the codec; the transfer slot answers every verb with the method the table names."""
+    from refitd.node.codec import _CONVERSIONS
+    from refitd.transfer.slot import TransferSlot
+
+    # (a slots dataclass is a new class: its first draft stays listed as a subclass too)
+    commands = {c.__name__ for c in SlotCommand.__subclasses__()}
+    assert {c.__name__ for c in VERBS} == commands
+    assert set(_CONVERSIONS) == {v.command for v in VERBS.values() if v.wire}
+    oneof = pb.AgentCommand.DESCRIPTOR.oneofs_by_name["command"]
+    assert set(WIRE_VERBS) == {f.name for f in oneof.fields}
+    assert all(callable(getattr(TransferSlot, v.handler, None)) for v in VERBS.values())
+
+
+def test_typed_reports_become_the_report_proto() -> None:
     report = ExecReport(slot=3, seconds=0.5, local_bytes=10, sent_bytes=300, recv_bytes=200)
     report.checksums = {"send": {4: 11}, "recv": {5: 12}}
     delta = DeltaResult(
@@ -163,7 +208,7 @@ def test_typed_replies_become_the_report_proto() -> None:
         recv_bytes=0,
     )
     executed = Executed(report, 7, 70, delta=delta, snapshot=SnapshotInfo(1024, ""))
-    got = report_proto("agent-1", 3, 33, 70, outcome_of(executed, pb.REPORT_KIND_DONE, 9.0))
+    got = report_proto("agent-1", 3, 33, 70, executed, 9.0)
     want = pb.AgentReport(
         agent_id="agent-1",
         slot=3,
@@ -193,7 +238,17 @@ def test_typed_replies_become_the_report_proto() -> None:
         snapshot_bytes=1024,
     )
     assert got == want
-    applied = outcome_of(Applied(bytes=512, seconds=0.25), pb.REPORT_KIND_DONE, 9.0)
-    assert (applied.bytes_local, applied.seconds) == (512, 0.25)
-    connected = outcome_of(None, pb.REPORT_KIND_CONNECTED, 1.5)
+    applied = report_proto("a", 3, 34, 0, Applied(bytes=512, seconds=0.25), 9.0)
+    assert (applied.kind, applied.bytes_local, applied.seconds) == (pb.REPORT_KIND_DONE, 512, 0.25)
+    connected = report_proto("a", 3, 35, 0, Connected(), 1.5)
     assert (connected.kind, connected.seconds) == (pb.REPORT_KIND_CONNECTED, 1.5)
+    loaded = report_proto("a", 3, 36, 0, Loaded(SnapshotInfo(64, "")), 2.5)
+    assert (loaded.kind, loaded.seconds, loaded.snapshot_bytes) == (pb.REPORT_KIND_LOADED, 2.5, 0)
+    released = report_proto("a", 3, 33, 70, SourcesReleased(t=1.0), 0.0)
+    assert (released.kind, released.refit_id) == (pb.REPORT_KIND_SOURCES_RELEASED, 70)
+    failed = report_proto("a", 3, 37, 0, Failed("ExecutionError", "slot 3: boom"), 0.5)
+    assert (failed.kind, failed.message, failed.seconds) == (
+        pb.REPORT_KIND_FAILED,
+        "slot 3: boom",
+        0.5,
+    )

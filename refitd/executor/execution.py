@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refitd.agent.chunks import Chunk, ExecutionError
-from refitd.agent.commands import ExecReport, MessageStat
-from refitd.agent.preparation import PreparedProgram
-from refitd.agent.slotdata import LocalStep
+from refitd.executor.chunks import Chunk
+from refitd.executor.errors import ExecutionError
+from refitd.executor.prepare import PreparedProgram
+from refitd.executor.views import LocalStep
 from refitd.plan.program import MessageColumns
+from refitd.slot_protocol import ExecReport, MessageStat
 from refitd.transport.base import DoneWork, P2POp, Transport, Work
 
 _SKIPPED = torch.empty(0, dtype=torch.uint8)  # marks a receive chunk of a skipped message

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from refitd.agent.delta_exchange import DeltaMessage
-from refitd.agent.segments import ResolvedTensor, block, decode_segment, encode_segment
+from refitd.executor.delta.exchange import DeltaMessage
+from refitd.executor.segments import ResolvedTensor, block, decode_segment, encode_segment
 from refitd.plan.program import DTYPES
 from refitd.plan.wire import segment_nbytes
 from refitd.torch_dtypes import torch_dtype

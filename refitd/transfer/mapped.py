@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from refitd.agent.chunks import ExecutionError
-from refitd.agent.segments import ResolvedTensor
+from refitd.executor.errors import ExecutionError
+from refitd.executor.segments import ResolvedTensor
 from refitd.memory.handles import MemoryHandle
 from refitd.memory.mapping import LivenessCheck, MemoryMapper, check_live_words, liveness_check
 from refitd.plan.wire import PLAIN

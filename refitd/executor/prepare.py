@@ -18,10 +18,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from refitd.agent.chunks import Chunk, CopyInfo, ExecutionError, chunk_messages
-from refitd.agent.segments import ResolvedTensor
-from refitd.agent.slotdata import LocalStep, SlotData
-from refitd.agent.staging import StagingRing
+from refitd.executor.chunks import Chunk, CopyInfo, chunk_messages
+from refitd.executor.errors import ExecutionError
+from refitd.executor.segments import ResolvedTensor
+from refitd.executor.staging import StagingRing
+from refitd.executor.views import LocalStep, SlotViews
 from refitd.plan.program import SlotProgram
 from refitd.plan.wire import PLAIN
 from refitd.torch_dtypes import torch_dtype
@@ -90,7 +91,7 @@ class PreparedProgram:
         self,
         program: SlotProgram,
         info: CopyInfo,
-        data: SlotData,
+        data: SlotViews,
         device: torch.device,
         staging_bytes: int,
         wire_chunk: int,
@@ -206,7 +207,7 @@ class PreparedProgram:
         return feed
 
     def _local_plan(self, rows: list[int]) -> LocalStep:
-        """The local copies as a ready-to-run step (SlotData.local_plan); on CUDA with
+        """The local copies as a ready-to-run step (SlotViews.local_plan); on CUDA with
         triton the grouped kernels take every copy they can (REFITD_GROUPED_LANDING=0: off)."""
         grouped = None
         if rows and self.device.type == "cuda" and os.environ.get(GROUPED_ENV, "1") != "0":

@@ -1,61 +1,30 @@
-"""The execute command of a transfer process: one refit of a loaded plan, in its own thread.
+"""The execute command of a transfer process: one refit of a loaded plan.
 
-The snapshot (if the slot takes one) is captured first and the trainer released; the delta
-path (refitd.agent.delta_exchange) moves its messages next; the executor runs the rest. The
-reply is one `Executed`, preceded by a `SourcesReleased` event.
+The command loop runs it on its own thread (refitd.transfer.main). The snapshot (if the slot
+takes one) is captured first and the trainer released; the delta path
+(refitd.executor.delta.exchange) moves its messages next; the executor runs the rest. The
+report is one `Executed`, preceded by the `SourcesReleased` event (`released`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from refitd.agent.commands import (
-    DeltaPlan,
-    DeltaResult,
-    Execute,
-    Executed,
-    Failed,
-    Reply,
-    Response,
-    SourcesReleased,
-)
-from refitd.agent.executor import ExecutionError, Executor
-from refitd.agent.slot_state import LoadedPlan, SlotState
+from refitd.executor.errors import ExecutionError
+from refitd.executor.run import Executor
+from refitd.slot_protocol import DeltaPlan, DeltaResult, Execute, Executed
+
+if TYPE_CHECKING:
+    from refitd.transfer.slot import LoadedPlan, TransferSlot
 
 
-def start_execute(state: SlotState, rid: int, cmd: Execute) -> None:
-    """Answer `cmd` from a new thread (the command loop stays free for abort)."""
-    if cmd.refit_id in state.aborted:
-        state.reply(Response(rid, Failed.of(ExecutionError(f"refit {cmd.refit_id} was aborted"))))
-        return
-    state.abort.clear()
-
-    def released() -> None:
-        state.reply(Response(rid, SourcesReleased(time.time())))
-
+def execute_refit(state: TransferSlot, cmd: Execute, released: Callable[[], None]) -> Executed:
+    """One refit of the loaded plan `cmd.digest`; raises on failure."""
     entry = state.loaded.get(cmd.digest)
     if entry is not None:
         entry.filled = None  # the staging is being overwritten
-
-    def body() -> None:
-        reply: Reply
-        try:
-            reply = _execute(state, cmd, entry, released)
-        except BaseException as e:
-            reply = Failed.of(e)
-        state.busy.clear()
-        state.reply(Response(rid, reply))
-
-    state.busy.set()
-    state.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
-    state.running.start()
-
-
-def _execute(
-    state: SlotState, cmd: Execute, entry: LoadedPlan | None, released: Callable[[], None]
-) -> Executed:
     t0 = time.monotonic()
     snap = entry.snapshot if entry is not None else None
     on_released: Callable[[], None] | None = released
@@ -72,10 +41,10 @@ def _execute(
     delta = None
     sums: tuple[dict[int, int], dict[int, int]] = ({}, {})
     if cmd.delta is not None and entry is not None:  # reads the snapshot when there is one
-        delta, sums = run_delta(state, entry, ex, cmd.delta, cmd)
+        delta, sums = _delta_path(state, entry, ex, cmd.delta, cmd)
         skip = frozenset(cmd.delta.send) | frozenset(cmd.delta.recv)
-    report = ex.run(cmd.timeout_s, on_released, state.abort, verify=cmd.verify, skip=skip)
-    if entry is not None and not state.abort.is_set():
+    report = ex.run(cmd.timeout_s, on_released, state.aborting, verify=cmd.verify, skip=skip)
+    if entry is not None and not state.aborting.is_set():
         entry.filled = cmd.refit_id
     if delta is not None:
         report.sent_bytes += delta.wire_bytes
@@ -95,15 +64,14 @@ def _execute(
     )
 
 
-def run_delta(
-    state: SlotState, entry: LoadedPlan, ex: Executor, plan: DeltaPlan, cmd: Execute
+def _delta_path(
+    state: TransferSlot, entry: LoadedPlan, ex: Executor, plan: DeltaPlan, cmd: Execute
 ) -> tuple[DeltaResult, tuple[dict[int, int], dict[int, int]]]:
     """This slot's messages of the delta path, before the executor runs the others: promote
     the base the controller reports committed, then exchange; returns what the controller
     records and the (send, recv) checksums of those messages (with verify)."""
-    from refitd.agent.delta_access import ProgramAccess
-    from refitd.agent.delta_exchange import DeltaBase
-    from refitd.agent.delta_exchange import run_delta as exchange
+    from refitd.executor.delta.access import ProgramAccess
+    from refitd.executor.delta.exchange import DeltaBase, exchange_deltas
 
     if state.transport is None:
         raise ExecutionError("delta refit: no connected transport")
@@ -117,7 +85,7 @@ def run_delta(
     access, base = entry.delta
     promoted = base.promote(plan.promote, access) if plan.promote >= 0 else False
     t0 = time.monotonic()
-    rep = exchange(
+    rep = exchange_deltas(
         state.transport,
         access.messages("send", list(plan.send)),
         access.messages("recv", list(plan.recv)),

@@ -29,7 +29,7 @@ class DataPlaneError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class DataPlane:
+class DataPlaneAddress:
     """Where this agent's transfer processes listen, and how that was decided."""
 
     address: str
@@ -86,14 +86,14 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def _pick(iface: str, addr: str, gloo_if: str, host: str, port: int) -> DataPlane:
+def _pick(iface: str, addr: str, gloo_if: str, host: str, port: int) -> DataPlaneAddress:
     if iface:
-        return DataPlane(interface_address(iface), iface, "interface")
+        return DataPlaneAddress(interface_address(iface), iface, "interface")
     if addr:
-        return DataPlane(resolve(addr), "", "address")
+        return DataPlaneAddress(resolve(addr), "", "address")
     if gloo_if:
-        return DataPlane(interface_address(gloo_if), gloo_if, "GLOO_SOCKET_IFNAME")
-    return DataPlane(route_address(host, port), "", "route")
+        return DataPlaneAddress(interface_address(gloo_if), gloo_if, "GLOO_SOCKET_IFNAME")
+    return DataPlaneAddress(route_address(host, port), "", "route")
 
 
 def choose_data_plane(
@@ -101,7 +101,7 @@ def choose_data_plane(
     controller: str,
     env: dict[str, str] | None = None,
     reached_as: str = "",
-) -> DataPlane:
+) -> DataPlaneAddress:
     """The agent's data plane per the module docstring; refuses a loopback one when the
     controller (`controller`, HOST:PORT) is on another host (`reached_as` words that case
     for the error, e.g. for the embedded agent of an advertised controller)."""

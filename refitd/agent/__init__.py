@@ -1,1 +1,0 @@
-"""refitd.agent"""

@@ -1,0 +1,125 @@
+"""The transfer process's command loop: one OS process per device slot, serving the typed
+commands of refitd.slot_protocol from its node agent over a multiprocessing Pipe.
+
+Each `(rid, command)` is answered by `(rid, report)`, a `Failed` when it raised (raised
+again in the parent). The protocol's table names the slot method that answers a command; a
+refit (execute) runs on its own thread, so an abort arriving meanwhile is served at once,
+and at most one runs at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import torch
+
+from refitd.executor.errors import ExecutionError
+from refitd.limits import raise_nofile_limit
+from refitd.memory.errors import StorageMovedError
+from refitd.slot_protocol import Failed, ProtocolError, Report, SourcesReleased, verb_of
+from refitd.transfer.slot import TransferSlot
+from refitd.transport.errors import TransportError
+
+PR_SET_NAME = 15  # prctl(2): the thread's name, which ps, top and psutil's name() show
+
+
+def name_this_process(name: str) -> None:
+    """Give the process a name operators and the fault suite can find (Linux; else a no-op).
+    Forked transfer processes otherwise all look like their fork server."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def failure(e: BaseException) -> Failed:
+    """The report of a command that raised: our own errors by their message, others with
+    the end of their traceback; kind "storage_moved" or the exception's class name."""
+    kind = "storage_moved" if isinstance(e, StorageMovedError) else type(e).__name__
+    detail = f"{e}"
+    if not isinstance(e, ExecutionError | StorageMovedError | TransportError):
+        detail += "\n" + "".join(traceback.format_exception(e)[-3:])
+    return Failed(kind, detail)
+
+
+class _Replies:
+    """The pipe's sending end, shared by the loop and a running refit's thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, rid: int, report: Report) -> None:
+        with self.lock:
+            self.conn.send((rid, report))
+
+
+def transfer_process_main(conn: Connection, slot: int, device: str | None, name: str) -> None:
+    """Entry point of a transfer process: serve commands until close or the pipe closes."""
+    name_this_process(name)
+    raise_nofile_limit()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if device is not None and device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    state = TransferSlot(slot)
+    replies = _Replies(conn)
+    while not state.closed:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            rid, cmd = message
+        except (TypeError, ValueError):
+            replies.send(-1, failure(ExecutionError(f"not a request: {message!r}")))
+            continue
+        try:
+            verb = verb_of(cmd)
+        except ProtocolError as e:
+            replies.send(rid, failure(ExecutionError(str(e))))
+            continue
+        handler = getattr(state, verb.handler)
+        if verb.refit:
+            _start_refit(state, replies, rid, functools.partial(handler, cmd))
+            continue
+        try:
+            report = handler(cmd)
+        except BaseException as e:
+            report = failure(e)
+        replies.send(rid, report)
+    conn.close()
+
+
+def _start_refit(
+    state: TransferSlot,
+    replies: _Replies,
+    rid: int,
+    run: Callable[[Callable[[], None]], Report],
+) -> None:
+    """Run a refit on a new thread (the loop stays free for abort); its SourcesReleased
+    event and its report go back under the command's rid."""
+    if state.busy.is_set():
+        replies.send(rid, failure(ExecutionError("a refit is already running on this slot")))
+        return
+    state.aborting.clear()
+
+    def released() -> None:
+        replies.send(rid, SourcesReleased(time.time()))
+
+    def body() -> None:
+        report: Report
+        try:
+            report = run(released)
+        except BaseException as e:
+            report = failure(e)
+        state.busy.clear()
+        replies.send(rid, report)
+
+    state.busy.set()
+    state.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
+    state.running.start()
