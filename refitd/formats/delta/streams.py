@@ -46,10 +46,12 @@ from refitd.formats.delta.frames import (
     UNCHANGED,
     ByteSink,
     DeltaError,
+    Layout,
     Scratch,
-    Target,
-    apply_frame,
+    apply_frames,
     encode_frame,
+    encode_work,
+    layout,
     pad8,
     read_bytes,
 )
@@ -82,7 +84,7 @@ KIND_NAMES = ("unchanged", "bitmap", "index", "dense")
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_STREAM_HEADER = np.dtype(
+STREAM_HEADER = np.dtype(
     [
         ("magic", "S4"),
         ("version", "<u1"),
@@ -168,54 +170,22 @@ def bits_view(x: np.ndarray | torch.Tensor) -> np.ndarray:
     return x.view(_UINT[width])
 
 
-def _check_block(block: int, frame_blocks: int) -> None:
+def check_block(block: int, frame_blocks: int) -> None:
     if block <= 0 or block % 8 or block > MAX_BLOCK:
         raise ValueError(f"delta block must be a positive multiple of 8 up to {MAX_BLOCK}")
     if frame_blocks <= 0:
         raise ValueError("delta frame_blocks must be positive")
 
 
-class _Frames:
-    """A live array of any strides read as flat frames: contiguous 8-byte aligned views where
-    it is, else copied a frame at a time into scratch (a strided source is never copied whole)."""
-
-    def __init__(self, x: np.ndarray, scratch: Scratch, name: str) -> None:
-        self.x, self.scratch, self.name = x, scratch, name
-        self.flat = x.reshape(-1) if x.flags.c_contiguous else None
-        self.rows: np.ndarray | None = None
-        if self.flat is None:
-            v = x.view()
-            try:
-                v.shape = (-1, x.shape[-1])
-                self.rows = v
-            except AttributeError:  # not collapsible to rows: one flat copy
-                self.flat = x.reshape(-1)
-
-    def frame(self, a: int, b: int) -> np.ndarray:
-        if self.flat is not None:
-            f = self.flat[a:b]
-            if f.ctypes.data % 8 == 0:
-                return f
-            out = self.scratch.typed(self.name, b - a, f.dtype)
-            out[:] = f
-            return out
-        rows = self.rows
-        assert rows is not None
-        w = rows.shape[1]
-        out = self.scratch.typed(self.name, b - a, rows.dtype)
-        r0, c0 = divmod(a, w)
-        r1, c1 = divmod(b, w)
-        if c1 == 0:  # ends at a row end
-            r1, c1 = r1 - 1, w
-        if r0 == r1:
-            out[:] = rows[r0, c0:c1]
-            return out
-        k = w - c0
-        out[:k] = rows[r0, c0:]
-        mid = (r1 - r0 - 1) * w
-        out[k : k + mid].reshape(r1 - r0 - 1, w)[:] = rows[r0 + 1 : r1]
-        out[k + mid :] = rows[r1, :c1]
-        return out
+def _layout(x: np.ndarray, scratch: Scratch | None, name: str) -> tuple[Layout, np.ndarray | None]:
+    """The kernels' layout of x; for an array with a negative stride (NumPy only), a
+    contiguous copy in scratch, returned too so a destination can be written back."""
+    lay = layout(x)
+    if lay is not None:
+        return lay, None
+    copy = (scratch or Scratch()).typed(name, x.size, x.dtype).reshape(x.shape)
+    copy[...] = x
+    return layout(copy), copy  # type: ignore[return-value]
 
 
 def encode_stream(
@@ -231,7 +201,7 @@ def encode_stream(
     shapes and strides; elements in row-major order). It is appended to `sink` (a new one
     when None); returns (a view of the appended bytes, valid until the sink grows again; its
     stats). `scratch` is reused working memory (a sender keeps one across refits)."""
-    _check_block(block, frame_blocks)
+    check_block(block, frame_blocks)
     b, lv = bits_view(base), bits_view(live)
     if b.size != lv.size or b.dtype != lv.dtype:
         raise DeltaError(
@@ -239,21 +209,18 @@ def encode_stream(
         )
     sink = ByteSink() if sink is None else sink
     scratch = Scratch() if scratch is None else scratch
-    bases, lives = _Frames(b, scratch, "base_frame"), _Frames(lv, scratch, "live_frame")
+    (bl, _), (ll, _) = _layout(b, scratch, "base_copy"), _layout(lv, scratch, "live_copy")
     width, n = lv.dtype.itemsize, lv.size
-    at = sink.reserve(_STREAM_HEADER.itemsize)
+    at = sink.reserve(STREAM_HEADER.itemsize)
     header = (STREAM_MAGIC, FORMAT_VERSION, width, 0, block, frame_blocks, n)
-    sink.view(at, sink.size).view(_STREAM_HEADER)[0] = header
-    changed, per_kind = 0, np.zeros(4, dtype=np.int64)
+    sink.view(at, sink.size).view(STREAM_HEADER)[0] = header
+    work = encode_work(scratch, block, frame_blocks, lv.dtype)
+    changed, tally = 0, np.zeros(4, dtype=np.int64)
     step = block * frame_blocks
     for start in range(0, n, step):
-        end = min(start + step, n)
-        c, kinds = encode_frame(bases.frame(start, end), lives.frame(start, end), sink, block,
-                                scratch)  # fmt: skip
-        changed += c
-        per_kind += np.bincount(kinds, minlength=4)
+        changed += encode_frame(bl, ll, start, min(step, n - start), block, work, sink, tally)
     size = sink.size - at
-    stats = DeltaStats(n, changed, size, n * width, tuple(int(k) for k in per_kind))  # type: ignore[arg-type]
+    stats = DeltaStats(n, changed, size, n * width, tuple(int(k) for k in tally))  # type: ignore[arg-type]
     return sink.view(at, sink.size), stats
 
 
@@ -264,7 +231,7 @@ def apply_stream(delta: np.ndarray | bytes | memoryview, dst: np.ndarray | torch
     buf = np.frombuffer(delta, dtype=np.uint8) if not isinstance(delta, np.ndarray) else delta
     target = bits_view(dst)
     try:
-        head = read_bytes(buf, 0, _STREAM_HEADER.itemsize, "stream header").view(_STREAM_HEADER)[0]
+        head = read_bytes(buf, 0, STREAM_HEADER.itemsize, "stream header").view(STREAM_HEADER)[0]
         if bytes(head["magic"]) != STREAM_MAGIC or int(head["version"]) != FORMAT_VERSION:
             raise DeltaError("not a delta stream (bad magic or format version)")
         width, block = int(head["width"]), int(head["block"])
@@ -274,21 +241,14 @@ def apply_stream(delta: np.ndarray | bytes | memoryview, dst: np.ndarray | torch
                 f"delta of {n} {width}-byte elements cannot land in {target.size} "
                 f"{target.dtype.itemsize}-byte elements"
             )
-        _check_block(block, frame_blocks)
-        flat, pos, changed = Target(target), _STREAM_HEADER.itemsize, 0
-        per_kind = np.zeros(4, dtype=np.int64)
-        step = block * frame_blocks
-        for start in range(0, n, step):
-            used, c, kinds = apply_frame(
-                buf, pos, flat, start, min(step, n - start), block, target.dtype
-            )
-            pos, changed = pos + used, changed + c
-            per_kind += np.bincount(kinds, minlength=4)
-        if pos != buf.size:
-            raise DeltaError(f"{buf.size - pos} trailing bytes after the last frame")
+        check_block(block, frame_blocks)
+        lay, copy = _layout(target, None, "destination")
+        changed, tally = apply_frames(buf, STREAM_HEADER.itemsize, lay, n, block, frame_blocks)
+        if copy is not None:
+            target[...] = copy
     except (DeltaError, ValueError) as e:
         raise DeltaError(f"delta for {name}: {e}") from None
-    return DeltaStats(n, changed, pos, n * width, tuple(int(k) for k in per_kind))  # type: ignore[arg-type]
+    return DeltaStats(n, changed, buf.size, n * width, tuple(int(k) for k in tally))  # type: ignore[arg-type]
 
 
 def encode_parts(
