@@ -168,8 +168,8 @@ def _mask(b, boffsets, lv, loffsets, n, masks):  # type: ignore[no-untyped-def]
 def _emit(masks, n, lv, loffs, idx, values, k, index):  # type: ignore[no-untyped-def]
     """The changed elements of a block of n, in order: their values into values[k:] and,
     with index, their in-block positions into idx[k:]; returns the new k. A whole word
-    with at most 8 changes is written in 8 unconditional steps (the arrays keep room for 8
-    more entries), so the loop does not mispredict on every word's count of changes."""
+    with at most 4 (8) changes is written in 4 (8) unconditional steps (the arrays keep room
+    for 8 more entries), so the loop does not mispredict on every word's count of changes."""
     full = n >> 6
     for w in range((n + 63) >> 6):
         m = masks[w]
@@ -179,6 +179,8 @@ def _emit(masks, n, lv, loffs, idx, values, k, index):  # type: ignore[no-untype
         count = _popcount(m)
         if w < full and count <= 8:
             for q in range(8):
+                if q == 4 and count <= 4:
+                    break
                 j = _trailing_zeros(m | _TOP)  # 63 past the last change: inside the word
                 if index:
                     idx[_u(k + q)] = (w << 6) + j
