@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	# torch pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,adapters]'
+	$(BIN)/python -m refitd.formats.delta  # compile the delta codec's kernels into numba's cache
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,6 +24,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	PATH=$(abspath $(BIN)):$$PATH scripts/gen_protos.sh --check
+	$(BIN)/python -m refitd.formats.delta  # cached kernels: no test process compiles them
 	$(BIN)/pytest -q
 
 lint: $(STAMP)

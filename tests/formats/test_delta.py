@@ -301,6 +301,7 @@ def laid_out(values: np.ndarray, shape: tuple[int, int, int], layout: str) -> np
     block=st.sampled_from([8, 64, 512, 4096]),
     frame_blocks=st.sampled_from([1, 3, 1024]),
     layouts=st.tuples(*[st.sampled_from(LAYOUTS)] * 3),
+    threads=st.sampled_from([1, 3]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_compiled_codec_equals_reference(
@@ -310,17 +311,18 @@ def test_compiled_codec_equals_reference(
     block: int,
     frame_blocks: int,
     layouts: tuple[str, str, str],
+    threads: int,
     seed: int,
 ) -> None:
-    """Base, live and destination each in any memory layout: the delta's bytes and stats
-    are the NumPy reference's, and applying it writes exactly live into the destination's
-    elements and nothing around them."""
+    """Base, live and destination each in any memory layout, frames encoded and applied by
+    one thread or by several: the delta's bytes and stats are the NumPy reference's, and
+    applying it writes exactly live into the destination's elements and nothing around them."""
     rng = np.random.default_rng(seed)
     n = int(np.prod(shape))
     base = rng.integers(0, np.iinfo(UINTS[width]).max, size=n, dtype=UINTS[width])
     new = changed_version(base, density, rng)
     b, lv = laid_out(base, shape, layouts[0]), laid_out(new, shape, layouts[1])
-    delta, stats = encode_stream(b, lv, block=block, frame_blocks=frame_blocks)
+    delta, stats = encode_stream(b, lv, block=block, frame_blocks=frame_blocks, threads=threads)
     want, want_stats = encode_stream_reference(b, lv, block=block, frame_blocks=frame_blocks)
     assert np.array_equal(delta, want)
     assert stats == want_stats
@@ -329,7 +331,7 @@ def test_compiled_codec_equals_reference(
     inner = guard[1:, 1 : r + 1, 2 : w + 2]
     inner[...] = base.reshape(a, r, w)
     dst = inner if layouts[2] == "block3d" else laid_out(base.copy(), shape, layouts[2])
-    applied = apply_stream(delta, dst)
+    applied = apply_stream(delta, dst, threads=threads)
     assert np.array_equal(dst.reshape(-1), new)
     assert applied == apply_stream_reference(want, laid_out(base.copy(), shape, layouts[2]))
     inner[...] = 0x5A
@@ -377,14 +379,15 @@ def test_float_specials_equal_reference(dtype: torch.dtype) -> None:
 @given(
     cuts=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
     truncate=st.integers(0, 64),
+    threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_malformed_delta_never_writes_outside(
-    cuts: list[tuple[int, int]], truncate: int, seed: int
+    cuts: list[tuple[int, int]], truncate: int, threads: int, seed: int
 ) -> None:
     """A delta with bytes changed or cut off either fails as a DeltaError or, where it is
-    still well formed, lands as the reference lands it; nothing around the destination is
-    ever written."""
+    still well formed, lands as the reference lands it (by one thread or several); nothing
+    around the destination is ever written."""
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 2**16, size=(40, 300), dtype=np.uint16)
     new = changed_version(base.reshape(-1), 0.2, rng).reshape(base.shape)
@@ -395,7 +398,7 @@ def test_malformed_delta_never_writes_outside(
     guard = np.full((42, 310), 7, dtype=np.uint16)
     guard[1:41, 5:305] = base
     try:
-        apply_stream(bad, guard[1:41, 5:305])
+        apply_stream(bad, guard[1:41, 5:305], threads=threads)
     except DeltaError:
         return
     want = base.copy()

@@ -126,7 +126,7 @@ class DeltaBase:
         for r, d in self.pending_delta.items():
             streams = segment_streams(access.wire(r), access.shape(r), access.src_dtype(r),
                                       self.base[r])  # fmt: skip
-            apply_parts(d, streams, name=f"base of copy row {r}")
+            apply_parts(d, streams, name=f"base of copy row {r}", threads=torch.get_num_threads())
         for r, full in self.pending_full.items():
             self.base[r] = full  # a view of a dense payload, which is never reused
         self.version = version
@@ -255,7 +255,8 @@ def _encode_message(
         live = _live_streams(access, r)
         old = segment_streams(access.wire(r), access.shape(r), access.src_dtype(r), base.base[r])
         at.append(sink.size)
-        d, st = encode_parts(old, live, sink=sink, scratch=base.scratch)
+        d, st = encode_parts(old, live, sink=sink, scratch=base.scratch,
+                             threads=torch.get_num_threads())  # fmt: skip
         sizes.append(d.size)
         sink.view(sink.reserve(_pad8(d.size) - d.size), sink.size)[:] = 0
         lives.append(live)
@@ -291,7 +292,8 @@ def _land(m: DeltaMessage, kind: int, payload: torch.Tensor, access: CopyAccess)
     for r, size in zip(rows, sizes, strict=True):
         t, off = access.dst(r)
         region = dest_region(t.storage, t.data, t.scales, off, access.shape(r), name=t.name)
-        stats = stats + apply_segment_delta(buf[pos : pos + size], region, name=t.name)
+        stats = stats + apply_segment_delta(buf[pos : pos + size], region, name=t.name,
+                                            threads=torch.get_num_threads())  # fmt: skip
         pos += _pad8(size)
     return stats
 

@@ -10,7 +10,11 @@ worded as errors.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,13 +32,14 @@ __all__ = [
     "Layout",
     "Scratch",
     "apply_frames",
-    "encode_frame",
+    "encode_frames",
     "frame_capacity",
     "layout",
     "pad8",
     "read_bytes",
 ]
 
+A, T = TypeVar("A"), TypeVar("T")
 FRAME_HEADER = np.dtype([("nbytes", "<u8"), ("blocks", "<u4"), ("zero", "<u4")])
 # (flat storage, element offset of each row's first element, row length, element step)
 Layout = tuple[np.ndarray, np.ndarray, int, int]
@@ -54,6 +59,10 @@ class Scratch:
     8-byte aligned byte buffer. One Scratch serves one thread at a time."""
 
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    sinks: dict[int, ByteSink] = field(default_factory=dict)  # an encoding thread's output
+
+    def sink(self, thread: int) -> ByteSink:
+        return self.sinks.setdefault(thread, ByteSink())
 
     def get(self, name: str, nbytes: int) -> np.ndarray:
         buf = self.buffers.get(name)
@@ -68,7 +77,9 @@ class Scratch:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.size for b in self.buffers.values())
+        return sum(b.size for b in self.buffers.values()) + sum(
+            k.capacity for k in self.sinks.values()
+        )
 
 
 class ByteSink:
@@ -153,44 +164,69 @@ def frame_capacity(n: int, block: int, width: int) -> int:
     return FRAME_HEADER.itemsize + pad8(nb) + pad8(2 * nb) + n * width + 16
 
 
-def encode_work(s: Scratch, block: int, frame_blocks: int, dtype: np.dtype) -> tuple:
-    """The encode kernel's working memory for frames of frame_blocks blocks, from s: block
+def encode_work(s: Scratch, block: int, frame_blocks: int, dtype: np.dtype, thread: int = 0
+                ) -> tuple:  # fmt: skip
+    """The encode kernel's working memory for frames of frame_blocks blocks, from s (a set
+    per encoding thread): block
     copies of base and live (for blocks not readable in place), their word offsets, the
     block's change masks, bitmaps, indices (an INDEX block has at most block / 16 changes,
     or a bitmap would be cheaper), values, kinds and counts."""
     per_index = frame_blocks * (block // 16) + 8  # + 8: the kernel writes words 8 at a time
     return (
-        s.typed("base_block", block, dtype),
-        s.typed("live_block", block, dtype),
-        s.typed("base_words", -(-block // 64), np.int64),
-        s.typed("live_words", -(-block // 64), np.int64),
-        s.typed("masks", -(-block // 64), np.uint64),
-        s.typed("bitmaps", frame_blocks * (block // 8), np.uint8),
-        s.typed("indices", per_index, np.uint16),
-        s.typed("bitmap_values", frame_blocks * block + 8, dtype),
-        s.typed("index_values", per_index, dtype),
-        s.typed("kinds", frame_blocks, np.uint8),
-        s.typed("counts", frame_blocks, np.uint16),
+        s.typed(f"base_block{thread}", block, dtype),
+        s.typed(f"live_block{thread}", block, dtype),
+        s.typed(f"base_words{thread}", -(-block // 64), np.int64),
+        s.typed(f"live_words{thread}", -(-block // 64), np.int64),
+        s.typed(f"masks{thread}", -(-block // 64), np.uint64),
+        s.typed(f"bitmaps{thread}", frame_blocks * (block // 8), np.uint8),
+        s.typed(f"indices{thread}", per_index, np.uint16),
+        s.typed(f"bitmap_values{thread}", frame_blocks * block + 8, dtype),
+        s.typed(f"index_values{thread}", per_index, dtype),
+        s.typed(f"kinds{thread}", frame_blocks, np.uint8),
+        s.typed(f"counts{thread}", frame_blocks, np.uint16),
     )
 
 
-def encode_frame(
-    base: Layout, live: Layout, start: int, n: int, block: int, work: tuple, sink: ByteSink,
-    tally: np.ndarray,
-) -> int:  # fmt: skip
-    """Append the frame of elements [start, start + n) to sink; returns the changed elements
-    and adds its blocks per kind to tally."""
-    cap = frame_capacity(n, block, live[0].itemsize)
-    at = sink.reserve(cap)
-    total, changed = kernels.encode_frame(base, live, start, n, block, work,
-                                          sink.view(at, at + cap), tally)  # fmt: skip
-    sink.truncate(at + total)
-    return int(changed)
+def encode_frames(
+    base: Layout, live: Layout, n: int, block: int, frame_blocks: int, sink: ByteSink,
+    scratch: Scratch, threads: int = 1,
+) -> tuple[int, np.ndarray]:  # fmt: skip
+    """Append the frames of n elements to sink; (changed, blocks per kind). With threads,
+    runs of consecutive frames are encoded in parallel, each into its own buffer, and
+    appended in order."""
+    step = block * frame_blocks
+    runs = _runs(-(-n // step), threads)
+    width = live[0].itemsize
+
+    def encode(i: int) -> tuple[int, np.ndarray]:
+        run, out = runs[i], sink if len(runs) == 1 else scratch.sink(i)
+        work = encode_work(scratch, block, frame_blocks, live[0].dtype, i)
+        tally, changed = np.zeros(4, dtype=np.int64), 0
+        for start in range(run[0] * step, min(run[1] * step, n), step):
+            fn = min(step, n - start)
+            cap = frame_capacity(fn, block, width)
+            at = out.reserve(cap)
+            total, c = kernels.encode_frame(base, live, start, fn, block, work,
+                                            out.view(at, at + cap), tally)  # fmt: skip
+            out.truncate(at + total)
+            changed += int(c)
+        return changed, tally
+
+    for i in range(len(runs) if len(runs) > 1 else 0):
+        scratch.sink(i).reset()
+    results = _in_threads(encode, list(range(len(runs))))
+    if len(runs) > 1:
+        for i in range(len(runs)):
+            part = scratch.sink(i).data()
+            at = sink.reserve(part.size)
+            sink.view(at, at + part.size)[:] = part
+    return sum(c for c, _ in results), sum(t for _, t in results)  # type: ignore[return-value]
 
 
 _APPLY_ERRORS = {
     kernels.TRUNCATED: "delta truncated: the frame at byte {pos} needs bytes up to {detail}",
-    kernels.BLOCK_COUNT: "delta frame at byte {pos} has {detail} blocks, not the number its elements fill",
+    kernels.BLOCK_COUNT: "delta frame at byte {pos} has {detail} blocks, not as many as its "
+    "elements fill",
     kernels.UNKNOWN_KIND: "delta frame at byte {pos}: unknown block kind {detail}",
     kernels.BAD_COUNTS: "delta frame at byte {pos}: changed counts inconsistent with blocks "
     "(block {detail})",
@@ -205,13 +241,56 @@ _APPLY_ERRORS = {
 
 
 def apply_frames(
-    buf: np.ndarray, pos: int, dst: Layout, n: int, block: int, frame_blocks: int
+    buf: np.ndarray, pos: int, dst: Layout, n: int, block: int, frame_blocks: int, threads: int = 1
 ) -> tuple[int, np.ndarray]:
     """Apply the frames at buf[pos:] to the n elements of dst; (changed, blocks per kind).
-    A frame is checked in full before any element of it is written."""
-    tally = np.zeros(4, dtype=np.int64)
-    code, detail, at, changed = kernels.apply_stream(buf, pos, dst, n, block, frame_blocks,
-                                                     tally)  # fmt: skip
-    if code != kernels.OK:
-        raise DeltaError(_APPLY_ERRORS[code].format(pos=at, detail=detail))
-    return int(changed), tally
+    A frame is checked in full before any element of it is written. With threads, runs of
+    consecutive frames land in parallel (each thread its own elements)."""
+    step = block * frame_blocks
+    frames = -(-n // step)
+    runs = _runs(frames, threads)
+    at = _frame_offsets(buf, pos, frames) if len(runs) > 1 else None
+    # per thread: its elements [first, first + count) and its frames' bytes [a, b)
+    tasks = [(0, n, pos, buf.size)]  # one thread, or frames whose sizes do not add up
+    if at is not None:
+        tasks = [(f0 * step, min(f1 * step, n) - f0 * step, at[f0], at[f1]) for f0, f1 in runs]
+
+    def land(task: tuple[int, int, int, int]) -> tuple[int, np.ndarray]:
+        first, count, a, b = task
+        tally = np.zeros(4, dtype=np.int64)
+        code, detail, where, changed = kernels.apply_stream(
+            buf[a:b], 0, dst, first, count, block, frame_blocks, tally
+        )
+        if code != kernels.OK:  # the kernel says why; the first thread's error in frame order
+            raise DeltaError(_APPLY_ERRORS[code].format(pos=a + where, detail=detail))
+        return int(changed), tally
+
+    results = _in_threads(land, tasks)
+    return sum(c for c, _ in results), sum(t for _, t in results)  # type: ignore[return-value]
+
+
+def _runs(frames: int, threads: int) -> list[tuple[int, int]]:
+    """frames split into at most `threads` runs of consecutive frames, as equal as can be."""
+    t = max(1, min(threads, frames))
+    cuts = [frames * i // t for i in range(t + 1)]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a] or [(0, 0)]
+
+
+def _frame_offsets(buf: np.ndarray, pos: int, frames: int) -> list[int] | None:
+    """Byte offset of each frame and of the end, from the frames' headers; None where they
+    do not add up to the buffer exactly (the kernel then reports what is wrong)."""
+    at = [pos]
+    for _ in range(frames):
+        if at[-1] + FRAME_HEADER.itemsize > buf.size:
+            return None
+        nbytes = int(buf[at[-1] : at[-1] + 8].view("<u8")[0])
+        at.append(at[-1] + nbytes)
+    return at if at[-1] == buf.size else None
+
+
+def _in_threads(fn: Callable[[A], T], items: list[A]) -> list[T]:
+    """fn over the items, in threads when there are several (the kernels release the GIL)."""
+    if len(items) == 1:
+        return [fn(items[0])]
+    with ThreadPoolExecutor(len(items), thread_name_prefix="delta-codec") as pool:
+        return list(pool.map(fn, items))

@@ -449,18 +449,18 @@ def _apply_frame(buf, lay, dst, start, n, block, positions, tally):  # type: ign
 
 
 @njit(nogil=True, cache=True)
-def apply_stream(buf, pos, dst, n, block, frame_blocks, tally):  # type: ignore[no-untyped-def]
+def apply_stream(buf, pos, dst, first, n, block, frame_blocks, tally):  # type: ignore[no-untyped-def]
     """Apply the frames at buf[pos:] (the rest of buf) to the n elements of the destination
-    layout, each frame checked in full before it is written; returns (code, detail, byte
-    position, changed elements) and adds the blocks per kind to tally."""
+    layout from element `first` on, each frame checked in full before it is written; returns
+    (code, detail, byte position, changed elements) and adds the blocks per kind to tally."""
     lay = np.zeros(10, np.int64)
     positions = np.empty(block, np.int64)
     width = dst[0].itemsize
     step = block * frame_blocks
     changed = 0
-    start = 0
-    while start < n:
-        fn = min(step, n - start)
+    start = first
+    while start < first + n:
+        fn = min(step, first + n - start)
         code, detail = _check_frame(buf, pos, fn, block, width, lay)
         if code != OK:
             return code, detail, pos, changed

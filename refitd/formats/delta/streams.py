@@ -49,8 +49,7 @@ from refitd.formats.delta.frames import (
     Layout,
     Scratch,
     apply_frames,
-    encode_frame,
-    encode_work,
+    encode_frames,
     layout,
     pad8,
     read_bytes,
@@ -196,11 +195,13 @@ def encode_stream(
     frame_blocks: int = DEFAULT_FRAME_BLOCKS,
     sink: ByteSink | None = None,
     scratch: Scratch | None = None,
+    threads: int = 1,
 ) -> tuple[np.ndarray, DeltaStats]:
     """Encode the delta that turns `base` into `live` (same element count and size, any
     shapes and strides; elements in row-major order). It is appended to `sink` (a new one
     when None); returns (a view of the appended bytes, valid until the sink grows again; its
-    stats). `scratch` is reused working memory (a sender keeps one across refits)."""
+    stats). `scratch` is reused working memory (a sender keeps one across refits); with
+    `threads`, runs of frames are encoded in parallel (the same bytes)."""
     check_block(block, frame_blocks)
     b, lv = bits_view(base), bits_view(live)
     if b.size != lv.size or b.dtype != lv.dtype:
@@ -214,20 +215,17 @@ def encode_stream(
     at = sink.reserve(STREAM_HEADER.itemsize)
     header = (STREAM_MAGIC, FORMAT_VERSION, width, 0, block, frame_blocks, n)
     sink.view(at, sink.size).view(STREAM_HEADER)[0] = header
-    work = encode_work(scratch, block, frame_blocks, lv.dtype)
-    changed, tally = 0, np.zeros(4, dtype=np.int64)
-    step = block * frame_blocks
-    for start in range(0, n, step):
-        changed += encode_frame(bl, ll, start, min(step, n - start), block, work, sink, tally)
+    changed, tally = encode_frames(bl, ll, n, block, frame_blocks, sink, scratch, threads)
     size = sink.size - at
     stats = DeltaStats(n, changed, size, n * width, tuple(int(k) for k in tally))  # type: ignore[arg-type]
     return sink.view(at, sink.size), stats
 
 
 def apply_stream(delta: np.ndarray | bytes | memoryview, dst: np.ndarray | torch.Tensor,
-                 *, name: str = "destination") -> DeltaStats:  # fmt: skip
+                 *, name: str = "destination", threads: int = 1) -> DeltaStats:  # fmt: skip
     """Apply a stream delta in place to `dst` (any strides, elements in row-major order), which
-    must hold exactly the base the delta was encoded against. `name` goes into errors."""
+    must hold exactly the base the delta was encoded against. `name` goes into errors; with
+    `threads`, runs of frames land in parallel."""
     buf = np.frombuffer(delta, dtype=np.uint8) if not isinstance(delta, np.ndarray) else delta
     target = bits_view(dst)
     try:
@@ -243,7 +241,8 @@ def apply_stream(delta: np.ndarray | bytes | memoryview, dst: np.ndarray | torch
             )
         check_block(block, frame_blocks)
         lay, copy = _layout(target, None, "destination")
-        changed, tally = apply_frames(buf, STREAM_HEADER.itemsize, lay, n, block, frame_blocks)
+        changed, tally = apply_frames(buf, STREAM_HEADER.itemsize, lay, n, block, frame_blocks,
+                                      threads)  # fmt: skip
         if copy is not None:
             target[...] = copy
     except (DeltaError, ValueError) as e:
@@ -258,6 +257,7 @@ def encode_parts(
     block: int = DEFAULT_BLOCK,
     sink: ByteSink | None = None,
     scratch: Scratch | None = None,
+    threads: int = 1,
 ) -> tuple[np.ndarray, DeltaStats]:
     """Encode a segment of several parts (values, scales ...) as one container, each part a
     stream at its own element width; appended to `sink` like encode_stream."""
@@ -268,7 +268,7 @@ def encode_parts(
     at = sink.reserve(head)
     sizes, stats = [], EMPTY_STATS
     for b, lv in zip(bases, lives, strict=True):
-        d, st = encode_stream(b, lv, block=block, sink=sink, scratch=scratch)
+        d, st = encode_stream(b, lv, block=block, sink=sink, scratch=scratch, threads=threads)
         sizes.append(d.size)
         pad = sink.reserve(pad8(d.size) - d.size)
         sink.view(pad, sink.size)[:] = 0
@@ -282,7 +282,7 @@ def encode_parts(
 
 
 def apply_parts(delta: np.ndarray | bytes | memoryview, dsts: Sequence[np.ndarray | torch.Tensor],
-                *, name: str = "destination") -> DeltaStats:  # fmt: skip
+                *, name: str = "destination", threads: int = 1) -> DeltaStats:  # fmt: skip
     """Apply a container delta in place, part i into dsts[i]."""
     buf = np.frombuffer(delta, dtype=np.uint8) if not isinstance(delta, np.ndarray) else delta
     if buf.size < 8 or bytes(buf[:4]) != CONTAINER_MAGIC:
@@ -295,7 +295,7 @@ def apply_parts(delta: np.ndarray | bytes | memoryview, dsts: Sequence[np.ndarra
     pos, stats = head, EMPTY_STATS
     for i, (size, dst) in enumerate(zip(sizes, dsts, strict=True)):
         part = read_bytes(buf, pos, int(size), f"part {i}")
-        stats = stats + apply_stream(part, dst, name=f"{name} part {i}")
+        stats = stats + apply_stream(part, dst, name=f"{name} part {i}", threads=threads)
         pos += pad8(int(size))
     if pos != buf.size:
         raise DeltaError(f"delta for {name}: {buf.size - pos} trailing bytes after the parts")
