@@ -62,7 +62,7 @@ HEADER = 16
 # before its full encode, and goes dense at once when the sample is clearly above the
 # density threshold (by SAMPLE_MARGIN: a borderline sample still gets the exact check)
 SAMPLE_MIN_BYTES = 8 << 20
-SAMPLE_STRIDE = 16
+SAMPLE_STRIDE = 64
 SAMPLE_MARGIN = 1.25
 
 
