@@ -1,0 +1,89 @@
+"""Refits into quantized persistent buffers through the executor over real Gloo (ranks in
+threads of this process): block-FP8 storage fed by raw copies that a small bucket cuts.
+Every destination is compared bit for bit with the quantization of its shard of the global
+tensor."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+
+from refitd import formats
+from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
+from refitd.executor.segments import ResolvedTensor
+from refitd.plan.layout import Box, TensorSpec
+from refitd.plan.planner import Plan, PlanConfig, build_plan
+from refitd.plan.wire import FP8_BLOCK, PLAIN
+from refitd.server.refit.checksums import compare_checksums
+from refitd.slot_protocol import ExecReport
+from refitd.transport.base import ConnectInfo
+from refitd.transport.gloo import GlooTransport
+
+
+def _spec(pool, rank, slot, name, gshape, rows, storage=PLAIN) -> TensorSpec:
+    """A shard of rows [rows[0], rows[1]) of a global tensor."""
+    local = (rows[1] - rows[0], *gshape[1:])
+    box = Box((rows[0], *[0] * (len(gshape) - 1)), local, (0,) * len(gshape))
+    return TensorSpec("m", pool, rank, slot, name, name, gshape, "bfloat16", local, (box,), storage)
+
+
+def _run(plan: Plan, resolvers: dict[int, DirectResolver], config: ExecutorConfig) -> dict:
+    """One verified refit, every slot a rank of a real Gloo group (threads)."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(30)
+    )
+    slots = plan.slots()
+    results: dict[int, ExecReport | BaseException] = {}
+
+    def rank(r: int) -> None:
+        t = GlooTransport()
+        try:
+            t.connect(ConnectInfo(0, "127.0.0.1", store.port, r, len(slots), 20.0))
+            ex = Executor(plan.program(slots[r]), resolvers[slots[r]], t, config=config)
+            results[slots[r]] = ex.run(20.0, verify=True)
+        except BaseException as e:
+            results[slots[r]] = e
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(slots))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    for res in results.values():
+        if isinstance(res, BaseException):
+            raise res
+    assert len(results) == len(slots)
+    return results
+
+
+def _checksums_agree(plan: Plan, reports: dict) -> None:
+    sent, landed = {}, {}
+    for slot, rep in reports.items():
+        sent.update({i: (slot, h) for i, h in rep.checksums["send"].items()})
+        landed.update({i: (slot, h) for i, h in rep.checksums["recv"].items()})
+    assert sent and compare_checksums(plan, sent, landed) is None
+
+
+def test_raw_copies_cut_by_the_bucket_land_in_block_fp8_storage() -> None:
+    """A raw copy larger than the bucket is cut at 128-row tiles of its block-FP8
+    destination, so the receiver quantizes whole tiles; bytes equal a local quantization."""
+    shape = (512, 64)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    src = [_spec("train", 0, 0, "w", shape, (0, 512))]
+    dst = [_spec("infer", 0, 1, "w", shape, (0, 512), FP8_BLOCK)]
+    plan = build_plan("m", 1, src, dst, PlanConfig(bucket_bytes=20 << 10))  # 160 rows
+    assert sum(len(m.copies) for m in plan.program(1).recvs) == 4
+    data = torch.zeros(shape, dtype=torch.uint8)
+    scales = torch.zeros(formats.fp8_block_quantize(full)[1].shape)
+    resolvers = {
+        0: DirectResolver({0: ResolvedTensor("train/0/w", full)}),
+        1: DirectResolver({1: ResolvedTensor("infer/0/w", data, scales, FP8_BLOCK)}),
+    }
+    _checksums_agree(plan, _run(plan, resolvers, ExecutorConfig(wire_chunk=4096)))
+    want_data, want_scales = formats.fp8_block_quantize(full)
+    assert torch.equal(data, want_data) and torch.equal(scales, want_scales)
