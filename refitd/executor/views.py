@@ -201,8 +201,9 @@ class SlotViews:
                 encode_segment(wire, src, seg)
                 if sums is not None:
                     sums[(ch.mid, i)] = self.summer.tensor(seg)
-            else:  # a quantized segment larger than a chunk is encoded whole, then sliced
-                scratch = torch.empty(self._seg[i], dtype=torch.uint8, device=buf.device)
+            else:  # a quantized segment larger than a chunk is encoded whole, then sliced;
+                # zeroed, so every chunk's encoding carries the same alignment padding
+                scratch = torch.zeros(self._seg[i], dtype=torch.uint8, device=buf.device)
                 encode_segment(wire, src, scratch)
                 buf[: ch.nbytes].copy_(scratch[ch.seg_start : ch.seg_start + ch.nbytes])
                 if sums is not None and ch.seg_start == 0:

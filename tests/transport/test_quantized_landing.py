@@ -1,7 +1,7 @@
 """Refits into quantized persistent buffers through the executor over real Gloo (ranks in
-threads of this process): block-FP8 storage fed by raw copies that a small bucket cuts.
-Every destination is compared bit for bit with the quantization of its shard of the global
-tensor."""
+threads of this process): block-FP8 storage fed by raw copies that a small bucket cuts,
+and verified sender-quantized segments larger than a chunk. Every destination is compared
+bit for bit with the quantization of its shard of the global tensor."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
-from refitd.plan.wire import FP8_BLOCK, PLAIN
+from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN
 from refitd.server.refit.checksums import compare_checksums
 from refitd.slot_protocol import ExecReport
 from refitd.transport.base import ConnectInfo
@@ -87,3 +87,25 @@ def test_raw_copies_cut_by_the_bucket_land_in_block_fp8_storage() -> None:
     _checksums_agree(plan, _run(plan, resolvers, ExecutorConfig(wire_chunk=4096)))
     want_data, want_scales = formats.fp8_block_quantize(full)
     assert torch.equal(data, want_data) and torch.equal(scales, want_scales)
+
+
+def test_verified_sender_quantized_segments_cut_into_chunks_agree() -> None:
+    """An MXFP8 segment with alignment padding between its parts, larger than a chunk: the
+    sender encodes it once per chunk, and every encoding must carry the same bytes (the
+    padding included) for the checksums of both ends to agree."""
+    shape = (7, 100)  # 700 value bytes and 28 scale bytes: both parts padded
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    src = [_spec("train", 0, 0, "w", shape, (0, 7))]
+    dst = [_spec("infer", 0, 1, "w", shape, (0, 7), MXFP8)]
+    plan = build_plan("m", 1, src, dst, PlanConfig(sender_quantization=True))
+    data = torch.zeros(shape, dtype=torch.uint8)
+    scales = torch.zeros(formats.mxfp8_quantize(full)[1].shape, dtype=torch.uint8)
+    resolvers = {
+        0: DirectResolver({0: ResolvedTensor("train/0/w", full)}),
+        1: DirectResolver({1: ResolvedTensor("infer/0/w", data, scales, MXFP8)}),
+    }
+    for _ in range(3):
+        _checksums_agree(plan, _run(plan, resolvers, ExecutorConfig(wire_chunk=128)))
+    assert all(
+        torch.equal(a, b) for a, b in zip((data, scales), formats.mxfp8_quantize(full), strict=True)
+    )
