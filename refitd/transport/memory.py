@@ -61,7 +61,8 @@ class MemoryHandle:
     is the storage's byte offset inside its CUDA allocation. In both cases `storage_offset`,
     `shape` and `strides` (elements) place the tensor in its storage. `data_ptr` is the
     address the worker saw at registration; `state_segment`/`state_index` locate the
-    liveness word. `scales` carries the second buffer of a quantized storage.
+    liveness word. `scales` carries the second buffer of a quantized storage,
+    `global_scale` the third of NVFP4 storage (its float32 global scale).
     """
 
     kind: str
@@ -79,6 +80,7 @@ class MemoryHandle:
     state_index: int = -1
     name: str = ""
     scales: MemoryHandle | None = None
+    global_scale: MemoryHandle | None = None
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(self._to_dict(), use_bin_type=True)
@@ -110,6 +112,7 @@ class MemoryHandle:
             "state_index": self.state_index,
             "name": self.name,
             "scales": None if self.scales is None else self.scales._to_dict(),
+            "global_scale": None if self.global_scale is None else self.global_scale._to_dict(),
         }
 
     @classmethod
@@ -130,6 +133,9 @@ class MemoryHandle:
             state_index=d["state_index"],
             name=d["name"],
             scales=None if d["scales"] is None else cls._from_dict(d["scales"]),
+            global_scale=None
+            if d.get("global_scale") is None
+            else cls._from_dict(d["global_scale"]),
         )
 
 
@@ -489,11 +495,11 @@ LivenessCheck = list[tuple[str, torch.Tensor, list[str]]]  # (state segment, ind
 
 
 def liveness_check(handles: Iterable[MemoryHandle]) -> LivenessCheck:
-    """The liveness words of `handles` (and their scales) grouped per state segment, ready
-    for `check_live_words` (prepared once, checked before every refit)."""
+    """The liveness words of `handles` (and their scale buffers) grouped per state segment,
+    ready for `check_live_words` (prepared once, checked before every refit)."""
     by_state: dict[str, tuple[list[int], list[str]]] = {}
     for h in handles:
-        for part in (h, h.scales):
+        for part in (h, h.scales, h.global_scale):
             if part is None or not part.state_segment:
                 continue
             idx, names = by_state.setdefault(part.state_segment, ([], []))
@@ -524,5 +530,6 @@ def check_live_words(mapper: MemoryMapper, check: LivenessCheck) -> None:
 
 
 def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> None:
-    """Check every handle (and its scales) is live; one error naming all stale tensors."""
+    """Check every handle (and its scale buffers) is live; one error naming all stale
+    tensors."""
     check_live_words(mapper, liveness_check(handles))

@@ -1,13 +1,16 @@
 """Refits into quantized persistent buffers through the executor over real Gloo (ranks in
-threads of this process): block-FP8 storage fed by raw copies that a small bucket cuts,
-and verified sender-quantized segments larger than a chunk. Every destination is compared
-bit for bit with the quantization of its shard of the global tensor."""
+threads of this process): NVFP4 storage landed whole by the receiver (raw wire) or the
+sender (nvfp4 wire) and by a local copy, block-FP8 storage fed by raw copies that a small
+bucket cuts, and verified sender-quantized segments larger than a chunk. Every destination
+is compared bit for bit with the quantization of its shard of the global tensor (Megatron
+row split)."""
 
 from __future__ import annotations
 
 import datetime
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -16,7 +19,7 @@ from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
-from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN
+from refitd.plan.wire import FP8_BLOCK, MXFP8, NVFP4, PLAIN, nvfp4_data_shape, nvfp4_scale_shape
 from refitd.server.refit.checksums import compare_checksums
 from refitd.slot_protocol import ExecReport
 from refitd.transport.base import ConnectInfo
@@ -67,6 +70,53 @@ def _checksums_agree(plan: Plan, reports: dict) -> None:
         sent.update({i: (slot, h) for i, h in rep.checksums["send"].items()})
         landed.update({i: (slot, h) for i, h in rep.checksums["recv"].items()})
     assert sent and compare_checksums(plan, sent, landed) is None
+
+
+@pytest.mark.parametrize("sender_quantization", [False, True])
+def test_nvfp4_storage_lands_whole_shards_bit_for_bit(sender_quantization: bool) -> None:
+    """The trainer (slot 0) holds two whole tensors; inference splits their rows over TP=2
+    (slots 0 and 1: rank 0 is collocated, a local copy), in NVFP4 buffers whose addresses
+    stay put. A tiny bucket and chunk: the segments travel in several chunks."""
+    shapes = {"w": (64, 96), "b": (32, 160)}
+    g = torch.Generator().manual_seed(7)
+    full = {n: (torch.randn(s, generator=g) * 3).to(torch.bfloat16) for n, s in shapes.items()}
+    full["w"][5, 17] = -0.0
+    src = [_spec("train", 0, 0, n, s, (0, s[0])) for n, s in shapes.items()]
+    half = {n: s[0] // 2 for n, s in shapes.items()}
+    dst = [
+        _spec("infer", r, r, n, s, (r * half[n], (r + 1) * half[n]), NVFP4)
+        for r in (0, 1)
+        for n, s in shapes.items()
+    ]
+    cfg = PlanConfig(bucket_bytes=1024, sender_quantization=sender_quantization)
+    plan = build_plan("m", 1, src, dst, cfg)
+    wires = {c.wire for p in plan.programs().values() for m in p.sends for c in m.copies}
+    assert wires == {"nvfp4" if sender_quantization else "raw"}
+    assert any(p.local for p in plan.programs().values())
+
+    resolved = {i: ResolvedTensor(f"train/0/{s.name}", full[s.name]) for i, s in enumerate(src)}
+    buffers = {}
+    for i, d in enumerate(dst, start=len(src)):
+        buffers[i] = (
+            torch.full(nvfp4_data_shape(d.local_shape), 0x55, dtype=torch.uint8),
+            torch.full(nvfp4_scale_shape(d.local_shape), 0x11, dtype=torch.uint8),
+            torch.full((1,), -5.0),
+        )
+        data, scales, gscale = buffers[i]
+        resolved[i] = ResolvedTensor(f"infer/{d.rank}/{d.name}", data, scales, NVFP4, gscale)
+    ptrs = {i: [b.data_ptr() for b in bufs] for i, bufs in buffers.items()}
+    resolvers = {
+        slot: DirectResolver({i: resolved[i] for i in plan.program(slot).tensors})
+        for slot in plan.slots()
+    }
+    reports = _run(plan, resolvers, ExecutorConfig(staging_bytes=4 << 10, wire_chunk=512))
+    _checksums_agree(plan, reports)
+    for i, d in enumerate(dst, start=len(src)):
+        lo = d.boxes[0].offset[0]
+        want = formats.nvfp4_quantize(full[d.name][lo : lo + d.local_shape[0]])
+        for got, expect in zip(buffers[i], want, strict=True):
+            assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), d
+        assert ptrs[i] == [b.data_ptr() for b in buffers[i]]
 
 
 def test_raw_copies_cut_by_the_bucket_land_in_block_fp8_storage() -> None:
