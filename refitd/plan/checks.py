@@ -3,6 +3,8 @@ whole tensors where a format's scale spans the tensor."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from refitd.plan.config import PlanConfig
@@ -134,6 +136,7 @@ def check_whole_tensors(t: CopyTable, dst: Side, wires: WireRegistry) -> None:
     specs = np.flatnonzero(whole_geo[dst.geo])
     copies = np.flatnonzero(whole_geo[dst.geo[t.dst - dst.base]]) if t.dst.size else t.dst
     count = np.bincount(t.dst[copies] - dst.base, minlength=len(dst.specs))
+    landed = dict(zip((t.dst[copies] - dst.base).tolist(), copies.tolist(), strict=True))
     for k in specs.tolist():
         spec = dst.specs[k]
         fmt = storages[spec.storage]
@@ -142,8 +145,13 @@ def check_whole_tensors(t: CopyTable, dst: Side, wires: WireRegistry) -> None:
             why = "it has no dims (values are packed along the last dim)"
         elif fmt.values_per_byte > 1 and spec.local_shape[-1] % fmt.values_per_byte:
             why = f"its last dim {spec.local_shape[-1]} is odd (values are packed two per byte)"
-        elif count[k] > 1:  # the cover check made one copy cover the tensor whole
+        elif count[k] > 1:
             why = f"{int(count[k])} copies feed it (source shards or its own boxes split it)"
+        elif count[k] == 1 and math.prod(spec.local_shape):
+            c = landed[k]
+            shape = tuple(t.shape[c, : t.ndim[c]].tolist())
+            if shape != tuple(spec.local_shape):
+                why = f"its one copy lands {shape}, not all of it (its boxes leave part of it unwritten)"
         if why:
             raise PlanError(
                 f"{fmt.name} storage needs the whole tensor in one copy: {dst.who(k)} "

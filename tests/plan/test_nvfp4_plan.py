@@ -11,6 +11,7 @@ import pytest
 
 from refitd.plan.errors import PlanError
 from refitd.plan.explain import explain, format_explanations
+from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.wire import MXFP8, NVFP4, NVFP4_FORMAT, aligned, segment_nbytes, segment_parts
 
@@ -83,4 +84,19 @@ def test_layouts_that_split_an_nvfp4_tensor_are_refused_naming_it() -> None:
     src = tp_side("train", 1, 1, 1, (8, 7), 0, 0)
     dst = _stored(tp_side("inf", 1, 1, 1, (8, 7), 0, 10), NVFP4)
     with pytest.raises(PlanError, match=r"tensor 'w' .*rank 0 .*last dim 7 is odd"):
+        build_plan("m", 1, src, dst, PlanConfig())
+
+
+def test_an_nvfp4_destination_its_boxes_cover_in_part_is_refused() -> None:
+    """Rows of a destination that its boxes leave unwritten (padding of an engine buffer)
+    would make its one copy less than the whole tensor: refused when planning, not when
+    the copy lands."""
+    box = Box((0, 0), (4, 64), (0, 0))
+    src = [TensorSpec("m", "t", 0, 0, "w", "w", (4, 64), "bfloat16", (4, 64), (box,))]
+    dst = [TensorSpec("m", "i", 0, 1, "w", "w", (4, 64), "bfloat16", (8, 64), (box,), NVFP4)]
+    with pytest.raises(
+        PlanError,
+        match=r"tensor 'w' .*pool 'i', rank 0 \(local shape \(8, 64\)\): its one copy lands "
+        r"\(4, 64\), not all of it",
+    ):
         build_plan("m", 1, src, dst, PlanConfig())
