@@ -40,6 +40,8 @@ from refitd.formats.fp8 import (
     abs_bits,
     check_buffer,
     check_float,
+    check_global_scale,
+    check_packed_pairs,
     e4m3_values,
     to_e4m3_codes,
 )
@@ -59,24 +61,6 @@ E2M1_MIDPOINTS = (
     (3.5, True),
     (5.0, False),
 )
-
-
-def check_shape(shape: tuple[int, ...], what: str) -> None:
-    """NVFP4 packs two values per byte along the last dim, which must therefore be even."""
-    if not shape or shape[-1] % 2:
-        raise ValueError(
-            f"{what}: NVFP4 packs two values per byte along the last dim, which must be even; "
-            f"got shape {shape}"
-        )
-
-
-def check_global_scale(t: torch.Tensor, what: str) -> None:
-    """The global scale is a float32 tensor of one element (any shape: (), (1,), ...)."""
-    if t.dtype != torch.float32 or t.numel() != 1:
-        raise ValueError(
-            f"{what}: expected a float32 tensor of one element, got {t.dtype} of shape "
-            f"{tuple(t.shape)}"
-        )
 
 
 def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
@@ -144,7 +128,7 @@ def nvfp4_quantize_into(
     installed (bit-identical to this reference)."""
     check_float(x, "nvfp4 quantize")
     shape = tuple(x.shape)
-    check_shape(shape, "nvfp4 quantize")
+    check_packed_pairs(shape, "nvfp4 quantize")
     check_buffer(data, torch.uint8, nvfp4_data_shape(shape), "nvfp4 data")
     check_buffer(scales, torch.uint8, nvfp4_scale_shape(shape), "nvfp4 scales")
     check_global_scale(global_scale, "nvfp4 global scale")
@@ -166,7 +150,7 @@ def nvfp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """x (bf16/fp16/fp32, even last dim) -> (packed E2M1 data, E4M3 scale bytes, float32
     global scale D of shape (1,))."""
     check_float(x, "nvfp4 quantize")
-    check_shape(tuple(x.shape), "nvfp4 quantize")
+    check_packed_pairs(tuple(x.shape), "nvfp4 quantize")
     data = torch.empty(nvfp4_data_shape(tuple(x.shape)), dtype=torch.uint8, device=x.device)
     scales = torch.empty(nvfp4_scale_shape(tuple(x.shape)), dtype=torch.uint8, device=x.device)
     global_scale = torch.empty(1, dtype=torch.float32, device=x.device)
@@ -180,7 +164,7 @@ def nvfp4_dequantize_into(
     """Dequantize into an existing tensor (any float dtype, its shape gives the element
     shape), in place."""
     shape = tuple(out.shape)
-    check_shape(shape, "nvfp4 dequantize")
+    check_packed_pairs(shape, "nvfp4 dequantize")
     check_buffer(data, torch.uint8, nvfp4_data_shape(shape), "nvfp4 data")
     check_buffer(scales, torch.uint8, nvfp4_scale_shape(shape), "nvfp4 scales")
     check_global_scale(global_scale, "nvfp4 global scale")

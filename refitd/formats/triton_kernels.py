@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from refitd.formats.fp8 import check_buffer, check_float
+from refitd.formats.fp8 import check_buffer, check_float, check_global_scale, check_packed_pairs
 from refitd.plan.wire import (
     FP8_TILE,
     MXFP8_BLOCK,
@@ -150,11 +150,10 @@ def nvfp4_quantize_into(
     """NVFP4 of x (even last dim) into data (uint8, nvfp4_data_shape), scales (uint8,
     nvfp4_scale_shape) and global_scale (float32, one element)."""
     from refitd.formats._triton_jit import nvfp4_amax_kernel, nvfp4_kernel
-    from refitd.formats.nvfp4 import check_global_scale, check_shape
 
     check_float(x, "nvfp4 quantize")
     shape = tuple(x.shape)
-    check_shape(shape, "nvfp4 quantize")
+    check_packed_pairs(shape, "nvfp4 quantize")
     check_buffer(data, torch.uint8, nvfp4_data_shape(shape), "nvfp4 data")
     check_buffer(scales, torch.uint8, nvfp4_scale_shape(shape), "nvfp4 scales")
     check_global_scale(global_scale, "nvfp4 global scale")
