@@ -107,6 +107,14 @@ def served_version(model: torch.nn.Module) -> int | None:
     return receiver.served_version if receiver is not None else None
 
 
+def detach(model: torch.nn.Module) -> None:
+    """Unregister the model's rank from refitd (its weights stay as they are)."""
+    receiver = getattr(model, _ATTR, None)
+    if receiver is not None:
+        object.__delattr__(model, _ATTR)
+        receiver.close()
+
+
 def _attach(
     model: torch.nn.Module, init: SglangInit, coords: tuple[int, int, int]
 ) -> RefitdReceiver:

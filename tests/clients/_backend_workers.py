@@ -30,7 +30,24 @@ def require_vllm() -> None:
 
 
 def require_sglang() -> None:
-    """Skip, naming what is missing, unless SGLang 0.5.23's request classes import."""
+    """Skip, naming what is missing, unless SGLang 0.5.23's request classes import. They
+    import triton and torchvision, which must be builds for the installed torch (PyPI's
+    Linux torchvision is a CUDA build: beside a CPU torch it fails with 'operator
+    torchvision::nms does not exist'), so requirements/engines.txt cannot pin them."""
+    import importlib
+
+    missing = []
+    for module in ("triton", "torchvision"):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            missing.append(f"{module} ({exc!r})")
+    if missing:
+        pytest.skip(
+            f"sglang=={SGLANG_VERSION}'s request classes import packages built for the "
+            f"installed torch {torch.__version__} that do not import here: {', '.join(missing)}",
+            allow_module_level=True,
+        )
     _require("sglang", SGLANG_VERSION, "sglang.srt.managers.io_struct", "sglang.srt.utils")
 
 
@@ -57,28 +74,16 @@ def _require(dist: str, version: str, *modules: str) -> None:
             )
 
 
-def engine_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module holding `tensors` as parameters under their dotted names (what a vLLM /
-    SGLang model runner holds for one TP rank); the tensors become its parameters."""
-    module = torch.nn.Module()
-    for name, t in tensors.items():
-        *path, leaf = name.split(".")
-        mod = module
-        for part in path:
-            if part not in mod._modules:
-                mod.add_module(part, torch.nn.Module())
-            mod = mod._modules[part]
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
-    return module
-
-
-def vllm_engines(cfg: object, ranks: list[dict[str, torch.Tensor]]) -> list[Any]:
+def vllm_engines(
+    cfg: object, ranks: list[dict[str, torch.Tensor]], device: torch.device | None = None
+) -> list[Any]:
     """vLLM's factory builds a `refitd` engine for each TP rank's tensors (each rank's
     dict then holds the module's own parameters, which registration moves in place)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
+    from clients.engine_layouts import engine_module
     from clients.vllm_backend import register
-    from clients.vllm_backend.config import worker_config
+    from clients.vllm_backend.offline import worker_config
 
     register()
     engines = []
@@ -88,7 +93,7 @@ def vllm_engines(cfg: object, ranks: list[dict[str, torch.Tensor]]) -> list[Any]
         vc = worker_config(cfg, tempfile.mkdtemp(prefix="refitd-vllm-"), len(ranks), r)
         engines.append(
             WeightTransferEngineFactory.create_engine(
-                vc.weight_transfer_config, vc, torch.device("cpu"), module
+                vc.weight_transfer_config, vc, device or torch.device("cpu"), module
             )
         )
     return engines

@@ -1,6 +1,6 @@
-"""A vLLM worker's configuration for a model given by its transformers config, without a
-checkpoint or a GPU: what `WeightTransferEngineFactory.create_engine` reads when a refitd
-engine runs outside vLLM's own worker (the tests, `refitd bench backend`)."""
+"""A `refitd` engine outside vLLM's own worker (the tests, `refitd bench backend`): the
+worker's configuration for a model given by its transformers config (no checkpoint, no
+GPU). `clients.engine_layouts.engine_module` makes the module a TP rank holds."""
 
 from __future__ import annotations
 
