@@ -224,3 +224,40 @@ def test_trainer_side_sends_a_dtensor_module_source(daemon: Daemon) -> None:
     for v in (1, 2):
         assert got[(1, v)] == (v, "committed")
         assert got[(0, v)] == (v, "committed", [], [v, v], str(v))
+
+
+@pytest.mark.slow
+def test_neither_side_waits_for_the_other_without_a_bound(daemon: Daemon) -> None:
+    """A refit the engine is not receiving is refused at PAUSE within pause_wait_s (the
+    weights stay untouched); an update no refit comes for times out; the next
+    start -> update -> finish beside its refit lands."""
+    from refitd.client import RefitError, TrainerClient
+
+    eng = engine_ranks(tp=1)
+    (engine,) = vllm_engines(config(LLAMA), eng.ranks)
+    before = {n: t.clone() for n, t in eng.ranks[0].items()}
+    ref = model(LLAMA, 71)
+    trainer = TrainerClient(daemon.address, "vllm-bounds", rank=0, device="cpu:0")
+    try:
+        trainer.register(dict(ref.state_dict()))
+        info = {"controller": daemon.address, "model": "vllm-bounds", "device": "cpu:3",
+                "pause_wait_s": 1.0}  # fmt: skip
+        engine.init_transfer_engine(engine.parse_init_info(info))
+        with pytest.raises(RefitError, match=r"PAUSE for version 1 refused"):
+            trainer.refit(1, wait="committed", timeout=60)
+        assert all(torch.equal(eng.ranks[0][n], t) for n, t in before.items())
+        engine.start_weight_update()
+        with pytest.raises(TimeoutError, match=r"version 2 did not land within 1 s"):
+            engine.update_weights({"version": 2, "timeout_s": 1.0})
+        engine.start_weight_update()  # the failed update ended its session
+        done = on_all([
+            lambda: engine.update_weights({"version": 3}),
+            lambda: trainer.refit(3, wait="committed", timeout=60),
+        ])  # fmt: skip
+        engine.finish_weight_update("3")
+        assert done[1].state == "committed" and engine.served_version == 3
+        want = loaded_buffers(eng, 0, ref.state_dict())
+        assert [n for n, t in want.items() if not torch.equal(eng.ranks[0][n], t)] == []
+    finally:
+        trainer.close()
+        engine.shutdown()
