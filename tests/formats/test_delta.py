@@ -441,6 +441,11 @@ def test_nvfp4_segment_deltas_land_all_three_parts(density: float) -> None:
             live[0, 0] = 1.0  # a new amax: the global scale changes too
         live_seg = segment(live)
         delta, stats = encode_segment_delta("nvfp4", shape, "bfloat16", base_seg, live_seg)
+        want_delta = encode_parts_reference(
+            segment_streams("nvfp4", shape, "bfloat16", base_seg),
+            segment_streams("nvfp4", shape, "bfloat16", live_seg),
+        )
+        assert np.array_equal(delta, want_delta)  # the NumPy reference's bytes
         assert apply_segment_delta(delta, region, name="w").changed == stats.changed
         base_seg = live_seg
     decode_segment(

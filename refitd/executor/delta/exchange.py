@@ -46,6 +46,7 @@ from refitd.formats.delta import (
     apply_parts,
     apply_segment_delta,
     encode_parts,
+    load_kernels,
     region_streams,
     sampled_changes,
     segment_streams,
@@ -328,6 +329,8 @@ def exchange_deltas(
     rep = DeltaReport()
     what = describe or (lambda m, d: f"{d} of delta message {m.mid} with rank {m.peer}")
     summer = Checksummer()
+    if base.version == UNKNOWN:  # a first refit (all dense): the codec's kernels loaded now,
+        load_kernels()  # not in the first delta refit, which the controller times against it
     base.start(version)
     got = {m.mid: torch.zeros(HEADER, dtype=torch.uint8) for m in recvs}
     header_works = transport.batch(

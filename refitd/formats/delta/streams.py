@@ -69,6 +69,7 @@ __all__ = [
     "bits_view",
     "encode_parts",
     "encode_stream",
+    "load_kernels",
     "sampled_changes",
     "worth_delta",
 ]
@@ -300,3 +301,19 @@ def apply_parts(delta: np.ndarray | bytes | memoryview, dsts: Sequence[np.ndarra
     if pos != buf.size:
         raise DeltaError(f"delta for {name}: {buf.size - pos} trailing bytes after the parts")
     return DeltaStats(stats.elements, stats.changed, buf.size, stats.dense_nbytes, stats.blocks)
+
+
+def load_kernels(widths: Sequence[int] = (1, 2, 4, 8)) -> None:
+    """Have the compiled kernels ready for these element widths: encode and apply a small
+    delta with every block kind (numba compiles them, or loads them from its disk cache,
+    on first use: a fraction of a second loaded, seconds compiled, once per process)."""
+    for width in widths:
+        base = np.zeros(4 * DEFAULT_BLOCK, dtype=_UINT[width])
+        live = base.copy()
+        live[5] = 1  # an INDEX block, a BITMAP block and a DENSE block
+        live[DEFAULT_BLOCK : DEFAULT_BLOCK + DEFAULT_BLOCK // 2] = 1
+        live[2 * DEFAULT_BLOCK :] = 1
+        delta, _ = encode_stream(base, live)
+        apply_stream(delta, base)
+        if not np.array_equal(base, live):
+            raise RuntimeError(f"delta kernels for {width}-byte elements do not round-trip")
