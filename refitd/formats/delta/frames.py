@@ -1,11 +1,11 @@
 """Frames of the delta codec on the Python side: memory for the compiled kernels and their words.
 
-The byte layout is streams.py's; kernels.py encodes a frame and applies a stream in one
-pass each. Here: arrays of any strides as the kernels' layouts (flat storage, row offsets,
-row length, step: read and written in place, never copied whole), the room a frame may
-take, the working memory a sender reuses across frames and refits (Scratch) and the
-growable buffer frames are written into (ByteSink), and the apply kernel's outcome codes
-worded as errors.
+The byte layout is streams.py's; kernels.py encodes a frame, kernels_apply.py checks and
+applies a stream, one pass each. Here: arrays of any strides as the kernels' layouts (flat
+storage, row offsets, row length, step: read and written in place, never copied whole),
+the room a frame may take, the working memory a sender reuses across frames and refits
+(Scratch), the growable buffer frames are written into (ByteSink), runs of frames in
+threads, and the apply kernel's outcome codes worded as errors.
 """
 
 from __future__ import annotations
@@ -18,8 +18,20 @@ from typing import TypeVar
 
 import numpy as np
 
-from refitd.formats.delta import kernels
+from refitd.formats.delta import kernels, kernels_apply
 from refitd.formats.delta.kernels import BITMAP, DENSE, INDEX, UNCHANGED
+from refitd.formats.delta.kernels_apply import (
+    BAD_COUNTS,
+    BAD_POPULATION,
+    BAD_SIZE,
+    BLOCK_COUNT,
+    OK,
+    PAST_BLOCK,
+    TRAILING,
+    TRUNCATED,
+    UNKNOWN_KIND,
+    UNORDERED,
+)
 
 __all__ = [
     "BITMAP",
@@ -224,19 +236,17 @@ def encode_frames(
 
 
 _APPLY_ERRORS = {
-    kernels.TRUNCATED: "delta truncated: the frame at byte {pos} needs bytes up to {detail}",
-    kernels.BLOCK_COUNT: "delta frame at byte {pos} has {detail} blocks, not as many as its "
-    "elements fill",
-    kernels.UNKNOWN_KIND: "delta frame at byte {pos}: unknown block kind {detail}",
-    kernels.BAD_COUNTS: "delta frame at byte {pos}: changed counts inconsistent with blocks "
+    TRUNCATED: "delta truncated: the frame at byte {pos} needs bytes up to {detail}",
+    BLOCK_COUNT: "delta frame at byte {pos} has {detail} blocks, not as many as its elements fill",
+    UNKNOWN_KIND: "delta frame at byte {pos}: unknown block kind {detail}",
+    BAD_COUNTS: "delta frame at byte {pos}: changed counts inconsistent with blocks "
     "(block {detail})",
-    kernels.BAD_POPULATION: "delta frame at byte {pos}: bitmap population differs from counts "
+    BAD_POPULATION: "delta frame at byte {pos}: bitmap population differs from counts "
     "(block {detail})",
-    kernels.PAST_BLOCK: "delta frame at byte {pos}: a changed index lies past its block "
-    "(block {detail})",
-    kernels.UNORDERED: "delta frame at byte {pos}: changed indices out of order (block {detail})",
-    kernels.BAD_SIZE: "delta frame at byte {pos}: {detail} bytes, sections say otherwise",
-    kernels.TRAILING: "{detail} trailing bytes after the last frame",
+    PAST_BLOCK: "delta frame at byte {pos}: a changed index lies past its block (block {detail})",
+    UNORDERED: "delta frame at byte {pos}: changed indices out of order (block {detail})",
+    BAD_SIZE: "delta frame at byte {pos}: {detail} bytes, sections say otherwise",
+    TRAILING: "{detail} trailing bytes after the last frame",
 }
 
 
@@ -258,10 +268,10 @@ def apply_frames(
     def land(task: tuple[int, int, int, int]) -> tuple[int, np.ndarray]:
         first, count, a, b = task
         tally = np.zeros(4, dtype=np.int64)
-        code, detail, where, changed = kernels.apply_stream(
+        code, detail, where, changed = kernels_apply.apply_stream(
             buf[a:b], 0, dst, first, count, block, frame_blocks, tally
         )
-        if code != kernels.OK:  # the kernel says why; the first thread's error in frame order
+        if code != OK:  # the kernel says why; the first thread's error in frame order
             raise DeltaError(_APPLY_ERRORS[code].format(pos=a + where, detail=detail))
         return int(changed), tally
 
