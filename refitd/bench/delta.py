@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ignore measured refit times (refit_mode's slower-than-dense rule): measures the codec",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per rank: the delta codec encodes and applies with as many",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address of the Gloo store")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
@@ -162,7 +168,7 @@ def _rank(
     from refitd.demo.versions import perturb
     from refitd.executor.delta.exchange import KIND_DELTA, DeltaReport, exchange_deltas
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     slot = _open_slot(rank, port, args, store_host, local)
     store, t, ex, access, base = slot.store, slot.transport, slot.executor, slot.access, slot.base
     sends, recvs, flat, gen = slot.sends, slot.recvs, slot.flat, slot.gen
@@ -283,6 +289,7 @@ def _summary(rows: list[dict], args: argparse.Namespace, load: tuple[float, ...]
         "lr": None if args.density is not None else args.lr,
         "forced_density": args.density,
         "versions": n,
+        "threads": args.threads,
         "picked": [
             next(r["picked"] for r in per_v[v] if r["rank"] == SRC[0]) for v in sorted(per_v)
         ],
