@@ -103,6 +103,14 @@ class Settings(BaseSettings):
         description="build a model's next plan and slot programs once its pools are all "
         "registered and live, while no refit is pending (the refit then finds them ready)",
     )
+    plan_process: bool = Field(
+        True,
+        description="build refit plans and their slot programs in a forked planning "
+        "process, off the controller's interpreter lock (false: in the controller's process)",
+    )
+    plan_timeout_s: float = Field(
+        600.0, gt=0, description="how long a planning process may take before it is killed"
+    )
     relay_chain: bool = Field(
         False,
         description="with relays and several destination pools: the first pool receives "

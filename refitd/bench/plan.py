@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from refitd.plan.planner import PlanConfig, build_plan, build_plan_from_table
     from refitd.plan.program import encode_program
     from refitd.plan.table import SpecTable
-    from refitd.server.planning import keep_plan_heap
+    from refitd.server.heap import keep_plan_heap
 
     keep_plan_heap()  # as the controller does at start
     model = preset(args.model)
@@ -186,7 +186,7 @@ def _programs(
     programs_s, _, encoded = _best(functools.partial(encode_all, plan), max(args.repeat, 1), pause)
     # one more pass beside a ticker: how long another thread (a gRPC handler) could be
     # held up meanwhile (timed apart: the ticker's own wakes slow the pass it watches)
-    with _Ticker() as ticker, pause:
+    with Ticker() as ticker, pause:
         encode_all(plan)
     sizes = {s: len(b) for s, b in encoded.items()}
     big = max(sizes, key=sizes.__getitem__)
@@ -331,7 +331,7 @@ def _by_rank(specs: list) -> list[list]:
     return [ranks[r] for r in sorted(ranks)]
 
 
-class _Ticker:
+class Ticker:
     """A thread that wakes every millisecond and records the longest gap between wakes:
     the longest a gRPC handler thread would have waited for the interpreter meanwhile."""
 
@@ -347,7 +347,7 @@ class _Ticker:
             self.worst = max(self.worst, now - last - 0.001)
             last = now
 
-    def __enter__(self) -> _Ticker:
+    def __enter__(self) -> Ticker:
         self._thread.start()
         return self
 

@@ -90,12 +90,11 @@ def _plan_traffic(c: StatusSource, model: str) -> dict[str, Any] | None:
     cp = c.refits.plans.latest(model)
     if cp is None:
         return None
-    plan = cp.plan
-    send, recv = plan.send_bytes(), plan.recv_bytes()
-    slots = [{"slot": s, "send": send.get(s, 0), "recv": recv.get(s, 0)} for s in plan.slots()]
+    send, recv = cp.traffic()
+    slots = [{"slot": s, "send": send.get(s, 0), "recv": recv.get(s, 0)} for s in cp.slots]
     top_send = max(slots, key=lambda x: x["send"], default=None)
     top_recv = max(slots, key=lambda x: x["recv"], default=None)
-    st = plan.stats
+    st = cp.stats
     return {
         "digest": cp.digest,
         "total_bytes": st.total_bytes,

@@ -31,8 +31,9 @@ import socket
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from refitd.bench.light_agents import pct
 from refitd.bench.load.meta import META_MODEL, meta_peers, worlds
@@ -54,18 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainer-layout", default="tp=8,pp=8,ep=32")
     parser.add_argument("--inference-layout", default="tp=8,ep=32")
     parser.add_argument("--model-mb", type=float, default=2.0, help="size of the small model")
-    parser.add_argument(
-        "--program-threads",
-        type=int,
-        default=0,
-        help="also time every program built by this many threads on a second plan (0: no)",
-    )
 
 
-def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
-    """Plan the metadata model on the controller's path, timed: tables snapshot ->
-    digest -> build_plan_from_table; then every slot's program (serial, then in threads on
-    a second plan); and the reference: the same plan from TensorSpec lists."""
+def _plan_meta(ctl: Any) -> dict[str, Any]:
+    """Plan the metadata model on the controller's path while the metadata workers
+    heartbeat: tables snapshot -> digest -> the plan and every slot's program from a
+    planning process (plan_process.py: the child's own plan and program times, the wall
+    time here, and the longest stall of a thread of this process meanwhile). References in
+    the same run: the same plan and programs built in this process (checked equal: digest,
+    every program's bytes and tensors) and the plan from TensorSpec lists."""
+    from refitd.bench.plan import Ticker
+    from refitd.server.plan_process import PlanningProcess
     from refitd.server.planning import make_digest, make_plan
 
     reg, opts, pause = ctl.registry, ctl.refits.plan_options, ctl.refits.gc_pause
@@ -80,56 +80,76 @@ def _plan_meta(ctl: Any, threads: int) -> dict[str, float]:
         t_snap = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
-        make_digest(META_MODEL, s_tab, d_tab, opts)
+        digest = make_digest(META_MODEL, s_tab, d_tab, opts)
         t_digest = time.perf_counter() - t0
-        r0 = resource.getrusage(resource.RUSAGE_THREAD)
-        t0 = time.perf_counter()
-        plan = make_plan(META_MODEL, epoch, s_tab, d_tab, opts, pause)
-        t_plan = time.perf_counter() - t0
-        r1 = resource.getrusage(resource.RUSAGE_THREAD)
-        log.warning("bench load: plan from tables %.2f s", t_plan)
-        t0 = time.perf_counter()
-        plan.load_payload(plan.slots[0])
-        t_first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for s in plan.slots:
-            plan.load_payload(s)
-        t_all = time.perf_counter() - t0 + t_first
-        log.warning("bench load: %d programs %.2f s", len(plan.slots), t_all)
-        t_threads = 0.0
-        if threads > 1:
-            again = make_plan(META_MODEL, epoch, s_tab, d_tab, opts, pause)
+        process = PlanningProcess(timeout_s=ctl.settings.plan_timeout_s)
+        with Ticker() as ticker:
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(again.load_payload, again.slots))
-            t_threads = time.perf_counter() - t0
-            del again
-        program_mb = sum(len(plan.program_bytes(s)) for s in plan.slots) / 1e6
+            forked = make_plan(META_MODEL, epoch, s_tab, d_tab, opts, pause, digest, process)
+            t_forked = time.perf_counter() - t0
+        log.warning("bench load: plan and programs from a planning process %.2f s", t_forked)
+        program_mb = sum(len(forked.load_payload(s).program) for s in forked.slots) / 1e6
+        here = _plan_here(META_MODEL, epoch, s_tab, d_tab, opts, pause)
+        plan = here.pop("plan")
+        same = plan.digest == forked.digest and all(
+            plan.program_bytes(s) == forked.program_bytes(s)
+            and np.array_equal(plan.load_payload(s).tensors, forked.load_payload(s).tensors)
+            for s in plan.slots
+        )
+        del plan
     finally:
         with reg.lock:
             model.tables.release()
     t0 = time.perf_counter()
     make_plan(META_MODEL, epoch, src, dst, opts, pause)
     t_lists = time.perf_counter() - t0
+    child = process.last_timings
     return {
         "meta_specs_source": len(src),
         "meta_specs_destination": len(dst),
-        "meta_slots": len(plan.slots),
+        "meta_slots": len(forked.slots),
         "meta_table_rebuilds": model.tables.rebuilds,
         "meta_snapshot_s": t_snap,
         "meta_digest_s": t_digest,
-        "meta_plan_s": t_plan,
-        # this thread's CPU time (the rest of meta_plan_s waited for a core), of it the
-        # kernel's (mostly page faults: the heap was handed back after the last plan)
-        "meta_plan_cpu_s": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime,
-        "meta_plan_sys_s": r1.ru_stime - r0.ru_stime,
-        "meta_plan_page_faults": r1.ru_minflt - r0.ru_minflt,
+        # the controller's path: a planning process builds the plan, then every program
+        "meta_plan_s": child["plan_s"],
+        "meta_all_programs_s": child["programs_s"],
+        "meta_plan_process_cpu_s": child["cpu_s"],
+        "meta_plan_process_wall_s": t_forked,  # fork to the programs mapped here
+        "meta_plan_thread_stall_ms": ticker.worst * 1e3,
+        "meta_plan_process_same_programs": same,
+        **here,
         "meta_plan_from_lists_s": t_lists,
-        "meta_plan_lists_over_tables": t_lists / t_plan if t_plan else 0.0,
-        "meta_first_program_s": t_first,
-        "meta_all_programs_s": t_all,
-        f"meta_all_programs_{threads}_threads_s": t_threads,
         "meta_program_mb": program_mb,
+    }
+
+
+def _plan_here(
+    model: str, epoch: int, s_tab: Any, d_tab: Any, opts: Any, pause: Any
+) -> dict[str, Any]:
+    """The same plan and every program built in this process (the reference): times, the
+    longest stall of another thread meanwhile, the plan itself ("plan")."""
+    from refitd.bench.plan import Ticker
+    from refitd.server.planning import make_plan
+
+    with Ticker() as ticker:
+        r0 = resource.getrusage(resource.RUSAGE_THREAD)
+        t0 = time.perf_counter()
+        plan = make_plan(model, epoch, s_tab, d_tab, opts, pause)
+        t_plan = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_THREAD)
+        t0 = time.perf_counter()
+        for s in plan.slots:
+            plan.load_payload(s)
+        t_all = time.perf_counter() - t0
+    return {
+        "meta_plan_in_process_s": t_plan,
+        "meta_all_programs_in_process_s": t_all,
+        # this thread's CPU time, of it the kernel's (mostly page faults)
+        "meta_plan_in_process_cpu_s": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime,
+        "meta_plan_in_process_sys_s": r1.ru_stime - r0.ru_stime,
+        "meta_plan_in_process_thread_stall_ms": ticker.worst * 1e3,
+        "plan": plan,
     }
 
 
@@ -203,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         # After the loop: building all 1024 programs is minutes of Python in this process,
         # which would hold up the leases of the metadata workers during the loop.
         meta["meta_plan_ahead_wait_s"] = ahead_s
-        meta |= _plan_meta(ctl, args.program_threads)
+        meta |= _plan_meta(ctl)
         log.warning("bench load: planned")
         result = _result(args, meta, _controls(ctl, args.warmup), loop_s, rss)
         print(json.dumps(result), flush=True)
