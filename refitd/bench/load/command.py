@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="metadata-only workers of the large model: 3/4 trainer ranks, the rest in two "
         "inference pools",
+    )
+    parser.add_argument(
+        "--pools", type=int, default=2, help="inference pools of the large model, 1/8 each"
     )
     parser.add_argument("--preset", default="kimi-k2", help="large model preset")
     parser.add_argument("--trainer-layout", default="tp=8,pp=8,ep=32")
@@ -183,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     rss: dict[str, float] = {"idle": me.memory_info().rss}
     meta_args = {
         "workers": args.workers,
+        "pools": args.pools,
         "preset": args.preset,
         "trainer_layout": args.trainer_layout,
         "inference_layout": args.inference_layout,
@@ -217,21 +222,21 @@ def run(args: argparse.Namespace) -> int:
             demo.refit(v)
         loop_s = time.perf_counter() - t_loop
         rss["loop_end"] = me.memory_info().rss
-        while not out.empty():
-            lost.append(out.get())
-        meta = _meta_figures(args, ctl, registered, lost)
-        # After the loop: building all 1024 programs is minutes of Python in this process,
-        # which would hold up the leases of the metadata workers during the loop.
-        meta["meta_plan_ahead_wait_s"] = ahead_s
-        meta |= _plan_meta(ctl)
+        # after the loop, with the metadata workers heartbeating: the plan again, timed
+        meta = {"meta_plan_ahead_wait_s": ahead_s, **_plan_meta(ctl)}
         log.warning("bench load: planned")
+        alive = _alive(ctl)
+        bench_stop.send(None)
+        rtt = _peers_stopped(out, lost)
+        meta |= _meta_figures(args, ctl, registered, lost, alive, rtt)
         result = _result(args, meta, _controls(ctl, args.warmup), loop_s, rss)
         print(json.dumps(result), flush=True)
         return 0
     finally:
         if demo is not None:
             demo.close()
-        bench_stop.send(None)
+        with contextlib.suppress(OSError):
+            bench_stop.send(None)
         peers.join(10)
         if peers.is_alive():
             peers.kill()
@@ -240,17 +245,40 @@ def run(args: argparse.Namespace) -> int:
         ctl.stop()
 
 
-def _meta_figures(
-    args: argparse.Namespace, ctl: Any, registered: tuple, lost: list[tuple]
-) -> dict[str, Any]:
-    """The metadata model's registration figures and what of it is alive at the end.
-    registered: the peers' (seconds, workers, specs, agents) and the bench's wall seconds."""
-    register_s, n_workers, n_specs, n_agents, wall_register_s = registered
+def _alive(ctl: Any) -> tuple[int, int]:
+    """(pools, workers) of the metadata model registered now."""
     with ctl.registry.lock:
-        meta_alive = len(ctl.registry.model(META_MODEL).pools)
-        meta_live = sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
+        pools = len(ctl.registry.model(META_MODEL).pools)
+        return pools, sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
+
+
+def _peers_stopped(out: Any, lost: list[tuple], timeout_s: float = 60.0) -> dict[str, float]:
+    """The metadata peers' last word once told to stop: the heartbeats refused meanwhile
+    (appended to `lost`) and their round-trip figures."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        msg = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        if msg[0] == "heartbeats":
+            return msg[1]
+        if msg[0] == "lost":
+            lost.append(msg)
+
+
+def _meta_figures(
+    args: argparse.Namespace,
+    ctl: Any,
+    registered: tuple,
+    lost: list[tuple],
+    alive: tuple[int, int],
+    rtt_all: dict[str, float],
+) -> dict[str, Any]:
+    """The metadata model's registration figures, heartbeats, and what of it was alive at
+    the end. registered: the peers' (seconds, workers, specs, agents, heartbeat round trips
+    so far) and the bench's wall seconds."""
+    register_s, n_workers, n_specs, n_agents, rtt, wall_register_s = registered
+    meta_alive, meta_live = alive
     return {
-        "meta_model": f"{args.preset} trainer {args.trainer_layout} + 2 pools "
+        "meta_model": f"{args.preset} trainer {args.trainer_layout} + {args.pools} pools "
         f"{args.inference_layout}",
         "meta_workers": n_workers,
         "meta_workers_registered_at_end": meta_live,
@@ -258,10 +286,16 @@ def _meta_figures(
         "meta_heartbeats_refused": len(lost),
         "meta_heartbeats_refused_why": dict(collections.Counter(m[1] for m in lost)),
         "meta_agents": n_agents,
-        "meta_worlds": list(worlds(args.workers)),
+        "meta_worlds": list(worlds(args.workers, args.pools)),
         "meta_specs": n_specs,
         "meta_register_s": register_s,
         "meta_register_wall_s": wall_register_s,
+        "meta_heartbeat_rtt_registering_max_s": rtt["max_s"],
+        "meta_heartbeat_rtt_registering_p99_s": rtt["p99_s"],
+        "meta_heartbeat_rtt_max_s": rtt_all["max_s"],
+        "meta_heartbeat_rtt_p99_s": rtt_all["p99_s"],
+        "meta_heartbeats": rtt_all["count"],
+        "meta_lease_s": ctl.settings.heartbeat_timeout_s,
     }
 
 

@@ -24,10 +24,11 @@ META_HOST = "bench-meta-host"
 META_MODEL = "meta"
 
 
-def worlds(workers: int) -> tuple[int, int]:
-    """(trainer world, inference world per pool): 3/4 + two pools of 1/8."""
+def worlds(workers: int, pools: int = 2) -> tuple[int, int]:
+    """(trainer world, inference world per pool): `pools` pools of 1/8, the rest trainer
+    ranks (two pools: 3/4 trainer; four: 1/2)."""
     pool = max(1, workers // 8)
-    return workers - 2 * pool, pool
+    return workers - pools * pool, pool
 
 
 def _registration(spec: Any, memory: bytes) -> Any:
@@ -65,9 +66,10 @@ def meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) -> 
         agent_ids, period = _light_agents(agents, args["workers"], streams)
         trainer_ids: list[str] = []  # appended by the registering threads
         subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
+        rtts: list[float] = []  # heartbeat round trips, seconds
         beat = threading.Thread(
             target=_heartbeats,
-            args=(agents, refit, agent_ids, trainer_ids, stop, out, period),
+            args=(agents, refit, agent_ids, trainer_ids, stop, out, period, rtts),
             daemon=True,
         )
         beat.start()
@@ -76,13 +78,23 @@ def meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) -> 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(4) as ex:
             list(ex.map(lambda r: _register(refit, r, trainer_ids, subscriptions), requests))
-        out.put(("registered", time.perf_counter() - t0, len(requests), n_specs, len(agent_ids)))
+        registered = (time.perf_counter() - t0, len(requests), n_specs, len(agent_ids))
+        out.put(("registered", *registered, _rtt_figures(rtts)))
         stop.wait()
         beat.join(30)
+        out.put(("heartbeats", _rtt_figures(rtts)))
         for s in streams + subscriptions:
             s.cancel()
     except Exception as e:  # reported to the bench, which fails with it
         out.put(("error", repr(e)))
+
+
+def _rtt_figures(rtts: list[float]) -> dict[str, float]:
+    """Count, p99 and max of the heartbeat round trips so far."""
+    got = sorted(rtts)
+    if not got:
+        return {"count": 0, "p99_s": 0.0, "max_s": 0.0}
+    return {"count": len(got), "p99_s": got[int(0.99 * (len(got) - 1))], "max_s": got[-1]}
 
 
 def _stopped_by(peer_stop: Any) -> threading.Event:
@@ -146,11 +158,12 @@ def _heartbeats(
     stop: threading.Event,
     out: Any,
     period: float,
+    rtts: list[float],
 ) -> None:
     """Keep the leases as the client library does: agents and trainer ranks heartbeat once a
     `period` (the controller's) each, at their own phase (spread over the period, as
     independent processes do); inference ranks hold a subscription instead. A refused
-    heartbeat is reported."""
+    heartbeat is reported; every round trip is appended to `rtts`."""
     from refitd._proto import refitd_pb2 as pb
 
     due: list[tuple[float, str, str]] = []  # (next beat, kind, id): a heap
@@ -158,7 +171,8 @@ def _heartbeats(
 
     in_flight: set[Any] = set()  # a dropped gRPC future cancels its call
 
-    def check(call: Any) -> None:
+    def check(call: Any, sent: float) -> None:
+        rtts.append(time.monotonic() - sent)
         in_flight.discard(call)
         if call.exception() is not None:
             out.put(("lost", str(call.exception().details())))
@@ -172,13 +186,14 @@ def _heartbeats(
         while due and due[0][0] <= now:
             at, kind, member = heapq.heappop(due)
             heapq.heappush(due, (max(at + period, now), kind, member))
+            sent = time.monotonic()
             call = (
                 agents.AgentHeartbeat.future(pb.AgentHeartbeatRequest(agent_id=member), timeout=30)
                 if kind == "agent"
                 else refit.Heartbeat.future(pb.HeartbeatRequest(worker_id=member), timeout=30)
             )
             in_flight.add(call)
-            call.add_done_callback(check)
+            call.add_done_callback(lambda c, sent=sent: check(c, sent))
 
 
 def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
@@ -188,12 +203,13 @@ def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
     from refitd.bench.presets import Parallel, build_specs, preset
 
     p = preset(args["preset"])
-    t_world, i_world = worlds(args["workers"])
-    sides = [
-        ("trainer", pb.ROLE_SOURCE, Parallel.parse(args["trainer_layout"], t_world), 0),
-        ("infer-0", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world),
-        ("infer-1", pb.ROLE_DESTINATION, Parallel.parse(args["inference_layout"], i_world), t_world + i_world),
-    ]  # fmt: skip
+    t_world, i_world = worlds(args["workers"], args["pools"])
+    inference = Parallel.parse(args["inference_layout"], i_world)
+    sides = [("trainer", pb.ROLE_SOURCE, Parallel.parse(args["trainer_layout"], t_world), 0)]
+    sides += [
+        (f"infer-{i}", pb.ROLE_DESTINATION, inference, t_world + i * i_world)
+        for i in range(args["pools"])
+    ]
     requests = []
     n_specs = 0
     for pool, role, par, base in sides:
