@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import resource
 import socket
@@ -37,7 +35,9 @@ from typing import Any
 import numpy as np
 
 from refitd.bench.light_agents import pct
-from refitd.bench.load.meta import META_MODEL, meta_peers, worlds
+from refitd.bench.load.faults import fault_roles, run_faults
+from refitd.bench.load.meta import META_MODEL, PeerRole, worlds
+from refitd.bench.load.peers import Peers, Registered
 
 log = logging.getLogger("refitd.bench.load")
 
@@ -56,6 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pools", type=int, default=2, help="inference pools of the large model, 1/8 each"
     )
     parser.add_argument("--preset", default="kimi-k2", help="large model preset")
+    parser.add_argument(
+        "--faults",
+        action="store_true",
+        help="instead of the small model's refits: refits of the large model, and in one "
+        "kill -9 of a tenth of its workers and of one agent, then their return",
+    )
+    parser.add_argument(
+        "--hold-s",
+        type=float,
+        default=2.0,
+        help="--faults: how long the light agents take to report an execute done",
+    )
     parser.add_argument("--trainer-layout", default="tp=8,pp=8,ep=32")
     parser.add_argument("--inference-layout", default="tp=8,ep=32")
     parser.add_argument("--model-mb", type=float, default=2.0, help="size of the small model")
@@ -175,74 +187,78 @@ def _await_plan_ahead(ctl: Any, timeout_s: float = 600.0) -> float:
 def run(args: argparse.Namespace) -> int:
     import psutil
 
-    from refitd.demo.gpt import GptConfig
-    from refitd.demo.run import Demo
-
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     me = psutil.Process()
     ctl, stop, agent = _start_controller(args)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    peer_stop, bench_stop = ctx.Pipe(duplex=False)
     rss: dict[str, float] = {"idle": me.memory_info().rss}
-    meta_args = {
-        "workers": args.workers,
-        "pools": args.pools,
-        "preset": args.preset,
-        "trainer_layout": args.trainer_layout,
-        "inference_layout": args.inference_layout,
-    }
-    peers = ctx.Process(
-        target=meta_peers, args=(ctl.grpc_address, meta_args, out, peer_stop), daemon=True
-    )
-    demo: Demo | None = None
+    peers = Peers(ctl.grpc_address, _meta_args(args))
+    demo: Any = None
     try:
-        peers.start()
-        t0 = time.perf_counter()
-        lost = []  # refused heartbeats: a metadata worker's lease expired
-        while (msg := out.get(timeout=1800))[0] == "lost":
-            lost.append(msg)
-        if msg[0] != "registered":
-            raise RuntimeError(f"metadata peers failed: {msg[0]}: {msg[1]}")
-        registered = (*msg[1:], time.perf_counter() - t0)
+        roles = fault_roles(args.workers, args.hold_s) if args.faults else [PeerRole()]
+        for role in roles:
+            peers.start(role)
+        registered = peers.registered([r.name for r in roles])
         rss["registered"] = me.memory_info().rss
         log.warning("bench load: registered")
         ahead_s = _await_plan_ahead(ctl)
         rss["planned"] = me.memory_info().rss  # the controller's plan and programs built
         rss["peak_to_planned"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         log.warning("bench load: the controller planned ahead in %.2f s", ahead_s)
-        demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
-        demo.start()
-        for v in range(1, args.warmup + 1):
-            demo.refit(v)
-        rss["loop_start"] = me.memory_info().rss
-        log.warning("bench load: refit loop starts")
-        t_loop = time.perf_counter()
-        for v in range(args.warmup + 1, args.warmup + args.refits + 1):
-            demo.refit(v)
-        loop_s = time.perf_counter() - t_loop
-        rss["loop_end"] = me.memory_info().rss
-        # after the loop, with the metadata workers heartbeating: the plan again, timed
-        meta = {"meta_plan_ahead_wait_s": ahead_s, **_plan_meta(ctl)}
-        log.warning("bench load: planned")
+        meta: dict[str, Any] = {"meta_plan_ahead_wait_s": ahead_s}
+        loop_s = 0.0
+        if args.faults:
+            meta |= run_faults(ctl, peers, roles, args.workers, me)
+        else:
+            demo, loop_s = _small_model_loop(ctl, args, me, rss)
+        # with the metadata workers heartbeating: the plan again, timed
+        if _alive(ctl)[1] == args.workers:
+            meta |= _plan_meta(ctl)
+            log.warning("bench load: planned")
         alive = _alive(ctl)
-        bench_stop.send(None)
-        rtt = _peers_stopped(out, lost)
-        meta |= _meta_figures(args, ctl, registered, lost, alive, rtt)
+        rtt = peers.stop()
+        meta |= _meta_figures(args, registered, peers.lost, alive, rtt, ctl)
         result = _result(args, meta, _controls(ctl, args.warmup), loop_s, rss)
         print(json.dumps(result), flush=True)
         return 0
     finally:
         if demo is not None:
             demo.close()
-        with contextlib.suppress(OSError):
-            bench_stop.send(None)
-        peers.join(10)
-        if peers.is_alive():
-            peers.kill()
+        peers.close()
         stop.set()
         agent.join(10)
         ctl.stop()
+
+
+def _meta_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "workers": args.workers,
+        "pools": args.pools,
+        "preset": args.preset,
+        "trainer_layout": args.trainer_layout,
+        "inference_layout": args.inference_layout,
+    }
+
+
+def _small_model_loop(
+    ctl: Any, args: argparse.Namespace, me: Any, rss: dict[str, float]
+) -> tuple[Any, float]:
+    """The small real model's --warmup, then --refits timed refits (each checked bit for
+    bit); returns the demo (for the caller to close) and the loop's seconds."""
+    from refitd.demo.gpt import GptConfig
+    from refitd.demo.run import Demo
+
+    demo = Demo(ctl.grpc_address, GptConfig.for_megabytes(args.model_mb), say=lambda _: None)
+    demo.start()
+    for v in range(1, args.warmup + 1):
+        demo.refit(v)
+    rss["loop_start"] = me.memory_info().rss
+    log.warning("bench load: refit loop starts")
+    t_loop = time.perf_counter()
+    for v in range(args.warmup + 1, args.warmup + args.refits + 1):
+        demo.refit(v)
+    loop_s = time.perf_counter() - t_loop
+    rss["loop_end"] = me.memory_info().rss
+    return demo, loop_s
 
 
 def _alive(ctl: Any) -> tuple[int, int]:
@@ -252,31 +268,22 @@ def _alive(ctl: Any) -> tuple[int, int]:
         return pools, sum(1 for w in ctl.registry.workers.values() if w.model == META_MODEL)
 
 
-def _peers_stopped(out: Any, lost: list[tuple], timeout_s: float = 60.0) -> dict[str, float]:
-    """The metadata peers' last word once told to stop: the heartbeats refused meanwhile
-    (appended to `lost`) and their round-trip figures."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        msg = out.get(timeout=max(0.1, deadline - time.monotonic()))
-        if msg[0] == "heartbeats":
-            return msg[1]
-        if msg[0] == "lost":
-            lost.append(msg)
-
-
 def _meta_figures(
     args: argparse.Namespace,
-    ctl: Any,
-    registered: tuple,
+    registered: dict[str, Registered],
     lost: list[tuple],
     alive: tuple[int, int],
     rtt_all: dict[str, float],
+    ctl: Any,
 ) -> dict[str, Any]:
-    """The metadata model's registration figures, heartbeats, and what of it was alive at
-    the end. registered: the peers' (seconds, workers, specs, agents, heartbeat round trips
-    so far) and the bench's wall seconds."""
-    register_s, n_workers, n_specs, n_agents, rtt, wall_register_s = registered
+    """The metadata model's registration figures (over the peer roles), heartbeats, and
+    what of it was alive at the end."""
+    regs = list(registered.values())
     meta_alive, meta_live = alive
+    rtt = {k: max(r.rtt[k] for r in regs) for k in ("max_s", "p99_s")}
+    register_s, wall_register_s = max(r.seconds for r in regs), max(r.wall_s for r in regs)
+    n_workers, n_specs = sum(r.workers for r in regs), sum(r.specs for r in regs)
+    n_agents = sum(r.agents for r in regs)
     return {
         "meta_model": f"{args.preset} trainer {args.trainer_layout} + {args.pools} pools "
         f"{args.inference_layout}",
@@ -375,9 +382,9 @@ def _result(
         "rss_registered_mb": rss["registered"] / 1e6,
         "rss_planned_mb": rss["planned"] / 1e6,
         "rss_peak_to_planned_mb": rss["peak_to_planned"] / 1e6,
-        "rss_loop_start_mb": rss["loop_start"] / 1e6,
-        "rss_loop_end_mb": rss["loop_end"] / 1e6,
-        "rss_growth": rss["loop_end"] / rss["loop_start"] - 1.0,
+        "rss_loop_start_mb": rss.get("loop_start", 0.0) / 1e6,
+        "rss_loop_end_mb": rss.get("loop_end", 0.0) / 1e6,
+        "rss_growth": rss["loop_end"] / rss["loop_start"] - 1.0 if "loop_end" in rss else None,
         "target_rss_growth": 0.05,
         "target_control_p99_ms": 20.0,
         "note": "controller and embedded agent in the bench process (RSS is that process; "

@@ -15,11 +15,19 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from refitd.bench.light_agents import answer_setup
+from refitd.bench.light_agents import answer_execute, answer_setup
+from refitd.bench.load.meta_refits import Told, serve_commands, subscriber
 
-SLOTS_PER_AGENT = 64
+
+def slots_per_agent(workers: int) -> int:
+    """Slots of each light agent: 64 (an 8-GPU host's worth of ranks eight times over),
+    fewer for small runs so that they have eight agents."""
+    return max(1, min(64, workers // 8))
+
+
 META_HOST = "bench-meta-host"
 META_MODEL = "meta"
 
@@ -47,14 +55,31 @@ def _registration(spec: Any, memory: bytes) -> Any:
     )
 
 
-def meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) -> None:
-    """Peer process: light agents for every metadata slot, then every metadata worker
-    registered through gRPC (4 client threads); reports ("registered", seconds)."""
+@dataclass(frozen=True)
+class PeerRole:
+    """What one peer process holds (`bench load --faults` runs several, to kill some):
+    the workers whose registration index % `of` is in `share`, the light agents whose index
+    is in `agents` (None: all), and, with `refits`, the metadata model's refits (executes
+    answered after `hold_s`, version events acked, Refit called when the bench says)."""
+
+    name: str = "peers"
+    share: tuple[int, ...] = (0,)
+    of: int = 1
+    agents: tuple[int, ...] | None = None
+    refits: bool = False
+    hold_s: float = 0.0
+
+
+def meta_peers(address: str, args: dict[str, Any], role: PeerRole, out: Any, commands: Any) -> None:
+    """Peer process: its light agents, then its metadata workers registered through gRPC
+    (4 client threads), leases kept; reports ("registered", name, seconds, workers, specs,
+    agents, heartbeat round trips) and serves the bench's commands (meta_refits.py)
+    until told to stop, then reports ("heartbeats", name, round trips)."""
     import grpc
 
     from refitd._proto import refitd_pb2_grpc as pbg
 
-    stop = _stopped_by(peer_stop)
+    stop = threading.Event()
     try:
         ch = grpc.insecure_channel(
             address,
@@ -63,7 +88,8 @@ def meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) -> 
         agents = pbg.AgentControlStub(ch)
         refit = pbg.RefitStub(ch)
         streams: list[Any] = []
-        agent_ids, period = _light_agents(agents, args["workers"], streams)
+        hold = role.hold_s if role.refits else None
+        agent_ids, period = _light_agents(agents, args["workers"], streams, role.agents, hold)
         trainer_ids: list[str] = []  # appended by the registering threads
         subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
         rtts: list[float] = []  # heartbeat round trips, seconds
@@ -75,18 +101,22 @@ def meta_peers(address: str, args: dict[str, Any], out: Any, peer_stop: Any) -> 
         beat.start()
         time.sleep(0.5)  # agent streams open
         requests, n_specs = _meta_requests(args)
+        mine = [r for i, r in enumerate(requests) if i % role.of in role.share]
+        told = Told()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(4) as ex:
-            list(ex.map(lambda r: _register(refit, r, trainer_ids, subscriptions), requests))
-        registered = (time.perf_counter() - t0, len(requests), n_specs, len(agent_ids))
-        out.put(("registered", *registered, _rtt_figures(rtts)))
-        stop.wait()
+            ex_args = (refit, trainer_ids, subscriptions, told if role.refits else None)
+            list(ex.map(lambda r: _register(r, *ex_args), mine))
+        n_specs = sum(len(r.tensors) for r in mine)
+        registered = (time.perf_counter() - t0, len(mine), n_specs, len(agent_ids))
+        out.put(("registered", role.name, *registered, _rtt_figures(rtts)))
+        serve_commands(commands, out, role.name, stop, refit, trainer_ids, told)
         beat.join(30)
-        out.put(("heartbeats", _rtt_figures(rtts)))
+        out.put(("heartbeats", role.name, _rtt_figures(rtts)))
         for s in streams + subscriptions:
             s.cancel()
     except Exception as e:  # reported to the bench, which fails with it
-        out.put(("error", repr(e)))
+        out.put(("error", role.name, repr(e)))
 
 
 def _rtt_figures(rtts: list[float]) -> dict[str, float]:
@@ -97,25 +127,19 @@ def _rtt_figures(rtts: list[float]) -> dict[str, float]:
     return {"count": len(got), "p99_s": got[int(0.99 * (len(got) - 1))], "max_s": got[-1]}
 
 
-def _stopped_by(peer_stop: Any) -> threading.Event:
-    """An event set when the bench closes (or sends on) its end of the pipe: unlike a
-    multiprocessing Event, that never blocks the bench when this process is gone."""
-    stop = threading.Event()
-
-    def watch() -> None:
-        with contextlib.suppress(EOFError, OSError):
-            peer_stop.recv()
-        stop.set()
-
-    threading.Thread(target=watch, daemon=True).start()
-    return stop
-
-
-def _light_agents(agents: Any, workers: int, streams: list[Any]) -> tuple[list[str], float]:
-    """Register agents of SLOTS_PER_AGENT slots for `workers` slots; each answers
-    connect/load at once from a thread and moves no bytes. Their command streams are
-    appended to `streams`; returns the agent ids and the heartbeat period the controller
-    hands out."""
+def _light_agents(
+    agents: Any,
+    workers: int,
+    streams: list[Any],
+    which: tuple[int, ...] | None,
+    hold_s: float | None,
+) -> tuple[list[str], float]:
+    """Register the agents `which` (None: all) of `slots_per_agent` slots each, of the
+    agents for `workers` slots; each answers connect/load at once from a thread and moves
+    no bytes, and, when `hold_s` is given, reports an execute's sources released at once
+    and the execute done after `hold_s`. Their
+    command streams are appended to `streams`; returns the agent ids and the heartbeat
+    period the controller hands out."""
     import grpc
 
     from refitd._proto import refitd_pb2 as pb
@@ -123,14 +147,18 @@ def _light_agents(agents: Any, workers: int, streams: list[Any]) -> tuple[list[s
     def drain(agent_id: str, stream: Any, slots: list[int]) -> None:
         with contextlib.suppress(grpc.RpcError):
             for cmd in stream:
-                answer_setup(agents, agent_id, cmd, slots)
+                kind = answer_setup(agents, agent_id, cmd, slots)
+                if kind == "execute" and hold_s is not None:
+                    args = (agents, agent_id, cmd, hold_s)
+                    threading.Thread(target=_executed, args=args, daemon=True).start()
 
     agent_ids: list[str] = []
     period = 1.0
-    for a in range(-(-workers // SLOTS_PER_AGENT)):
-        devices = [
-            f"cpu:{i}" for i in range(a * SLOTS_PER_AGENT, min(workers, (a + 1) * SLOTS_PER_AGENT))
-        ]
+    per = slots_per_agent(workers)
+    for a in range(-(-workers // per)):
+        if which is not None and a not in which:
+            continue
+        devices = [f"cpu:{i}" for i in range(a * per, min(workers, (a + 1) * per))]
         resp = agents.RegisterAgent(
             pb.RegisterAgentRequest(
                 host=META_HOST,
@@ -148,6 +176,15 @@ def _light_agents(agents: Any, workers: int, streams: list[Any]) -> tuple[list[s
             target=drain, args=(resp.agent_id, s, list(resp.slot_ids)), daemon=True
         ).start()
     return agent_ids, period
+
+
+def _executed(agents: Any, agent_id: str, cmd: Any, hold_s: float) -> None:
+    """An execute's reports (sources released at once, done after `hold_s`), unless the
+    controller is gone."""
+    import grpc
+
+    with contextlib.suppress(grpc.RpcError):
+        answer_execute(agents, agent_id, cmd, hold_s)
 
 
 def _heartbeats(
@@ -237,13 +274,22 @@ def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
     return requests, n_specs
 
 
-def _register(refit: Any, req: Any, trainer_ids: list[str], subscriptions: list[Any]) -> None:
+def _register(
+    req: Any, refit: Any, trainer_ids: list[str], subscriptions: list[Any], told: Told | None
+) -> None:
     """Register one metadata worker: a trainer rank joins the heartbeats, an inference rank
-    subscribes (its lease)."""
+    subscribes (its lease); with `told`, a thread reads and acks its events."""
     from refitd._proto import refitd_pb2 as pb
 
     worker_id = refit.RegisterWorker(req, timeout=300).worker_id
     if req.role == pb.ROLE_SOURCE:
         trainer_ids.append(worker_id)
-    else:
-        subscriptions.append(refit.Subscribe(pb.SubscribeRequest(worker_id=worker_id)))
+        return
+    stream = refit.Subscribe(pb.SubscribeRequest(worker_id=worker_id))
+    subscriptions.append(stream)
+    if told is not None:
+        threading.Thread(
+            target=subscriber,
+            args=(refit, worker_id, (req.pool, req.rank), stream, told),
+            daemon=True,
+        ).start()
