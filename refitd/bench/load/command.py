@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--preset", default="kimi-k2", help="large model preset")
     parser.add_argument(
+        "--no-references",
+        action="store_true",
+        help="skip the same-run references of the large model's plan (built in this process "
+        "and from spec lists): at 4,096 workers each holds the interpreter for seconds",
+    )
+    parser.add_argument(
         "--faults",
         action="store_true",
         help="instead of the small model's refits: refits of the large model, and in one "
@@ -73,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-mb", type=float, default=2.0, help="size of the small model")
 
 
-def _plan_meta(ctl: Any) -> dict[str, Any]:
+def _plan_meta(ctl: Any, references: bool = True) -> dict[str, Any]:
     """Plan the metadata model on the controller's path while the metadata workers
     heartbeat: tables snapshot -> digest -> the plan and every slot's program from a
     planning process (plan_process.py: the child's own plan and program times, the wall
@@ -105,20 +111,25 @@ def _plan_meta(ctl: Any) -> dict[str, Any]:
             t_forked = time.perf_counter() - t0
         log.warning("bench load: plan and programs from a planning process %.2f s", t_forked)
         program_mb = sum(len(forked.load_payload(s).program) for s in forked.slots) / 1e6
-        here = _plan_here(META_MODEL, epoch, s_tab, d_tab, opts, pause)
-        plan = here.pop("plan")
-        same = plan.digest == forked.digest and all(
-            plan.program_bytes(s) == forked.program_bytes(s)
-            and np.array_equal(plan.load_payload(s).tensors, forked.load_payload(s).tensors)
-            for s in plan.slots
-        )
-        del plan
+        here: dict[str, Any] = {}
+        same = None
+        if references:
+            here = _plan_here(META_MODEL, epoch, s_tab, d_tab, opts, pause)
+            plan = here.pop("plan")
+            same = plan.digest == forked.digest and all(
+                plan.program_bytes(s) == forked.program_bytes(s)
+                and np.array_equal(plan.load_payload(s).tensors, forked.load_payload(s).tensors)
+                for s in plan.slots
+            )
+            del plan
     finally:
         with reg.lock:
             model.tables.release()
-    t0 = time.perf_counter()
-    make_plan(META_MODEL, epoch, src, dst, opts, pause)
-    t_lists = time.perf_counter() - t0
+    t_lists = None
+    if references:
+        t0 = time.perf_counter()
+        make_plan(META_MODEL, epoch, src, dst, opts, pause)
+        t_lists = time.perf_counter() - t0
     child = process.last_timings
     return {
         "meta_specs_source": len(src),
@@ -212,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             demo, loop_s = _small_model_loop(ctl, args, me, rss)
         # with the metadata workers heartbeating: the plan again, timed
         if _alive(ctl)[1] == args.workers:
-            meta |= _plan_meta(ctl)
+            meta |= _plan_meta(ctl, not args.no_references)
             log.warning("bench load: planned")
         alive = _alive(ctl)
         rtt = peers.stop()
