@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--preset", default="kimi-k2", help="large model preset")
     parser.add_argument(
+        "--lease-s",
+        type=float,
+        default=10.0,
+        help="the controller's lease (heartbeat_timeout_s); the heartbeat period handed out "
+        "is a quarter of it (4,096 ranks at 2.5 s are 850 heartbeats a second)",
+    )
+    parser.add_argument(
         "--no-references",
         action="store_true",
         help="skip the same-run references of the large model's plan (built in this process "
@@ -334,6 +341,8 @@ def _start_controller(args: argparse.Namespace) -> tuple[Any, threading.Event, t
         cpu_slots=DEMO_SLOTS,
         log_level="warning",
         history_size=max(50, args.refits + args.warmup),
+        heartbeat_timeout_s=args.lease_s,
+        heartbeat_interval_s=args.lease_s / 4,
     )
     ctl = Controller(settings).start()
     stop = threading.Event()
