@@ -116,6 +116,8 @@ def test_bench_load_tiny() -> None:
     assert doc["meta_plan_process_same_programs"] is True
     assert doc["meta_plan_s"] > 0 and doc["meta_all_programs_s"] > 0
     assert doc["meta_heartbeats"] > 0 and doc["meta_heartbeats_refused"] == 0
+    assert doc["meta_heartbeat_rtt_max_planning_process_s"] >= 0
+    assert doc["meta_heartbeat_rtt_max_planning_in_process_s"] >= 0
 
 
 def test_program_index_released_once_every_program_is_encoded() -> None:

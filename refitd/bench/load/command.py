@@ -113,15 +113,18 @@ def _plan_meta(ctl: Any, references: bool = True) -> dict[str, Any]:
         t_digest = time.perf_counter() - t0
         process = PlanningProcess(timeout_s=ctl.settings.plan_timeout_s)
         with Ticker() as ticker:
-            t0 = time.perf_counter()
+            t0, m0 = time.perf_counter(), time.monotonic()
             forked = make_plan(META_MODEL, epoch, s_tab, d_tab, opts, pause, digest, process)
             t_forked = time.perf_counter() - t0
+        windows = {"process": (m0, time.monotonic())}
         log.warning("bench load: plan and programs from a planning process %.2f s", t_forked)
         program_mb = sum(len(forked.load_payload(s).program) for s in forked.slots) / 1e6
         here: dict[str, Any] = {}
         same = None
         if references:
+            m0 = time.monotonic()
             here = _plan_here(META_MODEL, epoch, s_tab, d_tab, opts, pause)
+            windows["in_process"] = (m0, time.monotonic())
             plan = here.pop("plan")
             same = plan.digest == forked.digest and all(
                 plan.program_bytes(s) == forked.program_bytes(s)
@@ -155,6 +158,7 @@ def _plan_meta(ctl: Any, references: bool = True) -> dict[str, Any]:
         **here,
         "meta_plan_from_lists_s": t_lists,
         "meta_program_mb": program_mb,
+        "windows": windows,  # monotonic spans of the plans, for the heartbeats' figures
     }
 
 
@@ -231,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
         # with the metadata workers heartbeating: the plan again, timed
         if _alive(ctl)[1] == args.workers:
             meta |= _plan_meta(ctl, not args.no_references)
+            for what, span in meta.pop("windows").items():  # heartbeats while planning
+                rtt = peers.rtts(*span)
+                meta[f"meta_heartbeat_rtt_max_planning_{what}_s"] = rtt["max_s"]
+                meta[f"meta_heartbeat_rtt_p99_planning_{what}_s"] = rtt["p99_s"]
             log.warning("bench load: planned")
         alive = _alive(ctl)
         rtt = peers.stop()

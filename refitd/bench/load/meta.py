@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refitd.bench.light_agents import answer_execute, answer_setup
-from refitd.bench.load.meta_refits import Told, serve_commands, subscriber
+from refitd.bench.load.meta_refits import Told, rtt_figures, serve_commands, subscriber
 
 
 def slots_per_agent(workers: int) -> int:
@@ -92,7 +92,7 @@ def meta_peers(address: str, args: dict[str, Any], role: PeerRole, out: Any, com
         agent_ids, period = _light_agents(agents, args["workers"], streams, role.agents, hold)
         trainer_ids: list[str] = []  # appended by the registering threads
         subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
-        rtts: list[float] = []  # heartbeat round trips, seconds
+        rtts: list[tuple[float, float]] = []  # heartbeats: (sent, round trip), seconds
         beat = threading.Thread(
             target=_heartbeats,
             args=(agents, refit, agent_ids, trainer_ids, stop, out, period, rtts),
@@ -109,22 +109,14 @@ def meta_peers(address: str, args: dict[str, Any], role: PeerRole, out: Any, com
             list(ex.map(lambda r: _register(r, *ex_args), mine))
         n_specs = sum(len(r.tensors) for r in mine)
         registered = (time.perf_counter() - t0, len(mine), n_specs, len(agent_ids))
-        out.put(("registered", role.name, *registered, _rtt_figures(rtts)))
-        serve_commands(commands, out, role.name, stop, refit, trainer_ids, told)
+        out.put(("registered", role.name, *registered, rtt_figures(rtts)))
+        serve_commands(commands, out, role, stop, refit, trainer_ids, told, rtts)
         beat.join(30)
-        out.put(("heartbeats", role.name, _rtt_figures(rtts)))
+        out.put(("heartbeats", role.name, rtt_figures(rtts)))
         for s in streams + subscriptions:
             s.cancel()
     except Exception as e:  # reported to the bench, which fails with it
         out.put(("error", role.name, repr(e)))
-
-
-def _rtt_figures(rtts: list[float]) -> dict[str, float]:
-    """Count, p99 and max of the heartbeat round trips so far."""
-    got = sorted(rtts)
-    if not got:
-        return {"count": 0, "p99_s": 0.0, "max_s": 0.0}
-    return {"count": len(got), "p99_s": got[int(0.99 * (len(got) - 1))], "max_s": got[-1]}
 
 
 def _light_agents(
@@ -195,7 +187,7 @@ def _heartbeats(
     stop: threading.Event,
     out: Any,
     period: float,
-    rtts: list[float],
+    rtts: list[tuple[float, float]],
 ) -> None:
     """Keep the leases as the client library does: agents and trainer ranks heartbeat once a
     `period` (the controller's) each, at their own phase (spread over the period, as
@@ -209,7 +201,7 @@ def _heartbeats(
     in_flight: set[Any] = set()  # a dropped gRPC future cancels its call
 
     def check(call: Any, sent: float) -> None:
-        rtts.append(time.monotonic() - sent)
+        rtts.append((sent, time.monotonic() - sent))
         in_flight.discard(call)
         if call.exception() is not None:
             out.put(("lost", str(call.exception().details())))

@@ -82,18 +82,32 @@ def refit_all(refit: Any, trainer_ids: list[str], version: int, timeout_s: float
     }
 
 
+def rtt_figures(
+    rtts: list[tuple[float, float]], since: float = 0.0, until: float = float("inf")
+) -> dict[str, float]:
+    """Count, p99 and max of the round trips of the heartbeats sent in [since, until]
+    (monotonic; the clock is the host's, shared by the bench's processes)."""
+    got = sorted(r for t, r in list(rtts) if since <= t <= until)
+    if not got:
+        return {"count": 0, "p99_s": 0.0, "max_s": 0.0}
+    return {"count": len(got), "p99_s": got[int(0.99 * (len(got) - 1))], "max_s": got[-1]}
+
+
 def serve_commands(
     commands: Any,
     out: Any,
-    name: str,
+    role: Any,
     stop: threading.Event,
     refit: Any,
     trainer_ids: list[str],
     told: Told,
+    rtts: list[tuple[float, float]],
 ) -> None:
-    """The bench's commands to this peer, until it closes the pipe or sends None:
-    ("refit", version, timeout_s) -> ("refit", name, version, result) on `out` once this
-    peer's calls returned; ("told",) -> ("told", name, what each rank was told)."""
+    """The bench's commands to this peer (of PeerRole `role`), until it closes the pipe or
+    sends None: ("refit", version, timeout_s) -> ("refit", name, version, result) on `out`
+    once this peer's calls returned; ("told",) -> ("told", name, what each rank was told);
+    ("rtts", since, until) -> ("rtts", name, figures of the heartbeats sent meanwhile)."""
+    name = role.name
 
     def run(version: int, timeout_s: float) -> None:
         out.put(("refit", name, version, refit_all(refit, trainer_ids, version, timeout_s)))
@@ -104,4 +118,6 @@ def serve_commands(
                 threading.Thread(target=run, args=msg[1:], daemon=True).start()
             elif msg[0] == "told":
                 out.put(("told", name, told.snapshot()))
+            elif msg[0] == "rtts":
+                out.put(("rtts", name, rtt_figures(rtts, *msg[1:])))
     stop.set()

@@ -85,6 +85,16 @@ class Peers:
         with contextlib.suppress(OSError):
             self.pipes[name].send(msg)
 
+    def rtts(self, since: float, until: float, timeout_s: float = 60.0) -> dict[str, float]:
+        """Round trips of the heartbeats the live roles sent in [since, until] (monotonic):
+        the longest max and p99 over roles, the total count."""
+        live = [n for n, p in self.procs.items() if p.is_alive()]
+        for name in live:
+            self.send(name, ("rtts", since, until))
+        deadline = time.monotonic() + timeout_s
+        got = [self.next(deadline, lambda m, n=n: m[:2] == ("rtts", n))[2] for n in live]
+        return _combined(got)
+
     def kill(self, name: str) -> None:
         """kill -9 the role's process and reap it."""
         p = self.procs[name]
@@ -99,16 +109,11 @@ class Peers:
         for name in live:
             self.send(name, None)
         deadline = time.monotonic() + timeout_s
-        rtt = {"count": 0, "p99_s": 0.0, "max_s": 0.0}
+        got = []
         for _ in live:
             with contextlib.suppress(TimeoutError):
-                _, _, r = self.next(deadline, lambda m: m[0] == "heartbeats")
-                rtt = {
-                    "count": rtt["count"] + r["count"],
-                    "p99_s": max(rtt["p99_s"], r["p99_s"]),
-                    "max_s": max(rtt["max_s"], r["max_s"]),
-                }
-        return rtt
+                got.append(self.next(deadline, lambda m: m[0] == "heartbeats")[2])
+        return _combined(got)
 
     def close(self) -> None:
         for name, p in self.procs.items():
@@ -116,3 +121,12 @@ class Peers:
             p.join(10)
             if p.is_alive():
                 p.kill()
+
+
+def _combined(figures: list[dict[str, float]]) -> dict[str, float]:
+    """Round-trip figures of several roles: the longest max and p99, the total count."""
+    return {
+        "count": sum(f["count"] for f in figures),
+        "p99_s": max((f["p99_s"] for f in figures), default=0.0),
+        "max_s": max((f["max_s"] for f in figures), default=0.0),
+    }
