@@ -1,20 +1,22 @@
 """`refitd bench load`: a controller under cluster-scale registrations, 1000 small refits.
 
 In this process: a real controller (`Controller`, gRPC on loopback) and its embedded node
-agent with real transfer processes, as `refitd serve` runs them. A spawned peer process
-registers `--workers` workers of a large model (default kimi-k2: trainer tp=8,pp=8,ep=32,
-inference pools tp=8,ep=32) through the real gRPC API, on slots of light agent threads:
-their memory handles are metadata only (never mapped, no slot executes them; the light
-agents only keep their command streams open). The controller then plans that model
-through its own path: once every pool is registered it builds the plan and all programs
-ahead (plan_ahead), and the bench waits for that (its RSS then is `rss_planned_mb`).
-Then a small real model (the demo GPT: tp=2,pp=2 trainer, two inference pools, on
-the embedded agent's 4 CPU slots) runs `--refits` consecutive refits, each checked bit for
-bit by the inference ranks. Reported: controller RSS at the start and the end of the refit
-loop, p50/p99 control latency as in `bench control` (start: Refit of the last rank -> all
-ExecuteCommands sent; end: last DONE -> committed), registration and plan times (a plan
-built again from the kept tables, timed, after the loop; compared with a plan from
-TensorSpec lists built in the same run).
+agent with real transfer processes, as `refitd serve` runs them. Spawned peer processes
+(peers.py, meta.py) register `--workers` workers of a large model (default kimi-k2:
+trainer tp=8,pp=8,ep=32, `--pools` inference pools tp=8,ep=32 of 1/8 each) through the
+real gRPC API, on slots of light agent threads: their memory handles are metadata only
+(never mapped; the light agents answer commands without moving bytes). They keep their
+leases as the client library does. Once every pool is registered the controller builds
+the plan and all programs ahead (plan_ahead, in a planning process), and the bench waits
+for that (its RSS then is `rss_planned_mb`). Then a small real model (the demo GPT: tp=2,pp=2
+trainer, two inference pools, on the embedded agent's 4 CPU slots) runs `--refits`
+consecutive refits, each checked bit for bit by the inference ranks; with `--faults`, the
+large model refits instead and a tenth of its workers and one agent are killed in one of
+them (faults.py). Reported: controller RSS, p50/p99 control latency as in `bench control`
+(start: Refit of the last rank -> all ExecuteCommands sent; end: last DONE -> committed),
+registration figures, heartbeat round trips, and the large model planned again while the
+workers heartbeat: by a planning process (the controller's path) and, as same-run
+references, in this process (programs compared byte for byte) and from TensorSpec lists.
 Prints one JSON line.
 """
 
