@@ -100,8 +100,7 @@ def meta_peers(address: str, args: dict[str, Any], role: PeerRole, out: Any, com
         )
         beat.start()
         time.sleep(0.5)  # agent streams open
-        requests, n_specs = _meta_requests(args)
-        mine = [r for i, r in enumerate(requests) if i % role.of in role.share]
+        mine = _meta_requests(args, role)
         told = Told()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(4) as ex:
@@ -225,9 +224,9 @@ def _heartbeats(
             call.add_done_callback(lambda c, sent=sent: check(c, sent))
 
 
-def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
-    """The RegisterWorkerRequests of every metadata worker (the preset's trainer and two
-    inference pools) and their total tensor count."""
+def _meta_requests(args: dict[str, Any], role: PeerRole) -> list[Any]:
+    """The RegisterWorkerRequests of the metadata workers of `role` (of the preset's
+    trainer and inference pools, in order: those whose index % role.of is in role.share)."""
     from refitd._proto import refitd_pb2 as pb
     from refitd.bench.presets import Parallel, build_specs, preset
 
@@ -240,18 +239,20 @@ def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
         for i in range(args["pools"])
     ]
     requests = []
-    n_specs = 0
-    for pool, role, par, base in sides:
+    index = -1
+    for pool, kind, par, base in sides:
         by_rank: dict[int, list[Any]] = {}
         for spec in build_specs(p, par, META_MODEL, pool, base):
             by_rank.setdefault(spec.rank, []).append(spec)
         for rank, specs in sorted(by_rank.items()):
-            n_specs += len(specs)
+            index += 1
+            if index % role.of not in role.share:
+                continue
             requests.append(
                 pb.RegisterWorkerRequest(
                     model=META_MODEL,
                     pool=pool,
-                    role=role,
+                    role=kind,
                     rank=rank,
                     pool_size=par.world,
                     host=META_HOST,
@@ -263,7 +264,7 @@ def _meta_requests(args: dict[str, Any]) -> tuple[list[Any], int]:
                     ],
                 )
             )
-    return requests, n_specs
+    return requests
 
 
 def _register(
