@@ -186,10 +186,11 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="lease: dead after this silence")
     # --- controller internals
     grpc_workers: int = Field(
-        2048,
+        8192,
         ge=8,
         description="gRPC thread pool, started on demand: every open stream (a subscribed "
-        "inference rank, a node agent) holds one, so keep it above their count plus 64",
+        "inference rank, a node agent) holds one, so keep it above their count plus 64 (at "
+        "4,096 ranks, 2,048 subscribed ranks and 64 agents hold 2,112)",
     )
     grpc_max_pending: int = Field(
         16384,
