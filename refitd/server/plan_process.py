@@ -28,6 +28,7 @@ import pickle
 import select
 import signal
 import struct
+import threading
 import time
 import traceback
 import warnings
@@ -264,6 +265,8 @@ class PlanningProcess:
     died: int = 0
     last_pid: int = 0
     last_timings: dict[str, float] = field(default_factory=dict)
+    _running: int = 0  # children alive: the parent's collector stays frozen meanwhile
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def build(
         self,
@@ -282,6 +285,7 @@ class PlanningProcess:
             if self.on_start is not None:
                 self.on_start(pid)
 
+        self._freeze()
         try:
             fp = build_forked(
                 model, epoch, sources, destinations, config, digest, self.timeout_s, started
@@ -289,5 +293,21 @@ class PlanningProcess:
         except ControlError:
             self.died += 1
             raise
+        finally:
+            self._thaw()
         self.last_timings = fp.timings
         return fp
+
+    def _freeze(self) -> None:
+        """While a child runs, the collector leaves the objects it shares with this process
+        alone: a full collection writes to every tracked object's header, which would copy
+        every shared page (a million faults at 4,096 ranks) and stall this process."""
+        with self._lock:
+            self._running += 1
+            gc.freeze()
+
+    def _thaw(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if not self._running:
+                gc.unfreeze()
