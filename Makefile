@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,adapters]'
+	$(BIN)/pip install -q -e '.[dev,adapters,rdma]'
 	touch $(STAMP)
 
 install: $(STAMP)

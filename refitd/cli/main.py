@@ -41,6 +41,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "replay a plan's messages on a link model (NICs, NVLink, fair sharing)",
     ),
     "delta": ("refitd.bench.delta", "delta refits vs dense refits of the same versions"),
+    "rdma": ("refitd.bench.rdma", "one-sided Mooncake writes vs a raw Gloo pair (loopback)"),
 }
 
 

@@ -1,0 +1,435 @@
+"""`mooncake`: one-sided writes into a peer's registered memory through Mooncake Transfer
+Engine (the optional extra `refitd[rdma]`), over RDMA on a fabric or TCP elsewhere.
+
+A destination registers its memory once per program load (`MooncakeEndpoint.register`) and
+publishes `descriptor()`: its engine's session ("host:port"), its buffers and a digest that
+also sits in a small registered stamp of the destination's. A writer registers its sources,
+`open`s the descriptor (which checks the digest against the live stamp with a one-sided read,
+so a descriptor of an earlier registration or of a restarted peer is refused) and posts
+batches of (local address, remote address, bytes) writes. Every write is checked against
+both registrations before it is posted; every failure is a TransportError naming the peer
+slot and the message. Polling sleeps between checks: the engine's own threads do the copying
+and a spinning waiter would take a core from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refitd.transport.errors import TransportError
+
+PROTOCOLS = ("tcp", "rdma")
+RDMA_SYSFS = Path("/sys/class/infiniband")
+STAMP_BYTES = 64
+MAGIC = b"refitd-mc1:"
+# Debian packages that provide the shared libraries the engine links.
+DEBIAN_PACKAGES = {
+    "libibverbs.so.1": "libibverbs1",
+    "libnuma.so.1": "libnuma1",
+    "libcurl.so.4": "libcurl4",
+}
+
+
+def mooncake_unavailable_reason() -> str | None:
+    """Why Mooncake Transfer Engine cannot be imported here, naming what to install; None
+    when it can."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # read once, when the engine loads
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as e:
+        lib = re.search(r"(lib[\w+-]+\.so[.\d]*): cannot open shared object", str(e))
+        if lib:
+            pkg = DEBIAN_PACKAGES.get(lib.group(1), "the package that provides it")
+            return f"{lib.group(1)} is missing (Debian: apt-get install {pkg})"
+        return (
+            f"Mooncake Transfer Engine is not installed ({e}): pip install 'refitd[rdma]' "
+            "(mooncake-transfer-engine-non-cuda; GPU hosts: mooncake-transfer-engine)"
+        )
+    return None
+
+
+def rdma_devices_present() -> list[str]:
+    """RDMA devices the kernel exposes (mlx5_0, ...), empty where there is no fabric."""
+    return sorted(p.name for p in RDMA_SYSFS.iterdir()) if RDMA_SYSFS.is_dir() else []
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeOptions:
+    """How an endpoint's engine runs. The engine reads its tunables from the environment
+    once per process, so every endpoint of a process shares them."""
+
+    protocol: str = "tcp"  # tcp, or rdma (one-sided RDMA WRITEs; needs devices)
+    devices: tuple[str, ...] = ()  # RDMA devices to use (empty: every one found)
+    host: str = "127.0.0.1"  # the address peers reach this engine at (the data plane)
+    slice_bytes: int = 1 << 20  # TCP: bytes per socket write of the engine
+    lanes: int = 4  # TCP: connections per peer
+    split_bytes: int = 64 << 20  # writes above this are posted as several requests
+    window: int = 256  # requests in flight per Work
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOp:
+    """Write nbytes from this process's address `local` to the peer's address `remote`."""
+
+    local: int
+    remote: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentDescriptor:
+    """What a writer needs to reach a destination's registered memory."""
+
+    slot: int
+    session: str
+    token: str  # the registration the owner named (e.g. plan digest and epoch)
+    buffers: tuple[tuple[int, int], ...]  # (address, nbytes), sorted
+    stamp: int  # address of the owner's registered stamp, which holds `digest`
+    digest: str
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> SegmentDescriptor:
+        try:
+            d = json.loads(raw)
+            desc = SegmentDescriptor(
+                slot=int(d["slot"]),
+                session=str(d["session"]),
+                token=str(d["token"]),
+                buffers=tuple((int(a), int(n)) for a, n in d["buffers"]),
+                stamp=int(d["stamp"]),
+                digest=str(d["digest"]),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise TransportError(f"malformed mooncake segment descriptor: {e}") from e
+        if desc.digest != _digest(desc.slot, desc.session, desc.token, desc.buffers, desc.stamp):
+            raise TransportError(
+                f"segment descriptor of slot {desc.slot} does not match its digest "
+                "(altered, or assembled from two registrations)"
+            )
+        return desc
+
+
+def _digest(slot: int, session: str, token: str, buffers: Sequence[Any], stamp: int) -> str:
+    text = json.dumps([slot, session, token, [list(b) for b in buffers], stamp])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class _Ranges:
+    """Sorted, disjoint (address, nbytes) ranges and a containment check."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self.ranges = sorted((int(a), int(n)) for a, n in ranges)
+        self._starts = [a for a, _ in self.ranges]
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        i = bisect_right(self._starts, addr) - 1
+        return i >= 0 and addr + nbytes <= self.ranges[i][0] + self.ranges[i][1]
+
+    def overlap(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        for prev, cur in zip(self.ranges, self.ranges[1:], strict=False):
+            if prev[0] + prev[1] > cur[0]:
+                return prev, cur
+        return None
+
+
+class MooncakeEndpoint:
+    """This slot's Transfer Engine: its registered memory, its descriptor, its peers."""
+
+    def __init__(self, slot: int, options: MooncakeOptions | None = None) -> None:
+        self.slot = slot
+        self.options = options = options or MooncakeOptions()
+        _check_fabric(options)
+        from mooncake.engine import TransferEngine
+
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(
+            options.host, "P2PHANDSHAKE", options.protocol, ",".join(options.devices)
+        )
+        if rc != 0:
+            raise TransportError(
+                f"slot {slot}: Mooncake Transfer Engine did not start on {options.host} "
+                f"(protocol {options.protocol}, devices {','.join(options.devices) or 'any'})"
+            )
+        host = f"[{options.host}]" if ":" in options.host else options.host
+        self.session = f"{host}:{self._engine.get_rpc_port()}"
+        self._lock = threading.Lock()
+        # [0, 64): the stamp peers read; [64, 128): where this endpoint reads theirs.
+        self._stamp = torch.zeros(2 * STAMP_BYTES, dtype=torch.uint8)
+        self._register_raw([(self._stamp.data_ptr(), self._stamp.numel())])
+        self._held: list[torch.Tensor] = []
+        self._local = _Ranges([])
+        self._descriptor: SegmentDescriptor | None = None
+
+    def register(self, buffers: Sequence[torch.Tensor], token: str) -> None:
+        """Register these tensors' memory (once per program load), replacing what was
+        registered before; `token` names the registration in the descriptor."""
+        ranges = []
+        for t in buffers:
+            if not t.is_contiguous() or t.numel() == 0:
+                raise TransportError(
+                    f"slot {self.slot}: registered buffers must be contiguous "
+                    f"and non-empty, got shape {tuple(t.shape)}"
+                )
+            ranges.append((t.data_ptr(), t.numel() * t.element_size()))
+        new = _Ranges(ranges)
+        clash = new.overlap()
+        if clash:
+            raise TransportError(
+                f"slot {self.slot}: registered buffers overlap: "
+                f"{_hex(clash[0])} and {_hex(clash[1])}"
+            )
+        self.unregister()
+        self._register_raw(new.ranges)
+        self._held, self._local = list(buffers), new
+        stamp = self._stamp.data_ptr()
+        digest = _digest(self.slot, self.session, token, new.ranges, stamp)
+        self._descriptor = SegmentDescriptor(
+            self.slot, self.session, token, tuple(new.ranges), stamp, digest
+        )
+        self._stamp[:STAMP_BYTES] = torch.frombuffer(
+            bytearray(_stamp_bytes(digest)), dtype=torch.uint8
+        )
+
+    def unregister(self) -> None:
+        """Unregister this slot's buffers; descriptors of them are refused from now on."""
+        self._stamp[:STAMP_BYTES] = 0
+        for addr, _ in self._local.ranges:
+            self._engine.unregister_memory(addr)
+        self._held, self._local, self._descriptor = [], _Ranges([]), None
+
+    def descriptor(self) -> bytes:
+        """The bytes a peer needs to write here (they travel through the rendezvous store)."""
+        if self._descriptor is None:
+            raise TransportError(f"slot {self.slot}: no memory registered, nothing to describe")
+        return self._descriptor.encode()
+
+    def open(self, raw: bytes, token: str | None = None, timeout_s: float = 10.0) -> MooncakePeer:
+        """A writer to the peer `raw` describes. Refused: a token other than `token` (when
+        given), a digest that does not match the descriptor or the peer's live stamp."""
+        desc = SegmentDescriptor.decode(raw)
+        where = f"slot {desc.slot} ({desc.session})"
+        if token is not None and desc.token != token:
+            raise TransportError(
+                f"stale segment descriptor of {where}: it names registration "
+                f"{desc.token!r}, expected {token!r}"
+            )
+        with self._lock:
+            scratch = self._stamp.data_ptr() + STAMP_BYTES
+            self._stamp[STAMP_BYTES:] = 0
+            work = MooncakeWork(self._engine, desc, "segment check", timeout_s, read=True)
+            work.post([(scratch, desc.stamp, STAMP_BYTES)])
+            work.wait(timeout_s)
+            live = bytes(self._stamp[STAMP_BYTES:].tolist())
+        if not live.startswith(MAGIC):
+            raise TransportError(f"{where} has registered no memory (not loaded, or unloaded)")
+        if live != _stamp_bytes(desc.digest):
+            raise TransportError(
+                f"stale segment descriptor of {where}: the peer's registration changed since "
+                "it was published (a new program load or a restarted peer)"
+            )
+        return MooncakePeer(self, desc)
+
+    def check_local(self, op: WriteOp) -> None:
+        if not self._local.contains(op.local, op.nbytes):
+            raise TransportError(
+                f"slot {self.slot}: source {_hex((op.local, op.nbytes))} is outside this "
+                "slot's registered memory (register it first)"
+            )
+
+    def close(self) -> None:
+        """Unregister everything and stop the engine (idempotent)."""
+        if self._engine is not None:
+            self.unregister()
+            self._engine.unregister_memory(self._stamp.data_ptr())
+            self._engine = None
+
+    def _register_raw(self, ranges: Sequence[tuple[int, int]]) -> None:
+        for addr, n in ranges:
+            if self._engine.register_memory(addr, n) != 0:
+                raise TransportError(
+                    f"slot {self.slot}: the engine refused to register {_hex((addr, n))}"
+                )
+
+
+class MooncakePeer:
+    """A checked descriptor of one destination slot: posts one-sided writes into it."""
+
+    def __init__(self, endpoint: MooncakeEndpoint, desc: SegmentDescriptor) -> None:
+        self.endpoint, self.desc = endpoint, desc
+        self.slot = desc.slot
+        self._remote = _Ranges(desc.buffers)
+
+    def write(self, ops: Sequence[WriteOp], timeout_s: float, message: str = "") -> MooncakeWork:
+        """Post these writes (each checked against both registrations first) and return the
+        Work; its wait raises TransportError on any failure or after timeout_s."""
+        what = f"message {message}" if message else "write"
+        where = f"slot {self.slot} ({self.desc.session})"
+        if not self._remote.ranges:
+            raise TransportError(f"{what} to {where}: the peer registered no memory")
+        requests = []
+        split = self.endpoint.options.split_bytes
+        for op in ops:
+            if op.nbytes <= 0:
+                continue
+            self.endpoint.check_local(op)
+            if not self._remote.contains(op.remote, op.nbytes):
+                raise TransportError(
+                    f"{what} to {where}: destination {_hex((op.remote, op.nbytes))} is outside "
+                    "the peer's registered buffers"
+                )
+            for off in range(0, op.nbytes, split):
+                n = min(split, op.nbytes - off)
+                requests.append((op.local + off, op.remote + off, n))
+        engine = self.endpoint._engine
+        if engine is None:
+            raise TransportError(f"{what} to {where}: the local endpoint is closed")
+        work = MooncakeWork(engine, self.desc, what, timeout_s, self.endpoint.options.window)
+        work.post(requests)
+        return work
+
+
+class MooncakeWork:
+    """Requests posted to the engine (at most `window` at once); wait() polls them."""
+
+    def __init__(
+        self,
+        engine: Any,
+        desc: SegmentDescriptor,
+        what: str,
+        timeout_s: float,
+        window: int = 1,
+        read: bool = False,
+    ) -> None:
+        self._engine, self._desc, self._what = engine, desc, what
+        self._window, self._read = window, read
+        self._queue: deque[tuple[int, int, int]] = deque()
+        self._inflight: list[int] = []
+        self._total = self._done = 0
+        self._start = time.monotonic()
+        self._default_timeout = timeout_s
+        self._error: TransportError | None = None
+
+    def post(self, requests: Sequence[tuple[int, int, int]]) -> None:
+        self._queue.extend(requests)
+        self._total += len(requests)
+        self._submit()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        timeout_s = self._default_timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while self._error is None and (self._inflight or self._queue):
+            finished = self._poll()
+            self._submit()
+            if self._error is not None or not (self._inflight or self._queue):
+                break
+            if time.monotonic() >= deadline:
+                self._fail(
+                    f"timed out after {timeout_s:.1f}s ({self._done} of {self._total} "
+                    "requests done; is the peer stalled?)"
+                )
+                break
+            pause = 20e-6 if finished else min(pause * 2, 2e-3)
+            time.sleep(pause)
+        if self._error is not None:
+            raise self._error
+
+    def _submit(self) -> None:
+        engine, session = self._engine, self._desc.session
+        while self._error is None and self._queue and len(self._inflight) < self._window:
+            local, remote, n = self._queue.popleft()
+            if self._read:
+                bid = engine.batch_transfer_async_read(session, [local], [remote], [n])
+            else:
+                bid = engine.batch_transfer_async_write(session, [local], [remote], [n])
+            if bid == 0:
+                self._fail(f"could not post to the peer: {self._peer_state()}")
+                return
+            self._inflight.append(bid)
+
+    def _poll(self) -> int:
+        still, finished = [], 0
+        for bid in self._inflight:
+            state = self._engine.transfer_check_status(bid)
+            if state == 0:
+                still.append(bid)
+            elif state == 1:
+                finished += 1
+            else:
+                kind = "failed" if state == -1 else "timed out in the engine"
+                self._fail(f"a request {kind}: {self._peer_state()}")
+                return finished
+        self._inflight, self._done = still, self._done + finished
+        return finished
+
+    def _peer_state(self) -> str:
+        if self._engine.send_probe(self._desc.session) != 0:
+            return "peer gone (its engine does not answer)"
+        return "the peer answers but refused the request (memory no longer registered?)"
+
+    def _fail(self, why: str) -> None:
+        elapsed = time.monotonic() - self._start
+        self._error = TransportError(
+            f"mooncake {self._what} to slot {self._desc.slot} ({self._desc.session}) "
+            f"after {elapsed:.2f}s: {why}"
+        )
+
+
+def _check_fabric(options: MooncakeOptions) -> None:
+    """Refuse, with what is missing, a protocol or device this host cannot serve."""
+    if options.protocol not in PROTOCOLS:
+        raise TransportError(f"rdma_protocol must be tcp or rdma, got {options.protocol!r}")
+    _configure_environment(options)
+    reason = mooncake_unavailable_reason()
+    if reason:
+        raise TransportError(f"the rdma path is unavailable: {reason}")
+    if options.protocol == "rdma":
+        present = rdma_devices_present()
+        if not present:
+            raise TransportError(
+                f"rdma_protocol=rdma but this host has no RDMA device ({RDMA_SYSFS} is empty "
+                "or absent: no fabric, or its driver is not loaded); use rdma_protocol=tcp"
+            )
+        missing = sorted(set(options.devices) - set(present))
+        if missing:
+            raise TransportError(
+                f"rdma_devices {', '.join(missing)} not found on this host; "
+                f"present: {', '.join(present)}"
+            )
+
+
+def _configure_environment(options: MooncakeOptions) -> None:
+    """The engine's tunables are environment variables read when it starts; an operator's
+    own MC_TCP_* values win over the options."""
+    env = os.environ
+    if options.protocol == "tcp":
+        env["MC_FORCE_TCP"] = "1"
+    else:
+        env.pop("MC_FORCE_TCP", None)
+    env.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1")
+    env.setdefault("MC_TCP_LANES_PER_PEER", str(options.lanes))
+    env.setdefault("MC_TCP_SLICE_SIZE", str(options.slice_bytes))
+
+
+def _stamp_bytes(digest: str) -> bytes:
+    return (MAGIC + digest.encode()).ljust(STAMP_BYTES, b"\0")
+
+
+def _hex(r: tuple[int, int]) -> str:
+    return f"[{r[0]:#x}, +{r[1]})"
