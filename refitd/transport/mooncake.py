@@ -34,6 +34,7 @@ from refitd.transport.errors import TransportError
 PROTOCOLS = ("tcp", "rdma")
 RDMA_SYSFS = Path("/sys/class/infiniband")
 STAMP_BYTES = 64
+PROBE_S = 2.0  # longest wait for a peer's answer when telling a gone peer from a refusal
 MAGIC = b"refitd-mc1:"
 # Debian packages that provide the shared libraries the engine links.
 DEBIAN_PACKAGES = {
@@ -107,14 +108,9 @@ class SegmentDescriptor:
     def decode(raw: bytes) -> SegmentDescriptor:
         try:
             d = json.loads(raw)
-            desc = SegmentDescriptor(
-                slot=int(d["slot"]),
-                session=str(d["session"]),
-                token=str(d["token"]),
-                buffers=tuple((int(a), int(n)) for a, n in d["buffers"]),
-                stamp=int(d["stamp"]),
-                digest=str(d["digest"]),
-            )
+            buffers = tuple((int(a), int(n)) for a, n in d["buffers"])
+            slot, stamp, text = int(d["slot"]), int(d["stamp"]), (d["session"], d["token"])
+            desc = SegmentDescriptor(slot, *map(str, text), buffers, stamp, str(d["digest"]))
         except (ValueError, KeyError, TypeError) as e:
             raise TransportError(f"malformed mooncake segment descriptor: {e}") from e
         if desc.digest != _digest(desc.slot, desc.session, desc.token, desc.buffers, desc.stamp):
@@ -202,9 +198,7 @@ class MooncakeEndpoint:
         self._descriptor = SegmentDescriptor(
             self.slot, self.session, token, tuple(new.ranges), stamp, digest
         )
-        self._stamp[:STAMP_BYTES] = torch.frombuffer(
-            bytearray(_stamp_bytes(digest)), dtype=torch.uint8
-        )
+        self._stamp[:STAMP_BYTES] = torch.tensor(list(_stamp_bytes(digest)), dtype=torch.uint8)
 
     def unregister(self) -> None:
         """Unregister this slot's buffers; descriptors of them are refused from now on."""
@@ -229,6 +223,10 @@ class MooncakeEndpoint:
                 f"stale segment descriptor of {where}: it names registration "
                 f"{desc.token!r}, expected {token!r}"
             )
+        alive = _probe(self._engine, desc.session, timeout_s)
+        if not alive:
+            why = f"does not answer (stalled?) in {timeout_s:g}s" if alive is None else "is gone"
+            raise TransportError(f"{where} {why}: its engine did not answer a probe")
         with self._lock:
             scratch = self._stamp.data_ptr() + STAMP_BYTES
             self._stamp[STAMP_BYTES:] = 0
@@ -323,6 +321,7 @@ class MooncakeWork:
         self._total = self._done = 0
         self._start = time.monotonic()
         self._default_timeout = timeout_s
+        self._deadline = self._start + timeout_s
         self._error: TransportError | None = None
 
     def post(self, requests: Sequence[tuple[int, int, int]]) -> None:
@@ -332,7 +331,7 @@ class MooncakeWork:
 
     def wait(self, timeout_s: float | None = None) -> None:
         timeout_s = self._default_timeout if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        deadline = self._deadline = time.monotonic() + timeout_s
         pause = 20e-6
         while self._error is None and (self._inflight or self._queue):
             finished = self._poll()
@@ -379,7 +378,11 @@ class MooncakeWork:
         return finished
 
     def _peer_state(self) -> str:
-        if self._engine.send_probe(self._desc.session) != 0:
+        budget = min(PROBE_S, max(0.05, self._deadline - time.monotonic()))
+        alive = _probe(self._engine, self._desc.session, budget)
+        if alive is None:
+            return f"the peer does not answer a probe within {budget:.1f}s (stalled or gone)"
+        if not alive:
             return "peer gone (its engine does not answer)"
         return "the peer answers but refused the request (memory no longer registered?)"
 
@@ -425,6 +428,17 @@ def _configure_environment(options: MooncakeOptions) -> None:
     env.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1")
     env.setdefault("MC_TCP_LANES_PER_PEER", str(options.lanes))
     env.setdefault("MC_TCP_SLICE_SIZE", str(options.slice_bytes))
+
+
+def _probe(engine: Any, session: str, budget_s: float) -> bool | None:
+    """Whether the peer's engine answers a probe, None when it does not answer within
+    budget_s: the engine's own handshake waits up to a minute on a stalled peer, so the
+    probe runs on a thread of its own and is abandoned after the budget."""
+    answer: list[int] = []
+    probe = threading.Thread(target=lambda: answer.append(engine.send_probe(session)), daemon=True)
+    probe.start()
+    probe.join(budget_s)
+    return answer[0] == 0 if answer else None
 
 
 def _stamp_bytes(digest: str) -> bytes:

@@ -197,6 +197,10 @@ def test_stalled_peer_times_out_and_killed_peer_fails_fast(store, dest, writer) 
     with pytest.raises(TransportError, match=r"m1 to slot 1 .*timed out after 1.0s"):
         peer.write(ops, TIMEOUT, message="m1").wait(1.0)
     assert time.monotonic() - t0 < 5.0
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=r"slot 1 .* does not answer \(stalled\?\) in 1s"):
+        endpoint.open(store.get("desc/load-1"), timeout_s=1.0)
+    assert time.monotonic() - t0 < 5.0
     work = peer.write(ops, TIMEOUT, message="m2")  # stalls on full socket buffers
     os.kill(dest.proc.pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -205,6 +209,8 @@ def test_stalled_peer_times_out_and_killed_peer_fails_fast(store, dest, writer) 
     assert time.monotonic() - t0 < 10.0
     with pytest.raises(TransportError, match=r"m3 to slot 1 .*peer gone"):
         peer.write(ops, TIMEOUT, message="m3").wait(TIMEOUT)
+    with pytest.raises(TransportError, match=r"slot 1 .* is gone"):
+        endpoint.open(store.get("desc/load-1"))
 
 
 @needs_mooncake
