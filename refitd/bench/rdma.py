@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", choices=("tcp", "rdma"), default="tcp")
     parser.add_argument("--devices", default="", help="RDMA devices (comma separated)")
     defaults = MooncakeOptions()
-    parser.add_argument("--slice", type=parse_bytes, default=defaults.slice_bytes)
+    parser.add_argument("--engines", type=int, default=defaults.engines)
     parser.add_argument("--lanes", type=int, default=defaults.lanes)
     parser.add_argument("--split", type=parse_bytes, default=defaults.split_bytes)
     parser.add_argument("--window", type=int, default=defaults.window)
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     options = MooncakeOptions(
         protocol=args.protocol,
         devices=tuple(d for d in args.devices.split(",") if d),
-        slice_bytes=args.slice,
+        engines=args.engines,
         lanes=args.lanes,
         split_bytes=args.split,
         window=args.window,

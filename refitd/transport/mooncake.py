@@ -2,14 +2,15 @@
 Engine (the optional extra `refitd[rdma]`), over RDMA on a fabric or TCP elsewhere.
 
 A destination registers its memory once per program load (`MooncakeEndpoint.register`) and
-publishes `descriptor()`: its engine's session ("host:port"), its buffers and a digest that
+publishes `descriptor()`: its engines' sessions ("host:port"), its buffers and a digest that
 also sits in a small registered stamp of the destination's. A writer registers its sources,
 `open`s the descriptor (which checks the digest against the live stamp with a one-sided read,
 so a descriptor of an earlier registration or of a restarted peer is refused) and posts
 batches of (local address, remote address, bytes) writes. Every write is checked against
 both registrations before it is posted; every failure is a TransportError naming the peer
-slot and the message. Polling sleeps between checks: the engine's own threads do the copying
-and a spinning waiter would take a core from them.
+slot and the message. An endpoint runs several engines (each has one I/O thread, which moves
+64 KiB per system call over TCP) and spreads requests over them. Polling sleeps between
+checks: the engines' threads do the copying and a spinning waiter would take a core from them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import time
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +38,9 @@ RDMA_SYSFS = Path("/sys/class/infiniband")
 STAMP_BYTES = 64
 PROBE_S = 2.0  # longest wait for a peer's answer when telling a gone peer from a refusal
 MAGIC = b"refitd-mc1:"
+Route = tuple[Any, str]  # a local engine and a session of the peer's
 # Debian packages that provide the shared libraries the engine links.
-DEBIAN_PACKAGES = {
-    "libibverbs.so.1": "libibverbs1",
-    "libnuma.so.1": "libnuma1",
-    "libcurl.so.4": "libcurl4",
-}
+DEBIAN = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1", "libcurl.so.4": "libcurl4"}
 
 
 def mooncake_unavailable_reason() -> str | None:
@@ -53,7 +52,7 @@ def mooncake_unavailable_reason() -> str | None:
     except ImportError as e:
         lib = re.search(r"(lib[\w+-]+\.so[.\d]*): cannot open shared object", str(e))
         if lib:
-            pkg = DEBIAN_PACKAGES.get(lib.group(1), "the package that provides it")
+            pkg = DEBIAN.get(lib.group(1), "the package that provides it")
             return f"{lib.group(1)} is missing (Debian: apt-get install {pkg})"
         return (
             f"Mooncake Transfer Engine is not installed ({e}): pip install 'refitd[rdma]' "
@@ -74,10 +73,10 @@ class MooncakeOptions:
 
     protocol: str = "tcp"  # tcp, or rdma (one-sided RDMA WRITEs; needs devices)
     devices: tuple[str, ...] = ()  # RDMA devices to use (empty: every one found)
-    host: str = "127.0.0.1"  # the address peers reach this engine at (the data plane)
-    slice_bytes: int = 1 << 20  # TCP: bytes per socket write of the engine
-    lanes: int = 4  # TCP: connections per peer
-    split_bytes: int = 64 << 20  # writes above this are posted as several requests
+    host: str = "127.0.0.1"  # the address peers reach this endpoint at (the data plane)
+    engines: int = 2  # engines per endpoint, one I/O thread each; requests spread over them
+    lanes: int = 4  # TCP: connections per peer and engine
+    split_bytes: int = 16 << 20  # writes above this are posted as several requests
     window: int = 256  # requests in flight per Work
 
 
@@ -95,7 +94,7 @@ class SegmentDescriptor:
     """What a writer needs to reach a destination's registered memory."""
 
     slot: int
-    session: str
+    sessions: tuple[str, ...]  # one per engine of the owner
     token: str  # the registration the owner named (e.g. plan digest and epoch)
     buffers: tuple[tuple[int, int], ...]  # (address, nbytes), sorted
     stamp: int  # address of the owner's registered stamp, which holds `digest`
@@ -109,21 +108,25 @@ class SegmentDescriptor:
         try:
             d = json.loads(raw)
             buffers = tuple((int(a), int(n)) for a, n in d["buffers"])
-            slot, stamp, text = int(d["slot"]), int(d["stamp"]), (d["session"], d["token"])
-            desc = SegmentDescriptor(slot, *map(str, text), buffers, stamp, str(d["digest"]))
+            sessions = tuple(map(str, d["sessions"])) or ("",)
+            slot, stamp, token = int(d["slot"]), int(d["stamp"]), str(d["token"])
+            desc = SegmentDescriptor(slot, sessions, token, buffers, stamp, str(d["digest"]))
         except (ValueError, KeyError, TypeError) as e:
             raise TransportError(f"malformed mooncake segment descriptor: {e}") from e
-        if desc.digest != _digest(desc.slot, desc.session, desc.token, desc.buffers, desc.stamp):
+        if desc.digest != _digest(astuple(desc)[:-1]):
             raise TransportError(
                 f"segment descriptor of slot {desc.slot} does not match its digest "
                 "(altered, or assembled from two registrations)"
             )
         return desc
 
+    @property
+    def where(self) -> str:
+        return f"slot {self.slot} ({self.sessions[0]})"
 
-def _digest(slot: int, session: str, token: str, buffers: Sequence[Any], stamp: int) -> str:
-    text = json.dumps([slot, session, token, [list(b) for b in buffers], stamp])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+def _digest(fields: Sequence[Any]) -> str:
+    return hashlib.sha256(json.dumps(list(fields)).encode()).hexdigest()[:32]
 
 
 class _Ranges:
@@ -137,33 +140,17 @@ class _Ranges:
         i = bisect_right(self._starts, addr) - 1
         return i >= 0 and addr + nbytes <= self.ranges[i][0] + self.ranges[i][1]
 
-    def overlap(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
-        for prev, cur in zip(self.ranges, self.ranges[1:], strict=False):
-            if prev[0] + prev[1] > cur[0]:
-                return prev, cur
-        return None
-
 
 class MooncakeEndpoint:
-    """This slot's Transfer Engine: its registered memory, its descriptor, its peers."""
+    """This slot's Transfer Engines: its registered memory, its descriptor, its peers."""
 
     def __init__(self, slot: int, options: MooncakeOptions | None = None) -> None:
         self.slot = slot
         self.options = options = options or MooncakeOptions()
         _check_fabric(options)
-        from mooncake.engine import TransferEngine
-
-        self._engine: Any = TransferEngine()
-        rc = self._engine.initialize(
-            options.host, "P2PHANDSHAKE", options.protocol, ",".join(options.devices)
-        )
-        if rc != 0:
-            raise TransportError(
-                f"slot {slot}: Mooncake Transfer Engine did not start on {options.host} "
-                f"(protocol {options.protocol}, devices {','.join(options.devices) or 'any'})"
-            )
+        self._engines: list[Any] = [self._start_engine() for _ in range(max(1, options.engines))]
         host = f"[{options.host}]" if ":" in options.host else options.host
-        self.session = f"{host}:{self._engine.get_rpc_port()}"
+        self.sessions = tuple(f"{host}:{e.get_rpc_port()}" for e in self._engines)
         self._lock = threading.Lock()
         # [0, 64): the stamp peers read; [64, 128): where this endpoint reads theirs.
         self._stamp = torch.zeros(2 * STAMP_BYTES, dtype=torch.uint8)
@@ -171,6 +158,18 @@ class MooncakeEndpoint:
         self._held: list[torch.Tensor] = []
         self._local = _Ranges([])
         self._descriptor: SegmentDescriptor | None = None
+
+    def _start_engine(self) -> Any:
+        from mooncake.engine import TransferEngine
+
+        o = self.options
+        engine = TransferEngine()
+        if engine.initialize(o.host, "P2PHANDSHAKE", o.protocol, ",".join(o.devices)) != 0:
+            raise TransportError(
+                f"slot {self.slot}: Mooncake Transfer Engine did not start on {o.host} "
+                f"(protocol {o.protocol}, devices {','.join(o.devices) or 'any'})"
+            )
+        return engine
 
     def register(self, buffers: Sequence[torch.Tensor], token: str) -> None:
         """Register these tensors' memory (once per program load), replacing what was
@@ -184,7 +183,7 @@ class MooncakeEndpoint:
                 )
             ranges.append((t.data_ptr(), t.numel() * t.element_size()))
         new = _Ranges(ranges)
-        clash = new.overlap()
+        clash = next(((p, c) for p, c in pairwise(new.ranges) if sum(p) > c[0]), None)
         if clash:
             raise TransportError(
                 f"slot {self.slot}: registered buffers overlap: "
@@ -194,17 +193,18 @@ class MooncakeEndpoint:
         self._register_raw(new.ranges)
         self._held, self._local = list(buffers), new
         stamp = self._stamp.data_ptr()
-        digest = _digest(self.slot, self.session, token, new.ranges, stamp)
+        digest = _digest([self.slot, self.sessions, token, new.ranges, stamp])
         self._descriptor = SegmentDescriptor(
-            self.slot, self.session, token, tuple(new.ranges), stamp, digest
+            self.slot, self.sessions, token, tuple(new.ranges), stamp, digest
         )
         self._stamp[:STAMP_BYTES] = torch.tensor(list(_stamp_bytes(digest)), dtype=torch.uint8)
 
     def unregister(self) -> None:
         """Unregister this slot's buffers; descriptors of them are refused from now on."""
         self._stamp[:STAMP_BYTES] = 0
-        for addr, _ in self._local.ranges:
-            self._engine.unregister_memory(addr)
+        for engine in self._engines:
+            for addr, _ in self._local.ranges:
+                engine.unregister_memory(addr)
         self._held, self._local, self._descriptor = [], _Ranges([]), None
 
     def descriptor(self) -> bytes:
@@ -217,31 +217,37 @@ class MooncakeEndpoint:
         """A writer to the peer `raw` describes. Refused: a token other than `token` (when
         given), a digest that does not match the descriptor or the peer's live stamp."""
         desc = SegmentDescriptor.decode(raw)
-        where = f"slot {desc.slot} ({desc.session})"
         if token is not None and desc.token != token:
             raise TransportError(
-                f"stale segment descriptor of {where}: it names registration "
+                f"stale segment descriptor of {desc.where}: it names registration "
                 f"{desc.token!r}, expected {token!r}"
             )
-        alive = _probe(self._engine, desc.session, timeout_s)
+        if not self._engines:
+            raise TransportError(f"slot {self.slot}: the endpoint is closed")
+        alive = _probe(self._engines[0], desc.sessions[0], timeout_s)
         if not alive:
             why = f"does not answer (stalled?) in {timeout_s:g}s" if alive is None else "is gone"
-            raise TransportError(f"{where} {why}: its engine did not answer a probe")
-        with self._lock:
-            scratch = self._stamp.data_ptr() + STAMP_BYTES
-            self._stamp[STAMP_BYTES:] = 0
-            work = MooncakeWork(self._engine, desc, "segment check", timeout_s, read=True)
-            work.post([(scratch, desc.stamp, STAMP_BYTES)])
-            work.wait(timeout_s)
-            live = bytes(self._stamp[STAMP_BYTES:].tolist())
-        if not live.startswith(MAGIC):
-            raise TransportError(f"{where} has registered no memory (not loaded, or unloaded)")
-        if live != _stamp_bytes(desc.digest):
-            raise TransportError(
-                f"stale segment descriptor of {where}: the peer's registration changed since "
-                "it was published (a new program load or a restarted peer)"
-            )
-        return MooncakePeer(self, desc)
+            raise TransportError(f"{desc.where} {why}: its engine did not answer a probe")
+        k, m = len(self._engines), len(desc.sessions)
+        routes = [(self._engines[i % k], desc.sessions[i % m]) for i in range(max(k, m))]
+        with self._lock:  # the stamp through every route: each has shaken hands once
+            for route in routes:
+                self._stamp[STAMP_BYTES:] = 0
+                scratch = self._stamp.data_ptr() + STAMP_BYTES
+                work = MooncakeWork([route], f"stamp read of {desc.where}", timeout_s, 1, True)
+                work.post([(0, scratch, desc.stamp, STAMP_BYTES)])
+                work.wait(timeout_s)
+                live = bytes(self._stamp[STAMP_BYTES:].tolist())
+                if not live.startswith(MAGIC):
+                    raise TransportError(
+                        f"{desc.where} has registered no memory (not loaded, or unloaded)"
+                    )
+                if live != _stamp_bytes(desc.digest):
+                    raise TransportError(
+                        f"stale segment descriptor of {desc.where}: the peer's registration "
+                        "changed since it was published (a new program load or a restarted peer)"
+                    )
+        return MooncakePeer(self, desc, routes)
 
     def check_local(self, op: WriteOp) -> None:
         if not self._local.contains(op.local, op.nbytes):
@@ -251,35 +257,38 @@ class MooncakeEndpoint:
             )
 
     def close(self) -> None:
-        """Unregister everything and stop the engine (idempotent)."""
-        if self._engine is not None:
+        """Unregister everything and drop the engines (idempotent); a Work still in flight
+        keeps its engines alive until it is dropped."""
+        if self._engines:
             self.unregister()
-            self._engine.unregister_memory(self._stamp.data_ptr())
-            self._engine = None
+            for engine in self._engines:
+                engine.unregister_memory(self._stamp.data_ptr())
+            self._engines = []
 
     def _register_raw(self, ranges: Sequence[tuple[int, int]]) -> None:
-        for addr, n in ranges:
-            if self._engine.register_memory(addr, n) != 0:
-                raise TransportError(
-                    f"slot {self.slot}: the engine refused to register {_hex((addr, n))}"
-                )
+        for engine in self._engines:
+            for addr, n in ranges:
+                if engine.register_memory(addr, n) != 0:
+                    raise TransportError(
+                        f"slot {self.slot}: the engine refused to register {_hex((addr, n))}"
+                    )
 
 
 class MooncakePeer:
     """A checked descriptor of one destination slot: posts one-sided writes into it."""
 
-    def __init__(self, endpoint: MooncakeEndpoint, desc: SegmentDescriptor) -> None:
-        self.endpoint, self.desc = endpoint, desc
-        self.slot = desc.slot
-        self._remote = _Ranges(desc.buffers)
+    def __init__(
+        self, endpoint: MooncakeEndpoint, desc: SegmentDescriptor, routes: list[Route]
+    ) -> None:
+        self.endpoint, self.desc, self.slot = endpoint, desc, desc.slot
+        self._routes, self._remote = routes, _Ranges(desc.buffers)
 
     def write(self, ops: Sequence[WriteOp], timeout_s: float, message: str = "") -> MooncakeWork:
         """Post these writes (each checked against both registrations first) and return the
         Work; its wait raises TransportError on any failure or after timeout_s."""
         what = f"message {message}" if message else "write"
-        where = f"slot {self.slot} ({self.desc.session})"
         if not self._remote.ranges:
-            raise TransportError(f"{what} to {where}: the peer registered no memory")
+            raise TransportError(f"{what} to {self.desc.where}: the peer registered no memory")
         requests = []
         split = self.endpoint.options.split_bytes
         for op in ops:
@@ -288,43 +297,35 @@ class MooncakePeer:
             self.endpoint.check_local(op)
             if not self._remote.contains(op.remote, op.nbytes):
                 raise TransportError(
-                    f"{what} to {where}: destination {_hex((op.remote, op.nbytes))} is outside "
-                    "the peer's registered buffers"
+                    f"{what} to {self.desc.where}: destination {_hex((op.remote, op.nbytes))} "
+                    "is outside the peer's registered buffers"
                 )
             for off in range(0, op.nbytes, split):
-                n = min(split, op.nbytes - off)
-                requests.append((op.local + off, op.remote + off, n))
-        engine = self.endpoint._engine
-        if engine is None:
-            raise TransportError(f"{what} to {where}: the local endpoint is closed")
-        work = MooncakeWork(engine, self.desc, what, timeout_s, self.endpoint.options.window)
+                route = len(requests) % len(self._routes)
+                requests.append(
+                    (route, op.local + off, op.remote + off, min(split, op.nbytes - off))
+                )
+        label = f"mooncake {what} to {self.desc.where}"
+        work = MooncakeWork(self._routes, label, timeout_s, self.endpoint.options.window, False)
         work.post(requests)
         return work
 
 
 class MooncakeWork:
-    """Requests posted to the engine (at most `window` at once); wait() polls them."""
+    """Requests posted to the engines (at most `window` at once); wait() polls them."""
 
     def __init__(
-        self,
-        engine: Any,
-        desc: SegmentDescriptor,
-        what: str,
-        timeout_s: float,
-        window: int = 1,
-        read: bool = False,
+        self, routes: list[Route], label: str, timeout: float, window: int, read: bool
     ) -> None:
-        self._engine, self._desc, self._what = engine, desc, what
-        self._window, self._read = window, read
-        self._queue: deque[tuple[int, int, int]] = deque()
-        self._inflight: list[int] = []
+        self._routes, self._label, self._window, self._read = routes, label, window, read
+        self._queue: deque[tuple[int, int, int, int]] = deque()  # (route, local, remote, n)
+        self._inflight: list[tuple[Any, int]] = []  # (engine, batch id)
         self._total = self._done = 0
-        self._start = time.monotonic()
-        self._default_timeout = timeout_s
-        self._deadline = self._start + timeout_s
+        self._start, self._default_timeout = time.monotonic(), timeout
+        self._deadline = self._start + timeout
         self._error: TransportError | None = None
 
-    def post(self, requests: Sequence[tuple[int, int, int]]) -> None:
+    def post(self, requests: Sequence[tuple[int, int, int, int]]) -> None:
         self._queue.extend(requests)
         self._total += len(requests)
         self._submit()
@@ -350,24 +351,26 @@ class MooncakeWork:
             raise self._error
 
     def _submit(self) -> None:
-        engine, session = self._engine, self._desc.session
         while self._error is None and self._queue and len(self._inflight) < self._window:
-            local, remote, n = self._queue.popleft()
-            if self._read:
-                bid = engine.batch_transfer_async_read(session, [local], [remote], [n])
-            else:
-                bid = engine.batch_transfer_async_write(session, [local], [remote], [n])
+            route, local, remote, n = self._queue.popleft()
+            engine, session = self._routes[route]
+            post = (
+                engine.batch_transfer_async_read
+                if self._read
+                else engine.batch_transfer_async_write
+            )
+            bid = post(session, [local], [remote], [n])
             if bid == 0:
                 self._fail(f"could not post to the peer: {self._peer_state()}")
                 return
-            self._inflight.append(bid)
+            self._inflight.append((engine, bid))
 
     def _poll(self) -> int:
         still, finished = [], 0
-        for bid in self._inflight:
-            state = self._engine.transfer_check_status(bid)
+        for engine, bid in self._inflight:
+            state = engine.transfer_check_status(bid)
             if state == 0:
-                still.append(bid)
+                still.append((engine, bid))
             elif state == 1:
                 finished += 1
             else:
@@ -379,7 +382,8 @@ class MooncakeWork:
 
     def _peer_state(self) -> str:
         budget = min(PROBE_S, max(0.05, self._deadline - time.monotonic()))
-        alive = _probe(self._engine, self._desc.session, budget)
+        engine, session = self._routes[0]
+        alive = _probe(engine, session, budget)
         if alive is None:
             return f"the peer does not answer a probe within {budget:.1f}s (stalled or gone)"
         if not alive:
@@ -388,10 +392,7 @@ class MooncakeWork:
 
     def _fail(self, why: str) -> None:
         elapsed = time.monotonic() - self._start
-        self._error = TransportError(
-            f"mooncake {self._what} to slot {self._desc.slot} ({self._desc.session}) "
-            f"after {elapsed:.2f}s: {why}"
-        )
+        self._error = TransportError(f"{self._label} after {elapsed:.2f}s: {why}")
 
 
 def _check_fabric(options: MooncakeOptions) -> None:
@@ -427,7 +428,6 @@ def _configure_environment(options: MooncakeOptions) -> None:
         env.pop("MC_FORCE_TCP", None)
     env.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1")
     env.setdefault("MC_TCP_LANES_PER_PEER", str(options.lanes))
-    env.setdefault("MC_TCP_SLICE_SIZE", str(options.slice_bytes))
 
 
 def _probe(engine: Any, session: str, budget_s: float) -> bool | None:

@@ -50,7 +50,7 @@ def _destination(port: int, conn) -> None:
     )
     buf = torch.zeros(DEST_BYTES, dtype=torch.uint8)
     endpoint = MooncakeEndpoint(1)
-    conn.send(endpoint.session)
+    conn.send(endpoint.sessions)
     while True:
         cmd, arg = conn.recv()
         if cmd == "register":  # (token, nbytes): a program load
@@ -79,7 +79,7 @@ class Dest:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_destination, args=(store_port, child), daemon=True)
         self.proc.start()
-        self.session = self.ask(None)
+        self.sessions = self.ask(None)
 
     def ask(self, cmd: tuple | None, timeout: float = TIMEOUT):
         if cmd is not None:
@@ -127,7 +127,7 @@ def test_regions_land_bit_for_bit_and_bad_writes_are_refused(store, dest, writer
     endpoint, source = writer
     base = dest.ask(("register", ("load-1", DEST_BYTES)))
     peer = endpoint.open(store.get("desc/load-1"), token="load-1")
-    assert (peer.slot, peer.desc.session) == (1, dest.session)
+    assert (peer.slot, peer.desc.sessions) == (1, dest.sessions)
     s0 = source.data_ptr()
     # (source offset, destination offset, nbytes): 64 KiB, 1 MiB and large regions, odd
     # sizes, scattered and out of order, with untouched gaps between them
