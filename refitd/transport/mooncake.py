@@ -74,7 +74,7 @@ class MooncakeOptions:
     protocol: str = "tcp"  # tcp, or rdma (one-sided RDMA WRITEs; needs devices)
     devices: tuple[str, ...] = ()  # RDMA devices to use (empty: every one found)
     host: str = "127.0.0.1"  # the address peers reach this endpoint at (the data plane)
-    engines: int = 2  # engines per endpoint, one I/O thread each; requests spread over them
+    engines: int = 2  # TCP: engines per endpoint, one I/O thread each (RDMA: always one)
     lanes: int = 4  # TCP: connections per peer and engine
     split_bytes: int = 16 << 20  # writes above this are posted as several requests
     window: int = 256  # requests in flight per Work
@@ -148,7 +148,8 @@ class MooncakeEndpoint:
         self.slot = slot
         self.options = options = options or MooncakeOptions()
         _check_fabric(options)
-        self._engines: list[Any] = [self._start_engine() for _ in range(max(1, options.engines))]
+        count = max(1, options.engines) if options.protocol == "tcp" else 1
+        self._engines: list[Any] = [self._start_engine() for _ in range(count)]
         host = f"[{options.host}]" if ":" in options.host else options.host
         self.sessions = tuple(f"{host}:{e.get_rpc_port()}" for e in self._engines)
         self._lock = threading.Lock()
