@@ -29,6 +29,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from refitd.memory.arena import SharedTensorArena
 from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
@@ -36,7 +37,6 @@ from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.plan.wire import MXFP8, PLAIN, mxfp8_scale_shape
 from refitd.slot_protocol import DEFAULTS, Connect, Execute, Load, Probe, SnapshotInfo
-from refitd.transport.memory import SharedTensorArena
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
 COLS = 4096

@@ -20,6 +20,8 @@ import torch
 from refitd.executor.chunks import WIRE_CHUNK
 from refitd.executor.errors import ExecutionError
 from refitd.executor.run import Executor, ExecutorConfig
+from refitd.memory.handles import MemoryHandle
+from refitd.memory.mapping import MemoryMapper
 from refitd.plan.program import STORAGES, ProgramError, SlotProgram, decode_program
 from refitd.slot_protocol import (
     Abort,
@@ -46,7 +48,6 @@ from refitd.transfer.probe import probe
 from refitd.transfer.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
 from refitd.transport.base import ConnectInfo, Transport
 from refitd.transport.factory import create_transport
-from refitd.transport.memory import MemoryHandle, MemoryMapper
 
 
 @dataclass
