@@ -63,6 +63,16 @@ class Settings(BaseSettings):
         description="network interface of the data plane (its IPv4 address; Gloo binds it); "
         "takes precedence over data_plane_address and GLOO_SOCKET_IFNAME",
     )
+    rdma_protocol: str = Field(
+        "tcp",
+        description="protocol of the rdma path (Mooncake Transfer Engine, refitd[rdma]): rdma "
+        "(one-sided RDMA WRITEs; needs an RDMA device) or tcp (the same writes over TCP)",
+    )
+    rdma_devices: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="RDMA devices of the rdma path ('mlx5_0,mlx5_1'; default: every device "
+        "under /sys/class/infiniband)",
+    )
     # --- embedded agent / slots
     cpu_slots: int = Field(2, ge=0, description="CPU device slots of the embedded local agent")
     devices: Annotated[list[str], NoDecode] = Field(
@@ -93,7 +103,9 @@ class Settings(BaseSettings):
         "above it the slot reads live trainer memory and the refit's record says so",
     )
     sender_quantization: bool = Field(
-        False, description="quantize on the sender (MXFP8/FP8 on the wire) for quantized storage"
+        False,
+        description="quantize on the sender for quantized storage (the storage's own format "
+        "on the wire)",
     )
     relay: bool = Field(
         True, description="destination replicas forward blocks they received (fewer source sends)"
@@ -230,7 +242,7 @@ class Settings(BaseSettings):
         "", description="file holding the bearer token (used when auth_token is empty)"
     )
 
-    @field_validator("devices", mode="before")
+    @field_validator("devices", "rdma_devices", mode="before")
     @classmethod
     def _split_devices(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -242,6 +254,13 @@ class Settings(BaseSettings):
     def _known_transport(cls, v: str) -> str:
         if v not in ("gloo", "nccl"):
             raise ValueError(f"transport must be gloo or nccl, got {v!r}")
+        return v
+
+    @field_validator("rdma_protocol")
+    @classmethod
+    def _known_rdma_protocol(cls, v: str) -> str:
+        if v not in ("tcp", "rdma"):
+            raise ValueError(f"rdma_protocol must be tcp or rdma, got {v!r}")
         return v
 
     @field_validator("plan_schedule")

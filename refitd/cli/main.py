@@ -50,6 +50,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "refitd.bench.backend",
         "vLLM backend start -> update -> finish vs a plain client refit of the same model",
     ),
+    "rdma": ("refitd.bench.rdma", "one-sided Mooncake writes vs a raw Gloo pair (loopback)"),
 }
 
 

@@ -40,20 +40,22 @@ class MappedResolver:
         """Allocate the staging buffers: same shape, dtype, storage and device as live."""
         for i in sorted(self.staged):
             t = self.live(i)
-            scales = None if t.scales is None else t.scales.clone()
-            self._staging[i] = ResolvedTensor(t.name, t.data.clone(), scales, t.storage)
+            self._staging[i] = ResolvedTensor(
+                t.name,
+                t.data.clone(),
+                None if t.scales is None else t.scales.clone(),
+                t.storage,
+                None if t.global_scale is None else t.global_scale.clone(),
+            )
 
     def apply(self) -> int:
         """Copy every staging buffer into its live tensor; returns the bytes copied."""
         self.check(self.staged)
         n = 0
         for i in sorted(self.staged):
-            live, st = self.live(i), self._staging[i]
-            live.data.copy_(st.data)
-            n += st.data.numel() * st.data.element_size()
-            if live.scales is not None and st.scales is not None:
-                live.scales.copy_(st.scales)
-                n += st.scales.numel() * st.scales.element_size()
+            for live, st in zip(self.live(i).buffers(), self._staging[i].buffers(), strict=True):
+                live.copy_(st)
+                n += st.numel() * st.element_size()
         return n
 
     def live(self, index: int) -> ResolvedTensor:
@@ -64,9 +66,9 @@ class MappedResolver:
             if h is None:
                 raise ExecutionError(f"no memory handle was loaded for plan tensor {index}")
             scales = None if h.scales is None else self.mapper.map_handle(h.scales)
-            t = ResolvedTensor(
-                h.name, self.mapper.map_handle(h), scales, self.storages.get(index, PLAIN)
-            )
+            gscale = None if h.global_scale is None else self.mapper.map_handle(h.global_scale)
+            storage = self.storages.get(index, PLAIN)
+            t = ResolvedTensor(h.name, self.mapper.map_handle(h), scales, storage, gscale)
             self._cache[index] = t
         return t
 
