@@ -184,6 +184,8 @@ def _child(
     code = _EXIT_FAILED
     try:
         gc.disable()  # a plan's objects are acyclic; the collector only slows it
+        for sig in (signal.SIGINT, signal.SIGTERM):  # not the parent's handlers: just end
+            signal.signal(sig, signal.SIG_DFL)
         with contextlib.suppress(OSError):
             os.closerange(3, fd)  # the parent's sockets and pipes are not ours to hold
             os.closerange(fd + 1, 1 << 16)
