@@ -121,7 +121,10 @@ class Settings(BaseSettings):
         "process, off the controller's interpreter lock (false: in the controller's process)",
     )
     plan_timeout_s: float = Field(
-        600.0, gt=0, description="how long a planning process may take before it is killed"
+        120.0,
+        gt=0,
+        description="how long a planning process may take before it is killed; the plan is "
+        "then built in the controller's process",
     )
     relay_chain: bool = Field(
         False,

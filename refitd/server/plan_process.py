@@ -13,8 +13,9 @@ file and hands out each slot's program as a slice of the mapping: nothing is cop
 slot, and the plan's transient memory lives and dies in the child.
 
 Every wait has a timeout: the parent waits on the child's pidfd for `timeout_s`, then kills
-it. A child that dies (killed, out of memory, a crash) fails this plan with an error naming
-its pid and signal; the next plan forks a fresh process. A PlanError in the child comes
+it. A child that dies (killed, out of memory, a crash) is reported with an error naming its
+pid and signal; the caller (planning.make_plan) then builds the plan in its own process, so a
+planning process never fails a refit, and the next plan forks a fresh one. A PlanError in the child comes
 back as its message.
 """
 

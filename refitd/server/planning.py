@@ -16,6 +16,7 @@ controller): the cyclic garbage collector stays off while any of them runs, in a
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,7 @@ from refitd.plan.planner import Plan, PlanConfig, PlanStats, build_plan_from_tab
 from refitd.plan.program import SlotProgram, decode_program, encode_program
 from refitd.plan.table import SpecTable
 from refitd.plan.twins import build_twin_plan, pair_twins
-from refitd.server.errors import precondition
+from refitd.server.errors import ControlError, precondition
 from refitd.server.heap import release_free_heap
 from refitd.server.plan_process import ForkedPlan, PlanningProcess, WorkerKey
 
@@ -38,6 +39,8 @@ from refitd.server.plan_process import ForkedPlan, PlanningProcess, WorkerKey
 # the identity of its registration (its memory handles change only with it), and the
 # staged and snapshot pools among them.
 SlotInputs = tuple[tuple[tuple[WorkerKey, str], ...], frozenset[str], frozenset[str]]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,7 @@ def planner_schedule(schedule: str, transport: str, relay: bool) -> tuple[str, b
     return ("serial", False) if transport == "nccl" else ("lanes", relay)
 
 
-def _planner_config(options: PlanOptions) -> PlanConfig:
+def planner_config(options: PlanOptions) -> PlanConfig:
     schedule, relay = planner_schedule(options.schedule, options.transport, options.relay)
     return PlanConfig(
         bucket_bytes=options.bucket_bytes,
@@ -272,7 +275,7 @@ def make_digest(
 ) -> str:
     """Plan digest of (model, layouts, config), the plan cache key: the layout identity. A
     restart that re-registers the same layouts (new memory handles, new epoch) hits it."""
-    return plan_digest(model, sources, destinations, _planner_config(options))
+    return plan_digest(model, sources, destinations, planner_config(options))
 
 
 def make_plan(
@@ -300,12 +303,15 @@ def make_plan(
             gc_pause,
             "general",
         )
-    config = _planner_config(options)
+    config = planner_config(options)
     n_src, n_dst = len(src), len(dst)
     try:
         fp = process.build(model, epoch, src, dst, config, digest)
     except PlanError as e:
         raise precondition(f"{what}: {e}") from e
+    except ControlError as e:  # the child died or overran: this refit plans here instead
+        log.warning("%s: %s; planning in the controller's process instead", what, e.message)
+        return make_plan(model, epoch, src, dst, options, gc_pause, digest)
 
     def rebuild() -> Plan:  # the tables as they were: they may have grown since
         return build_plan_from_table(
@@ -349,7 +355,7 @@ def _controller_plan(
     FAILED_PRECONDITION starting with `what`."""
     with gc_pause or contextlib.nullcontext():
         try:
-            plan = build(_planner_config(options))
+            plan = build(planner_config(options))
         except PlanError as e:
             raise precondition(f"{what}: {e}") from e
     return ControllerPlan.of(plan, gc_pause, kind)

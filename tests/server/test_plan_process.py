@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from refitd.bench.presets import Parallel, build_specs, preset
+from refitd.plan.program import encode_program
 from refitd.plan.table import SpecTable
 from refitd.server.errors import ControlError, ErrorKind
 from refitd.server.plan_process import PlanningProcess
-from refitd.server.planning import PlanOptions, make_digest, make_plan
+from refitd.server.planning import PlanOptions, make_digest, make_plan, planner_config
 
 OPTIONS = PlanOptions(bucket_bytes=1 << 20, relay=True)
 
@@ -63,21 +64,31 @@ def test_forked_plan_keeps_the_tables_as_they_were() -> None:
     assert forked.plan.digest == forked.digest  # rebuilt from the first rows only
 
 
-def test_a_killed_planning_process_fails_the_plan_and_the_next_one_forks_anew() -> None:
+def test_a_killed_planning_process_is_counted_and_the_plan_is_built_here() -> None:
+    """A child that dies (killed, out of memory) never fails the refit: the controller
+    plans in its own process, the same plan, and the next plan forks a new child."""
+    src, dst = _tables()
+    process = PlanningProcess(timeout_s=120, on_start=lambda pid: os.kill(pid, signal.SIGKILL))
+    plan = make_plan("m", 1, src, dst, OPTIONS, process=process)
+    assert process.died == 1 and plan.digest == make_digest("m", src, dst, OPTIONS)
+    assert plan.program_bytes(plan.slots[0]) == encode_program(plan.plan.program(plan.slots[0]))
+    process.on_start = None
+    plan = make_plan("m", 1, src, dst, OPTIONS, process=process)
+    assert process.started == 2 and process.died == 1
+    assert plan.digest == make_digest("m", src, dst, OPTIONS)
+
+
+def test_a_killed_planning_process_is_reported_naming_its_pid_and_signal() -> None:
     src, dst = _tables()
     process = PlanningProcess(timeout_s=120, on_start=lambda pid: os.kill(pid, signal.SIGKILL))
     with pytest.raises(ControlError) as e:
-        make_plan("m", 1, src, dst, OPTIONS, process=process)
+        process.build("m", 1, src, dst, planner_config(OPTIONS), None)
     assert e.value.kind == ErrorKind.UNAVAILABLE
     assert f"planning process (pid {process.last_pid})" in e.value.message
     assert "signal 9 (SIGKILL)" in e.value.message and "'m'" in e.value.message
-    assert process.died == 1
-    process.on_start = None
-    plan = make_plan("m", 1, src, dst, OPTIONS, process=process)
-    assert process.started == 2 and plan.digest == make_digest("m", src, dst, OPTIONS)
 
 
-def test_a_planning_process_past_its_time_is_killed() -> None:
+def test_a_planning_process_past_its_time_is_killed_and_the_plan_built_here() -> None:
     src, dst = _tables()
     stopped: list[int] = []
 
@@ -87,9 +98,11 @@ def test_a_planning_process_past_its_time_is_killed() -> None:
 
     process = PlanningProcess(timeout_s=0.2, on_start=stop)
     with pytest.raises(ControlError, match=r"did not finish within 0.2 s and was killed"):
-        make_plan("m", 1, src, dst, OPTIONS, process=process)
+        process.build("m", 1, src, dst, planner_config(OPTIONS), None)
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(stopped[0], 0)
+    plan = make_plan("m", 1, src, dst, OPTIONS, process=process)
+    assert process.died == 2 and plan.digest == make_digest("m", src, dst, OPTIONS)
 
 
 def test_a_bad_layout_fails_in_the_planning_process_naming_the_tensor() -> None:
