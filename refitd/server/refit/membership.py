@@ -19,6 +19,7 @@ from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
+from refitd.server.plan_process import PlanningProcess
 from refitd.server.planning import (
     ControllerPlan,
     PlanCache,
@@ -104,8 +105,10 @@ class Memberships:
         plan_options: PlanOptions,
         gc_pause: GcPause,
         metrics: ControllerMetrics,
+        process: PlanningProcess | None = None,
     ) -> None:
         self.registry = registry
+        self.process = process  # builds refit plans off this process's interpreter lock
         self.metrics = metrics
         self.agents = agents
         self.events = events
@@ -165,8 +168,9 @@ class Memberships:
         plan = self.plans.get(digest)
         if plan is None:
             plan = make_plan(
-                model, epoch, sources, destinations, self.plan_options, self.gc_pause, digest
-            )
+                model, epoch, sources, destinations, self.plan_options, self.gc_pause, digest,
+                self.process,
+            )  # fmt: skip
             self.plans.put(plan)
             self.built(model, kind)
         return plan
