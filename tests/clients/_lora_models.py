@@ -110,3 +110,66 @@ def random_adapter(d: LlamaDims, rank: int, seed: int) -> dict[str, torch.Tensor
         out[t.a_name] = torch.randn(rank, t.in_features, generator=g).to(torch.bfloat16)
         out[t.b_name] = torch.randn(t.out_features, rank, generator=g).to(torch.bfloat16)
     return out
+
+
+def peft_adapter(cfg: Any, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A transformers Llama wrapped by PEFT with rank-`rank` LoRA on q/k/v/o and
+    gate/up/down, its A and B drawn from `seed`: the adapter tensors under their PEFT
+    names without the wrapper's `base_model.model.` prefix and `default` adapter name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    modules = list(ENGINE_MODULE)
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules=modules))
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" not in name:
+                continue
+            p.copy_(torch.randn(p.shape, generator=g))  # PEFT starts B at zero
+            short = name.removeprefix("base_model.model.").replace(".default.", ".")
+            out[short] = p.detach().to(torch.bfloat16)
+    return out
+
+
+def lora_trainer_rank(
+    rank: int,
+    controller: str,
+    model: str,
+    cfg: Any,
+    lora_rank: int,
+    commands: Any,
+    results: Any,
+    versions: range,
+    wait: str = "committed",
+) -> None:
+    """A Megatron tp=2 trainer rank holding only adapter shards; ("refit", v) fills them
+    from the PEFT adapter of seed v in place and refits v; the next refit may start
+    while the engine ranks still flip to v (wait="committed")."""
+    import traceback
+
+    from clients.engine_layouts.lora import megatron_lora_shards
+    from refitd.client import MegatronCoords, TrainerClient
+
+    try:
+        # Drawn ahead, so a refit follows the last one's commit at once.
+        ahead = {
+            v: megatron_lora_shards(peft_adapter(cfg, lora_rank, v), 2, rank) for v in versions
+        }
+        shards = megatron_lora_shards(peft_adapter(cfg, lora_rank, 0), 2, rank)
+        with TrainerClient(controller, model, rank=rank, pool_size=2, device=f"cpu:{rank}") as t:
+            t.register(shards, MegatronCoords(tp_rank=rank, tp_size=2))
+            results.put((rank, "registered", 0))
+            while (cmd := commands.get(timeout=300)) is not None:
+                _, v = cmd
+                for name, x in shards.items():
+                    x.copy_(ahead[v][name])
+                try:
+                    results.put((rank, v, t.refit(v, wait=wait, timeout=120).state))
+                except Exception as e:  # a failed refit is an answer of its own
+                    results.put((rank, v, f"failed: {e}"))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
