@@ -37,8 +37,7 @@ from clients.hf_names import LlamaDims
 from refitd.client import InferenceClient
 from refitd.demo.run import Daemon
 
-RANK, MAX_RANK, MAX_LORAS, SLOTS = 16, 32, 4, (1, 3)
-VERSIONS = int(os.environ.get("LORA_VERSIONS", "20"))
+RANK, MAX_RANK, MAX_LORAS, SLOTS, VERSIONS = 16, 32, 4, (1, 3), 20
 MODEL = "lora-llama"
 
 
@@ -194,8 +193,8 @@ def test_adapter_versions_flip_without_pause(lora_daemon: Daemon) -> None:
         assert not errors, errors[:5]
         assert reads[0] > VERSIONS
         for tp, r, eng, c in engines:
-            assert eng.pauses == 0 and "pause" not in eng.events, (tp, r, eng.events)
-            assert eng.events.count("commit") == VERSIONS + 1, (tp, r, eng.events)
+            # no PAUSE, and no ABORT of the failed refit: only the commits reach the rank
+            assert eng.pauses == 0 and eng.events == ["hello"] + ["commit"] * (VERSIONS + 1)
             assert (eng.version, c.served_version) == (last, last)
             served = eng.slot
             spare = SLOTS[1] if served == SLOTS[0] else SLOTS[0]
