@@ -50,7 +50,8 @@ PROTOCOL = "refitd.slot_protocol"
 SLOT_SIDE = (NODE, TRANSFER, EXECUTOR)
 # the transport modules that move bytes (torch): the node agent only relays their errors
 BYTE_MOVERS = tuple(
-    f"refitd.transport.{m}" for m in ("base", "gloo", "local", "memory", "nccl", "nvshmem", "shm")
+    f"refitd.transport.{m}"
+    for m in ("base", "doorbell", "gloo", "local", "mapped", "memory", "nccl", "paths", "shm")
 )
 CONTROL_PLANE = ("grpc", "google.protobuf", "refitd._proto", "refitd.rpc", "refitd.server")
 # what only the processes speaking gRPC need: a GPU box's transfer processes run without it

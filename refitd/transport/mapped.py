@@ -1,0 +1,113 @@
+"""`mapped`: one-sided writes between two slots of one host, through mapped memory.
+
+The destination exposes the tensors senders write by the memory handles a process on the
+same host maps them with (worker tensors: the workers' shared-memory segments or CUDA IPC
+handles; staging buffers of a staged pool: segments and handles of the destination's
+transfer process) and a doorbell in a shared-memory page. A sender maps them (its own
+`MemoryMapper`, dropped with the peer, so unloaded segments are unmapped), writes source
+views straight into destination views with `torch._foreach_copy_` (strided regions in
+place) and rings the doorbell. No socket carries same-host bytes.
+
+A destination that dies mid-write does not stop its sender: the mappings stay valid until
+the sender drops them. A sender that dies leaves the doorbell short: the destination waits
+until the transfer deadline or the abort that follows.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import torch
+
+from refitd.transport.doorbell import ShmDoorbell
+from refitd.transport.errors import StorageMovedError, TransportError
+from refitd.transport.memory import MemoryHandle, MemoryMapper, check_all_live
+from refitd.transport.paths import Exposed, Exposure, OneSidedPath, Peer, RemoteTensor
+
+
+class MappedExposure(Exposure):
+    def __init__(self, body: bytes, doorbell: ShmDoorbell) -> None:
+        self.body = body
+        self.doorbell = doorbell
+
+    def close(self) -> None:
+        self.doorbell.close()
+
+
+class MappedPeer(Peer):
+    """A destination's tensors mapped in the sender (see the module docstring)."""
+
+    def __init__(self, doorbell: ShmDoorbell, tensors: dict[int, tuple[bytes, str]], what: str):
+        self.doorbell = doorbell
+        self.what = what
+        self._raw = tensors
+        self._handles: dict[int, MemoryHandle] = {}
+        self._mapped: dict[int, RemoteTensor] = {}
+        self.mapper = MemoryMapper()
+
+    def tensor(self, index: int) -> RemoteTensor:
+        t = self._mapped.get(index)
+        if t is not None:
+            return t
+        raw = self._raw.get(index)
+        if raw is None:
+            raise TransportError(f"{self.what}: its descriptor exposes no tensor {index}")
+        try:
+            h = MemoryHandle.from_bytes(raw[0])
+            data = self.mapper.map_handle(h)
+            scales = None if h.scales is None else self.mapper.map_handle(h.scales)
+        except (StorageMovedError, ValueError, OSError) as e:
+            raise TransportError(f"{self.what}: cannot map its tensor {index}: {e}") from e
+        self._handles[index] = h
+        t = self._mapped[index] = RemoteTensor(h.name, data, scales, raw[1])
+        return t
+
+    def write(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def ring(self, entry: int, attempt: int, chunks: int) -> None:
+        self.doorbell.ring(entry, attempt, chunks)
+
+    def generation(self) -> int:
+        return self.doorbell.generation
+
+    def check_live(self) -> None:
+        try:
+            check_all_live(self.mapper, self._handles.values())
+        except StorageMovedError as e:
+            raise TransportError(f"{self.what}: {e}") from e
+
+    def close(self) -> None:
+        self._mapped.clear()
+        self.mapper.close()
+
+
+class MappedPath(OneSidedPath):
+    kind = "mapped"
+
+    def expose(self, tensors: dict[int, Exposed], entries: int, generation: int) -> Exposure:
+        bell = ShmDoorbell.create(entries, generation)
+        body = msgpack.packb(
+            {
+                "doorbell": bell.segment.name,
+                "tensors": {int(i): [t.handle, t.storage] for i, t in tensors.items()},
+            },
+            use_bin_type=True,
+        )
+        return MappedExposure(body, bell)
+
+    def attach(self, body: bytes, what: str) -> Peer:
+        try:
+            d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+            name = d["doorbell"]
+            tensors = {int(i): (bytes(h), str(s)) for i, (h, s) in d["tensors"].items()}
+        except Exception as e:
+            raise TransportError(f"{what}: malformed mapped descriptor ({e})") from None
+        try:
+            bell = ShmDoorbell.open(name)
+        except (StorageMovedError, OSError) as e:
+            raise TransportError(
+                f"{what}: cannot map its doorbell {name!r} ({e}); a mapped link needs both "
+                "slots on one host"
+            ) from e
+        return MappedPeer(bell, tensors, what)
