@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from refitd.plan.errors import PlanError
 from refitd.plan.explain import explain, format_explanations
 from refitd.server.errors import not_found, precondition
-from refitd.server.planning import ControllerPlan, make_digest, make_plan
+from refitd.server.planning import ControllerPlan, make_digest, make_plan, table_slots
 
 if TYPE_CHECKING:
     from refitd.server.controller import Controller
@@ -45,10 +45,13 @@ def current_plan(c: Controller, model: str) -> tuple[ControllerPlan, bool]:
         )
     try:
         options = c.refits.plan_options
-        digest = make_digest(model, sources, destinations, options)
+        sites = reg.slot_sites(table_slots(sources, destinations))
+        digest = make_digest(model, sources, destinations, options, sites)
         plan = c.refits.plans.get(digest)
         if plan is None:
-            plan = make_plan(model, epoch, sources, destinations, options, digest=digest)
+            plan = make_plan(
+                model, epoch, sources, destinations, options, digest=digest, sites=sites
+            )
             c.refits.plans.put(plan)
     finally:
         with reg.lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -25,13 +26,16 @@ import numpy as np
 from refitd.plan.errors import PlanError
 from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
+from refitd.plan.links import LinkPolicy, SlotSite
 from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
 from refitd.plan.program import SlotProgram, encode_program
 from refitd.plan.table import SpecTable
 from refitd.plan.twins import build_twin_plan, pair_twins
 from refitd.server.errors import precondition
 
+log = logging.getLogger("refitd.controller")
 WorkerKey = tuple[str, int]  # (pool, rank)
+Site = tuple[int, str, str, tuple[str, ...]]  # (slot, host, device kind, paths offered)
 # What a loaded slot program's handles came from: per worker holding tensors on the slot,
 # the identity of its registration (its memory handles change only with it), and the
 # staged and snapshot pools among them.
@@ -41,7 +45,8 @@ SlotInputs = tuple[tuple[tuple[WorkerKey, str], ...], frozenset[str], frozenset[
 @dataclass(frozen=True)
 class PlanOptions:
     """The plan configuration the controller passes on (from Settings). schedule "auto"
-    resolves by transport (`planner_schedule`)."""
+    resolves by transport (`planner_schedule`); links: the links policy (the slots' sites
+    come with each plan: `make_plan`)."""
 
     bucket_bytes: int
     sender_quantization: bool = False
@@ -50,6 +55,7 @@ class PlanOptions:
     allow_dtype_cast: bool = False
     schedule: str = "auto"
     transport: str = "gloo"
+    links: str = "collective"
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,14 @@ class ControllerPlan:
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _holders: dict[int, tuple[WorkerKey, ...]] | None = None
+    _links: dict[str, object] | None = None
+
+    @property
+    def links(self) -> dict[str, object]:
+        """Messages and bytes per path, local copies, fallbacks (Plan.link_summary)."""
+        if self._links is None:
+            self._links = self.plan.link_summary()
+        return self._links
 
     def readers(self, pool: str, rank: int) -> frozenset[int]:
         """Slots reading source worker (pool, rank): computed for all on the first call
@@ -282,8 +296,22 @@ def planner_schedule(schedule: str, transport: str, relay: bool) -> tuple[str, b
     return ("serial", False) if transport == "nccl" else ("lanes", relay)
 
 
-def _planner_config(options: PlanOptions) -> PlanConfig:
+def table_slots(
+    sources: Sequence[TensorSpec] | SpecTable, destinations: Sequence[TensorSpec] | SpecTable
+) -> list[int]:
+    """Every slot holding a tensor of the two sides (whose sites a plan's links need)."""
+    slots: set[int] = set()
+    for side in (sources, destinations):
+        if isinstance(side, SpecTable):
+            slots.update(np.unique(side.columns()[2]).tolist())
+        else:
+            slots.update(s.slot for s in side)
+    return sorted(slots)
+
+
+def _planner_config(options: PlanOptions, sites: Sequence[Site] = ()) -> PlanConfig:
     schedule, relay = planner_schedule(options.schedule, options.transport, options.relay)
+    links = LinkPolicy.of(options.links, [SlotSite(*s) for s in sites])
     return PlanConfig(
         bucket_bytes=options.bucket_bytes,
         sender_quantization=options.sender_quantization,
@@ -291,6 +319,7 @@ def _planner_config(options: PlanOptions) -> PlanConfig:
         relay_chain=options.relay_chain,
         allow_dtype_cast=options.allow_dtype_cast,
         schedule=schedule,
+        links=links,
     )
 
 
@@ -303,10 +332,12 @@ def make_digest(
     sources: Sequence[TensorSpec] | SpecTable,
     destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
+    sites: Sequence[Site] = (),
 ) -> str:
-    """Plan digest of (model, layouts, config), the plan cache key: the layout identity. A
-    restart that re-registers the same layouts (new memory handles, new epoch) hits it."""
-    return plan_digest(model, sources, destinations, _planner_config(options))
+    """Plan digest of (model, layouts, config with the links of `sites`), the plan cache
+    key: the layout identity. A restart that re-registers the same layouts (new memory
+    handles, new epoch) on the same slots with the same offers hits it."""
+    return plan_digest(model, sources, destinations, _planner_config(options, sites))
 
 
 def make_plan(
@@ -317,10 +348,12 @@ def make_plan(
     options: PlanOptions,
     gc_pause: GcPause | None = None,
     digest: str | None = None,
+    sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION.
     No slot program is built here (see ControllerPlan.load_payload); the plan keeps
-    `gc_pause` for them. `digest`: make_digest of the same inputs, when the caller has it."""
+    `gc_pause` for them. `digest`: make_digest of the same inputs, when the caller has it;
+    `sites`: the slots' hosts, device kinds and offered paths (the links' paths)."""
     src, dst = _table(sources), _table(destinations)
     return _controller_plan(
         lambda c: build_plan_from_table(model, epoch, src, dst, c, digest),
@@ -328,6 +361,7 @@ def make_plan(
         options,
         gc_pause,
         "general",
+        sites,
     )
 
 
@@ -337,6 +371,7 @@ def make_twin_plan(
     pairs: Sequence[tuple[SpecTable, SpecTable]],
     options: PlanOptions,
     gc_pause: GcPause | None = None,
+    sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """A twin plan (refitd.plan.twins: each pair's second worker copied whole from its
     first) as the controller uses it; PlanError -> FAILED_PRECONDITION."""
@@ -346,6 +381,7 @@ def make_twin_plan(
         options,
         gc_pause,
         "twin",
+        sites,
     )
 
 
@@ -355,15 +391,16 @@ def _controller_plan(
     options: PlanOptions,
     gc_pause: GcPause | None,
     kind: str,
+    sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """`build` run with the options' planner config inside the pause; PlanError ->
     FAILED_PRECONDITION starting with `what`."""
     with gc_pause or contextlib.nullcontext():
         try:
-            plan = build(_planner_config(options))
+            plan = build(_planner_config(options, sites))
         except PlanError as e:
             raise precondition(f"{what}: {e}") from e
-    return ControllerPlan(
+    cp = ControllerPlan(
         digest=plan.digest,
         slots=plan.slots(),
         total_bytes=plan.stats.total_bytes,
@@ -371,6 +408,10 @@ def _controller_plan(
         gc_pause=gc_pause,
         kind=kind,
     )
+    fallback = cp.links.get("fallback")
+    if fallback:
+        log.warning("%s: links %s fell back to collective: %s", what, options.links, fallback)
+    return cp
 
 
 def make_catch_up_plan(
@@ -380,6 +421,7 @@ def make_catch_up_plan(
     behind: Sequence[SpecTable],
     options: PlanOptions,
     gc_pause: GcPause | None = None,
+    sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """The plan copying the committed version from replicas that hold it (`holders`, one
     table per worker) into the ranks `behind`: each rank behind copied whole from a holder
@@ -388,9 +430,9 @@ def make_catch_up_plan(
     twins = pair_twins(holders, behind)
     if twins is not None:
         pairs = [(holders[i], behind[j]) for i, j in twins]
-        return make_twin_plan(model, epoch, pairs, options, gc_pause)
+        return make_twin_plan(model, epoch, pairs, options, gc_pause, sites)
     sources, destinations = SpecTable.from_tables(holders), SpecTable.from_tables(behind)
-    return make_plan(model, epoch, sources, destinations, options, gc_pause)
+    return make_plan(model, epoch, sources, destinations, options, gc_pause, sites=sites)
 
 
 class PlanCache:

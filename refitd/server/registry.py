@@ -90,6 +90,7 @@ class Registry:
         agent_id: str = "",
         batch_execute: bool = False,
         data_plane_address: str = "",
+        links: tuple[str, ...] = (),
     ) -> Agent:
         """Register (or re-register) a node agent; returns it with its global slot ids."""
         if not host:
@@ -138,6 +139,7 @@ class Registry:
                 agent.connected = old.connected
             agent.batch_execute = batch_execute
             agent.data_plane_address = data_plane_address
+            agent.links = tuple(sorted(set(links)))
             self.agents[agent_id] = agent
             self.db.save_agent(agent_id, host, pid)
             for m in self.models.values():
@@ -591,6 +593,20 @@ class Registry:
                 if w is not None and w.live:
                     out[(pool, rank)] = w.memory
         return out
+
+    def slot_sites(self, slots: Iterable[int]) -> list[tuple[int, str, str, tuple[str, ...]]]:
+        """(slot, host, device kind, paths its agent offers) of each known slot: what the
+        planner picks each link's path from (an unknown slot is left out: collective)."""
+        with self.lock:
+            out = []
+            for slot in slots:
+                s = self.slots.get(slot)
+                if s is None:
+                    continue
+                a = self.agents.get(s.agent_id or "")
+                offers = a.links if a is not None else ()
+                out.append((slot, s.host, s.device.split(":")[0], offers))
+            return out
 
     def slot_agents(self, slots: Sequence[int]) -> list[tuple[int, Slot | None, Agent | None]]:
         """Each slot with its registration and the agent holding it (None when unknown)."""
