@@ -125,10 +125,17 @@ def attach(links: Links | None, program: SlotProgram, exposures: Exposures) -> O
                 absent = [m for m in mine if m not in d.entry]
                 if absent:
                     raise ExecutionError(
-                        f"slot {program.slot}: messages {absent[:4]} to slot {slot}: "
-                        "mismatched descriptor: it has no doorbell entry for them"
+                        f"{what}: mismatched descriptor: it has no doorbell entry for "
+                        f"messages {absent[:4]}"
                     )
-                out.peers[slot] = (links.path(kind).attach(d.body, what), d)
+                peer = links.path(kind).attach(d.body, what)
+                out.peers[slot] = (peer, d)
+                if peer.generation() != d.generation:
+                    raise ExecutionError(
+                        f"{what}: stale descriptor: slot {slot}'s doorbell shows generation "
+                        f"{peer.generation()}, the descriptor {d.generation} (it loaded the "
+                        "plan again since)"
+                    )
     except BaseException:
         out.close()
         raise

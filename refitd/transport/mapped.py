@@ -105,9 +105,11 @@ class MappedPath(OneSidedPath):
             raise TransportError(f"{what}: malformed mapped descriptor ({e})") from None
         try:
             bell = ShmDoorbell.open(name)
-        except (StorageMovedError, OSError) as e:
+        except StorageMovedError:
             raise TransportError(
-                f"{what}: cannot map its doorbell {name!r} ({e}); a mapped link needs both "
-                "slots on one host"
-            ) from e
+                f"{what}: stale descriptor: its doorbell {name!r} is gone (the slot unloaded "
+                "or loaded the plan again since it published it, or it is on another host)"
+            ) from None
+        except OSError as e:
+            raise TransportError(f"{what}: cannot map its doorbell {name!r}: {e}") from e
         return MappedPeer(bell, tensors, what)
