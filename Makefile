@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test lint protos-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/engines.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,adapters]'
+	# vLLM and SGLang for the engine tests, without their dependency trees (torch stays).
+	scripts/install_engines.sh $(BIN)/python
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -25,7 +25,7 @@ from clients.engine_layouts.layouts import (
     llama_engine_layout,
     padded_vocab,
 )
-from clients.engine_layouts.register import engine_placements, register_engine
+from clients.engine_layouts.register import engine_module, engine_placements, register_engine
 
 __all__ = [
     "ENGINES",
@@ -37,6 +37,7 @@ __all__ = [
     "Piece",
     "deepseek_v3_engine_layout",
     "engine_layout_for",
+    "engine_module",
     "engine_placements",
     "fused_qkv_a_name",
     "llama_engine_layout",

@@ -123,3 +123,18 @@ def register_engine(
     parameter registers as slices of itself; registration moves its storage in place, so
     the parameter serves what the refit writes into the slices."""
     return client.register(engine_placements(params, layout, storage, scales=scales))
+
+
+def engine_module(tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose parameters are `tensors` under their dotted names: what a vLLM or
+    SGLang model runner holds for one TP rank (for engines run outside their runner)."""
+    module = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        mod = module
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, torch.nn.Module())
+            mod = mod._modules[part]
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return module

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import SlotProgram
-from refitd.server.delta_policy import DeltaSettings, Timing, refit_mode
+from refitd.server.delta.policy import DeltaSettings, Timing, refit_mode
 
 COLS = 4096
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------- the daemon under test
 @dataclass
-class Daemon:
+class FuzzTarget:
     """`refitd serve` in a child process, with a channel and an HTTP base URL."""
 
     data_dir: Path
@@ -74,7 +74,7 @@ class Daemon:
     http_base: str = ""
     metadata: tuple[tuple[str, str], ...] = ()
 
-    def start(self, timeout_s: float = 60.0) -> Daemon:
+    def start(self, timeout_s: float = 60.0) -> FuzzTarget:
         cmd = [
             sys.executable,
             "-m",
@@ -207,7 +207,7 @@ def valid_worker(pool: str, role: int, device: str) -> pb.RegisterWorkerRequest:
     )
 
 
-def seed(d: Daemon) -> Seed:
+def seed(d: FuzzTarget) -> Seed:
     agent = pb.RegisterAgentResponse.FromString(
         d.call(
             METHODS["RegisterAgent"][0],
@@ -265,7 +265,7 @@ class FuzzStats:
     codes: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
-    def record(self, d: Daemon, rpc: str, payload: bytes, timeout_s: float = 1.0) -> None:
+    def record(self, d: FuzzTarget, rpc: str, payload: bytes, timeout_s: float = 1.0) -> None:
         path, req_type, stream = METHODS[rpc]
         before = d.fingerprint()
         self.sent += 1
@@ -446,7 +446,7 @@ def grpc_requests(s: Seed) -> Any:
     return st.one_of(*per_rpc, near, near)
 
 
-def fuzz_grpc(d: Daemon, s: Seed, stats: FuzzStats, cases: int, seed_value: int = 0) -> None:
+def fuzz_grpc(d: FuzzTarget, s: Seed, stats: FuzzStats, cases: int, seed_value: int = 0) -> None:
     """`cases` hypothesis-generated requests, each checked by FuzzStats.record."""
     from hypothesis import HealthCheck, given, seed, settings
 
@@ -518,7 +518,7 @@ def valid_requests(s: Seed) -> list[tuple[str, Message]]:
     ]
 
 
-def fuzz_bytes(d: Daemon, s: Seed, stats: FuzzStats, cases: int, seed_value: int = 0) -> None:
+def fuzz_bytes(d: FuzzTarget, s: Seed, stats: FuzzStats, cases: int, seed_value: int = 0) -> None:
     """`cases` byte-mutated serialized requests sent raw (no client-side serialization)."""
     rng = random.Random(seed_value)
     base = [(rpc, req.SerializeToString()) for rpc, req in valid_requests(s)]
@@ -565,7 +565,7 @@ def fuzz_http(base_url: str, cases: int, seed_value: int = 0) -> dict[str, Any]:
     return {"sent": sum(statuses.values()), "statuses": dict(statuses), "problems": problems}
 
 
-def healthy_after(d: Daemon) -> bool:
+def healthy_after(d: FuzzTarget) -> bool:
     """The daemon still serves /healthz and accepts a valid registration."""
     import httpx
 
@@ -581,7 +581,7 @@ def healthy_after(d: Daemon) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="refitd-fuzz-") as tmp:
-        d = Daemon(Path(tmp)).start()
+        d = FuzzTarget(Path(tmp)).start()
         try:
             s = seed(d)
             stats = FuzzStats()

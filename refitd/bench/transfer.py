@@ -34,6 +34,7 @@ from refitd.bench.transfer_refs import (
     sent_memcpy_reference,
 )
 from refitd.bench.transfer_shards import mxfp8_context, place_shards, verify
+from refitd.memory.arena import SharedTensorArena
 from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
@@ -42,7 +43,6 @@ from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.plan.wire import MXFP8, PLAIN
 from refitd.slot_protocol import DEFAULTS, Connect, Execute, Load, SnapshotInfo
-from refitd.transport.memory import SharedTensorArena
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
 COLS = 4096

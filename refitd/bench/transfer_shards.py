@@ -11,9 +11,9 @@ from collections import defaultdict
 
 import torch
 
+from refitd.memory.arena import SharedTensorArena
 from refitd.plan.layout import TensorSpec
 from refitd.plan.wire import MXFP8, mxfp8_scale_shape
-from refitd.transport.memory import SharedTensorArena
 
 
 def pattern(k: int, shape: tuple[int, ...]) -> torch.Tensor:

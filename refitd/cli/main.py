@@ -41,6 +41,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "replay a plan's messages on a link model (NICs, NVLink, fair sharing)",
     ),
     "delta": ("refitd.bench.delta", "delta refits vs dense refits of the same versions"),
+    "backend": (
+        "refitd.bench.backend",
+        "vLLM backend start -> update -> finish vs a plain client refit of the same model",
+    ),
 }
 
 

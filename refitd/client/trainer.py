@@ -17,6 +17,7 @@ import grpc
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.client.worker import WorkerClient
+from refitd.refit_states import state_name
 from refitd.rpc.connection import RefitError
 
 log = logging.getLogger(__name__)
@@ -27,22 +28,14 @@ WAITS = {
     "accepted": pb.WAIT_ACCEPTED,
     "served": pb.WAIT_SERVED,
 }
-STATES = {
-    pb.REFIT_STATE_REQUESTED: "requested",
-    pb.REFIT_STATE_SOURCES_READY: "sources_ready",
-    pb.REFIT_STATE_TRANSFERRING: "transferring",
-    pb.REFIT_STATE_LANDED: "landed",
-    pb.REFIT_STATE_COMMITTED: "committed",
-    pb.REFIT_STATE_FAILED: "failed",
-    pb.REFIT_STATE_SUPERSEDED: "superseded",
-}
 # Extra deadline on top of the refit's own timeout, so the controller's answer wins the race.
 DEADLINE_MARGIN_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class RefitResult:
-    """The controller's answer: state is one of STATES' values ("committed", "superseded"...).
+    """The controller's answer: state is a refit state's name (refitd.refit_states:
+    "committed", "superseded"...).
 
     served: with wait="served", every inference rank acked the version's COMMIT (it serves
     it); when False on a committed version, message names the ranks that did not.
@@ -137,7 +130,7 @@ class TrainerClient(WorkerClient):
                 raise
         result = RefitResult(
             version=resp.version or version,
-            state=STATES.get(resp.state, "unspecified"),
+            state=state_name(resp.state),
             message=resp.message,
             seconds=resp.seconds,
             bytes=resp.bytes,

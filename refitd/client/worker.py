@@ -23,8 +23,9 @@ import torch
 from refitd._proto import refitd_pb2 as pb
 from refitd.client.tensors import LocalTensor, MegatronCoords, collect
 from refitd.limits import raise_nofile_limit
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.handles import MemoryHandle
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError
-from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 log = logging.getLogger(__name__)
 

@@ -91,7 +91,7 @@ class ParallelLayout:
 
 
 @dataclass(frozen=True, slots=True)
-class Shard:
+class RankTensor:
     """One local tensor of one rank: local name, canonical name, placement."""
 
     name: str
@@ -104,7 +104,7 @@ class Shard:
     layer_offset: int
 
 
-def megatron_parameter(shard: Shard) -> torch.nn.Parameter:
+def megatron_parameter(shard: RankTensor) -> torch.nn.Parameter:
     """A zeroed BF16 parameter for `shard`, carrying the Megatron TP attributes
     (tensor_model_parallel, partition_dim, partition_stride) when it is split over TP."""
     p = torch.nn.Parameter(torch.zeros(shard.local_shape, dtype=torch.bfloat16), False)
@@ -131,7 +131,7 @@ def _on_stage(canonical: str, pp_rank: int, pp: int) -> bool:
     return True
 
 
-def rank_shards(cfg: GptConfig, layout: ParallelLayout, rank: int) -> list[Shard]:
+def rank_shards(cfg: GptConfig, layout: ParallelLayout, rank: int) -> list[RankTensor]:
     """Every local tensor of `rank`, with Megatron local names (layer index within the stage)."""
     tp_rank, _, pp_rank = layout.coords(rank)
     layers = stage_layers(cfg, layout.pp, pp_rank)
@@ -149,7 +149,7 @@ def rank_shards(cfg: GptConfig, layout: ParallelLayout, rank: int) -> list[Shard
         dim, stride = split if split and layout.tp > 1 else (-1, 1)
         local_shape, boxes = tp_boxes(shape, dim, stride, layout.tp, tp_rank)
         shards.append(
-            Shard(local_name, canonical, shape, local_shape, boxes, dim, stride, layers.start)
+            RankTensor(local_name, canonical, shape, local_shape, boxes, dim, stride, layers.start)
         )
     return shards
 
@@ -190,13 +190,13 @@ class WeightGenerator:
         gen = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
         return (torch.randn(TABLE, generator=gen) * 0.02).to(torch.bfloat16)
 
-    def fill(self, out: torch.Tensor, shard: Shard, version: int) -> None:
+    def fill(self, out: torch.Tensor, shard: RankTensor, version: int) -> None:
         """Write the shard's blocks of `version` into the local tensor `out`."""
         table = self.table(shard.canonical, version)
         for region, index in self._blocks(out, shard):
             region.copy_(table[index])
 
-    def mismatch(self, local: torch.Tensor, shard: Shard, version: int) -> str | None:
+    def mismatch(self, local: torch.Tensor, shard: RankTensor, version: int) -> str | None:
         """None if `local` equals the shard of `version` bit for bit, else what differs."""
         if tuple(local.shape) != shard.local_shape or local.dtype != torch.bfloat16:
             return f"{shard.name}: {tuple(local.shape)} {local.dtype}, expected {shard.local_shape} bfloat16"
@@ -208,7 +208,7 @@ class WeightGenerator:
                 return f"{shard.name}: {bad} elements differ from version {version}"
         return None
 
-    def _blocks(self, local: torch.Tensor, shard: Shard):
+    def _blocks(self, local: torch.Tensor, shard: RankTensor):
         """(view of local, table index tensor) per chunk of rows of every box."""
         gshape = shard.global_shape
         strides = [math.prod(gshape[k + 1 :]) for k in range(len(gshape))]

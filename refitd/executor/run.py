@@ -52,10 +52,10 @@ from refitd.executor.prepare import (
 )
 from refitd.executor.segments import ResolvedTensor
 from refitd.executor.views import SlotViews
+from refitd.memory.errors import StorageMovedError
 from refitd.plan.program import SlotProgram
 from refitd.slot_protocol import DEFAULTS, ExecReport
 from refitd.transport.base import Transport
-from refitd.transport.errors import StorageMovedError
 
 
 class DirectResolver:

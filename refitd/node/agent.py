@@ -29,6 +29,7 @@ import grpc
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.limits import raise_nofile_limit
+from refitd.memory.segment_names import reap_orphaned_segments
 from refitd.node.address import DataPlaneAddress, choose_data_plane
 from refitd.node.codec import (
     CommandError,
@@ -42,7 +43,6 @@ from refitd.node.process_handle import start_transfer_server
 from refitd.node.slot_runner import SlotRunner
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError, security_for
 from refitd.slot_protocol import Failed, Report, SlotOptions
-from refitd.transport.segment_names import reap_orphaned_segments
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 60.0  # orphaned shared memory of killed workers is unlinked this often

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Generic, TypeVar
 
+from refitd.memory.errors import StorageMovedError
 from refitd.slot_protocol import (
     DEFAULTS,
     Close,
@@ -31,7 +32,6 @@ from refitd.slot_protocol import (
     SourcesReleased,
     verb_of,
 )
-from refitd.transport.errors import StorageMovedError
 
 PROCESS_NAME_PREFIX = "refitd-slot"  # a transfer process's name in ps/top: refitd-slot<N>
 START_TIMEOUT_S = 60.0  # a new process answers its first ping (the fork server may still

@@ -16,7 +16,6 @@ from fastapi import HTTPException, Request
 from refitd.security import (
     AUTH_HEADER,
     TOKEN_COOKIE,
-    ServerSecurity,
     bearer_token,
     tokens_equal,
 )
@@ -109,12 +108,3 @@ def http_token_dependency(token: str) -> Callable[[Request], None]:
             raise HTTPException(401, problem, headers={"WWW-Authenticate": "Bearer"})
 
     return require_token
-
-
-def server_interceptors(security: ServerSecurity) -> list[grpc.ServerInterceptor]:
-    """The controller's gRPC interceptors: the token check (when a token is configured)
-    before anything parses the request, then the request decoding."""
-    from refitd.server.grpc_service import RequestDecodeInterceptor
-
-    auth = [TokenAuthInterceptor(security.token)] if security.token else []
-    return [*auth, RequestDecodeInterceptor()]

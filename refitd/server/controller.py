@@ -18,9 +18,8 @@ from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.config import Settings
 from refitd.security import ServerSecurity
-from refitd.server.auth import server_interceptors
 from refitd.server.database import StateDB
-from refitd.server.grpc_service import AgentControlServicer, RefitServicer
+from refitd.server.grpc_service import AgentControlService, RefitService, server_interceptors
 from refitd.server.http import HttpServer
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import keep_plan_heap
@@ -39,7 +38,8 @@ SERVICE_NAMES = tuple(
 
 
 class Controller:
-    """One refitd controller. `start()` binds everything; `stop()` releases everything."""
+    """One refitd controller. `start()` binds everything; `stop()` releases everything.
+    It implements what its front ends need of it (the protocols of server/frontend.py)."""
 
     def __init__(self, settings: Settings, local_agent: LocalAgent | None = None) -> None:
         """`local_agent`: the node agent this process runs (`refitd serve`), which
@@ -114,8 +114,8 @@ class Controller:
             options=opts,
             interceptors=server_interceptors(self.security),
         )
-        pbg.add_RefitServicer_to_server(RefitServicer(self), server)
-        pbg.add_AgentControlServicer_to_server(AgentControlServicer(self), server)
+        pbg.add_RefitServicer_to_server(RefitService(self), server)
+        pbg.add_AgentControlServicer_to_server(AgentControlService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (

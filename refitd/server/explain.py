@@ -4,18 +4,16 @@ refitd.plan.explain. The server never touches tensor bytes: this reads plan meta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from refitd.plan.errors import PlanError
 from refitd.plan.explain import explain, format_explanations
 from refitd.server.errors import not_found, precondition
+from refitd.server.frontend import PlanSource
 from refitd.server.planning import ControllerPlan, make_digest, make_plan, table_slots
 
-if TYPE_CHECKING:
-    from refitd.server.controller import Controller
 
-
-def current_plan(c: Controller, model: str) -> tuple[ControllerPlan, bool]:
+def current_plan(c: PlanSource, model: str) -> tuple[ControllerPlan, bool]:
     """(plan, current): the plan of the model's current registrations (the digest a refit
     computes, so a cached plan is shared with the refit path), or, while the model has no
     source or destination pool registered (a trainer between runs), its last cached plan
@@ -60,7 +58,7 @@ def current_plan(c: Controller, model: str) -> tuple[ControllerPlan, bool]:
 
 
 def explain_document(
-    c: Controller, model: str, tensor: str, pool: str = "", rank: int | None = None
+    c: PlanSource, model: str, tensor: str, pool: str = "", rank: int | None = None
 ) -> tuple[dict[str, Any], str]:
     """(JSON document, compact text) of the shards of `tensor` in the current plan."""
     plan, current = current_plan(c, model)

@@ -1,6 +1,7 @@
-"""gRPC front end: the Refit and AgentControl servicers over the controller's objects.
+"""gRPC front end: the Refit and AgentControl services (the generated servicers' subclasses)
+over what the controller offers them (frontend.ServiceBackend).
 
-Servicers only translate: proto in, ControlError -> status code out. Streams (Subscribe,
+The services only translate: proto in, ControlError -> status code out. Streams (Subscribe,
 Commands) hold a pool thread each and end when the client goes or the controller stops.
 """
 
@@ -9,14 +10,17 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.security import ServerSecurity
+from refitd.server.auth import TokenAuthInterceptor
 from refitd.server.errors import ControlError, ErrorKind, invalid, not_found
 from refitd.server.explain import explain_document
+from refitd.server.frontend import ServiceBackend
 from refitd.server.status import status_document
 from refitd.server.validation import (
     check_ack,
@@ -26,9 +30,6 @@ from refitd.server.validation import (
     check_register_agent,
     check_report,
 )
-
-if TYPE_CHECKING:
-    from refitd.server.controller import Controller
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -101,10 +102,17 @@ class RequestDecodeInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         )
 
 
-class RefitServicer(pbg.RefitServicer):
+def server_interceptors(security: ServerSecurity) -> list[grpc.ServerInterceptor]:
+    """The controller's gRPC interceptors: the token check (when a token is configured)
+    before anything parses the request, then the request decoding."""
+    auth = [TokenAuthInterceptor(security.token)] if security.token else []
+    return [*auth, RequestDecodeInterceptor()]
+
+
+class RefitService(pbg.RefitServicer):
     """What workers call (through refitd.client)."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ServiceBackend) -> None:
         self.c = controller
 
     @_translated
@@ -202,10 +210,10 @@ class RefitServicer(pbg.RefitServicer):
         return pb.ExplainResponse(json=json.dumps(doc), text=text)
 
 
-class AgentControlServicer(pbg.AgentControlServicer):
+class AgentControlService(pbg.AgentControlServicer):
     """What node agents call."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ServiceBackend) -> None:
         self.c = controller
 
     @_translated

@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -21,6 +21,7 @@ from refitd.security import TOKEN_COOKIE
 from refitd.server.auth import http_token_dependency
 from refitd.server.errors import ControlError, ErrorKind
 from refitd.server.explain import explain_document
+from refitd.server.frontend import OpsBackend
 from refitd.server.status import status_document
 
 HTTP_STATUS = {
@@ -31,11 +32,8 @@ HTTP_STATUS = {
     ErrorKind.UNAVAILABLE: 503,
 }
 
-if TYPE_CHECKING:
-    from refitd.server.controller import Controller
 
-
-def build_app(c: Controller) -> FastAPI:
+def build_app(c: OpsBackend) -> FastAPI:
     """The ops app of one controller."""
     app = FastAPI(title="refitd", version=__version__, docs_url=None, redoc_url=None)
     page = resources.files("refitd.server").joinpath("static/status.html").read_text()
@@ -105,7 +103,7 @@ def build_app(c: Controller) -> FastAPI:
 class HttpServer:
     """uvicorn serving the ops app on a socket bound before the thread starts."""
 
-    def __init__(self, c: Controller, host: str, port: int) -> None:
+    def __init__(self, c: OpsBackend, host: str, port: int) -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))

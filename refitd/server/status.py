@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from refitd.plan.wire import dtype_size
-from refitd.server.refit.run import STATE_NAMES
+from refitd.refit_states import STATE_NAMES
+from refitd.server.frontend import StatusSource
 
 if TYPE_CHECKING:
-    from refitd.server.controller import Controller
     from refitd.server.members import Pool
     from refitd.server.registry import Registry
 
@@ -42,7 +42,7 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ",".join(out)
 
 
-def _rank_row(c: Controller, reg: Registry, rank: int, wid: str) -> dict[str, Any] | None:
+def _rank_row(c: StatusSource, reg: Registry, rank: int, wid: str) -> dict[str, Any] | None:
     w = reg.workers.get(wid)
     if w is None:
         return None
@@ -85,7 +85,7 @@ def _pool_summary(p: Pool, rows: list[dict[str, Any]], committed: int) -> dict[s
     }
 
 
-def _plan_traffic(c: Controller, model: str) -> dict[str, Any] | None:
+def _plan_traffic(c: StatusSource, model: str) -> dict[str, Any] | None:
     """Per-slot send/receive bytes of the model's most recent plan; the busiest link."""
     cp = c.refits.plans.latest(model)
     if cp is None:
@@ -130,7 +130,7 @@ def refit_phases(r: dict[str, Any]) -> dict[str, float]:
     return phases
 
 
-def _models(c: Controller, model_filter: str, with_ranks: bool) -> list[dict[str, Any]]:
+def _models(c: StatusSource, model_filter: str, with_ranks: bool) -> list[dict[str, Any]]:
     reg = c.registry
     models = []
     for m in sorted(reg.models.values(), key=lambda m: m.name):
@@ -174,7 +174,7 @@ def _models(c: Controller, model_filter: str, with_ranks: bool) -> list[dict[str
 
 
 def status_document(
-    c: Controller, model_filter: str = "", with_ranks: bool = True
+    c: StatusSource, model_filter: str = "", with_ranks: bool = True
 ) -> dict[str, Any]:
     """Models (epochs, versions, pools with summaries, ranks unless `with_ranks` is off,
     plan traffic), agents and slots (listed and aggregated) and the last refits."""

@@ -5,12 +5,14 @@ A destination exposes, per path kind its receives use, every destination tensor 
 messages (the worker's memory, or the staging buffer of a staged pool) and a doorbell with
 one entry per message, then publishes the descriptor in the rendezvous store
 (refitd.transport.paths). A sender fetches the descriptor of each destination slot it
-writes, checks it (path, epoch, plan, slot) and attaches to it. Only `mapped` is exposed
-and attached here today; another path kind plugs in through `refitd.transport.paths`.
+writes, checks it (path, epoch, plan, slot) and attaches to it. `PATH_KINDS` names the
+path kinds this transfer process can take; another one plugs in there (its module imported
+when a plan first uses it).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +23,23 @@ from refitd.plan.links import COLLECTIVE, PATHS
 from refitd.plan.program import SlotProgram
 from refitd.transfer.mapped import MappedResolver
 from refitd.transport.doorbell import new_generation
-from refitd.transport.paths import Descriptor, Exposed, Exposure, Links
+from refitd.transport.errors import TransportError
+from refitd.transport.paths import Descriptor, Exposed, Exposure, Links, OneSidedPath
+
+# path kind -> "module:class" of its OneSidedPath (imported when a plan first uses it)
+PATH_KINDS = {"mapped": "refitd.transfer.mapped_path:MappedPath"}
+
+
+def make_path(kind: str) -> OneSidedPath:
+    """A new path of this kind; TransportError if this transfer process has none."""
+    where = PATH_KINDS.get(kind)
+    if where is None:
+        raise TransportError(
+            f"path {kind!r} is not available in this transfer process; known: "
+            f"{', '.join(PATH_KINDS)}"
+        )
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)()
 
 
 @dataclass

@@ -22,9 +22,10 @@ import torch
 
 from refitd.executor.errors import ExecutionError
 from refitd.limits import raise_nofile_limit
+from refitd.memory.errors import StorageMovedError
 from refitd.slot_protocol import Failed, ProtocolError, Report, SourcesReleased, verb_of
 from refitd.transfer.slot import TransferSlot
-from refitd.transport.errors import StorageMovedError, TransportError
+from refitd.transport.errors import TransportError
 
 PR_SET_NAME = 15  # prctl(2): the thread's name, which ps, top and psutil's name() show
 

@@ -12,15 +12,10 @@ from dataclasses import dataclass, field, replace
 
 from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import ResolvedTensor
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.handles import MemoryHandle
+from refitd.memory.mapping import LivenessCheck, MemoryMapper, check_live_words, liveness_check
 from refitd.plan.wire import PLAIN
-from refitd.transport.memory import (
-    LivenessCheck,
-    MemoryHandle,
-    MemoryMapper,
-    SharedTensorArena,
-    check_live_words,
-    liveness_check,
-)
 
 
 @dataclass

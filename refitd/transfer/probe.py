@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from refitd.memory.segments import shared_buffer
 from refitd.slot_protocol import Probe, Probed
 from refitd.transport.errors import TransportError
-from refitd.transport.memory import shared_buffer
 
 if TYPE_CHECKING:
     from refitd.transfer.slot import TransferSlot

@@ -21,6 +21,8 @@ from refitd.executor.chunks import WIRE_CHUNK
 from refitd.executor.errors import ExecutionError
 from refitd.executor.onesided import OneSidedLinks
 from refitd.executor.run import Executor, ExecutorConfig
+from refitd.memory.handles import MemoryHandle
+from refitd.memory.mapping import MemoryMapper
 from refitd.plan.program import STORAGES, ProgramError, SlotProgram, decode_program
 from refitd.slot_protocol import (
     Abort,
@@ -42,14 +44,13 @@ from refitd.slot_protocol import (
     Unloaded,
 )
 from refitd.transfer.execute import execute_refit
-from refitd.transfer.links import Exposures, attach, expose, republish
+from refitd.transfer.links import Exposures, attach, expose, make_path, republish
 from refitd.transfer.mapped import MappedResolver
 from refitd.transfer.probe import probe
 from refitd.transfer.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
 from refitd.transport.base import ConnectInfo, Transport
 from refitd.transport.factory import create_transport
 from refitd.transport.gloo import open_store
-from refitd.transport.memory import MemoryHandle, MemoryMapper
 from refitd.transport.paths import Links
 
 
@@ -125,7 +126,7 @@ class TransferSlot:
         transport.connect(info)
         self.transport = transport
         if cmd.store_port:  # a communicator with a rendezvous store: one-sided paths too
-            self.links = Links(info, open_store)
+            self.links = Links(info, open_store, make_path)
         self.slot_ranks = cmd.slot_ranks
         return Connected()
 

@@ -24,10 +24,10 @@ import torch
 
 from refitd.executor.prepare import TensorResolver
 from refitd.executor.segments import ResolvedTensor
+from refitd.memory.segments import shared_buffer
 from refitd.plan.program import SlotProgram
 from refitd.plan.wire import PLAIN
 from refitd.slot_protocol import SnapshotInfo
-from refitd.transport.memory import shared_buffer
 
 ALIGN = 64  # ranges start on this boundary in source and buffer: element alignment is kept
 MERGE_GAP = 4 << 10  # bytes between two extents of one storage copied rather than split

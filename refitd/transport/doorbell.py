@@ -1,7 +1,7 @@
 """Doorbells: how a destination learns that a sender's one-sided writes into it landed.
 
 A doorbell is a small array of 64-bit words in memory the destination polls (a shared-memory
-page for the mapped path; registered memory for a remote path). Word layout: magic,
+page for the mapped path, refitd.transfer.mapped_path; registered memory for a remote path). Word layout: magic,
 generation, entries, reserved, then one word per message the destination receives on a
 one-sided path. A sender rings a message's word after each chunk's writes completed (on a
 GPU after its stream synchronised) with `value(attempt, chunks)`: the attempt id and the
@@ -23,8 +23,6 @@ import time
 import numpy as np
 
 from refitd.transport.errors import TransportError
-from refitd.transport.segment_names import new_segment_name
-from refitd.transport.shm import Segment
 
 MAGIC = 0x52464442454C4C31  # "RFDBELL1"
 HEADER_WORDS = 4
@@ -112,30 +110,3 @@ class Doorbell:
             if spins > 64:  # spin briefly, then back off up to 1 ms
                 sleep = min(max(sleep * 2, 20e-6), 1e-3, deadline - now)
                 time.sleep(sleep)
-
-
-class ShmDoorbell(Doorbell):
-    """A doorbell in a shared-memory segment: created by the destination (`create`) or
-    mapped by name by a sender (`open`)."""
-
-    def __init__(self, segment: Segment) -> None:
-        self.segment = segment
-        raw = np.frombuffer(segment.buf, dtype=np.uint8)
-        super().__init__(raw[: raw.size - raw.size % 8].view(np.int64))
-
-    @classmethod
-    def create(cls, entries: int, generation: int, prefix: str = "refitd-bell") -> ShmDoorbell:
-        seg = Segment(new_segment_name(prefix), Doorbell.nbytes(entries), True)
-        seg.reserve(0, seg.size)
-        bell = cls(seg)
-        bell.init(generation, entries)
-        return bell
-
-    @classmethod
-    def open(cls, name: str) -> ShmDoorbell:
-        return cls(Segment(name, 0, False))
-
-    def close(self) -> None:
-        """Retire and unlink (the creator); mappings elsewhere stay valid until dropped."""
-        self.retire()
-        self.segment.unlink()

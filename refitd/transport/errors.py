@@ -6,7 +6,3 @@ from __future__ import annotations
 
 class TransportError(RuntimeError):
     """A connect, send or receive failed or timed out."""
-
-
-class StorageMovedError(RuntimeError):
-    """A registered tensor's storage moved or was released: it must be registered again."""

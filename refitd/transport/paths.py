@@ -1,7 +1,8 @@
 """One-sided paths: a sender writes straight into a destination slot's registered memory.
 
-A path kind implements `OneSidedPath` (the `mapped` path in mapped.py; a remote-memory
-path such as RDMA plugs in the same way, named in `PATH_KINDS`):
+A path kind implements `OneSidedPath` (the `mapped` path in refitd.transfer.mapped_path,
+beside worker memory; a remote-memory path such as RDMA plugs in the same way; the
+transfer process names them in refitd.transfer.links.PATH_KINDS):
 - on the destination, once per program load, `expose` makes the tensors that senders write
   reachable (mapped: nothing to do, worker memory is shared memory or exported by CUDA IPC
   and staging buffers are made shareable; a remote path registers the memory with its
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import importlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +40,6 @@ from refitd.transport.doorbell import Doorbell
 from refitd.transport.errors import TransportError
 
 DESCRIPTOR_VERSION = 1
-# path kind -> "module:class" of its OneSidedPath (imported when first used)
-PATH_KINDS = {"mapped": "refitd.transport.mapped:MappedPath"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,25 +155,20 @@ def descriptor_key(kind: str, digest: str, slot: int) -> str:
     return f"links/{kind}/{digest}/slot{slot}"
 
 
-def make_path(kind: str) -> OneSidedPath:
-    """A path of this kind (its module imported now); TransportError if unknown."""
-    where = PATH_KINDS.get(kind)
-    if where is None:
-        raise TransportError(
-            f"path {kind!r} is not available in this transfer process; known: "
-            f"{', '.join(PATH_KINDS)}"
-        )
-    module, _, name = where.partition(":")
-    return getattr(importlib.import_module(module), name)()
-
-
 class Links:
     """The one-sided paths of one transfer process in one communicator epoch, and the
     descriptors they exchange through the rendezvous store (opened on first use)."""
 
-    def __init__(self, info: ConnectInfo, open_store: Callable[[ConnectInfo], object]) -> None:
+    def __init__(
+        self,
+        info: ConnectInfo,
+        open_store: Callable[[ConnectInfo], object],
+        make_path: Callable[[str], OneSidedPath],
+    ) -> None:
+        """`make_path(kind)`: a new path of that kind (TransportError when unknown)."""
         self.info = info
         self._open_store = open_store
+        self._make_path = make_path
         self._store: object | None = None
         self._paths: dict[str, OneSidedPath] = {}
         self._lock = threading.Lock()
@@ -188,7 +181,7 @@ class Links:
         with self._lock:
             p = self._paths.get(kind)
             if p is None:
-                p = self._paths[kind] = make_path(kind)
+                p = self._paths[kind] = self._make_path(kind)
             return p
 
     def _client(self) -> object:

@@ -48,10 +48,11 @@ TRANSFER = "refitd.transfer"
 EXECUTOR = "refitd.executor"
 PROTOCOL = "refitd.slot_protocol"
 SLOT_SIDE = (NODE, TRANSFER, EXECUTOR)
-# the transport modules that move bytes (torch): the node agent only relays their errors
-BYTE_MOVERS = tuple(
-    f"refitd.transport.{m}"
-    for m in ("base", "doorbell", "gloo", "local", "mapped", "memory", "nccl", "paths", "shm")
+# the modules that move or map bytes (torch): the node agent only relays their errors and
+# reaps shared memory by name
+BYTE_MOVERS = (
+    *(f"refitd.transport.{m}" for m in ("base", "doorbell", "gloo", "local", "nccl", "paths")),
+    *(f"refitd.memory.{m}" for m in ("arena", "mapping", "segments")),
 )
 CONTROL_PLANE = ("grpc", "google.protobuf", "refitd._proto", "refitd.rpc", "refitd.server")
 # what only the processes speaking gRPC need: a GPU box's transfer processes run without it
@@ -66,11 +67,16 @@ RULES = [
     ),
     Rule(
         "refitd.transport",
-        "transports move bytes only: they never know gRPC, the controller or the clients",
-        (
-            *("grpc", "google.protobuf", "refitd._proto", "refitd.server", "refitd.client"),
-            *(*SLOT_SIDE, PROTOCOL, *ENTRY_POINTS),
-        ),
+        "transports move bytes only: no gRPC, no worker memory, no other refitd layer",
+        ("grpc", "google.protobuf", "triton"),
+        only_refitd=("refitd.transport",),
+    ),
+    Rule(
+        "refitd.memory",
+        "worker memory is shared by the worker library and the transfer processes: torch and "
+        "the dtype names only, no gRPC, no transport, no process's own code",
+        ("grpc", "google.protobuf", "triton"),
+        only_refitd=("refitd.memory", "refitd.torch_dtypes"),
     ),
     Rule(
         "refitd.formats",
@@ -137,6 +143,13 @@ RULES = [
         "torch dtype names sit under every layer that holds tensors: torch, no other refitd module",
         ("grpc", "google.protobuf", "triton"),
         only_refitd=("refitd.torch_dtypes",),
+    ),
+    Rule(
+        "refitd.refit_states",
+        "the refit state names sit under the controller and the worker library: the proto "
+        "enum only",
+        ("torch", "grpc", "triton"),
+        only_refitd=("refitd.refit_states", "refitd._proto"),
     ),
     Rule(
         "refitd.bench",
@@ -311,3 +324,93 @@ def test_only_the_cli_imports_bench() -> None:
             if id(node) not in docstrings and _names_bench(node):
                 faults.append(f"  {path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert not faults, "refitd.bench is imported by the CLI only:\n" + "\n".join(faults)
+
+
+def _loaded_modules(tree: ast.AST, modules: set[str], type_checking: bool) -> set[str]:
+    """The refitd modules a module's imports load (at module level or inside functions;
+    `from package import module` loads the module), those under `if TYPE_CHECKING:` only
+    with `type_checking`."""
+
+    def loaded(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in (node.body if type_checking else []) + node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(loaded(a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.update(loaded(f"{node.module}.{a.name}") for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out - {""}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    """No circle among refitd's modules, counting imports inside functions; a name imported
+    under `if TYPE_CHECKING:` (a type in an annotation) is not an import."""
+    modules = set(_modules("refitd"))
+    graph = {
+        m: _loaded_modules(ast.parse(_source(m).read_text()), modules, False) - {m} for m in modules
+    }
+    cycles = _cycles(graph)
+    assert not cycles, "modules importing each other:\n" + "\n".join(
+        "  " + ", ".join(c) for c in cycles
+    )
+
+
+def test_server_front_ends_do_not_import_the_controller() -> None:
+    """The gRPC services, ops HTTP, auth, status, explain and readiness depend on the
+    protocols of refitd.server.frontend, which Controller implements; no module of the
+    server imports controller.py, not even for a type."""
+    modules = set(_modules("refitd"))
+    importers = [
+        m
+        for m in _modules("refitd.server")
+        if "refitd.server.controller"
+        in _loaded_modules(ast.parse(_source(m).read_text()), modules, True)
+    ]
+    assert importers == [], f"import refitd.server.controller: {importers}"

@@ -15,8 +15,8 @@ import pytest
 from refitd._proto import refitd_pb2 as pb
 from refitd.bench.fuzz import (
     METHODS,
-    Daemon,
     FuzzStats,
+    FuzzTarget,
     Seed,
     fuzz_bytes,
     fuzz_grpc,
@@ -31,15 +31,15 @@ MAX_MESSAGE = 256 << 10
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Seed]]:
-    d = Daemon(tmp_path_factory.mktemp("fuzz"), max_message_bytes=MAX_MESSAGE).start()
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FuzzTarget, Seed]]:
+    d = FuzzTarget(tmp_path_factory.mktemp("fuzz"), max_message_bytes=MAX_MESSAGE).start()
     try:
         yield d, seed(d)
     finally:
         d.stop()
 
 
-def test_generated_and_mutated_grpc_requests(daemon: tuple[Daemon, Seed]) -> None:
+def test_generated_and_mutated_grpc_requests(daemon: tuple[FuzzTarget, Seed]) -> None:
     d, s = daemon
     stats = FuzzStats()
     fuzz_grpc(d, s, stats, cases=20, seed_value=1)  # warm-up: first imports, allocator
@@ -54,7 +54,7 @@ def test_generated_and_mutated_grpc_requests(daemon: tuple[Daemon, Seed]) -> Non
     assert healthy_after(d)
 
 
-def test_rejection_names_field_and_leaves_state(daemon: tuple[Daemon, Seed]) -> None:
+def test_rejection_names_field_and_leaves_state(daemon: tuple[FuzzTarget, Seed]) -> None:
     d, s = daemon
     before = d.fingerprint()
     cases = {
@@ -78,7 +78,7 @@ def test_rejection_names_field_and_leaves_state(daemon: tuple[Daemon, Seed]) -> 
     assert d.fingerprint() == before
 
 
-def test_oversize_message_is_resource_exhausted(daemon: tuple[Daemon, Seed]) -> None:
+def test_oversize_message_is_resource_exhausted(daemon: tuple[FuzzTarget, Seed]) -> None:
     d, _ = daemon
     before = d.fingerprint()
     req = valid_worker("trainer", pb.ROLE_SOURCE, "cpu:0")
@@ -90,7 +90,7 @@ def test_oversize_message_is_resource_exhausted(daemon: tuple[Daemon, Seed]) -> 
     assert healthy_after(d)
 
 
-def test_schemathesis_ops_http(daemon: tuple[Daemon, Seed]) -> None:
+def test_schemathesis_ops_http(daemon: tuple[FuzzTarget, Seed]) -> None:
     d, _ = daemon
     result = fuzz_http(d.http_base, cases=30, seed_value=4)
     assert result["problems"] == [], result["problems"][:5]
@@ -98,7 +98,7 @@ def test_schemathesis_ops_http(daemon: tuple[Daemon, Seed]) -> None:
     assert healthy_after(d)
 
 
-def test_daemon_data_dir_is_owner_only(daemon: tuple[Daemon, Seed]) -> None:
+def test_daemon_data_dir_is_owner_only(daemon: tuple[FuzzTarget, Seed]) -> None:
     d, _ = daemon
     for p in [d.data_dir, *Path(d.data_dir).iterdir()]:
         assert p.stat().st_mode & 0o077 == 0, (p, oct(p.stat().st_mode))

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.segment_names import SHM_DIR
 from refitd.server.database import StateDB
-from refitd.transport.memory import SHM_DIR, SharedTensorArena
 
 
 def mode(path: str | Path) -> int:

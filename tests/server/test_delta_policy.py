@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from refitd.server.delta_policy import (
+from refitd.server.delta.policy import (
     UNKNOWN,
     DeltaMessageColumns,
     DeltaSettings,
@@ -158,7 +158,7 @@ def test_many_messages_vectorised() -> None:
 
 
 def test_ledger_tracks_landings_failures_and_sender_promotion() -> None:
-    from refitd.server.delta_policy import DeltaLedger
+    from refitd.server.delta.policy import DeltaLedger
 
     led = DeltaLedger.empty()
     led.committed(3, PLAN, {"a": 1.0, "b": 1.0})

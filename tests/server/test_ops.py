@@ -16,6 +16,7 @@ from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.cli import status as status_cli
 from refitd.config import add_settings_arguments, load_settings, settings_from_args
 from refitd.server.controller import Controller
+from refitd.server.frontend import OpsBackend, PlanSource, ServiceBackend, StatusSource
 
 from .conftest import Cluster, controller_settings, make_cluster, register
 
@@ -84,6 +85,13 @@ def test_http_endpoints(controller: Controller, cluster: Cluster) -> None:
         assert page.status_code == 200 and "refitd" in page.text
         assert "http://" not in page.text and "https://" not in page.text  # no external assets
         assert http.get("/nope").status_code == 404
+
+
+def test_controller_implements_what_its_front_ends_need(controller: Controller) -> None:
+    """The front ends are typed against these protocols, not the Controller class: a
+    started controller has every member each of them reads."""
+    for protocol in (PlanSource, StatusSource, ServiceBackend, OpsBackend):
+        assert isinstance(controller, protocol), protocol.__name__
 
 
 def test_grpc_health_and_reflection(controller: Controller) -> None:

@@ -21,7 +21,7 @@ from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings, load_settings
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import megatron_layout
-from refitd.server.delta_refits import DeltaRefits
+from refitd.server.delta.refits import DeltaRefits
 from refitd.server.errors import precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
@@ -101,19 +101,19 @@ class FakeClock:
 
 
 class Turn:
-    def __init__(self, plane: ScriptedDataPlane) -> None:
-        self.plane = plane
+    def __init__(self, commander: ScriptedCommander) -> None:
+        self.commander = commander
         self.held = True
-        plane.held += 1
+        commander.held += 1
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self.plane.held -= 1
+            self.commander.held -= 1
 
 
 @dataclass
-class ScriptedDataPlane:
+class ScriptedCommander:
     """Answers each transfer/apply from a script: "ok", "fail", "timeout" or "lose" (a
     member leaves while the transfer waits on a real Gather)."""
 
@@ -276,7 +276,7 @@ class MemoryAcks:
 class Harness:
     settings: Settings
     clock: FakeClock
-    plane: ScriptedDataPlane
+    commander: ScriptedCommander
     events: RecordingEvents
     members: ScriptedMemberships
     store: MemoryStore
@@ -293,7 +293,7 @@ class Harness:
         run.last_ask = run.first_ask
         self.model.running = run
         self.lifecycle.execute(run, self.model)
-        assert self.plane.held == 0, "the data-plane turn was not given back"
+        assert self.commander.held == 0, "the communicator turn was not given back"
         return run
 
 
@@ -305,7 +305,7 @@ def _harness(tmp_path: Path, staged: bool = False, **kw: object) -> Harness:
     base.update(kw)
     settings = load_settings(None, **base)
     clock = FakeClock()
-    plane = ScriptedDataPlane(clock)
+    commander = ScriptedCommander(clock)
     events = RecordingEvents()
     members = ScriptedMemberships(_membership(staged))
     store = MemoryStore()
@@ -313,10 +313,10 @@ def _harness(tmp_path: Path, staged: bool = False, **kw: object) -> Harness:
     phases: list[Phase] = []
     scheduler = Scheduler(settings, store, threading.Event(), lambda m: None)  # type: ignore[arg-type]
     lifecycle = RefitLifecycle(
-        settings, ControllerMetrics(), scheduler, members, plane, events, acks, store,
+        settings, ControllerMetrics(), scheduler, members, commander, events, acks, store,
         DeltaRefits(settings), clock, on_phase=lambda run, p: phases.append(p),
     )  # fmt: skip
-    return Harness(settings, clock, plane, events, members, store, acks, scheduler, lifecycle,
+    return Harness(settings, clock, commander, events, members, store, acks, scheduler, lifecycle,
                    ModelRefits(MODEL), phases)  # fmt: skip
 
 
@@ -334,7 +334,7 @@ def test_commit(tmp_path: Path) -> None:
     assert h.store.writing == [run.refit_id] and h.store.records == [(7, "REFIT_STATE_COMMITTED")]
     assert h.acks.opened == [7] and h.acks.settled == 1 and run.commit_acks is not None
     assert all(run.rank_event(r).is_set() for r in (0, 1)) and run.finished.is_set()
-    assert h.plane.aborted == [] and run.attempt == 0
+    assert h.commander.aborted == [] and run.attempt == 0
 
 
 def test_barrier_timeout_aborts_the_paused(tmp_path: Path) -> None:
@@ -345,8 +345,8 @@ def test_barrier_timeout_aborts_the_paused(tmp_path: Path) -> None:
     assert run.reason.startswith("ranks [1] of pool trainer never asked for version 7")
     assert h.phases == [P.PREPARE, P.PAUSE, P.BARRIER, P.FAILED]
     assert h.events.kinds("infer-0") == ["PAUSE", "ABORT"]
-    assert h.plane.transferred == [] and h.store.writing == [] and h.store.committed == []
-    assert len(h.plane.aborted) == 1  # the prepared communicator is reset
+    assert h.commander.transferred == [] and h.store.writing == [] and h.store.committed == []
+    assert len(h.commander.aborted) == 1  # the prepared communicator is reset
 
 
 def test_barrier_completed_by_another_version_requeues(tmp_path: Path) -> None:
@@ -367,7 +367,7 @@ def test_precondition_failure_before_anything(tmp_path: Path) -> None:
     assert run.state == pb.REFIT_STATE_FAILED
     assert run.reason == "infer-0 is not subscribed: it cannot pause"
     assert h.phases == [P.PREPARE, P.FAILED]
-    assert h.events.sent == [] and h.plane.aborted == [] and h.plane.transferred == []
+    assert h.events.sent == [] and h.commander.aborted == [] and h.commander.transferred == []
 
 
 def test_pause_timeout_aborts_who_may_have_paused(tmp_path: Path) -> None:
@@ -376,12 +376,12 @@ def test_pause_timeout_aborts_who_may_have_paused(tmp_path: Path) -> None:
     run = h.run()
     assert run.state == pb.REFIT_STATE_FAILED and "pause of version 7: timed out" in run.reason
     assert h.events.kinds("infer-0") == ["PAUSE"]  # raised before it counted as paused
-    assert h.plane.transferred == [] and len(h.plane.aborted) == 1
+    assert h.commander.transferred == [] and len(h.commander.aborted) == 1
 
 
 def test_transfer_failure_is_retried_with_the_pools_paused(tmp_path: Path) -> None:
     h = _harness(tmp_path)
-    h.plane.transfers = ["fail"]
+    h.commander.transfers = ["fail"]
     run = h.run()
     assert run.state == pb.REFIT_STATE_COMMITTED and run.attempt == 1
     assert run.detail["retries"] == 1
@@ -389,37 +389,37 @@ def test_transfer_failure_is_retried_with_the_pools_paused(tmp_path: Path) -> No
                         P.COMMIT, P.COMMITTED]  # fmt: skip
     assert h.events.kinds("infer-0") == ["PAUSE", "COMMIT"]  # paused once, across attempts
     rid = run.refit_id
-    assert h.plane.transferred == [attempt_id(rid, 0), attempt_id(rid, 1)]
-    assert [a for a, _ in h.plane.aborted] == [attempt_id(rid, 0)]
+    assert h.commander.transferred == [attempt_id(rid, 0), attempt_id(rid, 1)]
+    assert [a for a, _ in h.commander.aborted] == [attempt_id(rid, 0)]
 
 
 def test_retries_exhausted_end_incomplete(tmp_path: Path) -> None:
     h = _harness(tmp_path, refit_retries=2)
-    h.plane.transfers = ["timeout", "fail", "fail"]
+    h.commander.transfers = ["timeout", "fail", "fail"]
     run = h.run()
     assert run.state == pb.REFIT_STATE_FAILED and run.attempt == 2
     assert run.reason == (
         "transfer of version 7: timed out after 3s (after 2 retries: transfer of version 7: "
         "slot 2 reported an error)"
     )
-    assert len(h.plane.transferred) == 3 and h.phases.count(P.RETRY) == 2
+    assert len(h.commander.transferred) == 3 and h.phases.count(P.RETRY) == 2
     assert h.events.kinds("infer-0") == ["PAUSE", "INCOMPLETE"]
     assert h.store.holds == {"infer-0": 0} and h.store.committed == []
 
 
 def test_retry_budget_in_time(tmp_path: Path) -> None:
     h = _harness(tmp_path, refit_retries=10, refit_retry_budget_s=1.0)
-    h.plane.transfers = ["fail"] * 10
-    h.plane.step_s = 0.6  # the budget counts from the first failure: 2 retries fit in it
+    h.commander.transfers = ["fail"] * 10
+    h.commander.step_s = 0.6  # the budget counts from the first failure: 2 retries fit in it
     run = h.run()
-    assert run.state == pb.REFIT_STATE_FAILED and len(h.plane.transferred) == 3
+    assert run.state == pb.REFIT_STATE_FAILED and len(h.commander.transferred) == 3
     assert run.reason.endswith("(after 2 retries)")
     assert h.events.kinds("infer-0") == ["PAUSE", "INCOMPLETE"]
 
 
 def test_not_retried_once_a_trainer_rank_had_its_weights_back(tmp_path: Path) -> None:
     h = _harness(tmp_path)
-    h.plane.transfers = ["fail"]
+    h.commander.transfers = ["fail"]
 
     def handed_back(run: RefitRun, phase: Phase) -> None:
         if phase is P.TRANSFER:
@@ -427,7 +427,7 @@ def test_not_retried_once_a_trainer_rank_had_its_weights_back(tmp_path: Path) ->
 
     h.lifecycle._on_phase = handed_back
     run = h.run()
-    assert run.state == pb.REFIT_STATE_FAILED and len(h.plane.transferred) == 1
+    assert run.state == pb.REFIT_STATE_FAILED and len(h.commander.transferred) == 1
     assert run.reason.endswith("(not retried: trainer ranks already had their weights back)")
     assert h.events.kinds("infer-0") == ["PAUSE", "INCOMPLETE"]
 
@@ -437,12 +437,12 @@ def test_member_lost_mid_transfer_fails_at_once(tmp_path: Path) -> None:
     (not at the 30 s transfer timeout); it cannot be prepared again without it, so the
     refit ends INCOMPLETE once the retry budget is spent."""
     h = _harness(tmp_path, refit_retry_budget_s=1.0)
-    h.plane.transfers = ["lose"]
+    h.commander.transfers = ["lose"]
     h.members.fail_from = 1  # the next Membership misses the lost worker
 
     def lose() -> None:
-        assert h.plane.waiting.wait(10)
-        h.plane.board.member_gone("infer-0", "infer-0 missed its heartbeats (lease expired)")
+        assert h.commander.waiting.wait(10)
+        h.commander.board.member_gone("infer-0", "infer-0 missed its heartbeats (lease expired)")
 
     t = threading.Thread(target=lose)
     t.start()
@@ -457,25 +457,25 @@ def test_member_lost_mid_transfer_fails_at_once(tmp_path: Path) -> None:
     assert run.attempt == 1  # failing to prepare a retry is not one more attempt
     assert h.phases[:5] == [P.PREPARE, P.PAUSE, P.TRANSFER, P.RETRY, P.PREPARE]
     assert set(h.phases[4:-1]) == {P.PREPARE, P.RETRY} and h.phases[-1] is P.FAILED
-    assert h.plane.transferred == [attempt_id(run.refit_id, 0)]
+    assert h.commander.transferred == [attempt_id(run.refit_id, 0)]
     assert h.events.kinds("infer-0") == ["PAUSE", "INCOMPLETE"]
     assert h.clock.now - clock0 >= 1.0  # waited out the budget between tries
 
 
 def test_staged_pool_paused_and_applied_after_the_transfer(tmp_path: Path) -> None:
     h = _harness(tmp_path, staged=True)
-    h.plane.applies = ["fail"]
+    h.commander.applies = ["fail"]
     run = h.run()
     assert run.state == pb.REFIT_STATE_COMMITTED
     assert h.phases == [P.PREPARE, P.PAUSE, P.TRANSFER, P.APPLY, P.COMMIT, P.COMMITTED]
-    assert h.plane.applied == [{3}, {3}]  # applied again from intact staging
+    assert h.commander.applied == [{3}, {3}]  # applied again from intact staging
     assert [w for w, k, _ in h.events.sent if k == "PAUSE"] == ["infer-0", "staged-0"]
     assert h.store.holds == {"infer-0": 7, "staged-0": 7}
 
 
 def test_apply_exhausted_is_incomplete_for_the_staged(tmp_path: Path) -> None:
     h = _harness(tmp_path, staged=True, refit_retries=0)
-    h.plane.applies = ["fail"]
+    h.commander.applies = ["fail"]
     run = h.run()
     assert run.state == pb.REFIT_STATE_FAILED
     assert run.reason.endswith("(apply tried 1 times)")

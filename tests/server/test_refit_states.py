@@ -12,12 +12,23 @@ import pytest
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.refit_states import state_name
 from refitd.server.controller import Controller
 
 from .conftest import Cluster, controller_settings, make_cluster
 from .peers import Subscriber
 
 pytestmark = pytest.mark.slow
+
+
+def test_state_names_users_see() -> None:
+    """The names the status document, the refit history and RefitResult.state carry, one
+    per RefitState of the proto (an unknown state, from a newer controller, is unspecified)."""
+    assert [state_name(s) for s in pb.RefitState.values()] == [
+        *("unspecified", "requested", "sources_ready", "transferring", "landed"),
+        *("committed", "failed", "superseded"),
+    ]
+    assert state_name(99) == "unspecified"
 
 
 def last_event(sub: Subscriber, kind: int, timeout_s: float = 5.0) -> pb.VersionEvent:

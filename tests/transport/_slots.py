@@ -13,12 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.handles import MemoryHandle
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan
 from refitd.plan.program import encode_program
 from refitd.slot_protocol import Apply, Connect, Execute, Load
 from refitd.transfer.slot import TransferSlot
-from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 
 class Slots:

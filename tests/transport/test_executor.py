@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from refitd.executor.chunks import CopyInfo, chunk_messages, flat_range_views
 from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
+from refitd.memory.errors import StorageMovedError
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Copy, Message, ProgramError, ProgramTensor, program_from_objects
 from refitd.slot_protocol import ExecReport
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport
-from refitd.transport.memory import StorageMovedError
 
 
 @settings(max_examples=25, deadline=None)

@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.segment_names import reap_orphaned_segments
 from refitd.node.process_handle import TransferProcessError, TransferProcessHandle
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.links import LinkPolicy, SlotSite
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.slot_protocol import Abort, Connect, Execute, Load
-from refitd.transport.memory import SharedTensorArena
-from refitd.transport.segment_names import reap_orphaned_segments
 
 pytestmark = pytest.mark.slow
 ROWS, COLS, TENSORS = 2048, 4096, 8  # 8 x 16 MiB: the sender writes for a while

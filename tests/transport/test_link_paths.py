@@ -15,13 +15,13 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refitd.memory.arena import SharedTensorArena
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.links import LinkPolicy, SlotSite
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.wire import MXFP8, mxfp8_scale_shape
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import epoch_prefix
-from refitd.transport.memory import SharedTensorArena
 from refitd.transport.paths import Descriptor, descriptor_key
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.errors import StorageMovedError
+from refitd.memory.mapping import MemoryMapper
 from refitd.transfer.mapped import MappedResolver
-from refitd.transport.memory import MemoryMapper, SharedTensorArena, StorageMovedError
 
 
 @pytest.mark.parametrize("count", [1, 63, 192])

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
+from refitd.memory.arena import SharedTensorArena
 from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.slot_protocol import Connect, Execute, Load, SnapshotInfo
-from refitd.transport.memory import SharedTensorArena
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,12 @@ from _transport_layouts import (
     megatron_side,
 )
 
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.errors import StorageMovedError
 from refitd.node.process_handle import TransferProcessError, TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.slot_protocol import Connect, ExecReport, Execute, Load
-from refitd.transport.memory import SharedTensorArena, StorageMovedError
 
 pytestmark = pytest.mark.slow
 SLOTS = 3

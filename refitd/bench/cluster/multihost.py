@@ -38,7 +38,7 @@ class AgentSpec:
 
 
 @dataclass
-class Outcome:
+class ClusterRefitReport:
     """One version as the trainer ranks and the inference ranks reported it."""
 
     version: int
@@ -219,7 +219,7 @@ class MultiHostCluster:
         for host in {h for h, _ in self.trainer_ranks()}:
             self.children[f"workers-{host}"].send(f"step {version} {timeout_s}")
 
-    def outcome(self, version: int, timeout_s: float) -> Outcome:
+    def outcome(self, version: int, timeout_s: float) -> ClusterRefitReport:
         """Wait for every trainer rank's answer for `version` (and, when committed, every
         inference rank's bit-for-bit check of it)."""
         deadline = time.monotonic() + timeout_s
@@ -229,7 +229,7 @@ class MultiHostCluster:
             states, msgs, secs, commits = self._seen(version)
             committed = set(states.values()) == {"committed"}
             if set(states) >= trainers and (not committed or set(commits) >= infers):
-                return Outcome(version, states, msgs, max(secs.values()), commits)
+                return ClusterRefitReport(version, states, msgs, max(secs.values()), commits)
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"version {version}: trainer answers {states}, inference checks {commits} "
@@ -251,7 +251,7 @@ class MultiHostCluster:
                 commits[(w[1], int(w[2]))] = w[4]
         return states, msgs, secs, commits
 
-    def refit(self, version: int, timeout_s: float = 30.0) -> Outcome:
+    def refit(self, version: int, timeout_s: float = 30.0) -> ClusterRefitReport:
         self.step(version, timeout_s)
         return self.outcome(version, timeout_s + 15.0)
 

@@ -34,8 +34,8 @@ import psutil
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.demo.run import free_port
+from refitd.memory.segment_names import reap_orphaned_segments
 from refitd.node.process_handle import PROCESS_NAME_PREFIX
-from refitd.transport.segment_names import reap_orphaned_segments
 
 ROLES = ("trainer", "inference", "transfer", "agent", "controller")
 PHASES = ("before", "transfer", "commit")

@@ -35,12 +35,13 @@ import torch
 
 from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.handles import MemoryHandle
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Message, encode_program, message_nbytes, program_from_objects
 from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
 from refitd.slot_protocol import Apply, Connect, Execute, Load, Probe
-from refitd.transport.memory import MemoryHandle, SharedTensorArena
 
 if TYPE_CHECKING:
     from refitd.node.process_handle import TransferProcessHandle

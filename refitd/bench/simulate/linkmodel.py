@@ -281,7 +281,9 @@ def simulate(
     n_slot = topo.host.size
     if fast and mode == ExecMode.STREAM and np.unique(topo.nic).size == topo.nic.size:
         return _stream_exclusive(c, cap, n_slot)
-    engine = _Posted(c, n_slot, msgs.feeds) if mode == ExecMode.POSTED else _Steps(c, n_slot, mode)
+    engine = (
+        _PostedEngine(c, n_slot, msgs.feeds) if mode == ExecMode.POSTED else _Steps(c, n_slot, mode)
+    )
     finish = np.full(c.src.size, np.nan)
     rem = c.nbytes.astype(np.float64)
     active = np.zeros(0, np.int64)
@@ -383,7 +385,7 @@ class _Steps:
         return self._enter(fin)
 
 
-class _Posted:
+class _PostedEngine:
     """POSTED: per (src, dst) pair chunks move one after another; a chunk moves once both
     ends posted it; a slot's posting stops at a relay chunk until its receives ended, in
     posting order, up to the last one of a message feeding the relay (never more than its

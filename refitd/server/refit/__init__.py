@@ -3,7 +3,7 @@
 - run: a refit run, its states and attempt ids
 - scheduler: the barrier and coalescing (which version runs next)
 - membership: registry snapshot + plan -> Membership (the one slot -> agent mapping)
-- dataplane: the only place that builds agent commands and gathers their reports
+- commander: the only place that builds agent commands and gathers their reports
 - events: version events (PAUSE, COMMIT, ABORT, INCOMPLETE) to destination workers
 - lifecycle: the attempts of one refit (pause, transfer, apply, commit, retry)
 - acks: COMMIT acks collected off the critical path

@@ -10,10 +10,10 @@ import time
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
-from refitd.server.delta_refits import DeltaRefits
+from refitd.server.delta.refits import DeltaRefits
 from refitd.server.errors import ControlError
 from refitd.server.members import Worker
-from refitd.server.refit.dataplane import DataPlane
+from refitd.server.refit.commander import AgentCommander
 from refitd.server.refit.events import WorkerEvents
 from refitd.server.refit.membership import Memberships
 from refitd.server.refit.records import RefitRecords
@@ -33,7 +33,7 @@ class CatchUps:
         registry: Registry,
         scheduler: Scheduler,
         memberships: Memberships,
-        dataplane: DataPlane,
+        commander: AgentCommander,
         events: WorkerEvents,
         records: RefitRecords,
         delta: DeltaRefits,
@@ -42,7 +42,7 @@ class CatchUps:
         self.registry = registry
         self.scheduler = scheduler
         self.memberships = memberships
-        self.dataplane = dataplane
+        self.commander = commander
         self.events = events
         self.records = records
         self.delta = delta
@@ -111,15 +111,15 @@ class CatchUps:
         run.detail["catch_up_plan"] = plan.kind
         paused: set[str] = set()
         wrote = False
-        turn = self.dataplane.turn()
+        turn = self.commander.turn()
         try:
-            self.dataplane.prepare(membership)
+            self.commander.prepare(membership)
             self.events.pause(behind, run, self.settings.pause_timeout_s, membership, paused)
             self.records.mark_writing(run)
             with m.cond:
                 run.start_transfer({})
             wrote = True
-            self.dataplane.transfer(membership, run, m.cond)
+            self.commander.transfer(membership, run, m.cond)
             self.delta.committed(m.name, version, plan.digest, behind, None, how="catch_up")
             self.registry.set_holds(behind, version)
             self.events.commit(run, behind, None)
@@ -129,7 +129,7 @@ class CatchUps:
         except Exception as e:
             turn.release()
             reason = str(e.message if isinstance(e, ControlError) else e)
-            self.dataplane.abort(membership, run, reason)
+            self.commander.abort(membership, run, reason)
             kind = pb.EVENT_KIND_INCOMPLETE if wrote else pb.EVENT_KIND_ABORT
             self.events.tell(paused, run, kind, f"catch-up to version {version} failed: {reason}")
             self.records.finish(m, run, pb.REFIT_STATE_FAILED, f"catch-up: {reason}")

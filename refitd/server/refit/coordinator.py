@@ -16,8 +16,9 @@ from collections.abc import Iterable
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.plan.gc_pause import GcPause
+from refitd.refit_states import STATE_NAMES
 from refitd.server.database import RefitRecord, StateDB
-from refitd.server.delta_refits import DeltaRefits
+from refitd.server.delta.refits import DeltaRefits
 from refitd.server.errors import ControlError, ErrorKind, not_found, precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
@@ -25,13 +26,13 @@ from refitd.server.planning import PlanCache, PlanOptions
 from refitd.server.refit.acks import CommitAckBook
 from refitd.server.refit.ahead import PlansAhead
 from refitd.server.refit.catchup import CatchUps
-from refitd.server.refit.dataplane import DataPlane
+from refitd.server.refit.commander import AgentCommander
 from refitd.server.refit.events import WorkerEvents
 from refitd.server.refit.leases import LeaseWatcher, PausedSettler, RankClaims
 from refitd.server.refit.lifecycle import RefitLifecycle
 from refitd.server.refit.membership import Memberships
 from refitd.server.refit.records import RefitRecords
-from refitd.server.refit.run import STATE_NAMES, ModelRefits, RefitRun
+from refitd.server.refit.run import ModelRefits, RefitRun
 from refitd.server.refit.scheduler import Scheduler
 from refitd.server.registry import Registry
 from refitd.server.streams import AgentHub, EventHub, GatherBoard
@@ -75,7 +76,7 @@ class RefitCoordinator:
         self.memberships = Memberships(
             registry, agents, events, self.plans, self.plan_options, self.gc_pause, metrics
         )
-        self.dataplane = DataPlane(
+        self.commander = AgentCommander(
             settings, registry, agents, board, self.delta, store_address, metrics, self.plans
         )
         self.settler = PausedSettler(registry, events, db)
@@ -83,11 +84,11 @@ class RefitCoordinator:
         self.events = WorkerEvents(registry, events, board, self.settler.settle)
         self.acks = CommitAckBook(registry, events, board)
         self.lifecycle = RefitLifecycle(
-            settings, metrics, self.scheduler, self.memberships, self.dataplane, self.events,
+            settings, metrics, self.scheduler, self.memberships, self.commander, self.events,
             self.acks, self.records, self.delta,
         )  # fmt: skip
         self.catch_ups = CatchUps(
-            settings, registry, self.scheduler, self.memberships, self.dataplane,
+            settings, registry, self.scheduler, self.memberships, self.commander,
             self.events, self.records, self.delta,
         )  # fmt: skip
         self.ahead = PlansAhead(registry, self.scheduler, self.memberships)

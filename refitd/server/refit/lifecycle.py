@@ -65,8 +65,8 @@ class Turn(Protocol):
     def release(self) -> None: ...
 
 
-class DataPlanePort(Protocol):
-    """The agents' side (dataplane.DataPlane)."""
+class CommanderPort(Protocol):
+    """The agents' side (commander.AgentCommander)."""
 
     def turn(self) -> Turn: ...
     def prepare(self, ms: Membership) -> None: ...
@@ -119,7 +119,7 @@ class AckBook(Protocol):
 
 
 class DeltaBook(Protocol):
-    """Delta-refit bookkeeping (delta_refits.DeltaRefits)."""
+    """Delta-refit bookkeeping (delta.refits.DeltaRefits)."""
 
     def failed(self, model: str, workers: Iterable[Worker]) -> None: ...
     def committed(
@@ -197,7 +197,7 @@ class RefitLifecycle:
         metrics: ControllerMetrics,
         barrier: BarrierPort,
         memberships: MembershipSource,
-        dataplane: DataPlanePort,
+        commander: CommanderPort,
         events: EventSink,
         acks: AckBook,
         store: VersionStore,
@@ -209,7 +209,7 @@ class RefitLifecycle:
         self.metrics = metrics
         self.barrier = barrier
         self.memberships = memberships
-        self.dataplane = dataplane
+        self.commander = commander
         self.events = events
         self.acks = acks
         self.store = store
@@ -228,9 +228,9 @@ class RefitLifecycle:
         run.started = self.clock.monotonic()
         self.metrics.refits_started.labels(run.model).inc()
         self.acks.settle()
-        a = Attempts(run, m, self.dataplane.turn())
+        a = Attempts(run, m, self.commander.turn())
         while self._attempt(a):
-            a.turn = self.dataplane.turn()
+            a.turn = self.commander.turn()
 
     def _attempt(self, a: Attempts) -> bool:
         """One attempt; True when the refit goes again (the turn is released either way)."""
@@ -270,11 +270,11 @@ class RefitLifecycle:
             self._ready(a)  # those registered during the barrier pause too
 
     def _ready(self, a: Attempts, timed: str = "") -> None:
-        """The current Membership prepared on the data plane; its in-place workers paused."""
+        """The current Membership prepared on the agents; its in-place workers paused."""
         a.ms = ms = self.memberships.for_run(a.run)
         with a.m.cond:
             a.run.state = pb.REFIT_STATE_SOURCES_READY
-        self.dataplane.prepare(ms)
+        self.commander.prepare(ms)
         todo = [w for w in ms.in_place() if w.worker_id not in a.paused]
         if todo:
             self._enter(a, Phase.PAUSE)
@@ -288,7 +288,7 @@ class RefitLifecycle:
         self._enter(a, Phase.BARRIER)
         a.turn.release()
         self.barrier.await_barrier(a.m, a.run)
-        a.turn = self.dataplane.turn()
+        a.turn = self.commander.turn()
 
     def _write(self, a: Attempts) -> float:
         """Transfer (and apply staged pools); returns the time of the last DONE."""
@@ -299,7 +299,7 @@ class RefitLifecycle:
         with a.m.cond:
             run.start_transfer(ms.readers)
         a.written.update((w.worker_id, w) for w in ms.in_place())
-        last_done = self.dataplane.transfer(ms, run, a.m.cond)
+        last_done = self.commander.transfer(ms, run, a.m.cond)
         run.detail["transfer_done_at"] = last_done  # monotonic, like executes_sent_at
         if ms.staged_pools:
             self._enter(a, Phase.APPLY)
@@ -311,7 +311,7 @@ class RefitLifecycle:
         ABORT (untouched) or INCOMPLETE (maybe written) to the paused workers."""
         run, s = a.run, self.settings
         if a.ms is not None:
-            self.dataplane.abort(a.ms, run, reason)
+            self.commander.abort(a.ms, run, reason)
         if a.written:
             self.delta.failed(run.model, a.written.values())  # torn: the retry is dense
             if a.retry.first_error == "":
@@ -346,7 +346,7 @@ class RefitLifecycle:
         t = clock.monotonic()
         while True:
             try:
-                self.dataplane.apply(ms, run, slots)
+                self.commander.apply(ms, run, slots)
                 run.detail["apply_s"] = clock.monotonic() - t
                 return
             except PhaseFailed as e:

@@ -3,7 +3,7 @@
 A Membership is computed once per membership epoch (a change of membership bumps the
 epoch, so a cached one is never stale) from a registry snapshot and the plan cache. The
 plan is cached by its layout digest, not the epoch: a restart that keeps every layout
-reuses it (the data plane then reloads only the slots whose workers registered again). This
+reuses it (the agent commander then reloads only the slots whose workers registered again). This
 module is the one place that maps a plan's slots to the node agents that hold them
 (`slot_owners`), for refits and catch-ups alike.
 """

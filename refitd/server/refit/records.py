@@ -9,10 +9,11 @@ from collections.abc import Iterable
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
+from refitd.refit_states import STATE_NAMES
 from refitd.server.database import RefitRecord, StateDB
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
-from refitd.server.refit.run import STATE_NAMES, ModelRefits, RefitRun
+from refitd.server.refit.run import ModelRefits, RefitRun
 from refitd.server.registry import Registry
 
 log = logging.getLogger("refitd.controller")

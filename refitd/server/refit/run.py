@@ -15,15 +15,6 @@ from dataclasses import dataclass, field
 from refitd._proto import refitd_pb2 as pb
 from refitd.server.streams import AckTally
 
-STATE_NAMES = {
-    pb.REFIT_STATE_REQUESTED: "requested",
-    pb.REFIT_STATE_SOURCES_READY: "sources_ready",
-    pb.REFIT_STATE_TRANSFERRING: "transferring",
-    pb.REFIT_STATE_LANDED: "landed",
-    pb.REFIT_STATE_COMMITTED: "committed",
-    pb.REFIT_STATE_FAILED: "failed",
-    pb.REFIT_STATE_SUPERSEDED: "superseded",
-}
 FINAL = (pb.REFIT_STATE_COMMITTED, pb.REFIT_STATE_FAILED, pb.REFIT_STATE_SUPERSEDED)
 OUTCOMES_KEPT = 256  # ended versions remembered per model (one outcome per attempt)
 ATTEMPT_SHIFT = 40  # execute/abort ids: refit_id | attempt << 40 (a retry is a new attempt)

@@ -22,7 +22,7 @@ from refitd.plan.links import ONE_SIDED
 from refitd.plan.planner import Plan
 from refitd.plan.program import DTYPES
 from refitd.plan.wire import delta_capable
-from refitd.server.delta_policy import DeltaMessageColumns
+from refitd.server.delta.policy import DeltaMessageColumns
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""`mapped`: one-sided writes between two slots of one host, through mapped memory.
+"""`mapped`: one-sided writes between two slots of one host, through mapped memory (the
+one-sided path kind of refitd.transport.paths that lives here, beside worker memory).
 
 The destination exposes the tensors senders write by the memory handles a process on the
 same host maps them with (worker tensors: the workers' shared-memory segments or CUDA IPC
@@ -16,12 +17,44 @@ until the transfer deadline or the abort that follows.
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 import torch
 
-from refitd.transport.doorbell import ShmDoorbell
-from refitd.transport.errors import StorageMovedError, TransportError
-from refitd.transport.memory import MemoryHandle, MemoryMapper, check_all_live
+from refitd.memory.errors import StorageMovedError
+from refitd.memory.handles import MemoryHandle
+from refitd.memory.mapping import MemoryMapper, check_all_live
+from refitd.memory.segment_names import new_segment_name
+from refitd.memory.segments import Segment
+from refitd.transport.doorbell import Doorbell
+from refitd.transport.errors import TransportError
 from refitd.transport.paths import Exposed, Exposure, OneSidedPath, Peer, RemoteTensor
+
+
+class ShmDoorbell(Doorbell):
+    """A doorbell in a shared-memory segment: created by the destination (`create`) or
+    mapped by name by a sender (`open`)."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        raw = np.frombuffer(segment.buf, dtype=np.uint8)
+        super().__init__(raw[: raw.size - raw.size % 8].view(np.int64))
+
+    @classmethod
+    def create(cls, entries: int, generation: int, prefix: str = "refitd-bell") -> ShmDoorbell:
+        seg = Segment(new_segment_name(prefix), Doorbell.nbytes(entries), True)
+        seg.reserve(0, seg.size)
+        bell = cls(seg)
+        bell.init(generation, entries)
+        return bell
+
+    @classmethod
+    def open(cls, name: str) -> ShmDoorbell:
+        return cls(Segment(name, 0, False))
+
+    def close(self) -> None:
+        """Retire and unlink (the creator); mappings elsewhere stay valid until dropped."""
+        self.retire()
+        self.segment.unlink()
 
 
 class MappedExposure(Exposure):

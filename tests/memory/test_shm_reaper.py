@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from refitd.transport.memory import SHM_DIR, SharedTensorArena, reap_orphaned_segments
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.segment_names import SHM_DIR, reap_orphaned_segments
 
 CHILD = """
 import sys, torch
-from refitd.transport.memory import SharedTensorArena
+from refitd.memory.arena import SharedTensorArena
 arena = SharedTensorArena(prefix="refitd-reaptest")
 arena.register({"w": torch.ones(1000)})
 print(" ".join(s.name for s in [arena._state, *arena._segments]), flush=True)

@@ -8,13 +8,15 @@ import sys
 
 import torch
 
-from refitd.transport.memory import MemoryMapper, SharedTensorArena
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.mapping import MemoryMapper
 
 # Run in a fresh interpreter: descriptors are counted for the whole process, and threads
 # left by earlier tests in the pytest process may open or close some meanwhile.
 _MAPPING_CHECK = """
 import os, torch
-from refitd.transport.memory import MemoryMapper, SharedTensorArena
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.mapping import MemoryMapper
 
 def fds():
     return len(os.listdir("/proc/self/fd"))

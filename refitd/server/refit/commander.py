@@ -1,4 +1,4 @@
-"""The data-plane driver: the only place that builds agent commands (connect, load,
+"""The agent commander: the only place that builds agent commands (connect, load,
 execute, apply, abort) and gathers the agents' reports.
 
 The refit communicator is one for all models: refits (and catch-ups) of different models
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
-from refitd.server.delta_refits import DeltaRefits
+from refitd.server.delta.refits import DeltaRefits
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanCache, SlotInputs, stale_slots
 from refitd.server.refit.checksums import compare_checksums
@@ -30,7 +30,7 @@ from refitd.server.streams import AgentHub, Gather, GatherBoard, PhaseFailed
 
 
 @dataclass
-class SlotState:
+class SlotLoadState:
     """What a slot's transfer process holds: its agent incarnation, comm epoch, and per
     model the plan digest last loaded with the inputs its handles came from (see
     planning.slot_inputs). One per model: loading a plan may free the model's older ones
@@ -46,7 +46,7 @@ class SlotState:
         return last[1] if last is not None and last[0] == digest else None
 
 
-class DataPlaneTurn:
+class CommunicatorTurn:
     """This driver's turn on the shared refit communicator (acquired at construction);
     release() is idempotent so every exit path can call it."""
 
@@ -61,7 +61,7 @@ class DataPlaneTurn:
             self._lock.release()
 
 
-class DataPlane:
+class AgentCommander:
     """Commands to the node agents over their Commands streams, and the waits on reports."""
 
     def __init__(
@@ -83,7 +83,7 @@ class DataPlane:
         self.board = board
         self.delta = delta
         self.store_address = store_address
-        self._slots: dict[int, SlotState] = {}
+        self._slots: dict[int, SlotLoadState] = {}
         self._comm_key: tuple | None = None
         self._comm_epoch = 0
         # (model, digest, epoch) connected and loaded on every slot of its plan: the same
@@ -91,9 +91,9 @@ class DataPlane:
         self._ready: tuple[str, str, int] | None = None
         self._turns = threading.Lock()
 
-    def turn(self) -> DataPlaneTurn:
+    def turn(self) -> CommunicatorTurn:
         """Wait for, and take, this driver's turn on the communicator."""
-        return DataPlaneTurn(self._turns)
+        return CommunicatorTurn(self._turns)
 
     def prepare(self, ms: Membership) -> None:
         """Communicator and programs in place on every slot (a dict compare when they are)."""
@@ -118,7 +118,7 @@ class DataPlane:
         for slot, incarnation in ms.owners.incarnations.items():
             st = self._slots.get(slot)
             if st is None or st.incarnation != incarnation:
-                self._slots[slot] = SlotState(incarnation)
+                self._slots[slot] = SlotLoadState(incarnation)
                 self._ready = None
 
     def _connect(self, ms: Membership) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from refitd.transport.memory import MemoryMapper, SharedTensorArena
+from refitd.memory.arena import SharedTensorArena
+from refitd.memory.mapping import MemoryMapper
 
 
 def test_one_tensor_under_two_names_and_views_of_one_storage() -> None:

@@ -1,4 +1,4 @@
-"""POSIX shared-memory segments mapped without keeping a file descriptor, and their reaper.
+"""POSIX shared-memory segments mapped without keeping a file descriptor.
 
 A mapping made with Python's `mmap.mmap` keeps a duplicate of the file descriptor for its
 whole life, so a process that maps many segments runs out of descriptors (EMFILE under
@@ -6,6 +6,7 @@ whole life, so a process that maps many segments runs out of descriptors (EMFILE
 once; the mapping is unmapped when the last tensor over it is freed. Only the creator keeps
 one descriptor per segment: it holds a shared flock on it for its lifetime, which
 `reap_orphaned_segments` uses to tell the segments of killed workers from live ones.
+`shared_buffer` gives anonymous shared pages of the same kind, for benchmark references.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import weakref
 
 import torch
 
-from refitd.transport.errors import StorageMovedError
-from refitd.transport.segment_names import SHM_DIR
+from refitd.memory.errors import StorageMovedError
+from refitd.memory.segment_names import SHM_DIR
 
 
 def _libc() -> ctypes.CDLL:
@@ -115,3 +116,9 @@ class Segment:
         if self._owner_fd is not None:
             os.close(self._owner_fd)
             self._owner_fd = None
+
+
+def shared_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor over an anonymous shared mapping: the same kind of pages (shmem)
+    as registered worker tensors, so a benchmark reference measured on it is fair."""
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]

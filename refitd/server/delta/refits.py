@@ -13,8 +13,8 @@ import numpy as np
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
-from refitd.server.delta_plan import PlanDelta, plan_delta
-from refitd.server.delta_policy import (
+from refitd.server.delta.plan import PlanDelta, plan_delta
+from refitd.server.delta.policy import (
     UNKNOWN,
     DeltaLedger,
     DeltaSettings,
