@@ -48,6 +48,25 @@ def test_tp2_trainer_to_two_pools_spread_over_two_hosts(cluster: MultiHostCluste
     assert sent >= 2 * model  # two versions, each read once from the trainer host
 
 
+def test_one_refit_mixes_local_mapped_and_collective_links(cluster: MultiHostCluster) -> None:
+    """infer-c shares hosta with the trainer: a local copy from the rank on its slot and a
+    mapped link from the other slot; the pools on hostb and hostc are reached by the
+    communicator. The plan, the status and the refit record say so."""
+    doc = cluster.status()
+    model = next(m for m in doc["models"] if m["name"] == cluster.model)
+    _committed(cluster, model["committed_version"] + 1)
+    doc = cluster.status()
+    links = next(m for m in doc["models"] if m["name"] == cluster.model)["plan"]["links"]
+    assert links["policy"] == "auto" and "fallback" not in links, links
+    assert links["mapped"]["messages"] > 0 and links["collective"]["messages"] > 0, links
+    assert links["local"]["copies"] > 0, links
+    record = doc["refits"][0]
+    assert record["state"] == "committed" and record["links"] == links, record
+    assert {a["host"]: a["links"] for a in doc["agents"] if a["connected"]} == {
+        h: ["mapped"] for h in ("hosta", "hostb", "hostc")
+    }
+
+
 def test_agent_with_loopback_data_plane_refuses_to_start(cluster: MultiHostCluster) -> None:
     argv = cluster.agent_argv("hostc", ["--data-plane-address", "127.0.0.1"])
     argv[argv.index("--devices") + 1] = "cpu:7"
