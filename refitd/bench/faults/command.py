@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--links",
         choices=("auto", "collective", "mapped", "rdma"),
         default="auto",
-        help="the controller's links setting (default auto: mapped between the two slots)",
+        help="the controller's links setting (default auto: mapped between the two slots; "
+        "collective with --delta, whose deltas travel on the communicator)",
     )
 
 
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "runs": sum(r["runs"] for r in rows),
         "phase_hits": sum(r["hit"] for r in rows),
         "delta": args.delta,
-        "links": args.links,
+        "links": suite.links,
         "paths": suite.paths,
         "delta_hits": sum(r["delta_hits"] for r in rows),
         "hangs": sum(r["hangs"] for r in rows),

@@ -335,7 +335,8 @@ class FaultSuite:
     ) -> None:  # fmt: skip
         self.mb = mb
         self.delta = delta
-        self.links = links
+        # deltas travel on the communicator: a mapped link writes in place (dense)
+        self.links = "collective" if delta and links == "auto" else links
         self.paths: dict = {}  # messages per path of the cluster's plan (from the status)
         self.say = say
         self.cluster: Cluster | None = None
