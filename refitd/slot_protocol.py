@@ -314,7 +314,8 @@ class Abort(SlotCommand[Ack]):
 class Probe(SlotCommand[Probed]):
     """Raw reference for benchmarks: per peer rank one buffer of nbytes sent (or received)
     `repeat` times ({rank: (nbytes, repeat)}), or one memcpy of `memcpy` bytes `repeat`
-    times on `device`. `prepare` only allocates; buffers live until `release`."""
+    times on `device` (in pieces of `memcpy_piece` bytes when set, as a refit copies its
+    chunks). `prepare` only allocates; buffers live until `release`."""
 
     timeout_s: float
     sends: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -322,6 +323,7 @@ class Probe(SlotCommand[Probed]):
     memcpy: int | None = None
     repeat: int = 1
     device: str = "cpu"
+    memcpy_piece: int | None = None
     prepare: bool = False
     release: bool = False
 

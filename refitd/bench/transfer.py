@@ -34,6 +34,7 @@ from refitd.bench.transfer_refs import (
     sent_memcpy_reference,
 )
 from refitd.bench.transfer_shards import mxfp8_context, place_shards, verify
+from refitd.executor.chunks import WIRE_CHUNK
 from refitd.memory.arena import SharedTensorArena
 from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.layout import TensorSpec
@@ -341,7 +342,8 @@ def _measure(
         timed.runs.append(seconds)
         timed.blocked.append(blocked)
         if plan is not cplan:
-            timed.sent_memcpys.append(sent_memcpy_reference(args, handles, timed.reports))
+            piece = args.wire_chunk or WIRE_CHUNK
+            timed.sent_memcpys.append(sent_memcpy_reference(args, handles, timed.reports, piece))
             cseconds, creports, _ = _refit(args, cplan, handles, src_slots, (1 << 20) + 1 + k)
             timed.collective.append(cseconds)
             timed.refs.append(link_reference(args, handles, cplan, rank_of, creports))

@@ -11,13 +11,18 @@ from collections import defaultdict
 from refitd.slot_protocol import Probe
 
 
-def memcpy_of(args, handles, per_slot: dict[int, int]) -> float:
+def memcpy_of(args, handles, per_slot: dict[int, int], piece: int | None = None) -> float:
     """Seconds of a memcpy of `per_slot[slot]` bytes between two shared-memory buffers in
     each of those slots' processes, all at once, --ref-chunk bytes at a time (two whole
-    copies of a 2 GiB slot would double the run's shared memory)."""
+    copies of a 2 GiB slot would double the run's shared memory), in `piece`-byte copies
+    when given."""
     by_slot = {h.slot: h for h in handles}
     sizes = {
-        s: {"memcpy": min(n, args.ref_chunk), "repeat": ref_sizes(n, args.ref_chunk)[1]}
+        s: {
+            "memcpy": min(n, args.ref_chunk),
+            "repeat": ref_sizes(n, args.ref_chunk)[1],
+            "memcpy_piece": piece,
+        }
         for s, n in per_slot.items()
         if n > 0
     }
@@ -41,10 +46,11 @@ def memcpy_reference(args, handles, src) -> float:
     return memcpy_of(args, handles, per_slot)
 
 
-def sent_memcpy_reference(args, handles, reports) -> float:
+def sent_memcpy_reference(args, handles, reports, piece: int) -> float:
     """A memcpy of the bytes each slot sent in a refit, in that slot's process, all at
-    once: what one-sided writes by the same processes are measured against."""
-    return memcpy_of(args, handles, {r.slot: r.sent_bytes for r in reports})
+    once, in copies of the refit's chunk size (`piece`): what one-sided writes by the same
+    processes are measured against."""
+    return memcpy_of(args, handles, {r.slot: r.sent_bytes for r in reports}, piece)
 
 
 def compare_reports(plan, handles, reports) -> str | None:

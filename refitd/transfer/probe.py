@@ -66,9 +66,11 @@ def _memcpy(state: TransferSlot, cmd: Probe, n: int) -> Probed:
     b = state.probe_bufs[("m", 1)]
     if cmd.prepare:
         return Probed(0.0)
+    piece = cmd.memcpy_piece or n
     t0 = time.monotonic()
     for _ in range(cmd.repeat):
-        b.copy_(a)
+        for i in range(0, n, piece):
+            b[i : i + piece].copy_(a[i : i + piece])
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return Probed(time.monotonic() - t0)
