@@ -30,6 +30,7 @@ import torch.distributed as dist
 from refitd.bench.transfer_refs import (
     compare_reports,
     link_reference,
+    links_summary,
     memcpy_reference,
     sent_memcpy_reference,
 )
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         ok = ok and timed.mismatch is None
         out = _summary(args, plan, timed, model_bytes, len(slots), ok, snapshots)
         if plan is not cplan:
-            out |= _links_summary(plan, timed, out["bytes"])
+            out |= links_summary(plan, timed, out["bytes"])
         if args.wire == "mxfp8":
             seconds, ref_seconds = statistics.median(timed.runs), statistics.median(timed.refs)
             out |= mxfp8_context(
@@ -422,26 +423,6 @@ def _summary(
             "checksum_mismatch": timed.mismatch,
         }
     return out
-
-
-def _links_summary(plan: Plan, timed: _Timed, moved: int) -> dict:
-    """--links: the one-sided refit over a memcpy of the bytes each slot sent (same
-    processes, same run), beside the collective refit of the same model and its ratio to
-    the raw link (`ratio`, `ref_gbps` are the collective's here)."""
-    runs, mem, coll, refs = timed.runs, timed.sent_memcpys, timed.collective, timed.refs
-    seconds, cseconds = statistics.median(runs), statistics.median(coll)
-    return {
-        "links": plan.config.links.mode,
-        "paths": plan.link_summary(),
-        "memcpy_gbps": round(moved / statistics.median(mem) / 1e9, 3),
-        # each refit against the memcpy right after it, median over the pairs
-        "memcpy_ratio": round(statistics.median(m / x for x, m in zip(runs, mem, strict=True)), 3),
-        "memcpy_seconds_all": [round(x, 4) for x in mem],
-        "collective_gbps": round(moved / cseconds / 1e9, 3),
-        "collective_seconds_all": [round(x, 4) for x in coll],
-        "ratio": round(statistics.median(r / x for x, r in zip(coll, refs, strict=True)), 3),
-        "over_collective": round(cseconds / seconds, 3),
-    }
 
 
 def _snapshot_summary(args, snapshots: dict[int, SnapshotInfo]) -> dict | None:

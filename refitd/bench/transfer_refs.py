@@ -5,6 +5,7 @@ shared-memory buffers, and the controller's checksum comparison."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import defaultdict
 
@@ -103,3 +104,23 @@ def release(args, handles) -> None:
 def ref_sizes(n: int, chunk: int) -> list[int]:
     size = min(n, chunk)
     return [size, max(1, round(n / size))]
+
+
+def links_summary(plan, timed, moved: int) -> dict:
+    """--links: the one-sided refit over a memcpy of the bytes each slot sent (same
+    processes, same run), beside the collective refit of the same model and its ratio to
+    the raw link (`ratio`, `ref_gbps` are the collective's here)."""
+    runs, mem, coll, refs = timed.runs, timed.sent_memcpys, timed.collective, timed.refs
+    seconds, cseconds = statistics.median(runs), statistics.median(coll)
+    return {
+        "links": plan.config.links.mode,
+        "paths": plan.link_summary(),
+        "memcpy_gbps": round(moved / statistics.median(mem) / 1e9, 3),
+        # each refit against the memcpy right after it, median over the pairs
+        "memcpy_ratio": round(statistics.median(m / x for x, m in zip(runs, mem, strict=True)), 3),
+        "memcpy_seconds_all": [round(x, 4) for x in mem],
+        "collective_gbps": round(moved / cseconds / 1e9, 3),
+        "collective_seconds_all": [round(x, 4) for x in coll],
+        "ratio": round(statistics.median(r / x for x, r in zip(coll, refs, strict=True)), 3),
+        "over_collective": round(cseconds / seconds, 3),
+    }

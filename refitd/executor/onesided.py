@@ -84,6 +84,7 @@ class OneSided:
     def __init__(self, program: SlotProgram, links: OneSidedLinks | None) -> None:
         self.p = program
         self.links = links or OneSidedLinks()
+        self.devices: set[torch.device] = set()  # of the destinations the sends write
         self.send, self.recv = one_sided_messages(program)
         missing = sorted({int(s) for s, m in zip(program.send.dst_slot, program.send.id,
                                                    strict=True)
@@ -111,6 +112,7 @@ class OneSided:
         checked against the program (dtype of plain storage, regions inside)."""
         p, c = self.p, self.p.copies
         out: dict[int, ResolvedTensor] = {}
+        self.devices.clear()
         for k in range(len(p.send)):
             mid, dst_slot = int(p.send.id[k]), int(p.send.dst_slot[k])
             if mid not in self.send:
@@ -126,6 +128,7 @@ class OneSided:
                     except Exception as e:
                         raise ExecutionError(f"{what}: {e}") from e
                     t = out[index] = ResolvedTensor(r.name, r.data, r.scales, r.storage)
+                    self.devices.add(r.data.device)
                 _check_region(t, c, i, index, what)
         return out
 
@@ -160,8 +163,9 @@ class OneSided:
             data.land_coded(i)
             if sums is not None:
                 sums[(ch.mid, i)] = data.region_sum(i)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        for dev in self.devices | {device}:  # the copies and landings are queued there
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
         if peer.generation() != desc.generation:
             raise ExecutionError(
                 f"slot {self.p.slot}: message {ch.mid} to slot {ch.dst_slot}: stale descriptor "

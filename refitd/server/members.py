@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from refitd.plan.layout import TensorSpec
 from refitd.plan.table import SpecTable
-from refitd.server.planning import ModelTables
+from refitd.server.model_tables import ModelTables
 
 
 @dataclass

@@ -27,7 +27,6 @@ invisible to stale readers. The controller never sees them.
 from __future__ import annotations
 
 import abc
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -228,8 +227,7 @@ class Links:
         return d
 
     def close(self) -> None:
+        """Drop the paths and the store client (the destinations' exposures are theirs)."""
         with self._lock:
             self._paths.clear()
-            store, self._store = self._store, None
-        with contextlib.suppress(Exception):
-            del store
+            self._store = None

@@ -138,7 +138,7 @@ def test_a_worker_added_while_a_plan_reads_the_tables_joins_without_a_rebuild() 
     does, that snapshot rebuilds them instead (the tables a build reads never change)."""
     from refitd.bench.presets import Parallel, build_specs, preset
     from refitd.plan.table import SpecTable
-    from refitd.server.planning import ModelTables
+    from refitd.server.model_tables import ModelTables
 
     m = preset("llama3-8b")
     src = build_specs(m, Parallel.parse("tp=2", 2), "m", "trainer", 0)

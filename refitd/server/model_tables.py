@@ -1,0 +1,82 @@
+"""One model's registrations as SpecTables, kept in step with the registry (`ModelTables`):
+what the controller plans from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from refitd.plan.layout import TensorSpec
+from refitd.plan.table import SpecTable
+
+WorkerKey = tuple[str, int]  # (pool, rank)
+
+
+class ModelTables:
+    """One model's registrations as SpecTables, one per side, kept in step with the registry.
+
+    Registrations are appended as workers register (`add`); a removal or a replaced rank
+    marks the tables stale, and the next `snapshot` rebuilds them from the registry's
+    workers. A rebuild keeps each (pool, rank) where it was first added, so a rank that
+    leaves and registers the same layout again gives the same tables (and plan digest) as
+    before. A table handed to a plan build is not appended to while the build runs: an
+    add then waits, and the next snapshot appends it if no build uses the tables any more
+    (else it rebuilds). A pool that registers while the model's plan is built ahead for the
+    pools before it so costs no rebuild (a second of Python at 786k tensors). Callers hold
+    the registry lock for add, invalidate, snapshot and release.
+    """
+
+    def __init__(self) -> None:
+        self.sources = SpecTable()
+        self.destinations = SpecTable()
+        self.stale = False
+        self.in_use = 0  # plan builds running on the current tables
+        self.rebuilds = 0
+        self._position: dict[WorkerKey, int] = {}  # (pool, rank) -> order of first add
+        self._waiting: list[tuple[str, SpecTable]] = []  # (role, worker) added while in use
+
+    def add(self, role: str, worker: SpecTable) -> None:
+        """Append one worker's registrations (its own table)."""
+        if worker.specs:
+            first = worker.specs[0]
+            self._position.setdefault((first.pool, first.rank), len(self._position))
+        if self.stale:
+            return
+        if self.in_use:
+            self._waiting.append((role, worker))
+            return
+        (self.sources if role == "source" else self.destinations).extend(worker)
+
+    def invalidate(self) -> None:
+        self.stale = True
+        self._waiting.clear()  # the rebuild reads every registered worker
+
+    def snapshot(
+        self, current: Callable[[], tuple[list[TensorSpec], list[TensorSpec]]]
+    ) -> tuple[SpecTable, SpecTable]:
+        """The tables (rebuilt from `current()` when stale), marked in use until `release`."""
+        if self._waiting:
+            if self.in_use:  # a build still reads the tables: they cannot grow
+                self.invalidate()
+            else:
+                for role, worker in self._waiting:
+                    (self.sources if role == "source" else self.destinations).extend(worker)
+                self._waiting.clear()
+        if self.stale:
+            sources, destinations = current()
+            self.sources = SpecTable.from_specs(self._in_place(sources))
+            self.destinations = SpecTable.from_specs(self._in_place(destinations))
+            self.stale = False
+            self.rebuilds += 1
+        self.in_use += 1
+        return self.sources, self.destinations
+
+    def release(self) -> None:
+        self.in_use -= 1
+
+    def _in_place(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        """`specs` (grouped by worker) with each worker where it was first added; workers
+        never added go last, in the order given (a stable sort)."""
+        pos = self._position
+        for s in specs:
+            pos.setdefault((s.pool, s.rank), len(pos))
+        return sorted(specs, key=lambda s: pos[(s.pool, s.rank)])
