@@ -13,6 +13,7 @@ import time
 import pytest
 
 from refitd.bench.cluster.multihost import MultiHostCluster
+from refitd.cli.status import render
 from refitd.demo.gpt import GptConfig
 
 from .conftest import LEASE_S, MB
@@ -65,6 +66,8 @@ def test_one_refit_mixes_local_mapped_and_collective_links(cluster: MultiHostClu
     assert {a["host"]: a["links"] for a in doc["agents"] if a["connected"]} == {
         h: ["mapped"] for h in ("hosta", "hostb", "hostc")
     }
+    line = next(x for x in render(doc).splitlines() if "links auto:" in x)
+    assert "mapped" in line and "collective" in line and "local" in line, line
 
 
 def test_agent_with_loopback_data_plane_refuses_to_start(cluster: MultiHostCluster) -> None:
