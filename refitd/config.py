@@ -100,7 +100,9 @@ class Settings(BaseSettings):
         "above it the slot reads live trainer memory and the refit's record says so",
     )
     sender_quantization: bool = Field(
-        False, description="quantize on the sender (MXFP8/FP8 on the wire) for quantized storage"
+        False,
+        description="quantize on the sender for quantized storage (the storage's own format "
+        "on the wire)",
     )
     relay: bool = Field(
         True, description="destination replicas forward blocks they received (fewer source sends)"

@@ -26,7 +26,16 @@ from refitd.plan.layouts import (
     megatron_layout,
 )
 from refitd.plan.names import canonical_name as plan_canonical_name
-from refitd.plan.wire import MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.plan.wire import (
+    FP8_BLOCK,
+    MXFP8,
+    NVFP4,
+    PLAIN,
+    fp8_block_scale_shape,
+    mxfp8_scale_shape,
+    nvfp4_scale_shape,
+    storage_data_shape,
+)
 from refitd.torch_dtypes import dtype_name
 
 
@@ -35,9 +44,12 @@ class Placed:
     """A local tensor with an explicit placement: its global shape and boxes.
 
     boxes are Box objects or (global offset, shape, local offset) triples; the default is
-    the whole tensor (a replica). A quantized persistent buffer (storage "mxfp8" or
-    "fp8_block") is `tensor` = its uint8 E4M3 data, `scales` = its scale buffer, and
-    `dtype` = the element dtype it stands for (the source's, e.g. "bfloat16").
+    the whole tensor (a replica). A quantized persistent buffer (storage "mxfp8",
+    "fp8_block" or "nvfp4") is `tensor` = its uint8 data, `scales` = its scale buffer, and
+    `dtype` = the element dtype it stands for (the source's, e.g. "bfloat16"). NVFP4 data
+    packs two values per byte of its last dim (uint8 (..., n / 2) for n elements), its
+    scales are E4M3 bytes (..., ceil(n / 16)), and `global_scale` is its float32 global
+    scale (one element); global_shape and boxes count elements.
     """
 
     tensor: torch.Tensor
@@ -48,6 +60,7 @@ class Placed:
     meta: Mapping[str, str] = field(default_factory=dict)
     scales: torch.Tensor | None = None
     dtype: str | None = None
+    global_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +94,7 @@ class LocalTensor:
     meta: tuple[tuple[str, str], ...] = ()
     scales: torch.Tensor | None = None  # quantized storage: the scale buffer
     logical_dtype: str = ""  # quantized storage: the element dtype the data stands for
+    global_scale: torch.Tensor | None = None  # nvfp4 storage: the float32 global scale
 
     @property
     def dtype(self) -> str:
@@ -149,11 +163,14 @@ def _one(name: str, value: Any, coords: MegatronCoords, label: str) -> LocalTens
     where = f"tensor {name!r}{f', {label}' if label else ''}"
     if isinstance(value, Placed):
         t = value.tensor
-        gshape = tuple(value.global_shape) if value.global_shape is not None else tuple(t.shape)
+        shape = tuple(t.shape)
+        if value.storage == NVFP4 and shape:
+            shape = (*shape[:-1], 2 * shape[-1])  # two values per byte
+        gshape = tuple(value.global_shape) if value.global_shape is not None else shape
         boxes = value.boxes
         if boxes is None:
-            boxes = [Box((0,) * t.dim(), tuple(t.shape), (0,) * t.dim())]
-        layout = explicit_layout(tuple(t.shape), boxes)
+            boxes = [Box((0,) * t.dim(), shape, (0,) * t.dim())]
+        layout = explicit_layout(shape, boxes)
         canonical = value.canonical or canonical_name(name, coords)
         out = _checked(name, canonical, t, gshape, layout, where, value.storage, value.meta)
         return _quantized(out, value, where) if value.storage != PLAIN else out
@@ -265,10 +282,11 @@ def _checked(
     storage: str = PLAIN,
     meta: Mapping[str, str] | None = None,
 ) -> LocalTensor:
-    if tuple(tensor.shape) != layout.local_shape:
+    want = storage_data_shape(storage, layout.local_shape)
+    if tuple(tensor.shape) != want:
         raise PlanError(
             f"{where}: local tensor has shape {tuple(tensor.shape)} but its placement "
-            f"describes {layout.local_shape}"
+            f"describes {want}"
         )
     check_layout(tuple(global_shape), layout, where)
     return LocalTensor(
@@ -282,11 +300,21 @@ def _checked(
     )
 
 
+_SCALE_SHAPES = {
+    MXFP8: mxfp8_scale_shape,
+    FP8_BLOCK: fp8_block_scale_shape,
+    NVFP4: nvfp4_scale_shape,
+}
+
+
 def _quantized(t: LocalTensor, value: Placed, where: str) -> LocalTensor:
-    """A quantized persistent buffer: uint8 data, scales of the format's shape, and the
-    element dtype it stands for."""
-    shape = tuple(value.tensor.shape)
-    want = mxfp8_scale_shape(shape) if value.storage == MXFP8 else fp8_block_scale_shape(shape)
+    """A quantized persistent buffer: uint8 data, scales of the format's shape, the
+    element dtype it stands for, and (nvfp4) a float32 global scale of one element."""
+    if value.storage not in _SCALE_SHAPES:
+        raise PlanError(
+            f"{where}: unknown storage {value.storage!r}; known: {PLAIN!r}, {list(_SCALE_SHAPES)}"
+        )
+    want = _SCALE_SHAPES[value.storage](t.layout.local_shape)
     sc = value.scales
     if value.tensor.dtype != torch.uint8 or sc is None or tuple(sc.shape) != want:
         raise PlanError(
@@ -294,6 +322,14 @@ def _quantized(t: LocalTensor, value: Placed, where: str) -> LocalTensor:
             f"got data {value.tensor.dtype} and scales "
             f"{None if sc is None else tuple(sc.shape)}"
         )
+    gs = value.global_scale
+    if (value.storage == NVFP4) != (gs is not None) or (
+        gs is not None and (gs.dtype != torch.float32 or gs.numel() != 1)
+    ):
+        raise PlanError(
+            f"{where}: a float32 global_scale of one element goes with nvfp4 storage only, "
+            f"got {None if gs is None else (gs.dtype, tuple(gs.shape))} for {value.storage}"
+        )
     if not value.dtype:
         raise PlanError(f"{where}: {value.storage} storage needs dtype= (the source dtype)")
-    return dataclasses.replace(t, scales=sc, logical_dtype=value.dtype)
+    return dataclasses.replace(t, scales=sc, logical_dtype=value.dtype, global_scale=gs)

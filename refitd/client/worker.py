@@ -25,11 +25,13 @@ from refitd.client.tensors import LocalTensor, MegatronCoords, collect
 from refitd.limits import raise_nofile_limit
 from refitd.memory.arena import SharedTensorArena
 from refitd.memory.handles import MemoryHandle
+from refitd.plan.wire import storage_data_shape
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError
 
 log = logging.getLogger(__name__)
 
 _SCALES = "#scales"  # arena name suffix of a quantized buffer's scales
+_GLOBAL_SCALE = "#global_scale"  # ... and of an nvfp4 buffer's global scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +119,19 @@ class WorkerClient:
         return reg
 
     def _share(self, local: list[LocalTensor]) -> dict[str, MemoryHandle]:
-        """Arena handles of the tensors; a quantized buffer's scales ride in its handle."""
+        """Arena handles of the tensors; a quantized buffer's scales (and nvfp4 global
+        scale) ride in its handle."""
         arrays = {t.name: t.tensor for t in local}
         arrays.update({t.name + _SCALES: t.scales for t in local if t.scales is not None})
+        arrays.update(
+            {t.name + _GLOBAL_SCALE: t.global_scale for t in local if t.global_scale is not None}
+        )
         handles = self._arena.register(arrays)
         for t in local:
             if t.scales is not None:
                 sc = handles.pop(t.name + _SCALES)
-                handles[t.name] = dataclasses.replace(handles[t.name], scales=sc)
+                gs = handles.pop(t.name + _GLOBAL_SCALE, None)
+                handles[t.name] = dataclasses.replace(handles[t.name], scales=sc, global_scale=gs)
         return handles
 
     def moved_tensors(self) -> list[str]:
@@ -139,14 +146,16 @@ class WorkerClient:
             if not moved:
                 return []
             by_name = {t.name: t for t in self._tensors}
-            moved = list(dict.fromkeys(n.removesuffix(_SCALES) for n in moved))
+            moved = list(
+                dict.fromkeys(n.removesuffix(_SCALES).removesuffix(_GLOBAL_SCALE) for n in moved)
+            )
             for name in moved:
                 t = by_name[name].tensor
-                if tuple(t.shape) != by_name[name].layout.local_shape:
+                want = storage_data_shape(by_name[name].storage, by_name[name].layout.local_shape)
+                if tuple(t.shape) != want:
                     raise RefitError(
                         f"{self._who()}: tensor {name!r} changed shape to {tuple(t.shape)} "
-                        f"(registered {by_name[name].layout.local_shape}); call register() "
-                        "with its new placement"
+                        f"(registered {want}); call register() with its new placement"
                     )
             self._handles.update(self._share([by_name[n] for n in moved]))
             self._send_registration()

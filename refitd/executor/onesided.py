@@ -27,7 +27,7 @@ from refitd.executor.segments import ResolvedTensor
 from refitd.executor.views import SlotViews
 from refitd.plan.links import ONE_SIDED, PATHS
 from refitd.plan.program import DTYPES, SlotProgram
-from refitd.plan.wire import PLAIN
+from refitd.plan.wire import NVFP4, PLAIN
 from refitd.torch_dtypes import torch_dtype
 from refitd.transport.doorbell import Doorbell
 from refitd.transport.paths import Descriptor, Peer
@@ -127,7 +127,9 @@ class OneSided:
                         r = peer.tensor(index)
                     except Exception as e:
                         raise ExecutionError(f"{what}: {e}") from e
-                    t = out[index] = ResolvedTensor(r.name, r.data, r.scales, r.storage)
+                    t = out[index] = ResolvedTensor(
+                        r.name, r.data, r.scales, r.storage, r.global_scale
+                    )
                     self.devices.add(r.data.device)
                 _check_region(t, c, i, index, what)
         return out
@@ -185,6 +187,8 @@ def _check_region(t: ResolvedTensor, c, i: int, index: int, what: str) -> None:
     is the program's."""
     nd = int(c.ndim[i])
     shape = tuple(t.data.shape)
+    if t.storage == NVFP4 and shape:  # two elements per byte of the last dim
+        shape = (*shape[:-1], 2 * shape[-1])
     want = torch_dtype(DTYPES[int(c.dst_dtype[i])])
     if t.storage == PLAIN and t.data.dtype != want:
         raise ExecutionError(

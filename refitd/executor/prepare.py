@@ -24,7 +24,7 @@ from refitd.executor.segments import ResolvedTensor
 from refitd.executor.staging import StagingRing
 from refitd.executor.views import LocalStep, SlotViews
 from refitd.plan.program import SlotProgram
-from refitd.plan.wire import PLAIN
+from refitd.plan.wire import PLAIN, storage_data_shape
 from refitd.torch_dtypes import torch_dtype
 
 GROUPED_ENV = "REFITD_GROUPED_LANDING"  # "0": land local copies one call each (comparisons)
@@ -68,10 +68,12 @@ def resolve_tensors(
     for i in indices:
         spec = p.tensors[i]  # decode checked every copy's tensors are in the table
         t = resolver.resolve(i)
-        if tuple(t.data.shape) != tuple(spec.local_shape):
+        want = storage_data_shape(spec.storage, tuple(spec.local_shape))
+        if tuple(t.data.shape) != want:
             raise ExecutionError(
                 f"tensor {t.name!r} (pool {spec.pool}, rank {spec.rank}): mapped shape "
-                f"{tuple(t.data.shape)} != registered local shape {tuple(spec.local_shape)}"
+                f"{tuple(t.data.shape)} != {want}, the data of registered local shape "
+                f"{tuple(spec.local_shape)} in {spec.storage} storage"
             )
         if spec.storage == PLAIN and t.data.dtype != torch_dtype(spec.dtype):
             raise ExecutionError(

@@ -8,6 +8,7 @@ when needed so a raw refit does not depend on it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,12 +17,18 @@ from refitd.plan.wire import PLAIN, RAW
 
 @dataclass(frozen=True, slots=True)
 class ResolvedTensor:
-    """A registered tensor as the executor sees it: plain data, or quantized data + scales."""
+    """A registered tensor as the executor sees it: plain data, or quantized data + scales
+    (nvfp4: + its float32 global scale)."""
 
     name: str
     data: torch.Tensor
     scales: torch.Tensor | None = None
     storage: str = PLAIN
+    global_scale: torch.Tensor | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every persistent buffer of the tensor: data, then scales and global scale."""
+        return [t for t in (self.data, self.scales, self.global_scale) if t is not None]
 
 
 def _formats():
@@ -70,7 +77,19 @@ def decode_segment(
         itemsize = torch.empty(0, dtype=src_dtype).element_size()
         block(dst.data, offset, shape).copy_(seg[: n * itemsize].view(src_dtype).view(shape))
         return
-    f = _formats()
-    region = f.dest_region(dst.storage, dst.data, dst.scales, offset, shape)
     name = str(src_dtype).removeprefix("torch.")
-    f.decode_segment(wire, seg, shape, name, region)
+    _formats().decode_segment(wire, seg, shape, name, dest_region(dst, offset, shape))
+
+
+def dest_region(dst: ResolvedTensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> Any:
+    """The refitd.formats.DestRegion of the block at `offset` of a quantized (or plain)
+    destination: views of its buffers."""
+    return _formats().dest_region(
+        dst.storage,
+        dst.data,
+        dst.scales,
+        offset,
+        shape,
+        name=dst.name,
+        global_scale=dst.global_scale,
+    )

@@ -23,7 +23,13 @@ import torch
 from refitd.executor.checksums import Checksummer, combine
 from refitd.executor.chunks import Chunk, CopyInfo, flat_range_pairs, flat_range_views
 from refitd.executor.errors import ExecutionError
-from refitd.executor.segments import ResolvedTensor, block, decode_segment, encode_segment
+from refitd.executor.segments import (
+    ResolvedTensor,
+    block,
+    decode_segment,
+    dest_region,
+    encode_segment,
+)
 from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
 from refitd.plan.wire import PLAIN
 from refitd.torch_dtypes import torch_dtype
@@ -201,8 +207,9 @@ class SlotViews:
                 encode_segment(wire, src, seg)
                 if sums is not None:
                     sums[(ch.mid, i)] = self.summer.tensor(seg)
-            else:  # a quantized segment larger than a chunk is encoded whole, then sliced
-                scratch = torch.empty(self._seg[i], dtype=torch.uint8, device=buf.device)
+            else:  # a quantized segment larger than a chunk is encoded whole, then sliced;
+                # zeroed, so every chunk's encoding carries the same alignment padding
+                scratch = torch.zeros(self._seg[i], dtype=torch.uint8, device=buf.device)
                 encode_segment(wire, src, scratch)
                 buf[: ch.nbytes].copy_(scratch[ch.seg_start : ch.seg_start + ch.nbytes])
                 if sums is not None and ch.seg_start == 0:
@@ -282,14 +289,11 @@ class SlotViews:
         d = self.tensors[self._dst_t[i]]
         if d.storage == PLAIN:
             return self.summer.tensor(self.dst_block(i))
-        from refitd import formats
-
-        nd = self._nd[i]
-        r = formats.dest_region(
-            d.storage, d.data, d.scales, tuple(self._dst_off[i][:nd]), self.shape(i), name=d.name
-        )
-        h = self.summer.tensor(r.values)
-        return h if r.scales is None else h * 1000003 + self.summer.tensor(r.scales)
+        r = dest_region(d, tuple(self._dst_off[i][: self._nd[i]]), self.shape(i))
+        h = torch.zeros((), dtype=torch.int64, device=d.data.device)
+        for part in r.parts():  # values, scales (, global scale)
+            h = h * 1000003 + self.summer.tensor(part)
+        return h
 
     def landed_direct(self, ch: Chunk, sums: _Sums) -> None:
         """Receiver checksums of a one-sided chunk once its doorbell rang: every copy whose
@@ -315,15 +319,7 @@ class SlotViews:
             else:
                 from refitd import formats
 
-                nd = self._nd[i]
-                region = formats.dest_region(
-                    d.storage,
-                    d.data,
-                    d.scales,
-                    tuple(self._dst_off[i][:nd]),
-                    self.shape(i),
-                    name=d.name,
-                )
+                region = dest_region(d, tuple(self._dst_off[i][: self._nd[i]]), self.shape(i))
                 if grouped is not None and grouped.add_quantize(self.src_block(i), region):
                     continue
                 step.slow.append((formats.copy_region, self.src_block(i), region))

@@ -1,4 +1,5 @@
-"""Wire and storage formats: passthrough, MXFP8 and block FP8 codecs, the transform hook.
+"""Wire and storage formats: passthrough, MXFP8, block FP8 and NVFP4 codecs, the transform
+hook.
 
 Torch reference codecs run anywhere; on CUDA tensors the quantizers use Triton kernels
 (refitd.formats.triton_kernels) when triton is installed, bit-identical to the reference.
@@ -17,12 +18,19 @@ from refitd.formats.mxfp8 import (
     mxfp8_quantize,
     mxfp8_quantize_into,
 )
+from refitd.formats.nvfp4 import (
+    nvfp4_dequantize,
+    nvfp4_dequantize_into,
+    nvfp4_quantize,
+    nvfp4_quantize_into,
+)
 from refitd.formats.passthrough import cast_copy
 from refitd.formats.region import DestRegion, dest_region
 from refitd.formats.segment import copy_region, decode_segment, encode_segment
 from refitd.formats.transform import (
     FP8BlockTransform,
     MXFP8Transform,
+    NVFP4Transform,
     RawTransform,
     Transform,
     TransformRegistry,
@@ -34,6 +42,7 @@ __all__ = [
     "DestRegion",
     "FP8BlockTransform",
     "MXFP8Transform",
+    "NVFP4Transform",
     "RawTransform",
     "Transform",
     "TransformRegistry",
@@ -51,6 +60,10 @@ __all__ = [
     "mxfp8_dequantize_into",
     "mxfp8_quantize",
     "mxfp8_quantize_into",
+    "nvfp4_dequantize",
+    "nvfp4_dequantize_into",
+    "nvfp4_quantize",
+    "nvfp4_quantize_into",
     "split_parts",
     "triton_kernels",
 ]

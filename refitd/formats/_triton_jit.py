@@ -7,6 +7,8 @@ add; the block-FP8 divisions are IEEE (div_rn, or float64 for tiles with amax < 
 where flush-to-zero of subnormals could otherwise change a result).
 FAST=True swaps the integer E4M3 rounding for the hardware cvt.rn.satfinite (sm_89+), after
 an exact float32 scaling; the benchmark and the gpu tests check both variants bit for bit.
+NVFP4 takes two launches: the tensor's amax (an integer atomic max of the bits of |x|), then
+the quantization, whose float32 steps are the reference's IEEE operations in its order.
 """
 
 from __future__ import annotations
@@ -220,3 +222,105 @@ def fp8_block_kernel(
         x_ptr + b * sxb, q_ptr + b * sqb, s_ptr + b * ssb + tr * ssr + tc * ssc,
         R, C, tr, tc, sxr, sxc, sqr, sqc, SUB_R, TILE, SRC_BF16, FAST,
     )  # fmt: skip
+
+
+# NVFP4 (refitd.formats.nvfp4): float32 constants as bit patterns, so every backend uses the
+# same values (the float32 nearest to 1e-8 and to 1/6).
+NVFP4_AMAX_FLOOR_BITS = tl.constexpr(0x322BCC77)
+NVFP4_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)
+
+
+@triton.jit
+def nvfp4_amax_kernel(
+    x_ptr,
+    amax_ptr,
+    M,
+    C,
+    n_col_programs,
+    sxm,
+    sxc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SRC_BF16: tl.constexpr,
+):
+    """amax_ptr (int32, zeroed) <- the bits of max |x| over the finite values of x."""
+    pid = tl.program_id(0)
+    rows = ((pid // n_col_programs) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    cols = ((pid % n_col_programs) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    mask = (rows < M) & (cols < C)
+    absb = _load_f32_bits(x_ptr + rows * sxm + cols * sxc, mask, SRC_BF16) & 0x7FFFFFFF
+    finite = tl.where(absb < 0x7F800000, absb, 0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(finite, axis=1), axis=0))
+
+
+@triton.jit
+def _e2m1_code(q, bits):
+    """E2M1 nibble of float32 q (nearest magnitude of min(|q|, 6), ties to the even code)
+    with the sign bit of the source value's bits (zero keeps its sign)."""
+    a = tl.minimum(tl.abs(q), 6.0)
+    m = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    m += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    m += (a > 5.0).to(tl.int32)
+    return m | ((bits >> 28) & 8)
+
+
+@triton.jit
+def nvfp4_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    amax_ptr,
+    M,
+    C,
+    NB,
+    n_col_programs,
+    sxm,
+    sxc,
+    sqm,
+    sqc,
+    ssm,
+    ssc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SRC_BF16: tl.constexpr,
+):
+    """One (BLOCK_M x BLOCK_C) tile of an NVFP4 quantization, given the tensor's amax bits
+    (nvfp4_amax_kernel). Even and odd elements are loaded apart, so each output byte is
+    one pair; the E4M3 scale rounding is the integer one of the FP8 kernels, divisions are
+    IEEE (div_rn). Subnormal inputs cannot reach a nonzero code or scale once amax is at
+    least 1e-8, so flush-to-zero on the device changes nothing."""
+    NBB: tl.constexpr = BLOCK_C // 16
+    pid = tl.program_id(0)
+    srows = ((pid // n_col_programs) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    rows = srows[:, :, None]
+    blk = (pid % n_col_programs) * NBB + tl.arange(0, NBB)
+    pair = blk[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    mask = (rows < M) & (2 * pair < C)
+    even = _load_f32_bits(x_ptr + rows * sxm + 2 * pair * sxc, mask, SRC_BF16)
+    odd = _load_f32_bits(x_ptr + rows * sxm + (2 * pair + 1) * sxc, mask, SRC_BF16)
+    amax = tl.maximum(tl.load(amax_ptr), NVFP4_AMAX_FLOOR_BITS).to(tl.float32, bitcast=True)
+    encode = tl.math.div_rn(tl.full((), 2688.0, tl.float32), amax)
+    decode = tl.math.div_rn(tl.full((), 1.0, tl.float32), encode)
+    bbits = tl.maximum(tl.max(even & 0x7FFFFFFF, axis=2), tl.max(odd & 0x7FFFFFFF, axis=2))
+    nonfinite = bbits >= 0x7F800000
+    bmax = tl.where(nonfinite, 0, bbits).to(tl.float32, bitcast=True)
+    sixth = tl.full((), NVFP4_SIXTH_BITS, tl.int32).to(tl.float32, bitcast=True)
+    s = tl.minimum(encode * (bmax * sixth), 448.0).to(tl.int32, bitcast=True)
+    scode = _e4m3_code(s >> 23, s & 0x7FFFFF, 0)
+    e, m = scode >> 3, scode & 7
+    sf = tl.where(
+        e == 0,
+        m.to(tl.float32) * 0.001953125,
+        ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True),
+    )
+    mult = tl.where(sf == 0, 0.0, tl.math.div_rn(tl.zeros_like(sf) + 1.0, sf * decode))
+    code = _e2m1_code(even.to(tl.float32, bitcast=True) * mult[:, :, None], even)
+    code |= _e2m1_code(odd.to(tl.float32, bitcast=True) * mult[:, :, None], odd) << 4
+    code = tl.where(nonfinite[:, :, None], 0, code)
+    tl.store(q_ptr + rows * sqm + pair * sqc, code.to(tl.uint8), mask=mask)
+    scode = tl.where(nonfinite, 0x7F, scode)
+    smask = (srows < M) & (blk[None, :] < NB)
+    tl.store(s_ptr + srows * ssm + blk[None, :] * ssc, scode.to(tl.uint8), mask=smask)
+    if pid == 0:
+        tl.store(g_ptr, decode)

@@ -1,4 +1,5 @@
-"""E4M3 helpers shared by the quantized formats: saturating casts and IEEE bit views.
+"""E4M3 helpers shared by the quantized formats: saturating casts, IEEE bit views and the
+checks of their inputs and buffers.
 
 Both quantizers find a block's amax on the integer view of |x| (for non-negative floats
 the integer order is the float order, and NaN/Inf sort above every finite value), so the
@@ -30,6 +31,25 @@ def check_buffer(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], wh
     if t.dtype != dtype or tuple(t.shape) != tuple(shape):
         raise ValueError(
             f"{what}: expected {dtype} of shape {tuple(shape)}, got {t.dtype} of shape "
+            f"{tuple(t.shape)}"
+        )
+
+
+def check_packed_pairs(shape: tuple[int, ...], what: str) -> None:
+    """NVFP4 packs two values per byte along the last dim, which must therefore be even."""
+    if not shape or shape[-1] % 2:
+        raise ValueError(
+            f"{what}: NVFP4 packs two values per byte along the last dim, which must be even; "
+            f"got shape {shape}"
+        )
+
+
+def check_global_scale(t: torch.Tensor, what: str) -> None:
+    """A tensor scale (NVFP4's global scale) is a float32 tensor of one element (any shape:
+    (), (1,), ...)."""
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise ValueError(
+            f"{what}: expected a float32 tensor of one element, got {t.dtype} of shape "
             f"{tuple(t.shape)}"
         )
 

@@ -43,16 +43,16 @@ def decode_segment(
 ) -> None:
     """Write a received segment into the destination region.
 
-    raw -> plain: copy with cast; raw -> mxfp8/fp8_block: quantize on landing
-    (receiver-side conversion); mxfp8 -> mxfp8 / fp8_block -> fp8_block: copy data and
-    scales; quantized -> plain: dequantize.
+    raw -> plain: copy with cast; raw -> mxfp8/fp8_block/nvfp4: quantize on landing
+    (receiver-side conversion); mxfp8 -> mxfp8 / fp8_block -> fp8_block / nvfp4 -> nvfp4:
+    copy the parts; quantized -> plain: dequantize.
     """
     transform = (registry or default_registry()).get(wire)
     shape = tuple(shape)
-    if tuple(dst.values.shape) != shape:
+    if dst.shape != shape:
         raise ValueError(
             f"decode_segment({wire!r}): segment shape {shape} does not match the destination "
-            f"region {tuple(dst.values.shape)}"
+            f"region {dst.shape}"
         )
     parts = transform.prepare_recv(seg, shape, src_dtype)
     transform.finalize_recv(parts, shape, src_dtype, dst)
@@ -60,9 +60,9 @@ def decode_segment(
 
 def copy_region(src: torch.Tensor, dst: DestRegion) -> None:
     """A local copy (same slot) without a wire buffer: cast, or quantize into quantized storage."""
-    if tuple(src.shape) != tuple(dst.values.shape):
+    if tuple(src.shape) != dst.shape:
         raise ValueError(
             f"copy_region: source shape {tuple(src.shape)} does not match the destination "
-            f"region {tuple(dst.values.shape)}"
+            f"region {dst.shape}"
         )
     store_region(src, dst)

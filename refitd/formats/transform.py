@@ -23,6 +23,7 @@ import torch
 
 from refitd.formats.fp8_block import fp8_block_dequantize_into, fp8_block_quantize_into
 from refitd.formats.mxfp8 import mxfp8_dequantize_into, mxfp8_quantize_into
+from refitd.formats.nvfp4 import nvfp4_dequantize_into, nvfp4_quantize_into
 from refitd.formats.passthrough import cast_copy
 from refitd.formats.region import DestRegion
 from refitd.plan.wire import (
@@ -30,6 +31,8 @@ from refitd.plan.wire import (
     FP8_BLOCK_FORMAT,
     MXFP8,
     MXFP8_FORMAT,
+    NVFP4,
+    NVFP4_FORMAT,
     PLAIN,
     RAW_FORMAT,
     WireFormat,
@@ -63,14 +66,14 @@ def store_region(src: torch.Tensor, dst: DestRegion) -> None:
         mxfp8_quantize_into(src, dst.values, _scales(dst))
     elif dst.storage == FP8_BLOCK:
         fp8_block_quantize_into(src, dst.values, _scales(dst))
+    elif dst.storage == NVFP4:
+        nvfp4_quantize_into(src, *dst.parts())
     else:
         raise ValueError(f"unknown destination storage {dst.storage!r}")
 
 
 def _scales(dst: DestRegion) -> torch.Tensor:
-    if dst.scales is None:
-        raise ValueError(f"a {dst.storage} destination region needs its scales view")
-    return dst.scales
+    return dst.parts()[1]
 
 
 class Transform(ABC):
@@ -135,43 +138,42 @@ class RawTransform(Transform):
 
 
 class _QuantizedTransform(Transform):
-    """Shared shape of the two FP8 wires: (uint8 codes, scales) on the wire."""
+    """Shared shape of the quantized wires: uint8 values, scales and, for a format with a
+    tensor scale, that float32 scale on the wire; the parts a region of the format's
+    storage holds (DestRegion.parts)."""
 
     @property
     def storage(self) -> str | None:
         return self.format.storage
 
     @abstractmethod
-    def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None: ...
+    def _quantize_into(self, x: torch.Tensor, parts: list[torch.Tensor]) -> None: ...
 
     @abstractmethod
-    def _dequantize_into(
-        self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
-    ) -> None: ...
+    def _dequantize_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None: ...
 
     def prepare_send(self, src: torch.Tensor, seg: torch.Tensor) -> None:
-        data, scales = self.prepare_recv(seg, tuple(src.shape), dtype_name(src.dtype))
-        self._quantize_into(src, data, scales)
+        self._quantize_into(src, self.prepare_recv(seg, tuple(src.shape), dtype_name(src.dtype)))
 
     def prepare_recv(
         self, seg: torch.Tensor, shape: tuple[int, ...], src_dtype: str
     ) -> list[torch.Tensor]:
-        data, scales = split_parts(seg, self.segment_parts(shape, src_dtype))
-        scale_shape = self.format.scale_shape(shape)
+        fmt = self.format
+        data, scales, *tensor_scale = split_parts(seg, self.segment_parts(shape, src_dtype))
         return [
-            data.view(shape),
-            scales.view(torch_dtype(self.format.scale_dtype)).view(scale_shape),
+            data.view(fmt.values_shape(shape)),
+            scales.view(torch_dtype(fmt.scale_dtype)).view(fmt.scale_shape(shape)),
+            *(t.view(torch.float32) for t in tensor_scale),
         ]
 
     def finalize_recv(
         self, parts: list[torch.Tensor], shape: tuple[int, ...], src_dtype: str, dst: DestRegion
     ) -> None:
-        data, scales = parts
         if dst.storage == self.storage:
-            dst.values.copy_(data)
-            _scales(dst).copy_(scales)
+            for buf, part in zip(dst.parts(), parts, strict=True):
+                buf.copy_(part)
         elif dst.storage == PLAIN:
-            self._dequantize_into(data, scales, dst.values)
+            self._dequantize_into(parts, dst.values)
         else:
             raise ValueError(
                 f"wire {self.wire!r} cannot land in {dst.storage!r} storage; send such "
@@ -184,11 +186,11 @@ class MXFP8Transform(_QuantizedTransform):
 
     format = MXFP8_FORMAT
 
-    def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
-        mxfp8_quantize_into(x, data, scales)
+    def _quantize_into(self, x: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        mxfp8_quantize_into(x, *parts)
 
-    def _dequantize_into(self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        mxfp8_dequantize_into(data, scales, out)
+    def _dequantize_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        mxfp8_dequantize_into(*parts, out)
 
 
 class FP8BlockTransform(_QuantizedTransform):
@@ -196,11 +198,25 @@ class FP8BlockTransform(_QuantizedTransform):
 
     format = FP8_BLOCK_FORMAT
 
-    def _quantize_into(self, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
-        fp8_block_quantize_into(x, data, scales)
+    def _quantize_into(self, x: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        fp8_block_quantize_into(x, *parts)
 
-    def _dequantize_into(self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        fp8_block_dequantize_into(data, scales, out)
+    def _dequantize_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        fp8_block_dequantize_into(*parts, out)
+
+
+class NVFP4Transform(_QuantizedTransform):
+    """NVFP4 on the wire: packed E2M1 values + one E4M3 scale per 16 + the FP32 global
+    scale, ~0.56 B/elem. The global scale is the region's: a copy into NVFP4 storage is
+    the destination's whole tensor (refitd.formats.nvfp4)."""
+
+    format = NVFP4_FORMAT
+
+    def _quantize_into(self, x: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        nvfp4_quantize_into(x, *parts)
+
+    def _dequantize_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        nvfp4_dequantize_into(*parts, out)
 
 
 class TransformRegistry:
@@ -249,5 +265,7 @@ class TransformRegistry:
 
 
 def default_registry() -> TransformRegistry:
-    """A new registry holding the built-in formats: raw, mxfp8, fp8_block."""
-    return TransformRegistry([RawTransform(), MXFP8Transform(), FP8BlockTransform()])
+    """A new registry holding the built-in formats: raw, mxfp8, fp8_block, nvfp4."""
+    return TransformRegistry(
+        [RawTransform(), MXFP8Transform(), FP8BlockTransform(), NVFP4Transform()]
+    )

@@ -12,13 +12,23 @@ import importlib.util
 
 import torch
 
-from refitd.formats.fp8 import check_buffer, check_float
-from refitd.plan.wire import FP8_TILE, MXFP8_BLOCK, fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.formats.fp8 import check_buffer, check_float, check_global_scale, check_packed_pairs
+from refitd.plan.wire import (
+    FP8_TILE,
+    MXFP8_BLOCK,
+    NVFP4_BLOCK,
+    fp8_block_scale_shape,
+    mxfp8_scale_shape,
+    nvfp4_data_shape,
+    nvfp4_scale_shape,
+)
 
 # Defaults from refitd.bench.gpu.quantizers on an H100 80GB HBM3 (both variants bit-identical
 # to the reference there; fast=True reached 0.77 / 0.76 of copy_ bandwidth).
 MXFP8_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4, "fast": True}
 FP8_BLOCK_CONFIG = {"sub_r": 32, "num_warps": 8, "fast": True}
+# Not yet measured on a GPU: the MXFP8 tile shape, for a start.
+NVFP4_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4}
 
 
 def available() -> bool:
@@ -125,6 +135,59 @@ def fp8_block_quantize_into(
     if q3 is None:
         data.copy_(q_out.view(data.shape))
     if s3 is None:
+        scales.copy_(s_out.view(scales.shape))
+
+
+def nvfp4_quantize_into(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    block_m: int = NVFP4_CONFIG["block_m"],
+    block_c: int = NVFP4_CONFIG["block_c"],
+    num_warps: int = NVFP4_CONFIG["num_warps"],
+) -> None:
+    """NVFP4 of x (even last dim) into data (uint8, nvfp4_data_shape), scales (uint8,
+    nvfp4_scale_shape) and global_scale (float32, one element)."""
+    from refitd.formats._triton_jit import nvfp4_amax_kernel, nvfp4_kernel
+
+    check_float(x, "nvfp4 quantize")
+    shape = tuple(x.shape)
+    check_packed_pairs(shape, "nvfp4 quantize")
+    check_buffer(data, torch.uint8, nvfp4_data_shape(shape), "nvfp4 data")
+    check_buffer(scales, torch.uint8, nvfp4_scale_shape(shape), "nvfp4 scales")
+    check_global_scale(global_scale, "nvfp4 global scale")
+    if x.numel() == 0:
+        return
+    cols = shape[-1]
+    nb = -(-cols // NVFP4_BLOCK)
+    xk = _as_kernel_input(x)
+    x2 = _view(xk, (-1, cols))
+    if x2 is None:
+        x2 = xk.reshape(-1, cols)
+    rows = x2.shape[0]
+    q2, s2 = _view(data, (-1, cols // 2)), _view(scales, (-1, nb))
+    q_out = (
+        q2 if q2 is not None else torch.empty((rows, cols // 2), dtype=torch.uint8, device=x.device)
+    )
+    s_out = s2 if s2 is not None else torch.empty((rows, nb), dtype=torch.uint8, device=x.device)
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    block_c = max(NVFP4_BLOCK, min(block_c, triton_next_pow2(cols)))
+    n_c = -(-cols // block_c)
+    grid = (-(-rows // block_m) * n_c,)
+    bf16 = x.dtype == torch.bfloat16
+    nvfp4_amax_kernel[grid](
+        x2, amax, rows, cols, n_c, x2.stride(0), x2.stride(1),
+        BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=bf16, num_warps=num_warps,
+    )  # fmt: skip
+    nvfp4_kernel[grid](
+        x2, q_out, s_out, global_scale.view(-1), amax, rows, cols, nb, n_c,
+        x2.stride(0), x2.stride(1), q_out.stride(0), q_out.stride(1), s_out.stride(0), s_out.stride(1),
+        BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=bf16, num_warps=num_warps,
+    )  # fmt: skip
+    if q2 is None:
+        data.copy_(q_out.view(data.shape))
+    if s2 is None:
         scales.copy_(s_out.view(scales.shape))
 
 

@@ -25,7 +25,8 @@ class MemoryHandle:
     is the storage's byte offset inside its CUDA allocation. In both cases `storage_offset`,
     `shape` and `strides` (elements) place the tensor in its storage. `data_ptr` is the
     address the worker saw at registration; `state_segment`/`state_index` locate the
-    liveness word. `scales` carries the second buffer of a quantized storage.
+    liveness word. `scales` carries the second buffer of a quantized storage,
+    `global_scale` the third of NVFP4 storage (its float32 global scale).
     """
 
     kind: str
@@ -43,6 +44,7 @@ class MemoryHandle:
     state_index: int = -1
     name: str = ""
     scales: MemoryHandle | None = None
+    global_scale: MemoryHandle | None = None
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(self._to_dict(), use_bin_type=True)
@@ -74,6 +76,7 @@ class MemoryHandle:
             "state_index": self.state_index,
             "name": self.name,
             "scales": None if self.scales is None else self.scales._to_dict(),
+            "global_scale": None if self.global_scale is None else self.global_scale._to_dict(),
         }
 
     @classmethod
@@ -94,4 +97,7 @@ class MemoryHandle:
             state_index=d["state_index"],
             name=d["name"],
             scales=None if d["scales"] is None else cls._from_dict(d["scales"]),
+            global_scale=None
+            if d.get("global_scale") is None
+            else cls._from_dict(d["global_scale"]),
         )

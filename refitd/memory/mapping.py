@@ -133,11 +133,11 @@ LivenessCheck = list[tuple[str, torch.Tensor, list[str]]]  # (state segment, ind
 
 
 def liveness_check(handles: Iterable[MemoryHandle]) -> LivenessCheck:
-    """The liveness words of `handles` (and their scales) grouped per state segment, ready
-    for `check_live_words` (prepared once, checked before every refit)."""
+    """The liveness words of `handles` (and their scale buffers) grouped per state segment,
+    ready for `check_live_words` (prepared once, checked before every refit)."""
     by_state: dict[str, tuple[list[int], list[str]]] = {}
     for h in handles:
-        for part in (h, h.scales):
+        for part in (h, h.scales, h.global_scale):
             if part is None or not part.state_segment:
                 continue
             idx, names = by_state.setdefault(part.state_segment, ([], []))
@@ -168,5 +168,6 @@ def check_live_words(mapper: MemoryMapper, check: LivenessCheck) -> None:
 
 
 def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> None:
-    """Check every handle (and its scales) is live; one error naming all stale tensors."""
+    """Check every handle (and its scale buffers) is live; one error naming all stale
+    tensors."""
     check_live_words(mapper, liveness_check(handles))

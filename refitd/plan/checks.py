@@ -1,6 +1,9 @@
-"""Input checks of the planner: casts, covers without holes or overlaps, whole blocks."""
+"""Input checks of the planner: casts, covers without holes or overlaps, whole blocks,
+whole tensors where a format's scale spans the tensor."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -9,7 +12,7 @@ from refitd.plan.copies import CopyTable
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
 from refitd.plan.sides import Side
-from refitd.plan.wire import CAST_DTYPES, WireRegistry
+from refitd.plan.wire import CAST_DTYPES, PLAIN, WireRegistry
 
 CAST_SETTING = (
     "set allow_dtype_cast (refitd serve --allow-dtype-cast, env REFITD_ALLOW_DTYPE_CAST, "
@@ -114,3 +117,46 @@ def check_blocks(t: CopyTable, tensors: list[TensorSpec], wires: WireRegistry) -
                     f"(local size {full}), not whole {fmt.name} blocks of "
                     f"{b}; the source layout splits a block"
                 )
+
+
+def check_whole_tensors(t: CopyTable, dst: Side, wires: WireRegistry) -> None:
+    """A destination whose storage keeps a format with a tensor scale (NVFP4's FP32 global
+    scale, computed from the amax of the whole tensor) is landed by exactly one copy of
+    its whole local tensor, with an even last dim when values are packed two per byte: a
+    tensor fed by several source blocks has no place where its whole amax is known before
+    its first block is quantized, so it cannot be quantized bit-exactly."""
+    storages = {
+        f.storage: f
+        for f in wires.formats
+        if f.tensor_scale_bytes and f.storage not in (None, PLAIN)
+    }
+    whole_geo = np.array([g.storage in storages for g in dst.geos], dtype=bool)
+    if not whole_geo.any():
+        return
+    specs = np.flatnonzero(whole_geo[dst.geo])
+    copies = np.flatnonzero(whole_geo[dst.geo[t.dst - dst.base]]) if t.dst.size else t.dst
+    count = np.bincount(t.dst[copies] - dst.base, minlength=len(dst.specs))
+    landed = dict(zip((t.dst[copies] - dst.base).tolist(), copies.tolist(), strict=True))
+    for k in specs.tolist():
+        spec = dst.specs[k]
+        fmt = storages[spec.storage]
+        why = ""
+        if not spec.local_shape:
+            why = "it has no dims (values are packed along the last dim)"
+        elif fmt.values_per_byte > 1 and spec.local_shape[-1] % fmt.values_per_byte:
+            why = f"its last dim {spec.local_shape[-1]} is odd (values are packed two per byte)"
+        elif count[k] > 1:
+            why = f"{int(count[k])} copies feed it (source shards or its own boxes split it)"
+        elif count[k] == 1 and math.prod(spec.local_shape):
+            c = landed[k]
+            shape = tuple(t.shape[c, : t.ndim[c]].tolist())
+            if shape != tuple(spec.local_shape):
+                why = f"its one copy lands {shape}, not all of it (its boxes leave part of it unwritten)"
+        if why:
+            raise PlanError(
+                f"{fmt.name} storage needs the whole tensor in one copy: {dst.who(k)} "
+                f"(local shape {spec.local_shape}): {why}. Its FP32 global scale is computed "
+                "from the amax of the whole tensor, so the tensor must reach one place whole "
+                "before it is quantized; register the source so one rank holds this shard "
+                "whole, or keep this destination in mxfp8, fp8_block or plain storage"
+            )

@@ -38,7 +38,10 @@ class TensorSpec:
     storage is how the destination keeps it (wire.STORAGE_FORMATS): "plain", or a quantized
     persistent layout ("mxfp8": uint8 E4M3 data of local_shape plus uint8 E8M0 scales of
     local_shape[:-1] + (ceil(local_shape[-1] / 32),); "fp8_block": uint8 E4M3 data plus
-    float32 scales of local_shape[:-2] + (ceil(r / 128), ceil(c / 128))).
+    float32 scales of local_shape[:-2] + (ceil(r / 128), ceil(c / 128)); "nvfp4": uint8
+    E2M1 data of local_shape[:-1] + (local_shape[-1] / 2,) (two values per byte, an even
+    last dim), uint8 E4M3 scales of local_shape[:-1] + (ceil(local_shape[-1] / 16),) and
+    one float32 global scale of the whole tensor). local_shape is in elements either way.
     """
 
     model: str

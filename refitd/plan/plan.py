@@ -98,7 +98,9 @@ class Plan:
         """Bucket the remote copies (direct ones, then relays after what they forward) and
         keep all messages ordered by (round, src, dst): (the relay messages, the wire
         bytes of every remote copy)."""
-        sched = BucketScheduler(self.config, self._slot_of, self._dense, self._all_slots.size)
+        sched = BucketScheduler(
+            self.config, self._slot_of, self._dense, self._all_slots.size, self.tensors
+        )
         relay = table.feed >= 0
         any_relay = bool(relay.any())
         direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)

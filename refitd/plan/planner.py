@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from refitd.plan.balance import Choices, choose_replicas, unique_rows
-from refitd.plan.checks import check_blocks
+from refitd.plan.checks import check_blocks, check_whole_tensors
 from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable
 from refitd.plan.digest import fingerprint, plan_digest
@@ -133,6 +133,7 @@ def _copies(
     table, group_of, relayable = _copy_table(batches, cols, n_src)
     del batches, cols
     check_blocks(table, tensors, config.wires)
+    check_whole_tensors(table, dst, config.wires)
     if config.relay and table.src.size:
         _add_relays(intersector, table, group_of, relayable, n_src)
     return table, intersector.slot_of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,7 +11,9 @@ from refitd.plan import buckets as bk
 from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable, Pieces
 from refitd.plan.errors import PlanError
+from refitd.plan.layout import TensorSpec
 from refitd.plan.sides import sort_by
+from refitd.plan.wire import PLAIN, RAW_CODE
 
 
 @dataclass(slots=True)
@@ -77,12 +80,14 @@ class ScheduledMessages:
 @dataclass(frozen=True, slots=True)
 class BucketScheduler:
     """Turns selected remote copies into messages with rounds. slot_of: the slot of each
-    plan tensor; dense: its slot's index in the sorted slots; n_slots: how many slots."""
+    plan tensor; dense: its slot's index in the sorted slots; n_slots: how many slots;
+    tensors: the plan's tensors (a cut keeps the blocks of the destination's storage)."""
 
     config: PlanConfig
     slot_of: np.ndarray
     dense: np.ndarray
     n_slots: int
+    tensors: Sequence[TensorSpec]
 
     def messages(
         self,
@@ -176,9 +181,10 @@ class BucketScheduler:
     def split(
         self, t: CopyTable, idx: np.ndarray, nb: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Cut copies larger than a bucket along dim 0 (whole blocks when quantized):
-        (the table row of every piece, its row offset along dim 0, its length there), or
-        (idx, None, None) when nothing is cut."""
+        """Cut copies larger than a bucket along dim 0, at whole blocks of the wire and of
+        the destination's storage (the receiver quantizes a raw copy into that storage
+        block by block): (the table row of every piece, its row offset along dim 0, its
+        length there), or (idx, None, None) when nothing is cut."""
         bucket = self.config.bucket_bytes
         nbi = nb[idx]
         big = (nbi > bucket) & (t.ndim[idx] >= 1)
@@ -187,7 +193,11 @@ class BucketScheduler:
         rows = np.take(t.shape[:, 0], idx)
         cut = np.flatnonzero(big)  # few: the rest stay whole
         c_rows = rows[cut]
-        gran = self.config.wires.split_granularity(t.wire[idx[cut]], t.ndim[idx[cut]])
+        wires, c_idx = self.config.wires, idx[cut]
+        gran = np.maximum(
+            wires.split_granularity(t.wire[c_idx], t.ndim[c_idx]),
+            wires.split_granularity(self._storage_wire(t.dst[c_idx]), t.ndim[c_idx]),
+        )
         c_pieces, c_per = bk.split_rows(c_rows, nbi[cut] // np.maximum(c_rows, 1), gran, bucket)
         pieces = np.ones(idx.size, np.int64)
         pieces[cut] = c_pieces
@@ -199,6 +209,14 @@ class BucketScheduler:
         step = per * k
         len0 = np.where(per > 0, np.minimum(per, rows - step), rows)
         return idx[rep], step, len0
+
+    def _storage_wire(self, dst: np.ndarray) -> np.ndarray:
+        """Code of the wire whose blocks each destination's storage keeps (raw for plain
+        storage, which lands values as they come)."""
+        storages = [self.tensors[d].storage for d in dst.tolist()]
+        wires = self.config.wires
+        code = {s: None if s == PLAIN else wires.for_storage(s) for s in set(storages)}
+        return np.array([RAW_CODE if code[s] is None else code[s] for s in storages], np.int64)
 
 
 def _record_copy_rounds(out: ScheduledMessages, table: CopyTable) -> None:

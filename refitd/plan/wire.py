@@ -1,16 +1,19 @@
 """Wire formats: how a copy's values travel, their size rule, the registry and name lookups.
 
 A copy's wire segment is its values followed, for a blocked (quantized) format, by one
-scale per block; each part starts SEGMENT_ALIGN-aligned so the receiver can view it in its
-dtype without a copy. A block covers the trailing dims of a tensor (a tensor with fewer
-dims than the block is treated as a single row). The planner, the program checks, the
-executor and the codecs (refitd.formats.Transform) all size segments through WireFormat.
+scale per block and, for a format with a tensor scale (NVFP4's FP32 global scale), that
+one scale; each part starts SEGMENT_ALIGN-aligned so the receiver can view it in its dtype
+without a copy. A block covers the trailing dims of a tensor (a tensor with fewer dims than
+the block is treated as a single row). Values may be packed several to a byte along the
+last dim (each row starts on a byte). The planner, the program checks, the executor and
+the codecs (refitd.formats.Transform) all size segments through WireFormat.
 
 A copy's wire is stored as a small integer code: the format's position in a WireRegistry
 (raw is always code 0). BUILTIN_WIRES holds raw, MXFP8 (OCP MX: E4M3 values, one E8M0
-scale per 32 along the last dim) and block FP8 (E4M3 values, one FP32 scale per 128x128
-tile); a new built-in format is one more WireFormat in it, appended so that the codes of
-the others stay. A registry is immutable: `with_format` returns a new one, so a plan's
+scale per 32 along the last dim), block FP8 (E4M3 values, one FP32 scale per 128x128
+tile) and NVFP4 (E2M1 values two per byte, one E4M3 scale per 16 along the last dim, one
+FP32 global scale per region, which is therefore never cut); a new built-in format is one
+more WireFormat in it, appended so that the codes of the others stay. A registry is immutable: `with_format` returns a new one, so a plan's
 registry (PlanConfig.wires) is part of its digest and cannot change under it.
 
 A destination tensor's storage is "plain" or the storage of a format whose parts it keeps
@@ -27,6 +30,7 @@ import numpy as np
 from refitd.plan.rowwise import row_prod
 
 SEGMENT_ALIGN = 16
+WHOLE = 1 << 62  # split granularity of a region that is never cut
 
 DTYPE_SIZES: dict[str, int] = {
     "float64": 8,
@@ -48,8 +52,10 @@ RAW = "raw"  # the source dtype's values as they are
 PLAIN = "plain"  # a destination storage of plain values (raw lands there unchanged)
 MXFP8 = "mxfp8"  # wire format and storage name
 FP8_BLOCK = "fp8_block"  # wire format and storage name
+NVFP4 = "nvfp4"  # wire format and storage name
 MXFP8_BLOCK = 32
 FP8_TILE = 128
+NVFP4_BLOCK = 16
 RAW_CODE = 0
 
 
@@ -78,6 +84,11 @@ class WireFormat:
     element_bytes: bytes of one value on the wire, 0 for the source dtype's size (raw);
     block: the scale block over the trailing dims, () for a format without scales;
     scale_bytes / scale_dtype: one scale's size and dtype name;
+    values_per_byte: values packed into one byte along the last dim (a row of n values
+    takes ceil(n / values_per_byte) bytes), 1 for unpacked formats;
+    tensor_scale_bytes: bytes of one scale computed over the copy's whole region (a third
+    part), 0 for none: such a region is never cut, and a destination of this format's
+    storage must be landed by one copy of its whole tensor;
     storage: the destination storage that keeps this wire's parts unchanged (the planner
     sends this wire to such destinations under sender quantization; deltas land in place),
     None for raw (which lands unchanged in plain storage of the source dtype);
@@ -91,12 +102,18 @@ class WireFormat:
     scale_dtype: str = ""
     storage: str | None = None
     src_dtypes: tuple[str, ...] | None = None
+    values_per_byte: int = 1
+    tensor_scale_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a wire format needs a name")
         if any(b < 1 for b in self.block) or (self.block and self.scale_bytes < 1):
             raise ValueError(f"wire format {self.name!r}: blocks need sizes and scale bytes")
+        if self.values_per_byte < 1 or (self.values_per_byte > 1 and self.element_bytes != 1):
+            raise ValueError(f"wire format {self.name!r}: packed values need element_bytes=1")
+        if self.tensor_scale_bytes and not self.block:
+            raise ValueError(f"wire format {self.name!r}: a tensor scale needs blocks")
 
     def accepts(self, src_dtype: str) -> bool:
         """Whether sources of this dtype can be sent in this format."""
@@ -111,13 +128,23 @@ class WireFormat:
         tail = (-(-n // b) for n, b in zip(full[-k:], self.block, strict=True))
         return (*full[:-k], *tail)
 
+    def values_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the values part of a region of `shape`, in its elements (bytes when
+        packed: the last dim shrinks to ceil(n / values_per_byte))."""
+        if self.values_per_byte == 1 or not shape:
+            return tuple(shape)
+        return (*shape[:-1], -(-shape[-1] // self.values_per_byte))
+
     def segment_parts(self, shape: tuple[int, ...], src_dtype: str) -> tuple[int, ...]:
-        """Byte sizes of the parts of one copy's segment, in wire order: (values,) or
-        (values, scales)."""
-        values = math.prod(shape) * (self.element_bytes or dtype_size(src_dtype))
+        """Byte sizes of the parts of one copy's segment, in wire order: (values,),
+        (values, scales) or (values, scales, tensor scale)."""
+        values = math.prod(self.values_shape(shape)) * (self.element_bytes or dtype_size(src_dtype))
         if not self.block:
             return (values,)
-        return (values, self.scale_bytes * math.prod(self.scale_shape(shape)))
+        scales = self.scale_bytes * math.prod(self.scale_shape(shape))
+        if not self.tensor_scale_bytes:
+            return (values, scales)
+        return (values, scales, self.tensor_scale_bytes)
 
     def segment_nbytes(self, shape: tuple[int, ...], src_dtype: str) -> int:
         """Bytes one copy occupies in a message, alignment padding included."""
@@ -144,6 +171,9 @@ class WireFormat:
         ndim; esize: the source element sizes)."""
         numel = row_prod(shape)
         values = numel * (self.element_bytes or esize)
+        if self.values_per_byte > 1:
+            last = shape[np.arange(shape.shape[0]), np.maximum(ndim.astype(np.int64) - 1, 0)]
+            values = numel // np.maximum(last, 1) * -(-last // self.values_per_byte)
         if not self.block:
             return aligned_columns(values)
         k = len(self.block)
@@ -156,11 +186,15 @@ class WireFormat:
             covered = covered * n
             scales = scales * -(-n // b)
         scales = numel // np.maximum(covered, 1) * scales
-        return aligned_columns(values) + aligned_columns(self.scale_bytes * scales)
+        tensor_scale = aligned(self.tensor_scale_bytes)
+        return aligned_columns(values) + aligned_columns(self.scale_bytes * scales) + tensor_scale
 
     def split_granularity_columns(self, ndim: np.ndarray) -> np.ndarray:
-        """Rows of dim 0 that keep whole blocks when a copy is cut along dim 0."""
+        """Rows of dim 0 that keep whole blocks when a copy is cut along dim 0 (WHOLE: a
+        region with a tensor scale is never cut)."""
         k = len(self.block)
+        if self.tensor_scale_bytes:
+            return np.full(ndim.size, WHOLE, np.int64)
         if not k:
             return np.ones(ndim.size, np.int64)
         j = np.clip(k - ndim, 0, k - 1)
@@ -185,6 +219,17 @@ FP8_BLOCK_FORMAT = WireFormat(
     scale_dtype="float32",
     storage=FP8_BLOCK,
     src_dtypes=CAST_DTYPES,
+)
+NVFP4_FORMAT = WireFormat(
+    NVFP4,
+    element_bytes=1,
+    block=(NVFP4_BLOCK,),
+    scale_bytes=1,
+    scale_dtype="uint8",
+    storage=NVFP4,
+    src_dtypes=CAST_DTYPES,
+    values_per_byte=2,
+    tensor_scale_bytes=4,
 )
 
 
@@ -263,20 +308,21 @@ class WireRegistry:
         return out
 
     def element_bytes(self, codes: np.ndarray, esize: np.ndarray | int) -> np.ndarray:
-        """Bytes of one value on the wire for every copy (the source size for raw)."""
+        """Bytes of one value on the wire for every copy (the source size for raw; a packed
+        format counts one byte, a weight for replica choice, not a size)."""
         per = np.array([f.element_bytes for f in self.formats], np.int64)[codes]
         return np.where(per == 0, esize, per)
 
 
 # The built-in formats, one entry each; codes are positions, so a new one is appended.
-BUILTIN_WIRES = WireRegistry((RAW_FORMAT, MXFP8_FORMAT, FP8_BLOCK_FORMAT))
+BUILTIN_WIRES = WireRegistry((RAW_FORMAT, MXFP8_FORMAT, FP8_BLOCK_FORMAT, NVFP4_FORMAT))
 WIRE_FORMATS = BUILTIN_WIRES.names()  # built-in wire code -> name
 # destination storages: plain, then the storage of every built-in format that has one
 STORAGE_FORMATS = (PLAIN, *(f.storage for f in BUILTIN_WIRES.formats if f.storage))
 
 
 def default_wires() -> WireRegistry:
-    """The built-in formats: raw, mxfp8, fp8_block (codes 0, 1, 2)."""
+    """The built-in formats: raw, mxfp8, fp8_block, nvfp4 (codes 0, 1, 2, 3)."""
     return BUILTIN_WIRES
 
 
@@ -294,12 +340,33 @@ def fp8_block_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return FP8_BLOCK_FORMAT.scale_shape(shape)
 
 
+def nvfp4_data_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the packed NVFP4 values of a block of `shape`: two E2M1 values per byte
+    along the last dim (ceil(n / 2) bytes per row)."""
+    return NVFP4_FORMAT.values_shape(shape)
+
+
+def nvfp4_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the E4M3 scale bytes of an NVFP4 block of `shape` (one per 16 of the last
+    dim)."""
+    return NVFP4_FORMAT.scale_shape(shape)
+
+
+def storage_data_shape(storage: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the data buffer of a tensor of `shape` (elements) kept in `storage`: the
+    values part of the format that storage keeps (nvfp4: two values per byte), else
+    `shape` itself."""
+    code = BUILTIN_WIRES.for_storage(storage)
+    return tuple(shape) if code is None else BUILTIN_WIRES.formats[code].values_shape(shape)
+
+
 def segment_parts(
     wire: str, shape: tuple[int, ...], src_dtype: str, wires: WireRegistry = BUILTIN_WIRES
 ) -> tuple[int, ...]:
     """Byte sizes of the parts of one copy's wire segment, in wire order (each part starts
     SEGMENT_ALIGN-aligned): raw (values in the source dtype,); mxfp8 (E4M3 values, E8M0
-    scales); fp8_block (E4M3 values, FP32 scales)."""
+    scales); fp8_block (E4M3 values, FP32 scales); nvfp4 (packed E2M1 values, E4M3
+    scales, the FP32 global scale)."""
     return wires.get(wire).segment_parts(shape, src_dtype)
 
 
@@ -315,5 +382,6 @@ def delta_capable(
 ) -> bool:
     """Whether a copy's destination holds the wire's elements unchanged, so a delta of them
     can land in place: raw into plain storage of the source dtype, MXFP8 into MXFP8, block
-    FP8 into block FP8 (a cast, quantization or dequantization on landing cannot)."""
+    FP8 into block FP8, NVFP4 into NVFP4 (a cast, quantization or dequantization on
+    landing cannot)."""
     return wires.get(wire).lands_unchanged(src_dtype, storage, dst_dtype)

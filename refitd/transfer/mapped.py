@@ -52,13 +52,19 @@ class MappedResolver:
         self._arena = SharedTensorArena(prefix="refitd-stage")
         for i in sorted(self.staged):
             t = self.live(i)
-            data = t.data.clone()
-            scales = None if t.scales is None else t.scales.clone()
-            parts = {"data": data} | ({} if scales is None else {"scales": scales})
+            parts = {
+                k: v.clone()
+                for k, v in (("data", t.data), ("scales", t.scales), ("gs", t.global_scale))
+                if v is not None
+            }
             h = self._arena.register({f"{i}.{k}": v for k, v in parts.items()})
-            handle = replace(h[f"{i}.data"], name=t.name, scales=h.get(f"{i}.scales"))
-            self.staging_handles[i] = handle
-            self._staging[i] = ResolvedTensor(t.name, data, scales, t.storage)
+            self.staging_handles[i] = replace(
+                h[f"{i}.data"], name=t.name, scales=h.get(f"{i}.scales"),
+                global_scale=h.get(f"{i}.gs"),
+            )  # fmt: skip
+            self._staging[i] = ResolvedTensor(
+                t.name, parts["data"], parts.get("scales"), t.storage, parts.get("gs")
+            )
 
     def close(self) -> None:
         """Free the staging buffers (a mapping elsewhere keeps its pages until dropped)."""
@@ -71,12 +77,9 @@ class MappedResolver:
         self.check(self.staged)
         n = 0
         for i in sorted(self.staged):
-            live, st = self.live(i), self._staging[i]
-            live.data.copy_(st.data)
-            n += st.data.numel() * st.data.element_size()
-            if live.scales is not None and st.scales is not None:
-                live.scales.copy_(st.scales)
-                n += st.scales.numel() * st.scales.element_size()
+            for live, st in zip(self.live(i).buffers(), self._staging[i].buffers(), strict=True):
+                live.copy_(st)
+                n += st.numel() * st.element_size()
         return n
 
     def live(self, index: int) -> ResolvedTensor:
@@ -87,9 +90,9 @@ class MappedResolver:
             if h is None:
                 raise ExecutionError(f"no memory handle was loaded for plan tensor {index}")
             scales = None if h.scales is None else self.mapper.map_handle(h.scales)
-            t = ResolvedTensor(
-                h.name, self.mapper.map_handle(h), scales, self.storages.get(index, PLAIN)
-            )
+            gscale = None if h.global_scale is None else self.mapper.map_handle(h.global_scale)
+            storage = self.storages.get(index, PLAIN)
+            t = ResolvedTensor(h.name, self.mapper.map_handle(h), scales, storage, gscale)
             self._cache[index] = t
         return t
 

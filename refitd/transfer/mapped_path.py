@@ -86,12 +86,15 @@ class MappedPeer(Peer):
             raise TransportError(f"{self.what}: its descriptor exposes no tensor {index}")
         try:
             h = MemoryHandle.from_bytes(raw[0])
-            data = self.mapper.map_handle(h)
-            scales = None if h.scales is None else self.mapper.map_handle(h.scales)
+            data, scales, gscale = (
+                None if part is None else self.mapper.map_handle(part)
+                for part in (h, h.scales, h.global_scale)
+            )
         except (StorageMovedError, ValueError, OSError) as e:
             raise TransportError(f"{self.what}: cannot map its tensor {index}: {e}") from e
+        assert data is not None
         self._handles[index] = h
-        t = self._mapped[index] = RemoteTensor(h.name, data, scales, raw[1])
+        t = self._mapped[index] = RemoteTensor(h.name, data, scales, raw[1], gscale)
         return t
 
     def write(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -61,6 +61,7 @@ class RemoteTensor:
     data: torch.Tensor
     scales: torch.Tensor | None
     storage: str
+    global_scale: torch.Tensor | None = None  # nvfp4 storage: its float32 global scale
 
 
 class Exposure(abc.ABC):

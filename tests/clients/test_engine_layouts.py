@@ -377,3 +377,63 @@ def test_fsdp2_hf_trainer_refits_engine_pools_to_identical_logits(daemon: Daemon
                 p.kill()
         for w in workers:
             w.close() if isinstance(w, RefitdWorker) else w.refitd_close()
+
+
+def test_nvfp4_registrations_count_elements_and_need_a_global_scale() -> None:
+    from refitd.client import Placed
+    from refitd.client.tensors import collect
+
+    data = torch.zeros(4, 32, dtype=torch.uint8)  # 4 x 64 elements, two per byte
+    scales = torch.zeros(4, 4, dtype=torch.uint8)
+    gscale = torch.zeros(1)
+    (t,) = collect(
+        {"w": Placed(data, storage="nvfp4", scales=scales, global_scale=gscale, dtype="bfloat16")}
+    )
+    assert (t.layout.local_shape, t.global_shape, t.global_scale is gscale) == (
+        (4, 64),
+        (4, 64),
+        True,
+    )
+    # a TP shard: boxes and global shape count elements
+    (t,) = collect(
+        {
+            "w": Placed(
+                data,
+                global_shape=(8, 64),
+                boxes=[((4, 0), (4, 64), (0, 0))],
+                storage="nvfp4",
+                scales=scales,
+                global_scale=gscale,
+                dtype="bfloat16",
+            )
+        }
+    )
+    assert t.layout.local_shape == (4, 64) and t.global_shape == (8, 64)
+    with pytest.raises(PlanError, match=r"'w'.*global_scale of one element goes with nvfp4"):
+        collect({"w": Placed(data, storage="nvfp4", scales=scales, dtype="bfloat16")})
+    with pytest.raises(
+        PlanError, match=r"'w'.*nvfp4 storage needs uint8 data and scales of shape \(4, 4\)"
+    ):
+        collect(
+            {
+                "w": Placed(
+                    data,
+                    storage="nvfp4",
+                    scales=scales[:, :2],
+                    global_scale=gscale,
+                    dtype="bfloat16",
+                )
+            }
+        )
+    with pytest.raises(PlanError, match=r"'w'.*global_scale of one element goes with nvfp4"):
+        collect(
+            {
+                "w": Placed(
+                    data,
+                    storage="mxfp8",
+                    scales=torch.zeros(4, 1, dtype=torch.uint8),
+                    global_scale=gscale,
+                    dtype="bfloat16",
+                )
+            }
+        )

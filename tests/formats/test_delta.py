@@ -253,3 +253,48 @@ def test_sampled_changes_counts_every_strided_row_exactly() -> None:
         sampled_changes([base32], [base32[:10]], 2)
     with pytest.raises(ValueError, match="stride"):
         sampled_changes([base32], [base32], 0)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3])
+def test_nvfp4_segment_deltas_land_all_three_parts(density: float) -> None:
+    """NVFP4 segments (packed values, scale bytes, global scale) as deltas into the whole
+    persistent buffers equal a dense landing of the last version, bit for bit."""
+    shape = (64, 96)
+    g = torch.Generator().manual_seed(int(density * 100))
+    live = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    nbytes = segment_nbytes("nvfp4", shape, "bfloat16")
+
+    def segment(x: torch.Tensor) -> torch.Tensor:
+        seg = torch.zeros(nbytes, dtype=torch.uint8)
+        encode_segment("nvfp4", x, seg)
+        return seg
+
+    def buffers() -> list[torch.Tensor]:
+        return [
+            torch.full((64, 48), 0x55, dtype=torch.uint8),
+            torch.full((64, 6), 0x11, dtype=torch.uint8),
+            torch.full((1,), -3.0),
+        ]
+
+    got, want = buffers(), buffers()
+    region = dest_region("nvfp4", got[0], got[1], (0, 0), shape, global_scale=got[2])
+    assert delta_capable("nvfp4", "bfloat16", "nvfp4", "bfloat16")
+    base_seg = segment(live)
+    decode_segment("nvfp4", base_seg, shape, "bfloat16", region)
+    for step in range(5):
+        pick = torch.rand(shape, generator=g) < density
+        live = torch.where(pick, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16), live)
+        if step == 2:
+            live[0, 0] = 1.0  # a new amax: the global scale changes too
+        live_seg = segment(live)
+        delta, stats = encode_segment_delta("nvfp4", shape, "bfloat16", base_seg, live_seg)
+        assert apply_segment_delta(delta, region, name="w").changed == stats.changed
+        base_seg = live_seg
+    decode_segment(
+        "nvfp4", base_seg, shape, "bfloat16",
+        dest_region("nvfp4", want[0], want[1], (0, 0), shape, global_scale=want[2]),
+    )  # fmt: skip
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(got, want, strict=True)
+    )

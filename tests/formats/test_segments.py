@@ -212,7 +212,7 @@ class Float16Wire(Transform):
 def test_custom_transform_registered_and_used() -> None:
     registry = default_registry()
     registry.register(Float16Wire({"layers.0.mlp.fc1"}))
-    assert set(registry.names()) == {"raw", "mxfp8", "fp8_block", "fp16"}
+    assert set(registry.names()) == {"raw", "mxfp8", "fp8_block", "nvfp4", "fp16"}
     assert registry.wire_for("layers.0.mlp.fc1", "fp16") == "fp16"
     assert registry.wire_for("embedding", "fp16") == "raw"
     with pytest.raises(ValueError, match="already registered"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -398,6 +400,21 @@ def test_block_aligned_split_and_digest():
     msgs = plan.program(5).recvs
     assert all(c.wire == "mxfp8" for m in msgs for c in m.copies)
     assert max(m.nbytes for m in msgs) <= 4096
+
+
+def test_raw_copies_are_cut_only_at_the_blocks_of_their_destination_storage():
+    """The receiver quantizes a raw copy block by block, so a bucket cut keeps the blocks of
+    the destination's storage: 128-row tiles (block FP8), 32-element blocks of a 1-D MXFP8
+    tensor."""
+    for storage, shape, block in (("fp8_block", (512, 64), 128), ("mxfp8", (1024,), 32)):
+        src = tp_side("train", 1, 1, 1, shape, 0, 0)
+        dst = [
+            dataclasses.replace(s, storage=storage) for s in tp_side("inf", 1, 1, 1, shape, 0, 10)
+        ]
+        plan = build_plan("m", 1, src, dst, PlanConfig(bucket_bytes=1024))
+        pieces = [c for m in plan.program(10).recvs for c in m.copies]
+        assert len(pieces) > 1 and {c.wire for c in pieces} == {"raw"}
+        assert all(c.dst_offset[0] % block == 0 for c in pieces), storage
 
 
 def test_slot_program_round_trip_and_rounds():

@@ -125,7 +125,7 @@ def test_registered_wire_format_is_planned_and_moved_bit_for_bit() -> None:
     registry = default_registry()
     registry.register(transform)
     wires = registry.wires()
-    assert wires.names() == ("raw", "mxfp8", "fp8_block", "blocksum")
+    assert wires.names() == ("raw", "mxfp8", "fp8_block", "nvfp4", "blocksum")
     src, dst = _sides()
     bucket = 100  # cuts the 1-D copies: 24 rows (3 blocks) per piece, 25 on the raw wire
     cfg = PlanConfig(bucket_bytes=bucket, sender_quantization=True, wires=wires)

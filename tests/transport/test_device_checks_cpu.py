@@ -1,6 +1,7 @@
 """The GPU bench's refit path (refitd.bench.gpu.checks.ipc_refit) run on the CPU: trainer and
 inference processes with shared memory instead of CUDA IPC, a real transfer process, plain
-and persistent quantized destinations (data + scales registered together)."""
+and persistent quantized destinations (data + scales, and NVFP4's global scale, registered
+together)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from refitd.bench.gpu.checks import ipc_refit
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("storage", ["plain", "mxfp8", "fp8_block"])
+@pytest.mark.parametrize("storage", ["plain", "mxfp8", "fp8_block", "nvfp4"])
 def test_ipc_refit_on_cpu_shared_memory(storage: str) -> None:
     out = ipc_refit(6 << 20, device="cpu", storage=storage, refits=2, timeout_s=60.0)
     assert out["verified"] is True, out

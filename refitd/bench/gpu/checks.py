@@ -4,14 +4,16 @@
 (each source tensor split in two row shards, each destination whole), registered through
 worker memory handles (CUDA IPC on a GPU, shared memory on the CPU); a transfer process maps
 both and runs the real executor (local transport, one slot) on a plan from the real planner,
-several refits in a row. Destination storage is plain BF16 or a persistent quantized pair
-("mxfp8", "fp8_block": data + scales registered together, converted on landing). Reports
+several refits in a row. Destination storage is plain BF16 or persistent quantized buffers
+("mxfp8", "fp8_block": data + scales registered together, converted on landing; "nvfp4":
+data + scales + global scale, each tensor landed whole, so the trainer holds it whole). Reports
 the median refit time, GB/s (bytes read + written), the ratio to a memcpy of the same bytes
 measured in the same transfer process, how long the trainer was held (until "sources
 released") against a snapshot copy of its weights into preallocated buffers, that the
 destination data pointers never changed, and a bit-for-bit check (quantized storage: equal
 to refitd.formats' quantizer of the expected tensor, spot-checked against the CPU torch
-reference).
+reference: the first rows of every tensor, or for NVFP4, whose global scale is the whole
+tensor's, the first tensor whole).
 
 `nccl_self_transfer`: a world of one NCCL rank sends a program's messages to itself
 (batched send/recv in one NCCL group) through the real executor; GB/s, ratio to a device
@@ -40,7 +42,17 @@ from refitd.memory.handles import MemoryHandle
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Message, encode_program, message_nbytes, program_from_objects
-from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.plan.wire import (
+    FP8_BLOCK,
+    MXFP8,
+    NVFP4,
+    PLAIN,
+    fp8_block_scale_shape,
+    mxfp8_scale_shape,
+    nvfp4_data_shape,
+    nvfp4_scale_shape,
+    segment_parts,
+)
 from refitd.slot_protocol import Apply, Connect, Execute, Load, Probe
 
 if TYPE_CHECKING:
@@ -88,8 +100,10 @@ def pattern(k: int, shape: tuple[int, ...], device: torch.device | str) -> torch
 def model_specs(
     model: list[tuple[str, tuple[int, int]]], storage: str = PLAIN, split: int = 2
 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Sources: `split` row shards per tensor (trainer ranks 0..split-1); destinations:
-    whole tensors (inference rank 0) in `storage`; everything on slot 0."""
+    """Sources: `split` row shards per tensor (trainer ranks 0..split-1; one for NVFP4,
+    whose destinations are landed whole); destinations: whole tensors (inference rank 0) in
+    `storage`; everything on slot 0."""
+    split = 1 if storage == NVFP4 else split
     src, dst = [], []
     for name, (r, c) in model:
         half = r // split
@@ -109,45 +123,48 @@ def model_specs(
     return src, dst
 
 
-def destination_buffers(
-    spec: TensorSpec, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The persistent buffers of a destination tensor: (data, scales or None)."""
+def destination_buffers(spec: TensorSpec, device: torch.device) -> list[torch.Tensor]:
+    """The persistent buffers of a destination tensor: [data], [data, scales] or (nvfp4)
+    [data, scales, global scale]."""
     shape = spec.local_shape
     if spec.storage == PLAIN:
-        return torch.zeros(shape, dtype=torch.bfloat16, device=device), None
-    data = torch.zeros(shape, dtype=torch.uint8, device=device)
+        return [torch.zeros(shape, dtype=torch.bfloat16, device=device)]
     if spec.storage == MXFP8:
-        return data, torch.zeros(mxfp8_scale_shape(shape), dtype=torch.uint8, device=device)
+        scales = torch.zeros(mxfp8_scale_shape(shape), dtype=torch.uint8, device=device)
+        return [torch.zeros(shape, dtype=torch.uint8, device=device), scales]
     if spec.storage == FP8_BLOCK:
-        return data, torch.zeros(fp8_block_scale_shape(shape), dtype=torch.float32, device=device)
+        scales = torch.zeros(fp8_block_scale_shape(shape), dtype=torch.float32, device=device)
+        return [torch.zeros(shape, dtype=torch.uint8, device=device), scales]
+    if spec.storage == NVFP4:
+        return [
+            torch.zeros(nvfp4_data_shape(shape), dtype=torch.uint8, device=device),
+            torch.zeros(nvfp4_scale_shape(shape), dtype=torch.uint8, device=device),
+            torch.zeros(1, dtype=torch.float32, device=device),
+        ]
     raise ValueError(f"unknown storage {spec.storage!r}")
 
 
 def _stored_bytes(spec: TensorSpec) -> int:
-    """Bytes of a destination tensor's buffers (data + scales)."""
-    n = math.prod(spec.local_shape)
-    if spec.storage == MXFP8:
-        return n + math.prod(mxfp8_scale_shape(spec.local_shape))
-    if spec.storage == FP8_BLOCK:
-        return n + 4 * math.prod(fp8_block_scale_shape(spec.local_shape))
-    return 2 * n
+    """Bytes of a destination tensor's buffers (the parts of its storage's wire format)."""
+    if spec.storage == PLAIN:
+        return 2 * math.prod(spec.local_shape)
+    return sum(segment_parts(spec.storage, spec.local_shape, spec.dtype))
 
 
-def quantized_reference(storage: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data, scales) that `storage` must hold for x, from refitd.formats' quantizer."""
-    from refitd.formats import fp8_block_quantize, mxfp8_quantize
+def quantized_reference(storage: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The buffers `storage` must hold for x, from refitd.formats' quantizer."""
+    from refitd.formats import fp8_block_quantize, mxfp8_quantize, nvfp4_quantize
 
-    data, scales = (mxfp8_quantize if storage == MXFP8 else fp8_block_quantize)(x)
-    return data.view(torch.uint8), scales
+    quantize = {MXFP8: mxfp8_quantize, FP8_BLOCK: fp8_block_quantize, NVFP4: nvfp4_quantize}
+    return quantize[storage](x)
 
 
-def cpu_reference(storage: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU torch reference codes of x (data, scales)."""
-    from refitd.formats import fp8_block, mxfp8
+def cpu_reference(storage: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The CPU torch reference buffers of x."""
+    from refitd.formats import fp8_block, mxfp8, nvfp4
 
-    ref = mxfp8._reference_codes if storage == MXFP8 else fp8_block._reference_codes
-    return ref(x.cpu())
+    ref = {MXFP8: mxfp8._reference_codes, FP8_BLOCK: fp8_block._reference_codes}
+    return ref.get(storage, nvfp4._reference)(x.cpu())
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -168,28 +185,25 @@ def _worker(
     src, dst = model_specs(model, storage, split)
     index = {name: k for k, (name, _) in enumerate(model)}
     specs = src if role == "trainer" else dst
-    tensors: list[torch.Tensor] = []
-    scales: list[torch.Tensor | None] = []
-    for s in specs:
-        if role == "trainer":
-            tensors.append(torch.empty(s.local_shape, dtype=torch.bfloat16, device=dev))
-            scales.append(None)
-        else:
-            data, sc = destination_buffers(s, dev)
-            tensors.append(data)
-            scales.append(sc)
+    buffers = [
+        [torch.empty(s.local_shape, dtype=torch.bfloat16, device=dev)]
+        if role == "trainer"
+        else destination_buffers(s, dev)
+        for s in specs
+    ]
+    tensors = [b[0] for b in buffers]
     arena = SharedTensorArena(prefix=f"refitd-gpu-{role}")
-    handles = arena.register({f"t{i}": t for i, t in enumerate(tensors)})
-    found = {f"s{i}": sc for i, sc in enumerate(scales) if sc is not None}
-    shandles = arena.register(found) if found else {}
+    names = ("t", "s", "g")  # data, scales, global scale
+    handles = arena.register(
+        {f"{names[k]}{i}": t for i, b in enumerate(buffers) for k, t in enumerate(b)}
+    )
     out: list[bytes] = []
     for i in range(len(tensors)):
         h: MemoryHandle = handles[f"t{i}"]
-        if f"s{i}" in shandles:
-            h = dataclasses.replace(h, scales=shandles[f"s{i}"])
+        h = dataclasses.replace(h, scales=handles.get(f"s{i}"), global_scale=handles.get(f"g{i}"))
         out.append(h.to_bytes())
     # the registered tensors' addresses (shared memory moved CPU storage once, above)
-    ptrs = _addresses(tensors, scales)
+    ptrs = _addresses(buffers)
     conn.send(out)
     snap = [torch.empty_like(t) for t in tensors] if role == "trainer" else []
     while True:
@@ -217,35 +231,39 @@ def _worker(
                 times.append(time.monotonic() - t0)
             conn.send(statistics.median(times))
         elif op == "verify":
-            conn.send(_verify(specs, tensors, scales, ptrs, index, arg, dev))
+            conn.send(_verify(specs, buffers, ptrs, index, arg, dev))
         elif op == "close":
             arena.close()
             conn.send(True)
             return
 
 
-def _addresses(tensors, scales) -> list[tuple[int, int | None]]:
-    return [
-        (t.data_ptr(), None if sc is None else sc.data_ptr())
-        for t, sc in zip(tensors, scales, strict=True)
-    ]
+def _addresses(buffers: list[list[torch.Tensor]]) -> list[list[int]]:
+    return [[t.data_ptr() for t in b] for b in buffers]
 
 
-def _verify(specs, tensors, scales, ptrs, index, seed, dev) -> dict:
+def _verify(specs, buffers, ptrs, index, seed, dev) -> dict:
     """Bit-for-bit check of the destination buffers, and that their addresses held."""
     ok, spot = True, True
-    for s, t, sc in zip(specs, tensors, scales, strict=True):
+    for k, (s, bufs) in enumerate(zip(specs, buffers, strict=True)):
         want = pattern(index[s.name] + seed, s.global_shape, dev)
         if s.storage == PLAIN:
-            ok = ok and bool(torch.equal(t, want))
+            ok = ok and bool(torch.equal(bufs[0], want))
             continue
-        data, wsc = quantized_reference(s.storage, want)
-        ok = ok and _same(t, data) and _same(sc, wsc)
+        expect = quantized_reference(s.storage, want)
+        ok = ok and all(_same(b, w) for b, w in zip(bufs, expect, strict=True))
+        if s.storage == NVFP4:  # its global scale is the whole tensor's: one tensor, whole
+            if k == 0:
+                spot = all(
+                    _same(b.cpu(), w) for b, w in zip(bufs, cpu_reference(NVFP4, want), strict=True)
+                )
+            continue
         rows = min(SPOT_ROWS, want.shape[0])
         cdata, csc = cpu_reference(s.storage, want[:rows])
         srows = csc.shape[0]
-        spot = spot and _same(t[:rows].cpu(), cdata) and _same(sc[:srows].cpu(), csc)
-    same_ptrs = ptrs == _addresses(tensors, scales)
+        data, sc = bufs
+        spot = spot and _same(data[:rows].cpu(), cdata) and _same(sc[:srows].cpu(), csc)
+    same_ptrs = ptrs == _addresses(buffers)
     return {"verified": ok, "cpu_reference_spot_check": spot, "data_ptrs_unchanged": same_ptrs}
 
 

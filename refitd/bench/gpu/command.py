@@ -8,6 +8,8 @@
     (data + scales through CUDA IPC): addresses unchanged across refits, bytes equal to
     refitd.formats' quantizer of the expected tensor (and to the CPU torch reference on a
     slice);
+(b') nvfp4: the receiver-side NVFP4 refit of (b) (the trainer holds whole tensors: NVFP4
+    is landed whole), and the Triton NVFP4 quantizer alone vs the copy bandwidth;
 (c) staged: the refit of (a) into a staged pool (staging buffers in the transfer process,
     then applied in place), each refit timed with and without --verify-checksums style
     verification (verify_cost = verified / unverified, target <= 1.3); (a) reports its
@@ -25,7 +27,7 @@ Imports torch, numpy, msgpack (and triton for (d)) only: no grpc, pydantic or fa
 `--device cpu` runs (a)-(d) on CPU shared memory (a dry run of the same code path).
 
     refitd bench gpu [--gib 8] [--quant-gib 1] [--refits 5] [--small-count 10000]
-                     [--only ipc,quant,staged,small,snapshot,nccl,kernels]
+                     [--only ipc,quant,nvfp4,staged,small,snapshot,nccl,kernels]
     PYTHONPATH=. python3 -m refitd.bench.gpu.command
 """
 
@@ -40,8 +42,8 @@ from collections.abc import Callable
 
 import torch
 
-PARTS = ("ipc", "quant", "staged", "small", "snapshot", "nccl", "kernels")
-CPU_PARTS = ("ipc", "quant", "staged", "small", "snapshot")
+PARTS = ("ipc", "quant", "nvfp4", "staged", "small", "snapshot", "nccl", "kernels")
+CPU_PARTS = ("ipc", "quant", "nvfp4", "staged", "small", "snapshot")
 HELD_TARGET = 1.5
 SNAPSHOT_HELD_TARGET = 1.2  # trainer held over a device-local copy, snapshots on
 IPC_RATIO_TARGET = 0.6
@@ -53,7 +55,7 @@ SMALL_RATIO_TARGET = 0.6
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gib", type=float, default=8.0, help="BF16 model of the IPC refit")
     parser.add_argument(
-        "--quant-gib", type=float, default=1.0, help="BF16 model of the MXFP8/FP8 refits"
+        "--quant-gib", type=float, default=1.0, help="BF16 model of the MXFP8/FP8/NVFP4 refits"
     )
     parser.add_argument("--nccl-gib", type=float, default=2.0, help="bytes of the NCCL check")
     parser.add_argument("--refits", type=int, default=5, help="timed refits (median)")
@@ -112,6 +114,14 @@ def run(args: argparse.Namespace) -> int:
                     _gib(args.quant_gib), args.device, s, max(2, args.refits), args.timeout
                 )
             )
+    if "nvfp4" in parts:
+        out["ipc_nvfp4"] = _attempt(
+            lambda: gpu_checks.ipc_refit(
+                _gib(args.quant_gib), args.device, "nvfp4", max(2, args.refits), args.timeout
+            )
+        )
+        if cuda:
+            out["nvfp4_kernel"] = _attempt(_nvfp4_kernel)
     if "staged" in parts:
         out["staged"] = _attempt(
             lambda: gpu_checks.ipc_refit(
@@ -152,12 +162,28 @@ def _kernels() -> dict:
     return {"summary": summary, "rows": rows + hash_rows}
 
 
+def _nvfp4_kernel() -> dict:
+    from refitd.bench.gpu import quantizers
+
+    rows = quantizers.bench_nvfp4()
+    best = max((r for r in rows if r["bit_identical"]), key=lambda r: r["gbps"], default=None)
+    return {
+        "copy_gbps": round(rows[0]["copy_gbps"], 1),
+        "bit_identical": all(r["bit_identical"] for r in rows),
+        "best": best and {k: best[k] for k in ("name", "gbps", "ratio")},
+        "target_met": best is not None and best["ratio"] >= QUANT_RATIO_TARGET,
+        "rows": [{k: r[k] for k in ("name", "gbps", "ratio", "bit_identical")} for r in rows],
+    }
+
+
 def _print_table(out: dict) -> bool:
     """Human table of every part; True when every part ran and every check held."""
     ok = True
     print(f"refitd bench gpu on {out['device']} (torch {out['torch']})")
     print(f"{'part':22} {'GB':>7} {'ms':>9} {'GB/s':>8} {'ref':>8} {'ratio':>6}  checks")
-    for key in ("ipc", "ipc_mxfp8", "ipc_fp8_block", "staged", "small", "snapshot", "nccl"):
+    for key in (
+        "ipc", "ipc_mxfp8", "ipc_fp8_block", "ipc_nvfp4", "staged", "small", "snapshot", "nccl"
+    ):  # fmt: skip
         r = out.get(key)
         if r is None:
             continue
@@ -193,6 +219,10 @@ def _print_table(out: dict) -> bool:
         out["ipc"]["targets_met"] = (
             r["ratio"] >= IPC_RATIO_TARGET and r["held_over_snapshot"] <= HELD_TARGET
         )
+    nk = out.get("nvfp4_kernel")
+    if nk is not None:
+        ok = ok and nk.get("bit_identical", False)
+        print(f"{'nvfp4 kernel':22} {nk}")
     k = out.get("kernels")
     if k is not None and "summary" in k:
         ok = ok and k["summary"].get("checksum_bit_identical", True)
@@ -206,7 +236,7 @@ def _print_table(out: dict) -> bool:
             quantizers.print_rows(k["rows"])
             s = k["summary"]
             ok = ok and s["bit_identical"]
-            for fmt in ("mxfp8", "fp8_block"):
+            for fmt in ("mxfp8", "fp8_block", "nvfp4"):
                 if f"{fmt}_ratio" in s:
                     s[f"{fmt}_target_met"] = s[f"{fmt}_ratio"] >= QUANT_RATIO_TARGET
             rows = k.pop("rows")  # the JSON line keeps the timed rows and failed checks
@@ -229,7 +259,7 @@ def _print_table(out: dict) -> bool:
 def _targets(key: str, r: dict) -> None:
     """targets_met of the parts that have one (ipc's is set with its held time)."""
     met = []
-    if key in ("ipc_mxfp8", "ipc_fp8_block"):
+    if key in ("ipc_mxfp8", "ipc_fp8_block", "ipc_nvfp4"):
         met.append(r["ratio"] >= QUANT_RATIO_TARGET)
     if key == "small":
         met.append(r["ratio"] >= SMALL_RATIO_TARGET)

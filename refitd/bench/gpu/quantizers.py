@@ -1,6 +1,6 @@
-"""GPU quantizer benchmark: Triton MXFP8 / block-FP8 throughput vs a device-to-device copy.
+"""GPU quantizer benchmark: Triton MXFP8 / block-FP8 / NVFP4 throughput vs a device copy.
 
-Bandwidth counts bytes read + written (bf16 in; E4M3 codes and scales out; a copy reads
+Bandwidth counts bytes read + written (bf16 in; codes and scales out; a copy reads
 and writes the bf16 tensor), measured in the same run, so `ratio` = quantizer GB/s / copy
 GB/s is comparable across devices (target >= 0.7). It also checks the kernels bit for bit
 against the CPU torch reference on every shape class, and the large outputs against the
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from refitd.formats import fp8_block, mxfp8, triton_kernels
+from refitd.formats import fp8_block, mxfp8, nvfp4, triton_kernels
 from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
 
 LARGE_SHAPE = (16384, 32768)  # 1 GiB of bf16
@@ -31,10 +31,15 @@ FP8_BLOCK_CONFIGS = [
     for fast in (False, True)
     for r, w in [(32, 8), (16, 4), (32, 4)]
 ]
+NVFP4_CONFIGS = [
+    {"block_m": bm, "block_c": bc, "num_warps": w}
+    for bm, bc, w in [(8, 512, 4), (16, 256, 8), (4, 1024, 4), (16, 512, 8)]
+]
 CHECK_SHAPES = {
     "mxfp8": [(1,), (7,), (33,), (31, 33), (3, 5, 100), (129, 257), (256, 4096)],
     "fp8_block": [(1,), (300,), (5, 7), (129, 257), (2, 300, 130), (512, 1024)],
 }
+NVFP4_CHECK_SHAPES = [(2,), (40,), (31, 34), (3, 5, 100), (129, 258), (256, 4096)]
 
 
 def _median_seconds(fn: Callable[[], None], iters: int = 10, warmup: int = 3) -> float:
@@ -107,7 +112,62 @@ def _check_rows(device: str) -> list[dict]:
                             "bit_identical": same_scales and torch.equal(data.cpu(), want[0]),
                         }
                     )
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for i, shape in enumerate(NVFP4_CHECK_SHAPES):
+            x = _hard_data(shape, dtype, seed=i)
+            want = nvfp4.nvfp4_quantize(x)
+            got = [torch.empty_like(w, device=device) for w in want]
+            triton_kernels.nvfp4_quantize_into(x.to(device), *got)
+            same = all(
+                torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8))
+                for g, w in zip(got, want, strict=True)
+            )
+            rows.append(
+                {
+                    "name": f"check nvfp4 fast=False {str(dtype).removeprefix('torch.')}",
+                    "shape": shape,
+                    "gbps": None,
+                    "copy_gbps": None,
+                    "ratio": None,
+                    "bit_identical": same,
+                }
+            )
     return rows
+
+
+def _nvfp4_rows(x: torch.Tensor, copy_gbps: float) -> list[dict]:
+    """Timed NVFP4 configs on x (bytes: x read, packed data + scales + global scale
+    written), each checked against the torch reference run on the device."""
+    want = nvfp4._reference(x)
+    out = [torch.empty_like(w) for w in want]
+    moved = x.nbytes + sum(w.nbytes for w in want)
+    rows = []
+    for config in NVFP4_CONFIGS:
+        seconds = _median_seconds(lambda c=config: triton_kernels.nvfp4_quantize_into(x, *out, **c))
+        gbps = moved / seconds / 1e9
+        same = all(
+            torch.equal(o.view(torch.uint8), w.view(torch.uint8))
+            for o, w in zip(out, want, strict=True)
+        )
+        rows.append(
+            {
+                "name": f"nvfp4 {config}",
+                "shape": tuple(x.shape),
+                "gbps": gbps,
+                "copy_gbps": copy_gbps,
+                "ratio": gbps / copy_gbps,
+                "bit_identical": same,
+            }
+        )
+    return rows
+
+
+def bench_nvfp4(device: str = "cuda") -> list[dict]:
+    """The timed NVFP4 rows alone (and the copy they are compared with) on LARGE_SHAPE."""
+    x = torch.randn(LARGE_SHAPE, dtype=torch.bfloat16, device=device)
+    copy_dst = torch.empty_like(x)
+    copy_gbps = 2 * x.nbytes / _median_seconds(lambda: copy_dst.copy_(x)) / 1e9
+    return _nvfp4_rows(x, copy_gbps)
 
 
 def bench_quantizers(device: str = "cuda") -> list[dict]:
@@ -158,7 +218,7 @@ def bench_quantizers(device: str = "cuda") -> list[dict]:
                     "bit_identical": same,
                 }
             )
-    return rows
+    return rows + _nvfp4_rows(x, copy_gbps)
 
 
 def summarize_checksum(rows: list[dict]) -> dict:
@@ -190,7 +250,7 @@ def summarize(rows: list[dict]) -> dict:
         return all(r["bit_identical"] for r in rows if r["name"].startswith(prefix))
 
     best = {}
-    for fmt in ("mxfp8", "fp8_block"):
+    for fmt in ("mxfp8", "fp8_block", "nvfp4"):
         ok = [
             r
             for r in rows

@@ -38,7 +38,7 @@ import torch
 
 from refitd.executor.checksums import Checksummer, combine
 from refitd.executor.chunks import TAG_CHUNK_BITS
-from refitd.executor.segments import ResolvedTensor, block
+from refitd.executor.segments import ResolvedTensor, block, dest_region
 from refitd.formats.delta import (
     ByteSink,
     DeltaStats,
@@ -51,7 +51,6 @@ from refitd.formats.delta import (
     segment_streams,
     worth_delta,
 )
-from refitd.formats.region import dest_region
 from refitd.plan.wire import aligned
 from refitd.transport.base import P2POp, Transport, Work
 
@@ -290,7 +289,7 @@ def _land(m: DeltaMessage, kind: int, payload: torch.Tensor, access: CopyAccess)
     pos = 8 + 8 * count
     for r, size in zip(rows, sizes, strict=True):
         t, off = access.dst(r)
-        region = dest_region(t.storage, t.data, t.scales, off, access.shape(r), name=t.name)
+        region = dest_region(t, off, access.shape(r))
         stats = stats + apply_segment_delta(buf[pos : pos + size], region, name=t.name)
         pos += _pad8(size)
     return stats
@@ -383,5 +382,4 @@ def _dst_streams(access: CopyAccess, row: int) -> list[torch.Tensor]:
     t, off = access.dst(row)
     if t.storage == "plain":
         return [block(t.data, off, access.shape(row))]
-    region = dest_region(t.storage, t.data, t.scales, off, access.shape(row), name=t.name)
-    return region_streams(region)
+    return region_streams(dest_region(t, off, access.shape(row)))

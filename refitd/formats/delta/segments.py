@@ -1,9 +1,10 @@
 """Deltas of wire segments: a segment's parts as streams at the wire's element granularity.
 
 raw: one stream of source-dtype elements (2-byte BF16/FP16, 4-byte FP32 ...); mxfp8: the E4M3
-bytes and the E8M0 scales; fp8_block: the E4M3 bytes and the FP32 scales. A delta lands in
-place in a destination region whose storage holds exactly these elements (delta_capable):
-a destination that converts on landing (a cast, a quantization or a dequantization) cannot
+bytes and the E8M0 scales; fp8_block: the E4M3 bytes and the FP32 scales; nvfp4: the packed
+E2M1 bytes, the E4M3 scale bytes and the FP32 global scale. A delta lands in place in a
+destination region whose storage holds exactly these elements (delta_capable): a
+destination that converts on landing (a cast, a quantization or a dequantization) cannot
 apply one without a base of its own, so such copies always go dense.
 """
 
@@ -15,7 +16,7 @@ import torch
 from refitd.formats.delta.streams import DeltaStats, apply_parts, encode_parts
 from refitd.formats.region import DestRegion
 from refitd.formats.transform import split_parts
-from refitd.plan.wire import FP8_BLOCK, MXFP8, PLAIN, RAW, segment_parts
+from refitd.plan.wire import FP8_BLOCK, MXFP8, NVFP4, RAW, segment_parts
 from refitd.torch_dtypes import torch_dtype
 
 __all__ = [
@@ -37,16 +38,14 @@ def segment_streams(
         return parts
     if wire == FP8_BLOCK:
         return [parts[0], parts[1].view(torch.float32)]
+    if wire == NVFP4:
+        return [parts[0], parts[1], parts[2].view(torch.float32)]
     raise ValueError(f"delta: unknown wire format {wire!r}")
 
 
 def region_streams(dst: DestRegion) -> list[torch.Tensor]:
     """The destination views a segment delta lands in, in wire order."""
-    if dst.storage == PLAIN:
-        return [dst.values]
-    if dst.scales is None:
-        raise ValueError(f"a {dst.storage} destination region needs its scales view")
-    return [dst.values, dst.scales]
+    return dst.parts()
 
 
 def encode_segment_delta(

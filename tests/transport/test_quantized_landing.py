@@ -1,0 +1,161 @@
+"""Refits into quantized persistent buffers through the executor over real Gloo (ranks in
+threads of this process): NVFP4 storage landed whole by the receiver (raw wire) or the
+sender (nvfp4 wire) and by a local copy, block-FP8 storage fed by raw copies that a small
+bucket cuts, and verified sender-quantized segments larger than a chunk. Every destination
+is compared bit for bit with the quantization of its shard of the global tensor (Megatron
+row split)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from refitd import formats
+from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
+from refitd.executor.segments import ResolvedTensor
+from refitd.plan.layout import Box, TensorSpec
+from refitd.plan.planner import Plan, PlanConfig, build_plan
+from refitd.plan.wire import FP8_BLOCK, MXFP8, NVFP4, PLAIN, nvfp4_data_shape, nvfp4_scale_shape
+from refitd.server.refit.checksums import compare_checksums
+from refitd.slot_protocol import ExecReport
+from refitd.transport.base import ConnectInfo
+from refitd.transport.gloo import GlooTransport
+
+
+def _spec(pool, rank, slot, name, gshape, rows, storage=PLAIN) -> TensorSpec:
+    """A shard of rows [rows[0], rows[1]) of a global tensor."""
+    local = (rows[1] - rows[0], *gshape[1:])
+    box = Box((rows[0], *[0] * (len(gshape) - 1)), local, (0,) * len(gshape))
+    return TensorSpec("m", pool, rank, slot, name, name, gshape, "bfloat16", local, (box,), storage)
+
+
+def _run(plan: Plan, resolvers: dict[int, DirectResolver], config: ExecutorConfig) -> dict:
+    """One verified refit, every slot a rank of a real Gloo group (threads)."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(30)
+    )
+    slots = plan.slots()
+    results: dict[int, ExecReport | BaseException] = {}
+
+    def rank(r: int) -> None:
+        t = GlooTransport()
+        try:
+            t.connect(ConnectInfo(0, "127.0.0.1", store.port, r, len(slots), 20.0))
+            ex = Executor(plan.program(slots[r]), resolvers[slots[r]], t, config=config)
+            results[slots[r]] = ex.run(20.0, verify=True)
+        except BaseException as e:
+            results[slots[r]] = e
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(slots))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    for res in results.values():
+        if isinstance(res, BaseException):
+            raise res
+    assert len(results) == len(slots)
+    return results
+
+
+def _checksums_agree(plan: Plan, reports: dict) -> None:
+    sent, landed = {}, {}
+    for slot, rep in reports.items():
+        sent.update({i: (slot, h) for i, h in rep.checksums["send"].items()})
+        landed.update({i: (slot, h) for i, h in rep.checksums["recv"].items()})
+    assert sent and compare_checksums(plan, sent, landed) is None
+
+
+@pytest.mark.parametrize("sender_quantization", [False, True])
+def test_nvfp4_storage_lands_whole_shards_bit_for_bit(sender_quantization: bool) -> None:
+    """The trainer (slot 0) holds two whole tensors; inference splits their rows over TP=2
+    (slots 0 and 1: rank 0 is collocated, a local copy), in NVFP4 buffers whose addresses
+    stay put. A tiny bucket and chunk: the segments travel in several chunks."""
+    shapes = {"w": (64, 96), "b": (32, 160)}
+    g = torch.Generator().manual_seed(7)
+    full = {n: (torch.randn(s, generator=g) * 3).to(torch.bfloat16) for n, s in shapes.items()}
+    full["w"][5, 17] = -0.0
+    src = [_spec("train", 0, 0, n, s, (0, s[0])) for n, s in shapes.items()]
+    half = {n: s[0] // 2 for n, s in shapes.items()}
+    dst = [
+        _spec("infer", r, r, n, s, (r * half[n], (r + 1) * half[n]), NVFP4)
+        for r in (0, 1)
+        for n, s in shapes.items()
+    ]
+    cfg = PlanConfig(bucket_bytes=1024, sender_quantization=sender_quantization)
+    plan = build_plan("m", 1, src, dst, cfg)
+    wires = {c.wire for p in plan.programs().values() for m in p.sends for c in m.copies}
+    assert wires == {"nvfp4" if sender_quantization else "raw"}
+    assert any(p.local for p in plan.programs().values())
+
+    resolved = {i: ResolvedTensor(f"train/0/{s.name}", full[s.name]) for i, s in enumerate(src)}
+    buffers = {}
+    for i, d in enumerate(dst, start=len(src)):
+        buffers[i] = (
+            torch.full(nvfp4_data_shape(d.local_shape), 0x55, dtype=torch.uint8),
+            torch.full(nvfp4_scale_shape(d.local_shape), 0x11, dtype=torch.uint8),
+            torch.full((1,), -5.0),
+        )
+        data, scales, gscale = buffers[i]
+        resolved[i] = ResolvedTensor(f"infer/{d.rank}/{d.name}", data, scales, NVFP4, gscale)
+    ptrs = {i: [b.data_ptr() for b in bufs] for i, bufs in buffers.items()}
+    resolvers = {
+        slot: DirectResolver({i: resolved[i] for i in plan.program(slot).tensors})
+        for slot in plan.slots()
+    }
+    reports = _run(plan, resolvers, ExecutorConfig(staging_bytes=4 << 10, wire_chunk=512))
+    _checksums_agree(plan, reports)
+    for i, d in enumerate(dst, start=len(src)):
+        lo = d.boxes[0].offset[0]
+        want = formats.nvfp4_quantize(full[d.name][lo : lo + d.local_shape[0]])
+        for got, expect in zip(buffers[i], want, strict=True):
+            assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), d
+        assert ptrs[i] == [b.data_ptr() for b in buffers[i]]
+
+
+def test_raw_copies_cut_by_the_bucket_land_in_block_fp8_storage() -> None:
+    """A raw copy larger than the bucket is cut at 128-row tiles of its block-FP8
+    destination, so the receiver quantizes whole tiles; bytes equal a local quantization."""
+    shape = (512, 64)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    src = [_spec("train", 0, 0, "w", shape, (0, 512))]
+    dst = [_spec("infer", 0, 1, "w", shape, (0, 512), FP8_BLOCK)]
+    plan = build_plan("m", 1, src, dst, PlanConfig(bucket_bytes=20 << 10))  # 160 rows
+    assert sum(len(m.copies) for m in plan.program(1).recvs) == 4
+    data = torch.zeros(shape, dtype=torch.uint8)
+    scales = torch.zeros(formats.fp8_block_quantize(full)[1].shape)
+    resolvers = {
+        0: DirectResolver({0: ResolvedTensor("train/0/w", full)}),
+        1: DirectResolver({1: ResolvedTensor("infer/0/w", data, scales, FP8_BLOCK)}),
+    }
+    _checksums_agree(plan, _run(plan, resolvers, ExecutorConfig(wire_chunk=4096)))
+    want_data, want_scales = formats.fp8_block_quantize(full)
+    assert torch.equal(data, want_data) and torch.equal(scales, want_scales)
+
+
+def test_verified_sender_quantized_segments_cut_into_chunks_agree() -> None:
+    """An MXFP8 segment with alignment padding between its parts, larger than a chunk: the
+    sender encodes it once per chunk, and every encoding must carry the same bytes (the
+    padding included) for the checksums of both ends to agree."""
+    shape = (7, 100)  # 700 value bytes and 28 scale bytes: both parts padded
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    src = [_spec("train", 0, 0, "w", shape, (0, 7))]
+    dst = [_spec("infer", 0, 1, "w", shape, (0, 7), MXFP8)]
+    plan = build_plan("m", 1, src, dst, PlanConfig(sender_quantization=True))
+    data = torch.zeros(shape, dtype=torch.uint8)
+    scales = torch.zeros(formats.mxfp8_quantize(full)[1].shape, dtype=torch.uint8)
+    resolvers = {
+        0: DirectResolver({0: ResolvedTensor("train/0/w", full)}),
+        1: DirectResolver({1: ResolvedTensor("infer/0/w", data, scales, MXFP8)}),
+    }
+    for _ in range(3):
+        _checksums_agree(plan, _run(plan, resolvers, ExecutorConfig(wire_chunk=128)))
+    assert all(
+        torch.equal(a, b) for a, b in zip((data, scales), formats.mxfp8_quantize(full), strict=True)
+    )
