@@ -19,7 +19,13 @@ from refitd.memory.arena import SharedTensorArena
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.links import LinkPolicy, SlotSite
 from refitd.plan.planner import PlanConfig, build_plan
-from refitd.plan.wire import MXFP8, mxfp8_scale_shape
+from refitd.plan.wire import (
+    MXFP8,
+    NVFP4,
+    mxfp8_scale_shape,
+    nvfp4_data_shape,
+    nvfp4_scale_shape,
+)
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import epoch_prefix
 from refitd.transport.paths import Descriptor, descriptor_key
@@ -78,54 +84,72 @@ def test_every_path_lands_bit_for_bit(src_parts, dst_parts, links, staged, snaps
         h.close()
 
 
-def _mxfp8_sides(quantize_on_sender: bool, links: str):
-    """bf16 sources tp=2 on slots 0, 1 -> one MXFP8 destination on slot 2 (one host)."""
+def _quantized_sides(storage: str, quantize_on_sender: bool, links: str):
+    """bf16 sources (MXFP8: tp=2 on slots 0, 1; NVFP4, landed whole: one rank on slot 0)
+    -> one quantized destination on slot 2, all on one host."""
     shape = (64, 128)
+    tp = 2 if storage == MXFP8 else 1
     src = [
         make_spec(model="m", pool="t", rank=r, slot=r, name="w", global_shape=shape,
-                  dtype="bfloat16", layout=megatron_layout(shape, tp_rank=r, tp_size=2,
+                  dtype="bfloat16", layout=megatron_layout(shape, tp_rank=r, tp_size=tp,
                                                            partition_dim=1))
-        for r in range(2)
+        for r in range(tp)
     ]  # fmt: skip
     dst = [make_spec(model="m", pool="i", rank=0, slot=2, name="w", global_shape=shape,
-                     dtype="bfloat16", layout=megatron_layout(shape), storage=MXFP8)]  # fmt: skip
+                     dtype="bfloat16", layout=megatron_layout(shape), storage=storage)]  # fmt: skip
     cfg = PlanConfig(1 << 20, sender_quantization=quantize_on_sender,
                      links=_policy(links, [0, 1, 2]))  # fmt: skip
     return src, dst, build_plan("m", 1, src, dst, cfg)
 
 
+def _quantized_buffers(storage: str) -> dict[str, torch.Tensor]:
+    shape = (64, 128)
+    if storage == MXFP8:
+        return {"data": torch.zeros(shape, dtype=torch.uint8),
+                "scales": torch.zeros(mxfp8_scale_shape(shape), dtype=torch.uint8)}  # fmt: skip
+    return {
+        "data": torch.zeros(nvfp4_data_shape(shape), dtype=torch.uint8),
+        "scales": torch.zeros(nvfp4_scale_shape(shape), dtype=torch.uint8),
+        "global_scale": torch.zeros(1, dtype=torch.float32),
+    }
+
+
+@pytest.mark.parametrize("storage", [MXFP8, NVFP4])
 @pytest.mark.parametrize("quantize_on_sender", [False, True])
-def test_quantized_landings_are_the_same_on_mapped_and_collective_links(quantize_on_sender):
-    """A copy that lands through a codec (MXFP8 on the wire, or quantized on landing) is
-    encoded and decoded by the sender of a mapped link: bit for bit what the collective
-    link's receiver lands, and equal to the reference quantizer's."""
-    from refitd.formats import mxfp8_quantize
+def test_quantized_landings_are_the_same_on_mapped_and_collective_links(
+    storage: str, quantize_on_sender: bool
+) -> None:
+    """A copy that lands through a codec (quantized on the wire, or on landing) is encoded
+    and decoded by the sender of a mapped link: bit for bit what the collective link's
+    receiver lands, and equal to the reference quantizer's."""
+    from refitd import formats
 
     g = torch.randn(64, 128).to(torch.bfloat16)
     landed = {}
     for links in ("collective", "mapped"):
-        src, dst, plan = _mxfp8_sides(quantize_on_sender, links)
+        src, dst, plan = _quantized_sides(storage, quantize_on_sender, links)
         assert plan.link_summary().get(links, {}).get("messages")
-        sources = [g[:, :64].clone(), g[:, 64:].clone()]
-        data = torch.zeros(64, 128, dtype=torch.uint8)
-        scales = torch.zeros(mxfp8_scale_shape((64, 128)), dtype=torch.uint8)
-        h = Slots([0, 1, 2])
+        sources = [g[:, :64].clone(), g[:, 64:].clone()] if len(src) == 2 else [g.clone()]
+        bufs = _quantized_buffers(storage)
+        h = Slots(sorted({s.slot for s in src + dst}))
         try:
-            h.register(src + dst, [*sources, data])
-            arena = h.arenas[2]
-            s = arena.register({"scales": scales})["scales"]
-            h.handles[2] = dataclasses.replace(h.handles[2], scales=s)
+            h.register(src + dst, [*sources, bufs["data"]])
+            extra = h.arenas[2].register({k: v for k, v in bufs.items() if k != "data"})
+            n = len(src)
+            h.handles[n] = dataclasses.replace(
+                h.handles[n], scales=extra["scales"], global_scale=extra.get("global_scale")
+            )
             h.connect()
             h.load(plan, chunk=1024)
             results = h.execute(plan, 21)
             assert checksum_mismatch(plan, results) is None
-            landed[links] = (data.clone(), scales.clone())
+            landed[links] = [v.clone() for v in bufs.values()]
         finally:
             h.close()
-    values, sc = mxfp8_quantize(g)
-    for data, scales in landed.values():
-        assert torch.equal(data, values.view(torch.uint8))
-        assert torch.equal(scales, sc.view(torch.uint8))
+    want = formats.mxfp8_quantize(g) if storage == MXFP8 else formats.nvfp4_quantize(g)
+    for got in landed.values():
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b.view(a.dtype)), storage
 
 
 class _Pair:
