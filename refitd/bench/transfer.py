@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from refitd.bench.transfer_refs import (
     compare_reports,
+    keep_memcpy_buffers,
     link_reference,
     links_summary,
     memcpy_reference,
@@ -191,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         shards = place_shards(src, dst, shapes, arenas)
         handles = [TransferProcessHandle(slot) for slot in slots]
         rank_of = {slot: r for r, slot in enumerate(slots)}
+        if plan is not cplan:  # the one-sided writes' memcpy reference, as old as the shards
+            keep_memcpy_buffers(args, handles, plan.send_bytes())
         store = _connect(args, handles, rank_of)  # noqa: F841 (the store serves while we run)
         snapshots = _load_programs(args, plan, handles, shards.mem, len(src))
         if plan is not cplan:

@@ -12,7 +12,19 @@ from collections import defaultdict
 from refitd.slot_protocol import Probe
 
 
-def memcpy_of(args, handles, per_slot: dict[int, int], piece: int | None = None) -> float:
+def keep_memcpy_buffers(args, handles, per_slot: dict[int, int]) -> None:
+    """Allocate each slot's kept memcpy buffers now, beside the worker memory the bench
+    just registered (as old as it: a VM backs fresh pages more slowly than old ones)."""
+    by_slot = {h.slot: h for h in handles}
+    for s, n in per_slot.items():
+        if n > 0:
+            size = min(n, args.ref_chunk)
+            by_slot[s].send(Probe(args.timeout, memcpy=size, prepare=True, kept=True)).result()
+
+
+def memcpy_of(
+    args, handles, per_slot: dict[int, int], piece: int | None = None, kept: bool = False
+) -> float:
     """Seconds of a memcpy of `per_slot[slot]` bytes between two shared-memory buffers in
     each of those slots' processes, all at once, --ref-chunk bytes at a time (two whole
     copies of a 2 GiB slot would double the run's shared memory), in `piece`-byte copies
@@ -23,6 +35,7 @@ def memcpy_of(args, handles, per_slot: dict[int, int], piece: int | None = None)
             "memcpy": min(n, args.ref_chunk),
             "repeat": ref_sizes(n, args.ref_chunk)[1],
             "memcpy_piece": piece,
+            "kept": kept,
         }
         for s, n in per_slot.items()
         if n > 0
@@ -49,9 +62,9 @@ def memcpy_reference(args, handles, src) -> float:
 
 def sent_memcpy_reference(args, handles, reports, piece: int) -> float:
     """A memcpy of the bytes each slot sent in a refit, in that slot's process, all at
-    once, in copies of the refit's chunk size (`piece`): what one-sided writes by the same
-    processes are measured against."""
-    return memcpy_of(args, handles, {r.slot: r.sent_bytes for r in reports}, piece)
+    once, in copies of the refit's chunk size (`piece`), between its kept buffers: what
+    one-sided writes by the same processes are measured against."""
+    return memcpy_of(args, handles, {r.slot: r.sent_bytes for r in reports}, piece, kept=True)
 
 
 def compare_reports(plan, handles, reports) -> str | None:
