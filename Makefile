@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml requirements/engines.txt
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,adapters]'
+	$(BIN)/pip install -q -e '.[dev,adapters,rdma]'
 	# vLLM and SGLang for the engine tests, without their dependency trees (torch stays).
 	scripts/install_engines.sh $(BIN)/python
 	touch $(STAMP)

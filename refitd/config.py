@@ -63,6 +63,16 @@ class Settings(BaseSettings):
         description="network interface of the data plane (its IPv4 address; Gloo binds it); "
         "takes precedence over data_plane_address and GLOO_SOCKET_IFNAME",
     )
+    rdma_protocol: str = Field(
+        "tcp",
+        description="protocol of the rdma path (Mooncake Transfer Engine, refitd[rdma]): rdma "
+        "(one-sided RDMA WRITEs; needs an RDMA device) or tcp (the same writes over TCP)",
+    )
+    rdma_devices: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="RDMA devices of the rdma path ('mlx5_0,mlx5_1'; default: every device "
+        "under /sys/class/infiniband)",
+    )
     # --- embedded agent / slots
     cpu_slots: int = Field(2, ge=0, description="CPU device slots of the embedded local agent")
     devices: Annotated[list[str], NoDecode] = Field(
@@ -111,6 +121,17 @@ class Settings(BaseSettings):
         True,
         description="build a model's next plan and slot programs once its pools are all "
         "registered and live, while no refit is pending (the refit then finds them ready)",
+    )
+    plan_process: bool = Field(
+        True,
+        description="build refit plans and their slot programs in a forked planning "
+        "process, off the controller's interpreter lock (false: in the controller's process)",
+    )
+    plan_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="how long a planning process may take before it is killed; the plan is "
+        "then built in the controller's process",
     )
     relay_chain: bool = Field(
         False,
@@ -187,10 +208,11 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="lease: dead after this silence")
     # --- controller internals
     grpc_workers: int = Field(
-        2048,
+        8192,
         ge=8,
         description="gRPC thread pool, started on demand: every open stream (a subscribed "
-        "inference rank, a node agent) holds one, so keep it above their count plus 64",
+        "inference rank, a node agent) holds one, so keep it above their count plus 64 (at "
+        "4,096 ranks, 2,048 subscribed ranks and 64 agents hold 2,112)",
     )
     grpc_max_pending: int = Field(
         16384,
@@ -230,7 +252,7 @@ class Settings(BaseSettings):
         "", description="file holding the bearer token (used when auth_token is empty)"
     )
 
-    @field_validator("devices", mode="before")
+    @field_validator("devices", "rdma_devices", mode="before")
     @classmethod
     def _split_devices(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -249,6 +271,13 @@ class Settings(BaseSettings):
     def _known_links(cls, v: str) -> str:
         if v not in ("auto", "collective", "mapped", "rdma"):
             raise ValueError(f"links must be auto, collective, mapped or rdma, got {v!r}")
+        return v
+
+    @field_validator("rdma_protocol")
+    @classmethod
+    def _known_rdma_protocol(cls, v: str) -> str:
+        if v not in ("tcp", "rdma"):
+            raise ValueError(f"rdma_protocol must be tcp or rdma, got {v!r}")
         return v
 
     @field_validator("plan_schedule")

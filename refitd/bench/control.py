@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from refitd.bench.light_agents import answer_setup, pct
+from refitd.bench.light_agents import answer_execute, answer_setup, pct
 
 AGENTS = 8
 ROWS_PER_RANK = 4
@@ -170,32 +170,13 @@ def _answer(
     to `out`."""
     import grpc
 
-    from refitd._proto import refitd_pb2 as pb
-
     try:
         while (item := todo.get()) is not None:
             cmd, got = item
             if answer_setup(agents, agent_id, cmd, slot_ids) != "execute":
                 continue
-            # One command for all this agent's slots; one batched report of their
-            # SOURCES_RELEASED, then one of their DONE (as a real agent's reporter
-            # batches what its slots finish together).
+            done = answer_execute(agents, agent_id, cmd)
             slots = list(cmd.execute.slots) or [cmd.execute.slot]
-            for kind in (pb.REPORT_KIND_SOURCES_RELEASED, pb.REPORT_KIND_DONE):
-                items = [
-                    pb.AgentReport(
-                        agent_id=agent_id,
-                        command_id=cmd.command_id,
-                        slot=slot,
-                        kind=kind,
-                        refit_id=cmd.execute.refit_id,
-                    )
-                    for slot in slots
-                ]
-                head = items[0]
-                head.more.extend(items[1:])
-                done = time.monotonic()
-                agents.Report(head, timeout=30)
             for _ in slots:
                 out.put((cmd.execute.refit_id, got, done))
     except grpc.RpcError:

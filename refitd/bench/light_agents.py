@@ -27,3 +27,34 @@ def answer_setup(agents: Any, agent_id: str, cmd: Any, slots: list[int]) -> str:
         rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
         agents.Report(rep, timeout=30)
     return which
+
+
+def answer_execute(agents: Any, agent_id: str, cmd: Any, hold_s: float = 0.0) -> float:
+    """Report an execute as a light agent that moves nothing: one batched report of every
+    slot's SOURCES_RELEASED, then, `hold_s` later (a transfer's length), one of their DONE
+    (as a real agent's reporter batches what its slots finish together). Returns the
+    monotonic time the DONE report was sent."""
+    import time
+
+    from refitd._proto import refitd_pb2 as pb
+
+    slots = list(cmd.execute.slots) or [cmd.execute.slot]
+    done = 0.0
+    for kind in (pb.REPORT_KIND_SOURCES_RELEASED, pb.REPORT_KIND_DONE):
+        items = [
+            pb.AgentReport(
+                agent_id=agent_id,
+                command_id=cmd.command_id,
+                slot=slot,
+                kind=kind,
+                refit_id=cmd.execute.refit_id,
+            )
+            for slot in slots
+        ]
+        head = items[0]
+        head.more.extend(items[1:])
+        if kind == pb.REPORT_KIND_DONE and hold_s > 0:
+            time.sleep(hold_s)
+        done = time.monotonic()
+        agents.Report(head, timeout=30)
+    return done

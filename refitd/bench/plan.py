@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from refitd.plan.planner import PlanConfig, build_plan, build_plan_from_table
     from refitd.plan.program import encode_program
     from refitd.plan.table import SpecTable
-    from refitd.server.planning import keep_plan_heap
+    from refitd.server.heap import keep_plan_heap
 
     keep_plan_heap()  # as the controller does at start
     model = preset(args.model)
@@ -186,7 +186,7 @@ def _programs(
     programs_s, _, encoded = _best(functools.partial(encode_all, plan), max(args.repeat, 1), pause)
     # one more pass beside a ticker: how long another thread (a gRPC handler) could be
     # held up meanwhile (timed apart: the ticker's own wakes slow the pass it watches)
-    with _Ticker() as ticker, pause:
+    with Ticker() as ticker, pause:
         encode_all(plan)
     sizes = {s: len(b) for s, b in encoded.items()}
     big = max(sizes, key=sizes.__getitem__)
@@ -203,11 +203,40 @@ def _programs(
         "decode_s_max": round(decode_s, 4),
         "thread_stall_ms_max": round(ticker.worst * 1e3, 1),
     }
+    out.update(_process_path(args, src_t, dst_t, config, pause))
     out.update(_replan(args, src_t, dst_t, config, pause))
     # peak_rss_bytes (printed last) includes the second replica's plans; this one not
     out["peak_rss_before_replica_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out.update(_add_replica(args, src_t, dst_t, config, pause))
     return out
+
+
+def _process_path(args: argparse.Namespace, src_t, dst_t, config, pause) -> dict:
+    """The controller's path as `refitd serve` runs it: the plan and every program built by
+    a planning process (refitd/server/plan_process.py), best of --repeat: its own plan
+    and program times, the wall time here (fork to the programs mapped), and the longest
+    stall of a thread of this process meanwhile."""
+    from refitd.server.plan_process import PlanningProcess
+    from refitd.server.planning import make_digest, make_plan
+
+    options = _options(args, config)
+    digest = make_digest(args.model, src_t, dst_t, options)
+    runs = []
+    for _ in range(max(args.repeat, 1)):
+        process = PlanningProcess()
+        with Ticker() as ticker:
+            t0 = time.perf_counter()
+            make_plan(args.model, 0, src_t, dst_t, options, _gc_pause(pause), digest, process)
+            wall = time.perf_counter() - t0
+        runs.append((wall, process.last_timings, ticker.worst))
+    wall, child, stall = min(runs, key=lambda r: r[0])
+    return {
+        "process_plan_s": round(child["plan_s"], 4),
+        "process_programs_s": round(child["programs_s"], 4),
+        "process_path_s": round(child["plan_s"] + child["programs_s"], 4),
+        "process_wall_s": round(wall, 4),
+        "process_thread_stall_ms_max": round(stall * 1e3, 1),
+    }
 
 
 def _gc_pause(pause: contextlib.AbstractContextManager):
@@ -331,7 +360,7 @@ def _by_rank(specs: list) -> list[list]:
     return [ranks[r] for r in sorted(ranks)]
 
 
-class _Ticker:
+class Ticker:
     """A thread that wakes every millisecond and records the longest gap between wakes:
     the longest a gRPC handler thread would have waited for the interpreter meanwhile."""
 
@@ -347,7 +376,7 @@ class _Ticker:
             self.worst = max(self.worst, now - last - 0.001)
             last = now
 
-    def __enter__(self) -> _Ticker:
+    def __enter__(self) -> Ticker:
         self._thread.start()
         return self
 

@@ -18,6 +18,8 @@ AGENT_FIELDS = [
     "devices",
     "data_plane_address",
     "data_plane_interface",
+    "rdma_protocol",
+    "rdma_devices",
     "cpu_slots",
     "rpc_timeout_s",
     "connect_timeout_s",

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from refitd.limits import raise_nofile_limit
+
+# gRPC reads this when it is imported: with its fork handlers off, the controller may fork
+# planning processes (refitd/server/plan_process.py); an explicit setting is kept.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,6 +50,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "refitd.bench.backend",
         "vLLM backend start -> update -> finish vs a plain client refit of the same model",
     ),
+    "rdma": ("refitd.bench.rdma", "one-sided Mooncake writes vs a raw Gloo pair (loopback)"),
 }
 
 

@@ -20,9 +20,9 @@ from refitd.config import Settings
 from refitd.security import ServerSecurity
 from refitd.server.database import StateDB
 from refitd.server.grpc_service import AgentControlService, RefitService, server_interceptors
+from refitd.server.heap import keep_plan_heap
 from refitd.server.http import HttpServer
 from refitd.server.metrics import ControllerMetrics
-from refitd.server.planning import keep_plan_heap
 from refitd.server.readiness import LocalAgent, Readiness
 from refitd.server.refit.coordinator import RefitCoordinator
 from refitd.server.registry import Registry

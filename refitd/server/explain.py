@@ -10,7 +10,8 @@ from refitd.plan.errors import PlanError
 from refitd.plan.explain import explain, format_explanations
 from refitd.server.errors import not_found, precondition
 from refitd.server.frontend import PlanSource
-from refitd.server.planning import ControllerPlan, make_digest, make_plan, table_slots
+from refitd.server.plan_options import table_slots
+from refitd.server.planning import ControllerPlan, make_digest, make_plan
 
 
 def current_plan(c: PlanSource, model: str) -> tuple[ControllerPlan, bool]:

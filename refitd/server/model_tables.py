@@ -1,5 +1,4 @@
-"""One model's registrations as SpecTables, kept in step with the registry (`ModelTables`):
-what the controller plans from."""
+"""ModelTables: one model's registrations as the planner's SpecTables, kept as workers register."""
 
 from __future__ import annotations
 

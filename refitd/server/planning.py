@@ -4,17 +4,18 @@ The controller needs from a plan only: its digest, its slots, the program of a s
 that slot's LoadProgramCommand is sent, the bytes it moves, and which slots read each
 source rank's tensors (so a trainer rank's Refit can return once its weights have been
 read). Registrations reach the planner as SpecTables kept per model (`ModelTables`, updated
-as workers register), so a plan starts from ready integer columns; a slot's program is
-built and serialized only when it is first needed (`ControllerPlan.load_payload`). This
-module is the only place that calls the planner. Plan and program builds run inside the
-caller's GcPause when one is given (the coordinator owns one per controller): the cyclic
-garbage collector stays off while any of them runs, in any thread, and comes back after.
+as workers register), so a plan starts from ready integer columns. A refit's plan is built
+with every slot's program by a planning process (`process`: plan_process.py), so the
+planner never holds this process's interpreter lock; other plans (twin catch-ups, explain)
+are built here, a slot's program only when it is first needed
+(`ControllerPlan.load_payload`). This module is the only place that calls the planner.
+Builds here run inside the caller's GcPause when one is given (the coordinator owns one per
+controller): the cyclic garbage collector stays off while any of them runs, in any thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import threading
 from collections import OrderedDict
@@ -26,61 +27,82 @@ import numpy as np
 from refitd.plan.errors import PlanError
 from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
-from refitd.plan.links import LinkPolicy, SlotSite
-from refitd.plan.planner import Plan, PlanConfig, build_plan_from_table, plan_digest
-from refitd.plan.program import SlotProgram, encode_program
+from refitd.plan.planner import Plan, PlanConfig, PlanStats, build_plan_from_table, plan_digest
+from refitd.plan.program import SlotProgram, decode_program, encode_program
 from refitd.plan.table import SpecTable
 from refitd.plan.twins import build_twin_plan, pair_twins
-from refitd.server.errors import precondition
+from refitd.server.errors import ControlError, precondition
+from refitd.server.heap import release_free_heap
+from refitd.server.plan_options import PlanOptions, Site, planner_config
+from refitd.server.plan_process import ForkedPlan, PlanningProcess, WorkerKey
 
-log = logging.getLogger("refitd.controller")
-WorkerKey = tuple[str, int]  # (pool, rank)
-Site = tuple[int, str, str, tuple[str, ...]]  # (slot, host, device kind, paths offered)
 # What a loaded slot program's handles came from: per worker holding tensors on the slot,
 # the identity of its registration (its memory handles change only with it), and the
 # staged and snapshot pools among them.
 SlotInputs = tuple[tuple[tuple[WorkerKey, str], ...], frozenset[str], frozenset[str]]
 
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """The plan configuration the controller passes on (from Settings). schedule "auto"
-    resolves by transport (`planner_schedule`); links: the links policy (the slots' sites
-    come with each plan: `make_plan`)."""
-
-    bucket_bytes: int
-    sender_quantization: bool = False
-    relay: bool = True
-    relay_chain: bool = False
-    allow_dtype_cast: bool = False
-    schedule: str = "auto"
-    transport: str = "gloo"
-    links: str = "collective"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class LoadPayload:
     """What a LoadProgramCommand carries for one slot: the serialized SlotProgram and the
-    plan indices of the tensors whose memory handles go with it (ControllerPlan.held)."""
+    plan indices of the tensors whose memory handles go with it (ControllerPlan.held).
+    From a planning process, both are slices of its shared result."""
 
-    program: bytes
+    program: bytes | memoryview
     tensors: np.ndarray  # plan index of every tensor held on the slot (its handle goes along)
 
 
 @dataclass
 class ControllerPlan:
-    """A built plan as the controller uses it; slot programs are built on demand, once."""
+    """A built plan as the controller uses it. Planned in this process, slot programs are
+    built on demand, once; from a planning process (plan_process.py) they arrive built, and
+    the planner's Plan object is built again here only for its rare users (`plan`)."""
 
     digest: str
+    model: str
     slots: list[int]
-    total_bytes: int
-    plan: Plan
+    stats: PlanStats
+    tensors: Sequence[TensorSpec]  # plan index -> spec
     gc_pause: GcPause | None = None  # the owner's pause, held while a program is built
     kind: str = "general"  # "twin": built by plan/twins.py (a catch-up of same-layout ranks)
+    _plan: Plan | None = None
+    _rebuild: Callable[[], Plan] | None = None  # the same plan, built in this process
     _payloads: dict[int, LoadPayload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _build_lock: threading.Lock = field(default_factory=threading.Lock)
     _holders: dict[int, tuple[WorkerKey, ...]] | None = None
+    _readers: dict[WorkerKey, list[int]] | None = None
+    _traffic: tuple[dict[int, int], dict[int, int]] | None = None
     _links: dict[str, object] | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # a planning process's own
+
+    @classmethod
+    def of(cls, plan: Plan, gc_pause: GcPause | None, kind: str = "general") -> ControllerPlan:
+        """A plan built in this process."""
+        return cls(
+            plan.digest, plan.model, plan.slots(), plan.stats, plan.tensors, gc_pause, kind, plan
+        )
+
+    @classmethod
+    def forked(
+        cls,
+        fp: ForkedPlan,
+        model: str,
+        tensors: Sequence[TensorSpec],
+        rebuild: Callable[[], Plan],
+        gc_pause: GcPause | None,
+    ) -> ControllerPlan:
+        """A plan and every program built by a planning process (`fp`)."""
+        cp = cls(fp.digest, model, fp.slots, fp.stats, tensors, gc_pause, _rebuild=rebuild)
+        cp._payloads = {
+            s: LoadPayload(fp.program(i), fp.tensor_index(i)) for i, s in enumerate(fp.slots)
+        }
+        cp._holders, cp._readers = fp.holders, fp.readers
+        cp._traffic, cp.timings = (fp.send_bytes, fp.recv_bytes), fp.timings
+        cp._links = fp.links
+        return cp
 
     @property
     def links(self) -> dict[str, object]:
@@ -89,9 +111,26 @@ class ControllerPlan:
             self._links = self.plan.link_summary()
         return self._links
 
+    @property
+    def total_bytes(self) -> int:
+        return self.stats.total_bytes
+
+    @property
+    def plan(self) -> Plan:
+        """The planner's Plan (explain, delta plans). Planned in a planning process, it is
+        built again here on first use: the same inputs, so the same plan."""
+        with self._build_lock:
+            if self._plan is None:
+                assert self._rebuild is not None
+                with self.gc_pause or contextlib.nullcontext():
+                    self._plan = self._rebuild()
+            return self._plan
+
     def readers(self, pool: str, rank: int) -> frozenset[int]:
         """Slots reading source worker (pool, rank): computed for all on the first call
         (a catch-up plan never asks)."""
+        if self._readers is not None:
+            return frozenset(self._readers.get((pool, rank), ()))
         with self.gc_pause or contextlib.nullcontext():
             return frozenset(self.plan.source_slots_of(pool, rank))
 
@@ -100,8 +139,14 @@ class ControllerPlan:
         whose memory handles its LoadProgramCommand carries. Computed once per plan."""
         with self._lock:
             if self._holders is None:
-                self._holders = _slot_holders(self.plan)
+                self._holders = _slot_holders(self.tensors)
             return self._holders.get(slot, ())
+
+    def traffic(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(remote bytes each slot sends, remote bytes each slot receives)."""
+        if self._traffic is None:
+            self._traffic = (self.plan.send_bytes(), self.plan.recv_bytes())
+        return self._traffic
 
     def load_payload(self, slot: int) -> LoadPayload:
         """The slot's program, built and serialized on the first call (memoized: a slot is
@@ -130,11 +175,15 @@ class ControllerPlan:
 
     def held(self, payload: LoadPayload) -> Iterator[tuple[int, TensorSpec]]:
         """(plan index, spec) of every tensor a slot's load carries a handle for."""
-        tensors = self.plan.tensors
+        tensors = self.tensors
         return ((i, tensors[i]) for i in payload.tensors.tolist())
 
     def program_bytes(self, slot: int) -> bytes:
-        return self.load_payload(slot).program
+        return bytes(self.load_payload(slot).program)
+
+    def program(self, slot: int) -> SlotProgram:
+        """The slot's program, decoded from the bytes it is loaded with."""
+        return decode_program(self.program_bytes(slot), slot)
 
     @property
     def built_programs(self) -> int:
@@ -142,40 +191,13 @@ class ControllerPlan:
             return len(self._payloads)
 
 
-def _slot_holders(plan: Plan) -> dict[int, tuple[WorkerKey, ...]]:
+def _slot_holders(tensors: Sequence[TensorSpec]) -> dict[int, tuple[WorkerKey, ...]]:
     """slot -> sorted (pool, rank) of the workers registering tensors on it, in one pass
     over the tensor list."""
     out: dict[int, set[WorkerKey]] = {}
-    for t in plan.tensors:
+    for t in tensors:
         out.setdefault(t.slot, set()).add((t.pool, t.rank))
     return {slot: tuple(sorted(keys)) for slot, keys in out.items()}
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-_MAP_ABOVE = 1 << 30  # blocks of this size and more get their own mapping
-_TRIM_ABOVE = 64 << 20  # free memory kept at the top of the heap
-
-
-def keep_plan_heap() -> None:
-    """Have glibc serve NumPy's large blocks (up to 1 GiB) from its heap and keep up to
-    64 MB free at its top (mallopt; nothing elsewhere). A plan allocates and frees arrays
-    of tens of MB by the hundred; mapped afresh each time (glibc's default above 32 MB),
-    every one faults in zeroed pages: 80-150k faults per plan at 1,024 ranks, a tenth of
-    its time. Kept in the heap, the pages are reused; release_free_heap hands the rest
-    back once the programs are encoded. Process-wide: the controller sets it at start."""
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, _MAP_ABOVE)
-        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE)
-
-
-def release_free_heap() -> None:
-    """Give the heap's free memory back to the OS (glibc's malloc_trim; nothing elsewhere).
-    glibc keeps freed NumPy blocks under its growing mmap threshold (up to 32 MB) in its
-    arenas, so a plan's transient peak and its released program index (240 MB at 1,024
-    ranks) would stay in the controller's RSS for good. A few milliseconds."""
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def slot_inputs(
@@ -215,43 +237,6 @@ def stale_slots(
     return out
 
 
-def planner_schedule(schedule: str, transport: str, relay: bool) -> tuple[str, bool]:
-    """(PlanConfig.schedule, PlanConfig.relay) for the plan_schedule setting. "auto": under
-    NCCL a slot moves one chunk at a time, so serial rounds without relays (1.13x the bound
-    against 3.42x for lanes with relays, docs/simulate.md); Gloo posts every chunk at once
-    and keeps lanes with relays as set."""
-    if schedule != "auto":
-        return schedule, relay
-    return ("serial", False) if transport == "nccl" else ("lanes", relay)
-
-
-def table_slots(
-    sources: Sequence[TensorSpec] | SpecTable, destinations: Sequence[TensorSpec] | SpecTable
-) -> list[int]:
-    """Every slot holding a tensor of the two sides (whose sites a plan's links need)."""
-    slots: set[int] = set()
-    for side in (sources, destinations):
-        if isinstance(side, SpecTable):
-            slots.update(np.unique(side.columns()[2]).tolist())
-        else:
-            slots.update(s.slot for s in side)
-    return sorted(slots)
-
-
-def _planner_config(options: PlanOptions, sites: Sequence[Site] = ()) -> PlanConfig:
-    schedule, relay = planner_schedule(options.schedule, options.transport, options.relay)
-    links = LinkPolicy.of(options.links, [SlotSite(*s) for s in sites])
-    return PlanConfig(
-        bucket_bytes=options.bucket_bytes,
-        sender_quantization=options.sender_quantization,
-        relay=relay,
-        relay_chain=options.relay_chain,
-        allow_dtype_cast=options.allow_dtype_cast,
-        schedule=schedule,
-        links=links,
-    )
-
-
 def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:
     return specs if isinstance(specs, SpecTable) else SpecTable.from_specs(specs)
 
@@ -266,7 +251,7 @@ def make_digest(
     """Plan digest of (model, layouts, config with the links of `sites`), the plan cache
     key: the layout identity. A restart that re-registers the same layouts (new memory
     handles, new epoch) on the same slots with the same offers hits it."""
-    return plan_digest(model, sources, destinations, _planner_config(options, sites))
+    return plan_digest(model, sources, destinations, planner_config(options, sites))
 
 
 def make_plan(
@@ -277,21 +262,49 @@ def make_plan(
     options: PlanOptions,
     gc_pause: GcPause | None = None,
     digest: str | None = None,
+    process: PlanningProcess | None = None,
     sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION.
-    No slot program is built here (see ControllerPlan.load_payload); the plan keeps
-    `gc_pause` for them. `digest`: make_digest of the same inputs, when the caller has it;
-    `sites`: the slots' hosts, device kinds and offered paths (the links' paths)."""
+    In this process, no slot program is built here (see ControllerPlan.load_payload) and
+    the plan keeps `gc_pause` for them; with `process`, a planning process builds the plan
+    and every program (plan_process.py). `digest`: make_digest of the same inputs, when
+    the caller has it; `sites`: the slots' hosts, device kinds and offered paths (the
+    links' paths)."""
     src, dst = _table(sources), _table(destinations)
-    return _controller_plan(
-        lambda c: build_plan_from_table(model, epoch, src, dst, c, digest),
-        f"plan of model {model!r} epoch {epoch}",
-        options,
-        gc_pause,
-        "general",
-        sites,
-    )
+    what = f"plan of model {model!r} epoch {epoch}"
+    if process is None:
+        return _controller_plan(
+            lambda c: build_plan_from_table(model, epoch, src, dst, c, digest),
+            what,
+            options,
+            gc_pause,
+            "general",
+            sites,
+        )
+    config = planner_config(options, sites)
+    n_src, n_dst = len(src), len(dst)
+    try:
+        fp = process.build(model, epoch, src, dst, config, digest)
+    except PlanError as e:
+        raise precondition(f"{what}: {e}") from e
+    except ControlError as e:  # the child died or overran: this refit plans here instead
+        log.warning("%s: %s; planning in the controller's process instead", what, e.message)
+        return make_plan(model, epoch, src, dst, options, gc_pause, digest, sites=sites)
+
+    def rebuild() -> Plan:  # the tables as they were: they may have grown since
+        return build_plan_from_table(
+            model, epoch, _prefix(src, n_src), _prefix(dst, n_dst), config, fp.digest
+        )
+
+    cp = ControllerPlan.forked(fp, model, src.specs + dst.specs, rebuild, gc_pause)
+    _say_fallback(cp, what, options)
+    return cp
+
+
+def _prefix(table: SpecTable, n: int) -> SpecTable:
+    """The table's first n rows (the table itself while it has no more)."""
+    return table if len(table) == n else SpecTable.from_specs(table.specs[:n])
 
 
 def make_twin_plan(
@@ -326,21 +339,19 @@ def _controller_plan(
     FAILED_PRECONDITION starting with `what`."""
     with gc_pause or contextlib.nullcontext():
         try:
-            plan = build(_planner_config(options, sites))
+            plan = build(planner_config(options, sites))
         except PlanError as e:
             raise precondition(f"{what}: {e}") from e
-    cp = ControllerPlan(
-        digest=plan.digest,
-        slots=plan.slots(),
-        total_bytes=plan.stats.total_bytes,
-        plan=plan,
-        gc_pause=gc_pause,
-        kind=kind,
-    )
+    cp = ControllerPlan.of(plan, gc_pause, kind)
+    _say_fallback(cp, what, options)
+    return cp
+
+
+def _say_fallback(cp: ControllerPlan, what: str, options: PlanOptions) -> None:
+    """Log the links of a forced path that fell back to collective (the plan counts them)."""
     fallback = cp.links.get("fallback")
     if fallback:
         log.warning("%s: links %s fell back to collective: %s", what, options.links, fallback)
-    return cp
 
 
 def make_catch_up_plan(
@@ -396,7 +407,7 @@ class PlanCache:
     def latest(self, model: str) -> ControllerPlan | None:
         """The most recently used plan of `model` (no hit or miss counted)."""
         with self._lock:
-            return next((p for p in reversed(self._plans.values()) if p.plan.model == model), None)
+            return next((p for p in reversed(self._plans.values()) if p.model == model), None)
 
     def __len__(self) -> int:
         with self._lock:

@@ -21,6 +21,7 @@ from refitd.server.frontend import StatusSource
 
 if TYPE_CHECKING:
     from refitd.server.members import Pool
+    from refitd.server.plan_process import PlanningProcess
     from refitd.server.registry import Registry
 
 PHASES = ("barrier", "pause", "transfer", "commit", "other")
@@ -90,12 +91,11 @@ def _plan_traffic(c: StatusSource, model: str) -> dict[str, Any] | None:
     cp = c.refits.plans.latest(model)
     if cp is None:
         return None
-    plan = cp.plan
-    send, recv = plan.send_bytes(), plan.recv_bytes()
-    slots = [{"slot": s, "send": send.get(s, 0), "recv": recv.get(s, 0)} for s in plan.slots()]
+    send, recv = cp.traffic()
+    slots = [{"slot": s, "send": send.get(s, 0), "recv": recv.get(s, 0)} for s in cp.slots]
     top_send = max(slots, key=lambda x: x["send"], default=None)
     top_recv = max(slots, key=lambda x: x["recv"], default=None)
-    st = plan.stats
+    st = cp.stats
     return {
         "digest": cp.digest,
         "total_bytes": st.total_bytes,
@@ -114,6 +114,14 @@ def _plan_traffic(c: StatusSource, model: str) -> dict[str, Any] | None:
         },
         "slots": slots,
     }
+
+
+def _planning(p: PlanningProcess | None) -> dict[str, Any] | None:
+    """The planning processes' counts and the last one's own times (None: refit plans are
+    built in the controller's process)."""
+    if p is None:
+        return None
+    return {"started": p.started, "died": p.died, "last_pid": p.last_pid, **p.last_timings}
 
 
 def refit_phases(r: dict[str, Any]) -> dict[str, float]:
@@ -224,6 +232,7 @@ def status_document(
                 "misses": c.refits.plans.misses,
                 "built": c.refits.plans.built,
                 "programs_sent": c.refits.plans.programs_sent,
+                "planning_process": _planning(c.refits.planner),
             },
         },
         "models": models,

@@ -30,25 +30,17 @@ def require_vllm() -> None:
 
 
 def require_sglang() -> None:
-    """Skip, naming what is missing, unless SGLang 0.5.23's request classes import. They
-    import triton and torchvision, which must be builds for the installed torch (PyPI's
-    Linux torchvision is a CUDA build: beside a CPU torch it fails with 'operator
-    torchvision::nms does not exist'), so requirements/engines.txt cannot pin them."""
-    import importlib
+    """Skip, naming what is missing, unless SGLang 0.5.23's request classes import. Without
+    torchvision (PyPI has only CUDA builds of it for Linux, which fail beside a CPU torch),
+    SGLang's module-level torchvision imports get _torchvision_stand_in's stand-ins."""
+    import contextlib
+    import importlib.util
 
-    missing = []
-    for module in ("triton", "torchvision"):
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            missing.append(f"{module} ({exc!r})")
-    if missing:
-        pytest.skip(
-            f"sglang=={SGLANG_VERSION}'s request classes import packages built for the "
-            f"installed torch {torch.__version__} that do not import here: {', '.join(missing)}",
-            allow_module_level=True,
-        )
-    _require("sglang", SGLANG_VERSION, "sglang.srt.managers.io_struct", "sglang.srt.utils")
+    from _torchvision_stand_in import torchvision_stand_in
+
+    absent = importlib.util.find_spec("torchvision") is None
+    with torchvision_stand_in() if absent else contextlib.nullcontext():
+        _require("sglang", SGLANG_VERSION, "sglang.srt.managers.io_struct", "sglang.srt.utils")
 
 
 def _require(dist: str, version: str, *modules: str) -> None:
@@ -69,7 +61,8 @@ def _require(dist: str, version: str, *modules: str) -> None:
             importlib.import_module(module)
         except Exception as exc:
             pytest.skip(
-                f"{dist}=={version} is installed but {module} does not import here: {exc!r}",
+                f"{dist}=={version} is installed but {module} does not import here: "
+                f"{exc!r}; {INSTALL}",
                 allow_module_level=True,
             )
 

@@ -60,6 +60,7 @@ def test_dockerfiles_parse_and_run_refitd(name: str, tmp_path: Path) -> None:
     instructions = [i["instruction"] for i in parser.structure if i["instruction"] != "COMMENT"]
     assert instructions[0] == "FROM"
     assert "torch==2.13.0" in parser.content, "torch must be pinned"
+    assert "libibverbs1" in parser.content, "the rdma path's engine links libibverbs"
     entry = json.loads(
         next(i["value"] for i in parser.structure if i["instruction"] == "ENTRYPOINT")
     )

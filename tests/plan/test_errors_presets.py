@@ -186,3 +186,8 @@ def test_bench_plan_small(capsys):
     assert relay["relay"] and relay["total_bytes"] == out["total_bytes"]
     assert relay["source_max_send_bytes"] <= out["source_max_send_bytes"]
     assert relay["max_send_bytes"] >= relay["source_max_send_bytes"]
+    # --programs: the controller's path, in this process and from a planning process
+    assert main([*argv, "--relay", "--programs"]) == 0
+    programs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert programs["controller_path_s"] > 0 and programs["process_path_s"] > 0
+    assert programs["process_wall_s"] >= programs["process_path_s"]

@@ -12,6 +12,7 @@ import pytest
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.server.controller import Controller
+from refitd.server.status import status_document
 
 from .conftest import Cluster, controller_settings, make_cluster, register
 
@@ -44,6 +45,9 @@ def test_next_plan_is_built_before_the_refit_asks(ahead_controller: Controller) 
         assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cl.refit(1))
         assert c.refits.plans.built == built  # the refit built no plan
         assert c.refits.memberships.cached(cl.model).plan.built_programs == 3
+        # built by a planning process, as the status document says
+        planning = status_document(c)["controller"]["plan_cache"]["planning_process"]
+        assert planning["started"] >= 1 and planning["died"] == 0 and planning["plan_s"] > 0
 
         # a new destination pool of another layout: a new epoch and a new plan, ahead again
         resp = register(stub, cl.model, "extra", pb.ROLE_DESTINATION, 0, 1, cl.host, "cpu:0")

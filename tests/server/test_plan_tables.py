@@ -112,6 +112,12 @@ def test_bench_load_tiny() -> None:
     assert doc["control_start_p99_ms"] > 0 and doc["rss_loop_end_mb"] > 0
     # the controller planned the metadata model ahead, before the loop (plan_ahead)
     assert doc["meta_plan_ahead_wait_s"] > 0 and doc["rss_planned_mb"] > doc["rss_idle_mb"]
+    # the plan from a planning process: the same programs as one built in the bench's process
+    assert doc["meta_plan_process_same_programs"] is True
+    assert doc["meta_plan_s"] > 0 and doc["meta_all_programs_s"] > 0
+    assert doc["meta_heartbeats"] > 0 and doc["meta_heartbeats_refused"] == 0
+    assert doc["meta_heartbeat_rtt_max_planning_process_s"] >= 0
+    assert doc["meta_heartbeat_rtt_max_planning_in_process_s"] >= 0
 
 
 def test_program_index_released_once_every_program_is_encoded() -> None:

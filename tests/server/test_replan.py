@@ -9,8 +9,8 @@ import dataclasses
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.table import SpecTable
+from refitd.server.model_tables import ModelTables
 from refitd.server.planning import (
-    ModelTables,
     PlanOptions,
     WorkerKey,
     make_digest,

@@ -19,6 +19,7 @@ from refitd.executor.segments import ResolvedTensor
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.wire import MXFP8, PLAIN, RAW, mxfp8_scale_shape
+from refitd.server.planning import ControllerPlan
 from refitd.server.refit.checksums import compare_checksums
 from refitd.slot_protocol import ExecReport
 from refitd.transport.base import ConnectInfo
@@ -162,6 +163,8 @@ def test_verified_refit_agrees_and_a_stale_sender_checksum_is_named() -> None:
         f"{sent1[mid][1]:#018x} != landed {landed2[mid][1]:#018x}"
     ) in reason
     assert f"({d.pool!r}, {d.rank}, {d.name!r})" in reason
+    # the controller's view of the plan names the same, from its programs' bytes
+    assert compare_checksums(ControllerPlan.of(plan, None), sent1, landed2) == reason
     missing = dict(landed2)
     del missing[mid]
     assert f"message {mid}: no receiver checksum" in str(compare_checksums(plan, sent2, missing))

@@ -3,11 +3,11 @@ plan compared (integers only: the controller never touches tensor bytes)."""
 
 from __future__ import annotations
 
-from refitd.plan.planner import Plan
+from refitd.server.planning import ControllerPlan
 
 
 def compare_checksums(
-    plan: Plan, sent: dict[int, tuple[int, int]], landed: dict[int, tuple[int, int]]
+    plan: ControllerPlan, sent: dict[int, tuple[int, int]], landed: dict[int, tuple[int, int]]
 ) -> str | None:
     """None when every message's sender and receiver checksums (id -> (slot, checksum))
     agree; else why not, naming the messages, slots and destination tensors (pool, rank,
@@ -27,7 +27,10 @@ def compare_checksums(
 
 
 def _mismatch(
-    plan: Plan, mid: int, sent: dict[int, tuple[int, int]], landed: dict[int, tuple[int, int]]
+    plan: ControllerPlan,
+    mid: int,
+    sent: dict[int, tuple[int, int]],
+    landed: dict[int, tuple[int, int]],
 ) -> str:
     """One message's disagreement, naming its slots and destination tensors."""
     if mid not in sent or mid not in landed:

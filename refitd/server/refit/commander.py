@@ -197,7 +197,7 @@ class AgentCommander:
                             model=ms.model,
                             digest=plan.digest,
                             slot=slot,
-                            program=payload.program,
+                            program=bytes(payload.program),
                             handles=handles,
                         )
                     )
@@ -254,7 +254,7 @@ class AgentCommander:
             self.delta.finish_attempt(exec_id, run.detail)
         if verify:
             t = time.monotonic()
-            mismatch = compare_checksums(plan.plan, tally.sums[True], tally.sums[False])
+            mismatch = compare_checksums(plan, tally.sums[True], tally.sums[False])
             if mismatch:
                 raise PhaseFailed(f"transfer of version {run.version}: {mismatch}")
             run.detail.update(verified=True, verify_check_s=time.monotonic() - t)

@@ -22,6 +22,7 @@ from refitd.server.delta.refits import DeltaRefits
 from refitd.server.errors import ControlError, ErrorKind, not_found, precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
+from refitd.server.plan_process import FORK_SUPPORT_VAR, PlanningProcess, fork_safe
 from refitd.server.planning import PlanCache, PlanOptions
 from refitd.server.refit.acks import CommitAckBook
 from refitd.server.refit.ahead import PlansAhead
@@ -73,9 +74,12 @@ class RefitCoordinator:
         self._stop = threading.Event()
         self.records = RefitRecords(settings, db, metrics, registry)
         self.scheduler = Scheduler(settings, self.records, self._stop, self._drive)
+        # refit plans are built by forked planning processes (plan_process.py)
+        self.planner = self._planner(settings)
         self.memberships = Memberships(
-            registry, agents, events, self.plans, self.plan_options, self.gc_pause, metrics
-        )
+            registry, agents, events, self.plans, self.plan_options, self.gc_pause, metrics,
+            self.planner,
+        )  # fmt: skip
         self.commander = AgentCommander(
             settings, registry, agents, board, self.delta, store_address, metrics, self.plans
         )
@@ -99,6 +103,20 @@ class RefitCoordinator:
             settings, registry, board, events, agents, self.source_gone, chores
         )
         self.leases.start()
+
+    @staticmethod
+    def _planner(settings: Settings) -> PlanningProcess | None:
+        """The planning processes, when set and safe (gRPC's fork handlers off)."""
+        if not settings.plan_process:
+            return None
+        if not fork_safe():
+            log.warning(
+                "refit plans are built in the controller's process: %s is not 0, so a "
+                "forked planning process could break gRPC (set it before gRPC is imported)",
+                FORK_SUPPORT_VAR,
+            )
+            return None
+        return PlanningProcess(timeout_s=settings.plan_timeout_s)
 
     @property
     def history(self) -> list[RefitRecord]:

@@ -19,14 +19,14 @@ from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
+from refitd.server.plan_options import PlanOptions, table_slots
+from refitd.server.plan_process import PlanningProcess
 from refitd.server.planning import (
     ControllerPlan,
     PlanCache,
-    PlanOptions,
     make_catch_up_plan,
     make_digest,
     make_plan,
-    table_slots,
 )
 from refitd.server.refit.run import RefitRun
 from refitd.server.registry import Registry
@@ -110,8 +110,10 @@ class Memberships:
         plan_options: PlanOptions,
         gc_pause: GcPause,
         metrics: ControllerMetrics,
+        process: PlanningProcess | None = None,
     ) -> None:
         self.registry = registry
+        self.process = process  # builds refit plans off this process's interpreter lock
         self.metrics = metrics
         self.agents = agents
         self.events = events
@@ -176,7 +178,7 @@ class Memberships:
         if plan is None:
             plan = make_plan(
                 model, epoch, sources, destinations, self.plan_options, self.gc_pause, digest,
-                sites,
+                self.process, sites,
             )  # fmt: skip
             self.plans.put(plan)
             self.built(model, kind)
