@@ -28,18 +28,24 @@ from refitd.plan.wire import (
 )
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import epoch_prefix
+from refitd.transport.mooncake import mooncake_unavailable_reason
 from refitd.transport.paths import Descriptor, descriptor_key
+
+RDMA_REASON = mooncake_unavailable_reason()
+# the rdma path (Mooncake over TCP on loopback) where its engine imports
+PATHS = ["collective", "mapped", "auto"] + ([] if RDMA_REASON else ["rdma"])
+OFFERS = ("mapped",) if RDMA_REASON else ("mapped", "rdma")
 
 
 def _policy(mode: str, slots: list[int], hosts: int = 1) -> LinkPolicy:
-    return LinkPolicy.of(mode, [SlotSite(s, f"h{s % hosts}", "cpu", ("mapped",)) for s in slots])
+    return LinkPolicy.of(mode, [SlotSite(s, f"h{s % hosts}", "cpu", OFFERS) for s in slots])
 
 
 @settings(max_examples=8, deadline=None)
 @given(
     src_parts=st.integers(1, 3),
     dst_parts=st.integers(1, 3),
-    links=st.sampled_from(["collective", "mapped", "auto"]),
+    links=st.sampled_from(PATHS),
     staged=st.booleans(),
     snapshot=st.booleans(),
     replicas=st.booleans(),
@@ -47,8 +53,9 @@ def _policy(mode: str, slots: list[int], hosts: int = 1) -> LinkPolicy:
 )
 def test_every_path_lands_bit_for_bit(src_parts, dst_parts, links, staged, snapshot, replicas,
                                       data) -> None:  # fmt: skip
-    """auto: slots of even and odd numbers on two hosts (mapped and collective links in one
-    plan); a second destination pool of replicas fed by relays; casts to float32."""
+    """auto: slots of even and odd numbers on two hosts (mapped links on each, rdma links
+    between them where Mooncake imports, else collective, in one plan); a second
+    destination pool of replicas fed by relays; casts to float32."""
     slot = st.integers(0, 3)
     src_slots = [data.draw(slot) for _ in range(src_parts)]
     dst_slots = [data.draw(slot) for _ in range(dst_parts)]
