@@ -29,7 +29,8 @@ from refitd.plan.links import ONE_SIDED, PATHS
 from refitd.plan.program import DTYPES, SlotProgram
 from refitd.plan.wire import NVFP4, PLAIN
 from refitd.torch_dtypes import torch_dtype
-from refitd.transport.doorbell import Doorbell
+from refitd.transport.doorbell import RETIRED, Doorbell
+from refitd.transport.errors import TransportError
 from refitd.transport.paths import Descriptor, Peer
 
 _Sums = dict[tuple[int, int], torch.Tensor]
@@ -45,8 +46,17 @@ class OneSidedLinks:
 
     def stale(self) -> list[int]:
         """Destination slots whose doorbell no longer shows the descriptor's generation
-        (they reloaded or unloaded the plan since it was fetched)."""
-        return [s for s, (p, d) in self.peers.items() if p.generation() != d.generation]
+        (they reloaded or unloaded the plan since it was fetched) or cannot be read (a
+        remote one that went away: attaching afresh says why)."""
+        out = []
+        for slot, (peer, d) in self.peers.items():
+            try:
+                gen = peer.generation()
+            except TransportError:
+                gen = RETIRED
+            if gen != d.generation:
+                out.append(slot)
+        return out
 
     def close(self) -> None:
         for peer, _ in self.peers.values():
