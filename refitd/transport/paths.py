@@ -45,15 +45,27 @@ PARTS_MAGIC = b"refitd-parts:"  # a header naming the parts of a larger descript
 
 
 @dataclass(frozen=True, slots=True)
+class PathSettings:
+    """What a transfer process's paths take from its agent: its slot, the data-plane
+    address peers reach it at, and the rdma path's protocol and devices."""
+
+    slot: int = 0
+    host: str = "127.0.0.1"
+    rdma_protocol: str = "tcp"
+    rdma_devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Exposed:
-    """A destination tensor a path exposes: its memory (data and, quantized, scales) in
-    this process, its storage name, and the memory handle a process on the same host maps
-    it by (the worker's, or the staging buffer's)."""
+    """A destination tensor a path exposes: its memory (data and, quantized, scales and
+    nvfp4's global scale) in this process, its storage name, and the memory handle a
+    process on the same host maps it by (the worker's, or the staging buffer's)."""
 
     data: torch.Tensor
     scales: torch.Tensor | None
     storage: str
     handle: bytes
+    global_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +98,13 @@ class Peer(abc.ABC):
         """Plan tensor `index` of the destination (TransportError when not exposed)."""
 
     @abc.abstractmethod
-    def write(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-        """Copy each source view into its destination view (views of `tensor()`s)."""
+    def write(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> None:
+        """Copy each source view into its destination view (views of `tensor()`s), done by
+        the monotonic `deadline` (TransportError otherwise)."""
+
+    def flush(self, views: list[torch.Tensor], deadline: float) -> None:  # noqa: B027
+        """Views of `tensor()`s the sender wrote in place (a codec's landing) reach the
+        destination (a path whose tensors are the destination's memory: nothing to do)."""
 
     @abc.abstractmethod
     def ring(self, entry: int, attempt: int, chunks: int) -> None:
@@ -109,6 +126,12 @@ class OneSidedPath(abc.ABC):
     """One kind of one-sided path (see the module docstring)."""
 
     kind: str = ""
+
+    def __init__(self, settings: PathSettings | None = None) -> None:
+        self.settings = settings or PathSettings()
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release what the path holds for the transfer process (engines, registrations)."""
 
     @abc.abstractmethod
     def expose(self, tensors: dict[int, Exposed], entries: int, generation: int) -> Exposure:
@@ -258,5 +281,7 @@ class Links:
     def close(self) -> None:
         """Drop the paths and the store client (the destinations' exposures are theirs)."""
         with self._lock:
+            for p in self._paths.values():
+                p.close()
             self._paths.clear()
             self._store = None
