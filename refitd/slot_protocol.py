@@ -36,6 +36,8 @@ class SlotOptions:
     rpc_timeout_s: float = 30.0  # the quick commands (abort, unload, ...) and the agent's RPCs
     staging_bytes: int = 256 * MiB  # cap on the slot's staging buffers
     snapshot_bytes: int = 2048 * MiB  # cap on the snapshot of the slot's sources
+    rdma_protocol: str = "tcp"  # the rdma path's protocol (refitd.transfer.rdma_path)
+    rdma_devices: tuple[str, ...] = ()  # its RDMA devices (empty: every one found)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SlotOptions:
@@ -46,6 +48,8 @@ class SlotOptions:
             rpc_timeout_s=settings.rpc_timeout_s,
             staging_bytes=settings.staging_bytes,
             snapshot_bytes=settings.snapshot_bytes,
+            rdma_protocol=settings.rdma_protocol,
+            rdma_devices=tuple(settings.rdma_devices),
         )
 
 
@@ -226,6 +230,8 @@ class Connect(SlotCommand[Connected]):
     store_token: str = ""
     data_plane_address: str = ""
     data_plane_interface: str = ""
+    rdma_protocol: str = "tcp"  # the agent's settings of the rdma path
+    rdma_devices: tuple[str, ...] = ()
 
     def wait_s(self, options: SlotOptions) -> float:
         return self.timeout_s + REPLY_MARGIN_S
@@ -314,7 +320,10 @@ class Abort(SlotCommand[Ack]):
 class Probe(SlotCommand[Probed]):
     """Raw reference for benchmarks: per peer rank one buffer of nbytes sent (or received)
     `repeat` times ({rank: (nbytes, repeat)}), or one memcpy of `memcpy` bytes `repeat`
-    times on `device`. `prepare` only allocates; buffers live until `release`."""
+    times on `device` (in pieces of `memcpy_piece` bytes when set, as a refit copies its
+    chunks). `prepare` only allocates; buffers live until `release`, except `kept` memcpy
+    buffers, which live as long as the process (made early, they are as old as the worker
+    memory a bench registered beside them: a VM backs fresh pages more slowly)."""
 
     timeout_s: float
     sends: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -322,6 +331,8 @@ class Probe(SlotCommand[Probed]):
     memcpy: int | None = None
     repeat: int = 1
     device: str = "cpu"
+    memcpy_piece: int | None = None
+    kept: bool = False
     prepare: bool = False
     release: bool = False
 

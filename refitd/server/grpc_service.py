@@ -226,6 +226,7 @@ class AgentControlService(pbg.AgentControlServicer):
             request.agent_id,
             batch_execute=request.batch_execute,
             data_plane_address=request.data_plane_address,
+            links=tuple(request.links),
         )
         self.c.refresh_gauges()
         return pb.RegisterAgentResponse(
