@@ -37,6 +37,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "1024 metadata workers of a large model, 1000 small refits",
     ),
     "staged": ("refitd.bench.staged", "pause window of a staged vs an in-place pool"),
+    "lora": ("refitd.bench.lora", "LoRA adapter refits (no pause) beside a dense refit"),
     "cluster": (
         "refitd.bench.cluster.command",
         "refits across emulated hosts on shaped links (root)",

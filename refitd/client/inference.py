@@ -20,6 +20,11 @@ of the node agent while the engine keeps serving; PAUSE comes only once every by
 landed, and the pause lasts for the copy from staging into the weights, then COMMIT. It
 costs a second copy of this rank's weights on its device.
 
+With `register_adapter(targets)` (and a `flip` hook) the rank holds an adapter in two
+slots and never pauses: refits land in the slot it does not serve, and COMMIT flips the
+served slot (refitd.client.adapter). PAUSE (sent only to catch a rank up) and ABORT reach
+no engine hook, and INCOMPLETE leaves the served slot and version as they were.
+
 Order of work for each event: (1) the hook; (2) the new state (`state`, `served_version`,
 `committed_version`), seen at once by the thread that delivers the event (the `subscribe()`
 loop body, or the `on_update` callback); (3) the delivery; (4) once it returns, the state is
@@ -38,7 +43,9 @@ from dataclasses import dataclass, replace
 import grpc
 
 from refitd._proto import refitd_pb2 as pb
-from refitd.client.worker import WorkerClient
+from refitd.client.adapter import AdapterSlots, FlipHook, Targets
+from refitd.client.tensors import collect
+from refitd.client.worker import Registration, WorkerClient
 from refitd.rpc.connection import Backoff, RefitError
 
 log = logging.getLogger(__name__)
@@ -112,6 +119,7 @@ class InferenceClient(WorkerClient):
         rpc_timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
         staged: bool = False,
+        flip: FlipHook | None = None,
     ) -> None:
         super().__init__(
             controller,
@@ -128,6 +136,8 @@ class InferenceClient(WorkerClient):
         self._pause = pause
         self._resume = resume
         self._incomplete = incomplete
+        self._flip = flip
+        self._adapter: AdapterSlots | None = None
         self._latest = ClientState()  # after the newest event handled
         self._published = ClientState()  # what other threads see (after its delivery)
         self._delivering: tuple[int, ClientState] | None = None  # (thread id, its view)
@@ -136,6 +146,31 @@ class InferenceClient(WorkerClient):
         self._stream: grpc.Future | None = None
         self._streaming = threading.Event()  # the subscription is open (and holds the lease)
         self._listener: threading.Thread | None = None
+
+    def register_adapter(self, targets: Targets, slots: tuple[int, int] = (0, 1)) -> Registration:
+        """Register an adapter held in two slots: `targets(slot)` is what `register` takes
+        for one slot (e.g. engine placements of its views). Refits land in the slot not
+        served; COMMIT calls `flip(version, slot)` (module docstring)."""
+        if self.staged:
+            raise RefitError(f"{self._who()}: an adapter pool cannot be staged as well")
+        self._adapter = AdapterSlots(targets, tuple(slots))
+        self.adapter = True
+        return self.register(targets(self._adapter.spare))
+
+    @property
+    def serving_slot(self) -> int | None:
+        """The adapter slot the engine serves (None: no version committed yet)."""
+        return None if self._adapter is None else self._adapter.serving
+
+    def _register_spare(self, held_version: int) -> None:
+        """Register the adapter's spare slot as this rank's destination (storages already
+        shared stay where they are: the engine keeps reading the served slot)."""
+        assert self._adapter is not None
+        local = collect(self._adapter.targets(self._adapter.spare), None, self._who())
+        with self._lock:
+            self._handles = self._share(local)
+            self._tensors = local
+            self._send_registration(held_version)
 
     def subscribe(self) -> Iterator[VersionEvent]:
         """Events of this worker's pool, in order (see the module docstring for what the
@@ -218,6 +253,8 @@ class InferenceClient(WorkerClient):
         return self._published
 
     def _held_version(self) -> int:
+        if self._adapter is not None:
+            return 0  # the registered memory is the spare slot, not the version served
         latest = self._latest
         return latest.served_version or 0 if latest.state == "serving" else 0
 
@@ -256,6 +293,8 @@ class InferenceClient(WorkerClient):
 
     def _run_hook(self, event: VersionEvent, now: ClientState) -> ClientState:
         """Call the engine's hook for `event`; the state after it (unchanged on a raise)."""
+        if self._adapter is not None and event.kind != "hello":
+            return self._adapter_event(event, now)
         if event.kind == "hello":
             return replace(now, committed_version=event.version)
         if event.kind == "pause":
@@ -288,6 +327,38 @@ class InferenceClient(WorkerClient):
                 self._incomplete(event.version, event.reason)
             return after
         return now
+
+    def _adapter_event(self, event: VersionEvent, now: ClientState) -> ClientState:
+        """An adapter rank: COMMIT flips the served slot, then registers the old one as
+        the spare; nothing else touches the served slot or calls an engine hook."""
+        slots = self._adapter
+        assert slots is not None
+        if event.kind == "pause":  # a catch-up writes the spare: nothing to stop
+            self._paused_in = event.refit_id
+            return now
+        if event.kind == "incomplete":
+            log.warning(
+                "%s: refit of version %s failed after writing the spare adapter slot; slot "
+                "%s keeps serving version %s",
+                self._who(),
+                event.version,
+                slots.serving,
+                now.served_version,
+            )
+            return now
+        if event.kind != "commit":
+            return now
+        new = slots.spare
+        try:
+            if self._flip:
+                self._flip(event.version, new)
+        except Exception:
+            # Not flipped: the same spare again, so the controller's wait ends at once.
+            self._register_spare(0)
+            raise
+        slots.serving = new
+        self._register_spare(event.version)
+        return ClientState("serving", event.version, event.version)
 
     def _settle(self, handled: Handled) -> None:
         """After delivery: publish the state, then ack (so the controller, and a trainer

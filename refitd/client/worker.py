@@ -82,6 +82,7 @@ class WorkerClient:
         self._heartbeat: threading.Thread | None = None
         self.staged = False  # InferenceClient(staged=True): the pool refits through staging
         self.snapshot = False  # TrainerClient(snapshot=True): released after a local snapshot
+        self.adapter = False  # InferenceClient.register_adapter: refits land in a spare slot
 
     # ------------------------------------------------------------------ registration
     @property
@@ -178,6 +179,7 @@ class WorkerClient:
             paused_refit_id=paused_refit_id,
             staged=self.staged,
             snapshot=self.snapshot,
+            adapter=self.adapter,
         )
         resp = self._conn.call(self._conn.refit.RegisterWorker, req, f"register {self._who()}")
         self._registration = Registration(

@@ -134,6 +134,7 @@ class SharedTensorArena:
         # Taken before any storage moves: one storage may back several registered tensors.
         where: dict[int, tuple[Segment, int, int]] = {}
         old_ptrs: dict[str, int] = {}
+        placed: dict[int, tuple[Segment, int, int]] = {}  # storages in a segment already
         for name, t in tensors.items():
             if t.layout != torch.strided:
                 raise ValueError(f"tensor {name!r}: layout cannot be shared")
@@ -141,16 +142,23 @@ class SharedTensorArena:
             ptr = old_ptrs[name] = s.data_ptr()
             if ptr not in where:
                 n = s.nbytes()
+                home = self._segment_holding(ptr, n)
+                if home is not None:
+                    where[ptr] = placed[ptr] = (home, ptr - home.address, n)
+                    continue
                 seg, offset = self._place(n)
                 where[ptr] = (seg, offset, n)
         spans: dict[str, tuple[Segment, int, int]] = {}
-        for seg, offset, n in where.values():
+        for ptr, (seg, offset, n) in where.items():
+            if ptr in placed:
+                continue
             _, lo, hi = spans.get(seg.name, (seg, offset, offset + n))
             spans[seg.name] = (seg, min(lo, offset), max(hi, offset + n))
         for seg, lo, hi in spans.values():
             seg.reserve(lo, hi - lo)
         for ptr, (seg, offset, n) in where.items():
-            ctypes.memmove(seg.address + offset, ptr, n)
+            if ptr not in placed:
+                ctypes.memmove(seg.address + offset, ptr, n)
         moved: dict[int, torch.UntypedStorage] = {}  # old address -> the moved storage
         out: dict[str, tuple[Segment, int, int]] = {}
         for name, t in tensors.items():
@@ -169,6 +177,14 @@ class SharedTensorArena:
                 with torch.no_grad():
                     t.set_(first, t.storage_offset(), t.size(), t.stride())
         return out
+
+    def _segment_holding(self, ptr: int, nbytes: int) -> Segment | None:
+        """The segment of this arena a storage already lives in (registered before, e.g.
+        another view of it): it stays where it is, so a reader of it is never disturbed."""
+        for seg in self._segments:
+            if seg.address <= ptr and ptr + nbytes <= seg.address + seg.size:
+                return seg
+        return None
 
     def _register_cuda(self, name: str, t: torch.Tensor) -> MemoryHandle:
         storage = t.untyped_storage()

@@ -31,6 +31,8 @@ class Worker:
     live: bool = True  # False: restored from the database, not re-registered yet
     holds: int = 0  # committed version its registered memory holds (destinations; 0: none)
     paused_in: int = 0  # refit whose PAUSE it re-registered in, not yet told the outcome
+    # adapter pools: sent a COMMIT, its spare slot unknown until it registers again
+    flip_pending: bool = False
     table: SpecTable | None = field(default=None, repr=False, compare=False)  # of `specs`
 
     def describe(self) -> str:
@@ -52,6 +54,7 @@ class Pool:
     ranks: dict[int, str] = field(default_factory=dict)  # rank -> worker_id
     staged: bool = False  # destination pool receiving into staging buffers (apply on commit)
     snapshot: bool = False  # source pool released after its slots copied it (snapshot.py)
+    adapter: bool = False  # destination pool writing a spare adapter slot (no pause, a flip)
     # canonical -> (global shape, first rank registering it); None: rebuild after a removal
     shapes: dict[str, tuple[tuple[int, ...], int]] | None = None
 

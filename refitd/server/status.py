@@ -156,7 +156,7 @@ def _models(c: StatusSource, model_filter: str, with_ranks: bool) -> list[dict[s
             pool: dict[str, Any] = {
                 "name": p.name,
                 "role": p.role,
-                "mode": "staged" if p.staged else "in_place",
+                "mode": "staged" if p.staged else "adapter" if p.adapter else "in_place",
                 "size": p.size,
                 "registered": len(p.ranks),
                 "summary": _pool_summary(p, rows, m.committed_version),

@@ -99,6 +99,16 @@ CASES = [
         "already has source pool 'trainer'",
     ),
     (
+        dict(pool="trainer", role=pb.ROLE_SOURCE, rank=1, pool_size=2, adapter=True),
+        "INVALID_ARGUMENT",
+        "rank 1 of pool 'trainer' sets adapter, but only destination (inference) pools",
+    ),
+    (
+        dict(adapter=True, staged=True),
+        "INVALID_ARGUMENT",
+        "rank 0 of pool 'infer2' sets both adapter and staged",
+    ),
+    (
         dict(pool="trainer", role=pb.ROLE_SOURCE, pool_size=3),
         "FAILED_PRECONDITION",
         "says pool_size=3, the registered ranks say 2",

@@ -83,11 +83,16 @@ class CatchUps:
         for w in behind:
             self._tried.add((w.worker_id, w.registered_at, version))
         who = ", ".join(w.describe() for w in behind)
-        sources = [w for w in holders if all(t.storage == "plain" for t in w.specs)]
+        model = self.registry.model(m.name)
+        # An adapter pool's registered memory is its spare slot, not the version it serves.
+        sources = [
+            w
+            for w in holders
+            if all(t.storage == "plain" for t in w.specs) and not model.pools[w.pool].adapter
+        ]
         if not sources:
             log.info("%s: no replica holds version %s; caught up by the next refit", who, version)
             return
-        model = self.registry.model(m.name)
         ms = self.memberships
         try:
             plan = ms.catch_up_plan(
@@ -122,6 +127,7 @@ class CatchUps:
             self.commander.transfer(membership, run, m.cond)
             self.delta.committed(m.name, version, plan.digest, behind, None, how="catch_up")
             self.registry.set_holds(behind, version)
+            self.registry.mark_flips(behind)
             self.events.commit(run, behind, None)
             turn.release()
             log.info("%s caught up to version %s from %d replica ranks", who, version, len(sources))

@@ -266,7 +266,8 @@ class AgentCommander:
         committed = self.registry.committed_version(run.model)
         host_slots = self.registry.host_slots()
         return self.delta.commands(
-            run.model, ms.plan, ms.dest_workers, ms.staged_pools, committed, exec_id,
+            run.model, ms.plan, ms.dest_workers, ms.staged_pools | ms.adapter_pools, committed,
+            exec_id,
             run.detail, host_slots,
         )  # fmt: skip
 

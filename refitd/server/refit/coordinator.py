@@ -78,7 +78,7 @@ class RefitCoordinator:
         self.planner = self._planner(settings)
         self.memberships = Memberships(
             registry, agents, events, self.plans, self.plan_options, self.gc_pause, metrics,
-            self.planner,
+            self.planner, settings.commit_timeout_s,
         )  # fmt: skip
         self.commander = AgentCommander(
             settings, registry, agents, board, self.delta, store_address, metrics, self.plans

@@ -56,6 +56,7 @@ class Membership:
     staged_pools: frozenset[str] = frozenset()  # written through staging, applied at the end
     snapshot_pools: frozenset[str] = frozenset()  # sources copied to a snapshot, then released
     source_pool: str = ""  # the pool whose ranks `readers` counts
+    adapter_pools: frozenset[str] = frozenset()  # written into a spare adapter slot: no pause
 
     @property
     def by_agent(self) -> dict[str, list[int]]:
@@ -72,7 +73,8 @@ class Membership:
 
     def in_place(self) -> list[Worker]:
         """Destination workers written in place by the transfer (paused before it)."""
-        return [w for w in self.dest_workers if w.pool not in self.staged_pools]
+        quiet = self.staged_pools | self.adapter_pools
+        return [w for w in self.dest_workers if w.pool not in quiet]
 
     def staged(self) -> list[Worker]:
         """Destination workers of staged pools (paused only for the apply)."""
@@ -111,8 +113,10 @@ class Memberships:
         gc_pause: GcPause,
         metrics: ControllerMetrics,
         process: PlanningProcess | None = None,
+        flip_timeout_s: float = 30.0,
     ) -> None:
         self.registry = registry
+        self.flip_timeout_s = flip_timeout_s  # adapter pools: the wait for their flips
         self.process = process  # builds refit plans off this process's interpreter lock
         self.metrics = metrics
         self.agents = agents
@@ -130,7 +134,16 @@ class Memberships:
         return self.registry.pool_complete(run.model, run.source_pool)
 
     def for_run(self, run: RefitRun) -> Membership:
-        """The cached Membership of the model's epoch, checked for liveness, else built."""
+        """The cached Membership of the model's epoch, checked for liveness, else built.
+        Adapter pools first finish flipping to their last COMMIT: each registers its old
+        slot as the spare the refit writes (a refit never writes a slot being served)."""
+        flipping = self.registry.await_flips(run.model, self.flip_timeout_s)
+        if flipping:
+            raise precondition(
+                f"{', '.join(w.describe() for w in flipping)} of adapter pools did not register "
+                f"a spare adapter slot within {self.flip_timeout_s:g}s of its last COMMIT (the "
+                "engine still reads its previous slot); nothing was written"
+            )
         model = self.registry.model(run.model)
         ms = self._cache.get(run.model)
         if ms is None or ms.epoch != model.epoch or ms.source_pool != run.source_pool:
@@ -261,6 +274,7 @@ class Memberships:
             frozenset(p.name for p in dests if p.staged),
             frozenset([src.name] if src.snapshot else []),
             source_pool,
+            frozenset(p.name for p in dests if p.adapter),
         )
 
     def for_catch_up(

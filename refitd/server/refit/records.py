@@ -51,6 +51,7 @@ class RefitRecords:
         self.db.commit_version(run.model, run.version, run.refit_id, run.bytes, run.seconds, epoch)
         self.registry.set_committed(run.model, run.version)
         self.registry.set_holds(workers, run.version)
+        self.registry.mark_flips(workers)
 
     def torn(self, workers: Iterable[Worker]) -> None:
         """The weights of `workers` may be torn: none can be the source of a catch-up."""

@@ -1,5 +1,5 @@
 """A registration checked against its model and pool (registry lock held): one role and
-size per pool, one source pool per model, staged and snapshot agreed by all ranks of a pool,
+size per pool, one source pool per model, staged, snapshot and adapter agreed by all ranks of a pool,
 one global shape per canonical tensor within a pool."""
 
 from __future__ import annotations
@@ -47,6 +47,16 @@ def check_staged(pool: Pool | None, req: pb.RegisterWorkerRequest, role: str) ->
             f"rank {req.rank} of pool {req.pool!r} sets staged, but only destination "
             "(inference) pools can be staged"
         )
+    if req.adapter and role != "destination":
+        raise invalid(
+            f"rank {req.rank} of pool {req.pool!r} sets adapter, but only destination "
+            "(inference) pools hold adapter slots"
+        )
+    if req.adapter and req.staged:
+        raise invalid(
+            f"rank {req.rank} of pool {req.pool!r} sets both adapter and staged: an adapter "
+            "pool already lands in a slot it does not serve from"
+        )
     if req.snapshot and role != "source":
         raise invalid(
             f"rank {req.rank} of pool {req.pool!r} sets snapshot, but only source "
@@ -60,6 +70,12 @@ def check_staged(pool: Pool | None, req: pb.RegisterWorkerRequest, role: str) ->
             f"rank {req.rank} of pool {req.pool!r} registers snapshot={req.snapshot}, but "
             f"ranks {others} of the pool registered snapshot={pool.snapshot}: all ranks of "
             "a pool must agree on snapshot"
+        )
+    if others and pool.adapter != req.adapter:
+        raise precondition(
+            f"rank {req.rank} of pool {req.pool!r} registers adapter={req.adapter}, but "
+            f"ranks {others} of the pool registered adapter={pool.adapter}: all ranks of a "
+            "pool must agree on adapter"
         )
     if others and pool.staged != req.staged:
         mode = {True: "staged", False: "in-place"}

@@ -161,6 +161,7 @@ class Registrar(Queries):
         pool.size = req.pool_size
         pool.staged = req.staged
         pool.snapshot = req.snapshot
+        pool.adapter = req.adapter
         old_id, old = self._replaced_rank(pool, req)
         worker = self._new_worker(req, worker_id, slot, live, role, specs, model)
         worker.table = table
@@ -182,6 +183,7 @@ class Registrar(Queries):
                 worker.worker_id, req.model, req.pool, req.rank, req.SerializeToString(), slot
             )
             self._bump(model)
+        self._registered.notify_all()
         return worker
 
     def _check_pools(
@@ -275,6 +277,28 @@ class Registrar(Queries):
         with self.lock:
             for w in workers:
                 w.holds = version
+
+    def mark_flips(self, workers: Iterable[Worker]) -> None:
+        """COMMIT goes to `workers`: those of adapter pools flip to the slot just written and
+        register their old slot as the next spare; until then no refit may write them."""
+        with self.lock:
+            for w in workers:
+                pool = self.models[w.model].pools.get(w.pool) if w.model in self.models else None
+                now = self.workers.get(w.worker_id)
+                if pool is not None and pool.adapter and now is not None:
+                    now.flip_pending = True
+
+    def await_flips(self, model: str, timeout_s: float) -> list[Worker]:
+        """Wait until no adapter-pool worker of `model` is flipping (each registered its
+        spare slot again, or left), `timeout_s` at most; the workers still flipping."""
+        deadline = time.monotonic() + timeout_s
+        with self._registered:
+            while True:
+                pending = [w for w in self.workers.values() if w.model == model and w.flip_pending]
+                left = deadline - time.monotonic()
+                if not pending or left <= 0:
+                    return pending
+                self._registered.wait(min(left, 0.05))  # removals do not notify: look again
 
     def told_outcome(self, w: Worker, refit_id: int, holds: int | None = None) -> bool:
         """`w` was told how refit `refit_id` (0: whichever paused it) ended; True when that

@@ -23,6 +23,7 @@ class RegistryState:
         # past their lease). Look-ups in the dicts are atomic reads.
         self._lease_lock = threading.Lock()
         self._renewed = threading.Condition(self._lease_lock)  # a worker's lease was renewed
+        self._registered = threading.Condition(self.lock)  # a worker registered (a flip done)
         # Registrations validate one at a time: each is ~50 ms of Python for a rank of
         # ~1,000 tensors, and several at once leave the GIL to the gRPC poller and the
         # heartbeat handlers only between them (heartbeats then waited 20 s in a burst).
