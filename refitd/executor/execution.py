@@ -342,7 +342,7 @@ class RefitExecution:
             if timed:  # GPU time of the local copies next to the host's (phases)
                 events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                 events[0].record()
-                t_launch = time.monotonic()
+            t_launch = time.monotonic()
             if step.grouped is not None:
                 fused = step.grouped.run(hash=self.verify)
                 self.report.local_bytes += step.grouped.nbytes
@@ -353,15 +353,15 @@ class RefitExecution:
             self.report.local_bytes += step.nbytes
             if timed:
                 events[1].record()
-                phases["local_launch_s"] = phases.get("local_launch_s", 0.0) + (
-                    time.monotonic() - t_launch
-                )
+            # on a CPU device the copies run inside their calls: launch is their work
+            _add(phases, "local_launch_s", time.monotonic() - t_launch)
             if self.verify:
                 self.data.check_local(step.rows, fused, step.grouped_plain)
-            if timed:  # local copies are async on the GPU
+            if timed:  # local copies are async on the GPU: the sources are read once done
+                t_sync = time.monotonic()
                 torch.cuda.current_stream(self.prep.device).synchronize()
-                gpu_s = events[0].elapsed_time(events[1]) / 1e3
-                phases["local_gpu_s"] = phases.get("local_gpu_s", 0.0) + gpu_s
+                _add(phases, "local_sync_s", time.monotonic() - t_sync)
+                _add(phases, "local_gpu_s", events[0].elapsed_time(events[1]) / 1e3)
         except ExecutionError as e:
             self.fail(e)
         except BaseException as e:
@@ -437,6 +437,10 @@ class RefitExecution:
         self.report.staging_peak_bytes = self.pool.peak_bytes
         self.report.messages = sorted(self.stats.values(), key=lambda s: (s.direction, s.id))
         return self.report
+
+
+def _add(phases: dict[str, float], key: str, seconds: float) -> None:
+    phases[key] = phases.get(key, 0.0) + seconds
 
 
 def _without(m: MessageColumns, skip: frozenset[int]) -> MessageColumns:

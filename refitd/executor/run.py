@@ -162,6 +162,7 @@ class Executor:
             raise ExecutionError(f"slot {p.slot}: one-sided messages {bad} cannot be skipped")
         self.resolver.check(self._index_list)
         self.one_sided.check(attempt)
+        check_s = time.monotonic() - t0
         self.prepared.pool.reset()
         if self.prepared.has_messages and self.transport is None:
             raise ExecutionError(f"slot {p.slot}: program has messages but no transport")
@@ -178,4 +179,5 @@ class Executor:
             self.one_sided,
             attempt,
         )
+        execution.report.phases["check_s"] = check_s
         return execution.run()
