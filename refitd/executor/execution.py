@@ -419,8 +419,8 @@ class RefitExecution:
         with self.lock:
             if self.errors:
                 raise self.errors[0]
-        if self.is_cuda:
-            torch.cuda.current_stream(self.prep.device).synchronize()
+        if self.is_cuda and self.prep.has_messages:  # unpacks queued by the receiver
+            torch.cuda.current_stream(self.prep.device).synchronize()  # (run_local synced)
         t1 = time.monotonic()
         phases["messages_s"] = t1 - tj
         if self.prep.has_messages:

@@ -113,6 +113,7 @@ class Executor:
         self.config = config or ExecutorConfig()
         self.info = CopyInfo.of(program, self.config.direct_min)
         self._index_list = touched_indices(program)
+        self._checked = frozenset(self._index_list)  # one object: the resolver's check key
         tensors = resolve_tensors(program, resolver, self._index_list)
         first = next(iter(tensors.values()), None)
         self.device = device or (first.data.device if first else torch.device("cpu"))
@@ -160,7 +161,7 @@ class Executor:
         if skip & self.one_sided.mids:
             bad = sorted(skip & self.one_sided.mids)[:4]
             raise ExecutionError(f"slot {p.slot}: one-sided messages {bad} cannot be skipped")
-        self.resolver.check(self._index_list)
+        self.resolver.check(self._checked)
         self.one_sided.check(attempt)
         check_s = time.monotonic() - t0
         self.prepared.pool.reset()
