@@ -27,7 +27,8 @@ block before the sources are released, the receiver reads each copy's destinatio
 once it landed; both combine a message's copies in order into one checksum per message id,
 returned in ExecReport.checksums for the controller to compare. A copy that the receiver
 decodes (quantized wire or storage) is checked on its wire segment instead (sender after
-encode, receiver before decode). Local copies are compared here (ExecutionError on a
+encode, receiver before decode; a raw segment quantized on landing on a GPU is checksummed
+by the quantizing kernel as it reads it, with no second read). Local copies are compared here (ExecutionError on a
 mismatch); those into quantized storage are not checked.
 """
 
