@@ -49,15 +49,33 @@ def failure(e: BaseException) -> Failed:
 
 
 class _Replies:
-    """The pipe's sending end, shared by the loop and a running refit's thread."""
+    """The pipe's sending end, shared by the loop and the refit thread. A refit's replies
+    (its SourcesReleased event, then its report) are posted to a sender thread in order, so
+    pickling and writing them (and a reader slow to drain the pipe) stay off the refit."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.lock = threading.Lock()
+        self.posted: queue.SimpleQueue[tuple[int, Report] | None] = queue.SimpleQueue()
+        self.sender = threading.Thread(target=self._drain, name="refitd-replies", daemon=True)
+        self.sender.start()
 
     def send(self, rid: int, report: Report) -> None:
         with self.lock:
             self.conn.send((rid, report))
+
+    def post(self, rid: int, report: Report) -> None:
+        self.posted.put((rid, report))
+
+    def _drain(self) -> None:
+        while (item := self.posted.get()) is not None:
+            with contextlib.suppress(OSError, ValueError):  # the parent went away
+                self.send(*item)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is posted, then stop the sender."""
+        self.posted.put(None)
+        self.sender.join(timeout_s)
 
 
 def transfer_process_main(conn: Connection, slot: int, device: str | None, name: str) -> None:
@@ -95,6 +113,7 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None, name:
             report = failure(e)
         replies.send(rid, report)
     runner.stop()
+    replies.close()
     conn.close()
 
 
@@ -134,7 +153,7 @@ def _start_refit(
     state.aborting.clear()
 
     def released() -> None:
-        replies.send(rid, SourcesReleased(time.time()))
+        replies.post(rid, SourcesReleased(time.time()))
 
     def body() -> None:
         report: Report
@@ -144,7 +163,7 @@ def _start_refit(
             report = failure(e)
         state.busy.clear()
         state.idle.set()
-        replies.send(rid, report)
+        replies.post(rid, report)
 
     state.idle.clear()
     state.busy.set()
