@@ -88,14 +88,14 @@ class RefitExecution:
         self.report = ExecReport(slot=self.slot)
         self.send_sums: _Sums | None = {} if verify else None
         self.recv_sums: _Sums | None = {} if verify else None
-        self.send_q: queue.Queue[_Posted | None] = queue.Queue()
-        self.recv_q: queue.Queue[_Posted | None] = queue.Queue()
-        self.local_done = threading.Event()
-        self.released = threading.Event()
+        self.send_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
+        self.recv_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
         # shared between the threads, under `lock`
         self.lock = threading.Lock()
         self.progress = threading.Condition(self.lock)
         self.errors: list[BaseException] = []
+        self.local_done = False  # the local copies from sources ran
+        self.released = False  # the sources were released
         self.recvs_done = 0  # receive chunks completed (waited and unpacked), in posting order
         skipped_sources = sum(prep.reads_source[id(c)] for c in prep.send_chunks if c.mid in skip)
         self.sources_left = prep.source_chunks - skipped_sources
@@ -158,11 +158,9 @@ class RefitExecution:
         done, the sources are released (once)."""
         with self.lock:
             self.sources_left -= n
-            done = (
-                self.sources_left == 0 and self.local_done.is_set() and not self.released.is_set()
-            )
+            done = self.sources_left == 0 and self.local_done and not self.released
             if done:
-                self.released.set()
+                self.released = True
         if done:
             if self.verify and self.is_cuda:  # source checksums are queued on the stream
                 torch.cuda.current_stream(self.prep.device).synchronize()
@@ -373,7 +371,8 @@ class RefitExecution:
         self.run_local(self.prep.local_direct, "local copy")
         self.report.local_seconds = time.monotonic() - tl
         self.report.phases["local_s"] = self.report.local_seconds
-        self.local_done.set()
+        with self.lock:
+            self.local_done = True
         self.source_done(0)
         if self.prep.local_relay.empty or self.errors:
             return
