@@ -94,8 +94,7 @@ class RefitExecution:
         self.lock = threading.Lock()
         self.progress = threading.Condition(self.lock)
         self.errors: list[BaseException] = []
-        self.local_done = False  # the local copies from sources ran
-        self.released = False  # the sources were released
+        self.local_done = self.released = False  # local copies from sources ran; released
         self.recvs_done = 0  # receive chunks completed (waited and unpacked), in posting order
         skipped_sources = sum(prep.reads_source[id(c)] for c in prep.send_chunks if c.mid in skip)
         self.sources_left = prep.source_chunks - skipped_sources
@@ -354,14 +353,17 @@ class RefitExecution:
             if timed:
                 events[1].record()
             # on a CPU device the copies run inside their calls: launch is their work
-            _add(phases, "local_launch_s", time.monotonic() - t_launch)
+            launch_s = time.monotonic() - t_launch
+            phases["local_launch_s"] = phases.get("local_launch_s", 0.0) + launch_s
             if self.verify:
                 self.data.check_local(step.rows, fused, step.grouped_plain)
             if timed:  # local copies are async on the GPU: the sources are read once done
                 t_sync = time.monotonic()
                 torch.cuda.current_stream(self.prep.device).synchronize()
-                _add(phases, "local_sync_s", time.monotonic() - t_sync)
-                _add(phases, "local_gpu_s", events[0].elapsed_time(events[1]) / 1e3)
+                waited_s = time.monotonic() - t_sync
+                phases["local_sync_s"] = phases.get("local_sync_s", 0.0) + waited_s
+                gpu_s = events[0].elapsed_time(events[1]) / 1e3
+                phases["local_gpu_s"] = phases.get("local_gpu_s", 0.0) + gpu_s
         except ExecutionError as e:
             self.fail(e)
         except BaseException as e:
@@ -438,10 +440,6 @@ class RefitExecution:
         self.report.staging_peak_bytes = self.pool.peak_bytes
         self.report.messages = sorted(self.stats.values(), key=lambda s: (s.direction, s.id))
         return self.report
-
-
-def _add(phases: dict[str, float], key: str, seconds: float) -> None:
-    phases[key] = phases.get(key, 0.0) + seconds
 
 
 def _without(m: MessageColumns, skip: frozenset[int]) -> MessageColumns:
