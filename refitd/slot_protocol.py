@@ -72,10 +72,13 @@ class MessageStat:
 class ExecReport:
     """What one refit of one slot did: bytes and seconds per message, and totals.
 
-    phases: seconds of the refit's phases (check_start_s: storage check and thread start;
-    local_s: local copies from sources; messages_s: waiting for the messages after that;
-    with messages, pack_s / unpack_s / recv_wait_s summed over chunks), so fixed per-refit
-    overhead and the staging cost are visible next to the bytes.
+    phases: seconds of the refit's phases (check_s: storage check; check_start_s: that and
+    thread start; local_s: local copies from sources, of which local_launch_s their calls
+    (on a CPU device, their work), on a GPU local_sync_s waiting for them and local_gpu_s
+    their GPU time; messages_s: waiting for the messages after that; with messages,
+    pack_s / unpack_s / recv_wait_s summed over chunks; command_s: the whole execute command
+    in the transfer process), so fixed per-refit overhead and the staging cost are visible
+    next to the bytes.
     """
 
     slot: int

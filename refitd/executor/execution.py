@@ -88,14 +88,13 @@ class RefitExecution:
         self.report = ExecReport(slot=self.slot)
         self.send_sums: _Sums | None = {} if verify else None
         self.recv_sums: _Sums | None = {} if verify else None
-        self.send_q: queue.Queue[_Posted | None] = queue.Queue()
-        self.recv_q: queue.Queue[_Posted | None] = queue.Queue()
-        self.local_done = threading.Event()
-        self.released = threading.Event()
+        self.send_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
+        self.recv_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
         # shared between the threads, under `lock`
         self.lock = threading.Lock()
         self.progress = threading.Condition(self.lock)
         self.errors: list[BaseException] = []
+        self.local_done = self.released = False  # local copies from sources ran; released
         self.recvs_done = 0  # receive chunks completed (waited and unpacked), in posting order
         skipped_sources = sum(prep.reads_source[id(c)] for c in prep.send_chunks if c.mid in skip)
         self.sources_left = prep.source_chunks - skipped_sources
@@ -158,11 +157,9 @@ class RefitExecution:
         done, the sources are released (once)."""
         with self.lock:
             self.sources_left -= n
-            done = (
-                self.sources_left == 0 and self.local_done.is_set() and not self.released.is_set()
-            )
+            done = self.sources_left == 0 and self.local_done and not self.released
             if done:
-                self.released.set()
+                self.released = True
         if done:
             if self.verify and self.is_cuda:  # source checksums are queued on the stream
                 torch.cuda.current_stream(self.prep.device).synchronize()
@@ -344,7 +341,7 @@ class RefitExecution:
             if timed:  # GPU time of the local copies next to the host's (phases)
                 events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                 events[0].record()
-                t_launch = time.monotonic()
+            t_launch = time.monotonic()
             if step.grouped is not None:
                 fused = step.grouped.run(hash=self.verify)
                 self.report.local_bytes += step.grouped.nbytes
@@ -355,13 +352,16 @@ class RefitExecution:
             self.report.local_bytes += step.nbytes
             if timed:
                 events[1].record()
-                phases["local_launch_s"] = phases.get("local_launch_s", 0.0) + (
-                    time.monotonic() - t_launch
-                )
+            # on a CPU device the copies run inside their calls: launch is their work
+            launch_s = time.monotonic() - t_launch
+            phases["local_launch_s"] = phases.get("local_launch_s", 0.0) + launch_s
             if self.verify:
                 self.data.check_local(step.rows, fused, step.grouped_plain)
-            if timed:  # local copies are async on the GPU
+            if timed:  # local copies are async on the GPU: the sources are read once done
+                t_sync = time.monotonic()
                 torch.cuda.current_stream(self.prep.device).synchronize()
+                waited_s = time.monotonic() - t_sync
+                phases["local_sync_s"] = phases.get("local_sync_s", 0.0) + waited_s
                 gpu_s = events[0].elapsed_time(events[1]) / 1e3
                 phases["local_gpu_s"] = phases.get("local_gpu_s", 0.0) + gpu_s
         except ExecutionError as e:
@@ -375,7 +375,8 @@ class RefitExecution:
         self.run_local(self.prep.local_direct, "local copy")
         self.report.local_seconds = time.monotonic() - tl
         self.report.phases["local_s"] = self.report.local_seconds
-        self.local_done.set()
+        with self.lock:
+            self.local_done = True
         self.source_done(0)
         if self.prep.local_relay.empty or self.errors:
             return
@@ -421,8 +422,8 @@ class RefitExecution:
         with self.lock:
             if self.errors:
                 raise self.errors[0]
-        if self.is_cuda:
-            torch.cuda.current_stream(self.prep.device).synchronize()
+        if self.is_cuda and self.prep.has_messages:  # unpacks queued by the receiver
+            torch.cuda.current_stream(self.prep.device).synchronize()  # (run_local synced)
         t1 = time.monotonic()
         phases["messages_s"] = t1 - tj
         if self.prep.has_messages:

@@ -27,7 +27,8 @@ block before the sources are released, the receiver reads each copy's destinatio
 once it landed; both combine a message's copies in order into one checksum per message id,
 returned in ExecReport.checksums for the controller to compare. A copy that the receiver
 decodes (quantized wire or storage) is checked on its wire segment instead (sender after
-encode, receiver before decode). Local copies are compared here (ExecutionError on a
+encode, receiver before decode; a raw segment quantized on landing on a GPU is checksummed
+by the quantizing kernel as it reads it, with no second read). Local copies are compared here (ExecutionError on a
 mismatch); those into quantized storage are not checked.
 """
 
@@ -113,6 +114,7 @@ class Executor:
         self.config = config or ExecutorConfig()
         self.info = CopyInfo.of(program, self.config.direct_min)
         self._index_list = touched_indices(program)
+        self._checked = frozenset(self._index_list)  # one object: the resolver's check key
         tensors = resolve_tensors(program, resolver, self._index_list)
         first = next(iter(tensors.values()), None)
         self.device = device or (first.data.device if first else torch.device("cpu"))
@@ -160,8 +162,9 @@ class Executor:
         if skip & self.one_sided.mids:
             bad = sorted(skip & self.one_sided.mids)[:4]
             raise ExecutionError(f"slot {p.slot}: one-sided messages {bad} cannot be skipped")
-        self.resolver.check(self._index_list)
+        self.resolver.check(self._checked)
         self.one_sided.check(attempt)
+        check_s = time.monotonic() - t0
         self.prepared.pool.reset()
         if self.prepared.has_messages and self.transport is None:
             raise ExecutionError(f"slot {p.slot}: program has messages but no transport")
@@ -178,4 +181,5 @@ class Executor:
             self.one_sided,
             attempt,
         )
+        execution.report.phases["check_s"] = check_s
         return execution.run()

@@ -81,6 +81,24 @@ def decode_segment(
     _formats().decode_segment(wire, seg, shape, name, dest_region(dst, offset, shape))
 
 
+def decode_hashed(
+    wire: str,
+    seg: torch.Tensor,
+    shape: tuple[int, ...],
+    src_dtype: torch.dtype,
+    dst: ResolvedTensor,
+    offset: tuple[int, ...],
+) -> torch.Tensor | None:
+    """decode_segment of a raw segment landed by a quantizing kernel that also returns the
+    segment's checksum (refitd.formats.decode_raw_hashed); None, with nothing landed, where
+    no such kernel runs (plain storage, a CPU device, other wires or dtypes)."""
+    if wire != RAW or dst.storage == PLAIN or not seg.is_cuda:
+        return None
+    name = str(src_dtype).removeprefix("torch.")
+    region = dest_region(dst, offset, shape)
+    return _formats().decode_raw_hashed(seg, shape, name, region)
+
+
 def dest_region(dst: ResolvedTensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> Any:
     """The refitd.formats.DestRegion of the block at `offset` of a quantized (or plain)
     destination: views of its buffers."""

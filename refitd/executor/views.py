@@ -26,6 +26,7 @@ from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import (
     ResolvedTensor,
     block,
+    decode_hashed,
     decode_segment,
     dest_region,
     encode_segment,
@@ -234,19 +235,23 @@ class SlotViews:
                 if ch.seg_start + ch.nbytes < self._pay[i]:
                     continue
                 seg = partial.pop(i)
-            if sums is not None:  # a raw segment without its alignment padding
-                n = self._pay[i] if self._wire[i] == _RAW else None
-                sums[(ch.mid, i)] = self.summer.tensor(seg[:n])
             dst = self.tensors[self._dst_t[i]]
-            nd = self._nd[i]
-            decode_segment(
+            args = (
                 WIRES[self._wire[i]],
                 seg,
                 self.shape(i),
                 self._dtype[i],
                 dst,
-                tuple(self._dst_off[i][:nd]),
+                tuple(self._dst_off[i][: self._nd[i]]),
             )
+            if sums is not None:  # the quantizer's own read of the segment, where it can
+                fused = decode_hashed(*args)
+                if fused is not None:
+                    sums[(ch.mid, i)] = fused
+                    continue
+                n = self._pay[i] if self._wire[i] == _RAW else None  # without the padding
+                sums[(ch.mid, i)] = self.summer.tensor(seg[:n])
+            decode_segment(*args)
 
     # ------------------------------------------------------------------ one-sided
     def direct_views(self, ch: Chunk) -> _Views:

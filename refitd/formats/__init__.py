@@ -26,7 +26,12 @@ from refitd.formats.nvfp4 import (
 )
 from refitd.formats.passthrough import cast_copy
 from refitd.formats.region import DestRegion, dest_region
-from refitd.formats.segment import copy_region, decode_segment, encode_segment
+from refitd.formats.segment import (
+    copy_region,
+    decode_raw_hashed,
+    decode_segment,
+    encode_segment,
+)
 from refitd.formats.transform import (
     FP8BlockTransform,
     MXFP8Transform,
@@ -48,6 +53,7 @@ __all__ = [
     "TransformRegistry",
     "cast_copy",
     "copy_region",
+    "decode_raw_hashed",
     "decode_segment",
     "default_registry",
     "dest_region",

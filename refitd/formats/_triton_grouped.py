@@ -21,10 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from refitd.formats._triton_jit import fp8_block_tile, mxfp8_tile
-
-# 2 * 0x9E3779B97F4A7C15 mod 2**64 (refitd.executor.checksums.A), positive as an int64
-TWO_A = tl.constexpr(0x3C6EF372FE94F82A)
+from refitd.formats._triton_jit import TWO_A, fp8_block_tile, mxfp8_tile
 
 # int64 fields of one region's row in the segment table, per kernel
 MX_FIELDS = ("x_off", "q_off", "s_off", "M", "C", "n_c", "sxm", "sqm", "ssm")

@@ -47,6 +47,28 @@ def _load_f32_bits(ptrs, mask, SRC_BF16: tl.constexpr):
     return bits
 
 
+# 2 * 0x9E3779B97F4A7C15 mod 2**64 (refitd.executor.checksums.A), positive as an int64
+TWO_A = tl.constexpr(0x3C6EF372FE94F82A)
+
+
+@triton.jit
+def _bits_hash(bits, k, mask, SRC_BF16: tl.constexpr):
+    """This tile's share of the checksum of refitd.executor.checksums over the
+    source's bytes: `bits` as _load_f32_bits returned them, `k` each element's row-major
+    index in the region. A float32 element is word k; a bf16 element is the low (k even,
+    zero-extended) or the high (k odd, sign-extended) half of word k // 2. Products wrap
+    mod 2**64, as the checksum's arithmetic does."""
+    if SRC_BF16:
+        half = (bits >> 16).to(tl.int64)
+        v = tl.where((k & 1) == 0, half & 0xFFFF, half << 16)
+        w = k >> 1
+    else:
+        v = bits.to(tl.int64)
+        w = k
+    v = tl.where(mask, v, 0)
+    return tl.sum(v * w) * TWO_A + tl.sum(v)
+
+
 @triton.jit
 def mxfp8_tile(
     x_ptr,
@@ -67,9 +89,11 @@ def mxfp8_tile(
     BLOCK_C: tl.constexpr,
     SRC_BF16: tl.constexpr,
     FAST: tl.constexpr,
+    HASH: tl.constexpr = False,
 ):
     """One (BLOCK_M x BLOCK_C) tile of an MXFP8 quantization (shared by the per-tensor and
-    the grouped kernels, so both compute the same codes)."""
+    the grouped kernels, so both compute the same codes); with HASH, returns the tile's
+    share of the checksum of the source region's bytes (_bits_hash), else 0."""
     NBB: tl.constexpr = BLOCK_C // 32
     srows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     rows = srows[:, :, None]
@@ -77,6 +101,9 @@ def mxfp8_tile(
     cols = blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     mask = (rows < M) & (cols < C)
     bits = _load_f32_bits(x_ptr + rows * sxm + cols * sxc, mask, SRC_BF16)
+    h = tl.zeros((1,), dtype=tl.int64)
+    if HASH:
+        h += _bits_hash(bits, rows * C + cols, mask, SRC_BF16)
     absb = bits & 0x7FFFFFFF
     amax = tl.max(absb, axis=2)
     nonfinite = amax >= 0x7F800000
@@ -106,6 +133,7 @@ def mxfp8_tile(
         sbyte.to(tl.uint8),
         mask=(srows < M) & (blk[None, :] < NB),
     )
+    return h
 
 
 @triton.jit
@@ -113,6 +141,7 @@ def mxfp8_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    h_ptr,
     M,
     C,
     NB,
@@ -127,12 +156,16 @@ def mxfp8_kernel(
     BLOCK_C: tl.constexpr,
     SRC_BF16: tl.constexpr,
     FAST: tl.constexpr,
+    HASH: tl.constexpr,
 ):
+    """h_ptr[pid] (with HASH): this program's partial checksum of x's bytes."""
     pid = tl.program_id(0)
-    mxfp8_tile(
+    h = mxfp8_tile(
         x_ptr, q_ptr, s_ptr, M, C, NB, pid // n_col_programs, pid % n_col_programs,
-        sxm, sxc, sqm, sqc, ssm, ssc, BLOCK_M, BLOCK_C, SRC_BF16, FAST,
+        sxm, sxc, sqm, sqc, ssm, ssc, BLOCK_M, BLOCK_C, SRC_BF16, FAST, HASH,
     )  # fmt: skip
+    if HASH:
+        tl.store(h_ptr + pid + tl.arange(0, 1), h)
 
 
 @triton.jit
@@ -152,17 +185,24 @@ def fp8_block_tile(
     TILE: tl.constexpr,
     SRC_BF16: tl.constexpr,
     FAST: tl.constexpr,
+    HASH: tl.constexpr = False,
+    k0=0,
 ):
     """One 128x128 tile of a block-FP8 quantization: xb / qb point at the tile's matrix,
-    s_tile at its scale (shared by the per-tensor and the grouped kernels)."""
+    s_tile at its scale (shared by the per-tensor and the grouped kernels); with HASH,
+    returns the tile's share of the checksum of the source region's bytes (_bits_hash;
+    k0: the row-major index of the matrix's first element in the region), else 0."""
     cols = tc * TILE + tl.arange(0, TILE)
     cmask = cols < C
     acc = tl.zeros((SUB_R, TILE), dtype=tl.int32)
+    h = tl.zeros((1,), dtype=tl.int64)
     for i in tl.static_range(0, TILE, SUB_R):
         rows = (tr * TILE + i + tl.arange(0, SUB_R)).to(tl.int64)
         m = (rows[:, None] < R) & cmask[None, :]
         bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
         acc = tl.maximum(acc, bits & 0x7FFFFFFF)
+        if HASH:
+            h += _bits_hash(bits, k0 + rows[:, None] * C + cols[None, :], m, SRC_BF16)
     amax = tl.max(tl.max(acc, axis=1), axis=0)
     nonfinite = amax >= 0x7F800000
     tiny = amax < (27 << 23)
@@ -188,6 +228,7 @@ def fp8_block_tile(
             code = _e4m3_code(absb >> 23, absb & 0x7FFFFF, (bits >> 24) & 0x80)
         code = tl.where(nonfinite, 0x7F, code)
         tl.store(qb + rows[:, None] * sqr + cols[None, :] * sqc, code.to(tl.uint8), mask=m)
+    return h
 
 
 @triton.jit
@@ -195,6 +236,7 @@ def fp8_block_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    h_ptr,
     R,
     C,
     TR,
@@ -212,16 +254,20 @@ def fp8_block_kernel(
     TILE: tl.constexpr,
     SRC_BF16: tl.constexpr,
     FAST: tl.constexpr,
+    HASH: tl.constexpr,
 ):
+    """h_ptr[pid] (with HASH): this program's partial checksum of x's bytes."""
     pid = tl.program_id(0)
     tc = pid % TC
     rest = pid // TC
     tr = rest % TR
     b = (rest // TR).to(tl.int64)
-    fp8_block_tile(
+    h = fp8_block_tile(
         x_ptr + b * sxb, q_ptr + b * sqb, s_ptr + b * ssb + tr * ssr + tc * ssc,
-        R, C, tr, tc, sxr, sxc, sqr, sqc, SUB_R, TILE, SRC_BF16, FAST,
+        R, C, tr, tc, sxr, sxc, sqr, sqc, SUB_R, TILE, SRC_BF16, FAST, HASH, b * R * C,
     )  # fmt: skip
+    if HASH:
+        tl.store(h_ptr + pid + tl.arange(0, 1), h)
 
 
 # NVFP4 (refitd.formats.nvfp4): float32 constants as bit patterns, so every backend uses the

@@ -10,7 +10,8 @@ import torch
 
 from refitd.formats.region import DestRegion
 from refitd.formats.transform import TransformRegistry, default_registry, store_region
-from refitd.torch_dtypes import dtype_name
+from refitd.plan.wire import FP8_BLOCK, MXFP8, RAW
+from refitd.torch_dtypes import dtype_name, torch_dtype
 
 
 def encode_segment(
@@ -56,6 +57,39 @@ def decode_segment(
         )
     parts = transform.prepare_recv(seg, shape, src_dtype)
     transform.finalize_recv(parts, shape, src_dtype, dst)
+
+
+def decode_raw_hashed(
+    seg: torch.Tensor,
+    shape: tuple[int, ...],
+    src_dtype: str,
+    dst: DestRegion,
+    registry: TransformRegistry | None = None,
+) -> torch.Tensor | None:
+    """decode_segment of a raw segment into MXFP8 or block-FP8 storage that also returns
+    the checksum (refitd.executor.checksums) of the segment's values, computed by the
+    quantizing kernel as it reads them (a 0-d int64 tensor, queued), so verification does
+    not read the segment a second time. Only on CUDA with triton and a bfloat16 or
+    float32 source; None otherwise, and nothing is landed (the caller decodes as usual)."""
+    from refitd.formats import triton_kernels
+
+    dtype = torch_dtype(src_dtype)
+    if (
+        not seg.is_cuda
+        or dst.storage not in (MXFP8, FP8_BLOCK)
+        or dst.scales is None
+        or dtype not in triton_kernels.HASHABLE
+        or not triton_kernels.available()
+    ):
+        return None
+    if dst.shape != tuple(shape):
+        raise ValueError(
+            f"decode_raw_hashed: segment shape {tuple(shape)} does not match the destination "
+            f"region {dst.shape}"
+        )
+    (values,) = (registry or default_registry()).get(RAW).prepare_recv(seg, shape, src_dtype)
+    quantize = getattr(triton_kernels, f"{dst.storage}_quantize_into")
+    return quantize(values, dst.values, dst.scales, hash=True)
 
 
 def copy_region(src: torch.Tensor, dst: DestRegion) -> None:

@@ -43,6 +43,23 @@ def _view(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
         return None
 
 
+HASHABLE = (torch.bfloat16, torch.float32)  # sources whose bytes the quantizers read as is
+
+
+def check_hashable(x: torch.Tensor, hash: bool) -> None:
+    if hash and x.dtype not in HASHABLE:
+        raise ValueError(
+            f"a fused checksum needs a bfloat16 or float32 source, not {x.dtype} (the kernel "
+            "reads other dtypes converted)"
+        )
+
+
+def _partials(n: int, device: torch.device, hash: bool) -> torch.Tensor:
+    """Per-program partial checksums (their int64 sum wraps as the checksum does); a
+    placeholder the kernel never writes without hash."""
+    return torch.empty(n if hash else 1, dtype=torch.int64, device=device)
+
+
 def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
     """bf16 goes in as its int16 bits (widened exactly in the kernel); float64 as float32."""
     if x.dtype == torch.bfloat16:
@@ -58,15 +75,19 @@ def mxfp8_quantize_into(
     block_c: int = MXFP8_CONFIG["block_c"],
     num_warps: int = MXFP8_CONFIG["num_warps"],
     fast: bool = MXFP8_CONFIG["fast"],
-) -> None:
-    """MXFP8 of x into data (uint8, x.shape) and scales (uint8, mxfp8_scale_shape)."""
+    hash: bool = False,
+) -> torch.Tensor | None:
+    """MXFP8 of x into data (uint8, x.shape) and scales (uint8, mxfp8_scale_shape). With
+    hash (bf16 or float32 x), also the checksum of x's bytes in row-major order
+    (refitd.executor.checksums), computed as the kernel reads them: a 0-d int64 tensor."""
     from refitd.formats._triton_jit import mxfp8_kernel
 
     check_float(x, "mxfp8 quantize")
     check_buffer(data, torch.uint8, tuple(x.shape), "mxfp8 data")
     check_buffer(scales, torch.uint8, mxfp8_scale_shape(tuple(x.shape)), "mxfp8 scales")
+    check_hashable(x, hash)
     if x.numel() == 0:
-        return
+        return torch.zeros((), dtype=torch.int64, device=x.device) if hash else None
     cols = x.shape[-1]
     nb = -(-cols // MXFP8_BLOCK)
     xk = _as_kernel_input(x)
@@ -82,16 +103,18 @@ def mxfp8_quantize_into(
     rows = x2.shape[0]
     n_c = -(-cols // block_c)
     grid = (-(-rows // block_m) * n_c,)
+    partial = _partials(grid[0], x.device, hash)
     mxfp8_kernel[grid](
-        x2, q_out, s_out, rows, cols, nb, n_c,
+        x2, q_out, s_out, partial, rows, cols, nb, n_c,
         x2.stride(0), x2.stride(1), q_out.stride(0), q_out.stride(1), s_out.stride(0), s_out.stride(1),
         BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=x.dtype == torch.bfloat16, FAST=fast,
-        num_warps=num_warps,
+        HASH=hash, num_warps=num_warps,
     )  # fmt: skip
     if q2 is None:
         data.copy_(q_out.view(data.shape))
     if s2 is None:
         scales.copy_(s_out.view(scales.shape))
+    return partial.sum() if hash else None
 
 
 def fp8_block_quantize_into(
@@ -101,15 +124,18 @@ def fp8_block_quantize_into(
     sub_r: int = FP8_BLOCK_CONFIG["sub_r"],
     num_warps: int = FP8_BLOCK_CONFIG["num_warps"],
     fast: bool = FP8_BLOCK_CONFIG["fast"],
-) -> None:
-    """Block FP8 of x into data (uint8, x.shape) and scales (float32, fp8_block_scale_shape)."""
+    hash: bool = False,
+) -> torch.Tensor | None:
+    """Block FP8 of x into data (uint8, x.shape) and scales (float32, fp8_block_scale_shape);
+    with hash, the checksum of x's bytes as for mxfp8_quantize_into."""
     from refitd.formats._triton_jit import fp8_block_kernel
 
     check_float(x, "fp8_block quantize")
     check_buffer(data, torch.uint8, tuple(x.shape), "fp8_block data")
     check_buffer(scales, torch.float32, fp8_block_scale_shape(tuple(x.shape)), "fp8_block scales")
+    check_hashable(x, hash)
     if x.numel() == 0:
-        return
+        return torch.zeros((), dtype=torch.int64, device=x.device) if hash else None
     rows, cols = (1, x.shape[0]) if x.dim() == 1 else tuple(x.shape[-2:])
     tr, tc = -(-rows // FP8_TILE), -(-cols // FP8_TILE)
     xk = _as_kernel_input(x)
@@ -124,18 +150,20 @@ def fp8_block_quantize_into(
         else torch.empty((x3.shape[0], tr, tc), dtype=torch.float32, device=x.device)
     )
     grid = (x3.shape[0] * tr * tc,)
+    partial = _partials(grid[0], x.device, hash)
     fp8_block_kernel[grid](
-        x3, q_out, s_out, rows, cols, tr, tc,
+        x3, q_out, s_out, partial, rows, cols, tr, tc,
         x3.stride(0), x3.stride(1), x3.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         s_out.stride(0), s_out.stride(1), s_out.stride(2),
         SUB_R=sub_r, TILE=FP8_TILE, SRC_BF16=x.dtype == torch.bfloat16, FAST=fast,
-        num_warps=num_warps,
+        HASH=hash, num_warps=num_warps,
     )  # fmt: skip
     if q3 is None:
         data.copy_(q_out.view(data.shape))
     if s3 is None:
         scales.copy_(s_out.view(scales.shape))
+    return partial.sum() if hash else None
 
 
 def nvfp4_quantize_into(

@@ -58,6 +58,7 @@ def execute_refit(state: TransferSlot, cmd: Execute, released: Callable[[], None
     if snap is not None and snap.active:
         report.sources_released_s = released_s
         report.seconds = time.monotonic() - t0
+    report.phases["command_s"] = time.monotonic() - t0
     return Executed(
         report,
         cmd.version,

@@ -3,8 +3,8 @@ commands of refitd.slot_protocol from its node agent over a multiprocessing Pipe
 
 Each `(rid, command)` is answered by `(rid, report)`, a `Failed` when it raised (raised
 again in the parent). The protocol's table names the slot method that answers a command; a
-refit (execute) runs on its own thread, so an abort arriving meanwhile is served at once,
-and at most one runs at a time.
+refit (execute) runs on the process's refit thread, so an abort arriving meanwhile is served
+at once, and at most one runs at a time.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import queue
 import threading
 import time
 import traceback
@@ -48,15 +49,33 @@ def failure(e: BaseException) -> Failed:
 
 
 class _Replies:
-    """The pipe's sending end, shared by the loop and a running refit's thread."""
+    """The pipe's sending end, shared by the loop and the refit thread. A refit's replies
+    (its SourcesReleased event, then its report) are posted to a sender thread in order, so
+    pickling and writing them (and a reader slow to drain the pipe) stay off the refit."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.lock = threading.Lock()
+        self.posted: queue.SimpleQueue[tuple[int, Report] | None] = queue.SimpleQueue()
+        self.sender = threading.Thread(target=self._drain, name="refitd-replies", daemon=True)
+        self.sender.start()
 
     def send(self, rid: int, report: Report) -> None:
         with self.lock:
             self.conn.send((rid, report))
+
+    def post(self, rid: int, report: Report) -> None:
+        self.posted.put((rid, report))
+
+    def _drain(self) -> None:
+        while (item := self.posted.get()) is not None:
+            with contextlib.suppress(OSError, ValueError):  # the parent went away
+                self.send(*item)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is posted, then stop the sender."""
+        self.posted.put(None)
+        self.sender.join(timeout_s)
 
 
 def transfer_process_main(conn: Connection, slot: int, device: str | None, name: str) -> None:
@@ -68,6 +87,7 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None, name:
         torch.cuda.set_device(torch.device(device))
     state = TransferSlot(slot)
     replies = _Replies(conn)
+    runner = _RefitThread(device)
     while not state.closed:
         try:
             message = conn.recv()
@@ -85,14 +105,37 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None, name:
             continue
         handler = getattr(state, verb.handler)
         if verb.refit:
-            _start_refit(state, replies, rid, functools.partial(handler, cmd))
+            _start_refit(state, replies, rid, functools.partial(handler, cmd), runner)
             continue
         try:
             report = handler(cmd)
         except BaseException as e:
             report = failure(e)
         replies.send(rid, report)
+    runner.stop()
+    replies.close()
     conn.close()
+
+
+class _RefitThread:
+    """The one thread that runs this process's refits, one after another. Kept for the
+    process's life: a new thread per refit paid torch's (and CUDA's) per-thread setup on
+    every refit's first operations, tens to hundreds of microseconds each time."""
+
+    def __init__(self, device: str | None) -> None:
+        self.device = device
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="refitd-execute", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        if self.device is not None and self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))  # the current device is per thread
+        while (job := self.jobs.get()) is not None:
+            job()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
 
 
 def _start_refit(
@@ -100,8 +143,9 @@ def _start_refit(
     replies: _Replies,
     rid: int,
     run: Callable[[Callable[[], None]], Report],
+    runner: _RefitThread,
 ) -> None:
-    """Run a refit on a new thread (the loop stays free for abort); its SourcesReleased
+    """Run a refit on the refit thread (the loop stays free for abort); its SourcesReleased
     event and its report go back under the command's rid."""
     if state.busy.is_set():
         replies.send(rid, failure(ExecutionError("a refit is already running on this slot")))
@@ -109,7 +153,7 @@ def _start_refit(
     state.aborting.clear()
 
     def released() -> None:
-        replies.send(rid, SourcesReleased(time.time()))
+        replies.post(rid, SourcesReleased(time.time()))
 
     def body() -> None:
         report: Report
@@ -118,8 +162,9 @@ def _start_refit(
         except BaseException as e:
             report = failure(e)
         state.busy.clear()
-        replies.send(rid, report)
+        state.idle.set()
+        replies.post(rid, report)
 
+    state.idle.clear()
     state.busy.set()
-    state.running = threading.Thread(target=body, name="refitd-execute", daemon=True)
-    state.running.start()
+    runner.jobs.put(body)

@@ -95,8 +95,9 @@ class TransferSlot:
         self.slot_ranks: dict[int, int] | None = None
         self.loaded: dict[str, LoadedPlan] = {}
         self.aborting = threading.Event()  # set by abort: the running refit stops
-        self.running: threading.Thread | None = None
-        self.busy = threading.Event()
+        self.busy = threading.Event()  # a refit is running
+        self.idle = threading.Event()  # none is: what close waits for
+        self.idle.set()
         self.probe_bufs: dict[tuple[str, int], torch.Tensor] = {}
         self.closed = False
 
@@ -302,8 +303,7 @@ class TransferSlot:
     def close(self, cmd: Close) -> Ack:
         """Stop a running refit, drop every plan and mapping; the command loop then ends."""
         self.aborting.set()
-        if self.running is not None:
-            self.running.join(5)
+        self.idle.wait(5)
         if self.transport is not None:
             self.transport.close()
         for entry in self.loaded.values():

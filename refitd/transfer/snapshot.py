@@ -52,7 +52,7 @@ class Snapshot:
     """
 
     indices: frozenset[int]
-    checked: tuple[int, ...] = ()  # indices in order, the key of the resolver's prepared check
+    checked: frozenset[int] = frozenset()  # the key of the resolver's prepared check
     nbytes: int = 0
     fallback: str = ""
     where: str = ""  # "host_shm" | "device" | "pinned_host"
@@ -117,7 +117,7 @@ def prepare_snapshot(
     reads = source_indices(program)
     wanted_set = frozenset(wanted)
     snap = Snapshot(indices=frozenset(reads & wanted_set))
-    snap.checked = tuple(sorted(snap.indices))
+    snap.checked = snap.indices
     if not snap.indices:
         return snap
     if reads - wanted_set:

@@ -335,7 +335,7 @@ def ipc_refit(
         handle.send(Execute(plan.digest, 1, 1, timeout_s)).result()  # warm: maps the handles
         if staged:
             handle.send(Apply(plan.digest, 1, timeout_s)).result()
-        run = _Runs(handle, plan.digest, ask, staged, timeout_s)
+        run = _Runs(handle, plan.digest, ask, staged, timeout_s, device)
         plain = run.timed(refits, first_id=2, verify=False)
         checked = run.timed(refits, first_id=2 + refits, verify=True) if verify else None
         ref = _memcpy_seconds(handle, nbytes, device, timeout_s)
@@ -395,6 +395,7 @@ class _Runs:
     ask: object
     staged: bool
     timeout_s: float
+    device: str
     seed: int = 0
 
     def timed(self, refits: int, first_id: int, verify: bool) -> dict:
@@ -419,6 +420,7 @@ class _Runs:
             held += got
         execs = [r.seconds for r in reports]
         totals = [e + a for e, a in zip(execs, applies or [0.0] * refits, strict=True)]
+        work = "local_launch_s" if self.device == "cpu" else "local_gpu_s"
         out = {
             "seconds": round(statistics.median(totals), 6),
             "seconds_all": [round(t, 6) for t in totals],
@@ -429,11 +431,39 @@ class _Runs:
                 k: round(statistics.median(r.phases.get(k, 0.0) for r in reports), 6)
                 for k in reports[-1].phases
             },
+            "host_us": _host_split(reports, walls, work),
         }
         if self.staged:
             out["execute_s"] = round(statistics.median(execs), 6)
             out["apply_s"] = round(statistics.median(applies), 6)
         return out
+
+
+def _host_split(reports: list, walls: list[float], work: str) -> dict[str, float]:
+    """Medians over the refits, in microseconds, of the transfer process's fixed host time
+    per refit: `fixed` is the refit's time less the landing work (`work`: the GPU time of
+    the local copies, or on a CPU device the calls that do them), split into the storage
+    check, the rest of the start (execution state, threads), the launch (GPU: the calls
+    that queue the work), the wait for the GPU beyond its work, and the report (everything
+    after the local copies); `command` is the execute command's own overhead around the
+    refit, `reply` the parent's wall time beyond the command (pipe and pickling)."""
+    rows = []
+    for r, wall in zip(reports, walls, strict=True):
+        p = r.phases
+        local = p.get("local_s", 0.0)
+        launch = 0.0 if work == "local_launch_s" else p.get("local_launch_s", 0.0)
+        rows.append({
+            "fixed": r.seconds - p.get(work, 0.0),
+            "check": p.get("check_s", 0.0),
+            "start": p.get("check_start_s", 0.0) - p.get("check_s", 0.0),
+            "launch": launch,
+            "wait": max(0.0, p.get("local_sync_s", 0.0) - p.get("local_gpu_s", 0.0)),
+            "local_other": local - p.get("local_launch_s", 0.0) - p.get("local_sync_s", 0.0),
+            "report": r.seconds - p.get("check_start_s", 0.0) - local,
+            "command": p.get("command_s", r.seconds) - r.seconds,
+            "reply": wall - p.get("command_s", r.seconds),
+        })  # fmt: skip
+    return {k: round(statistics.median(x[k] for x in rows) * 1e6, 1) for k in rows[0]}
 
 
 def _memcpy_seconds(

@@ -207,6 +207,8 @@ def _print_table(out: dict) -> bool:
         extra = {k: r[k] for k in ("execute_s", "apply_s", "verify_cost", "tensors") if k in r}
         if extra:
             print(f"{'':22} {extra}")
+        if "host_us" in r:
+            print(f"{'':22} fixed host time per refit (us): {r['host_us']}")
         if "trainer_held_s" in r:
             print(
                 f"{'':22} trainer held {r['trainer_held_s'] * 1e3:.3f} ms, snapshot copy "
