@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import time
 
@@ -87,7 +88,8 @@ class _Link:
         """Wait until the first bytes landed in the destination (it is being written)."""
         dst = self.tensors[len(self.src) :]
         deadline = time.monotonic() + timeout_s
-        while not any(bool(t.view(torch.int16).any()) for t in dst):
+        heads = [t.view(-1)[:4096].view(torch.int16) for t in dst]  # a scan of all is slow
+        while not any(bool(h.any()) for h in heads):
             assert time.monotonic() < deadline, "no byte landed"
             time.sleep(0.001)
 
@@ -166,7 +168,7 @@ def test_rdma_destination_killed_mid_write_fails_its_sender_naming_peer_and_mess
     link = _Link("rdma")
     try:
         link.start()
-        mid = int(link.plan.program(0).send.id[0])
+        sent = {int(m) for m in link.plan.program(0).send.id}
         sender = link.execute(0, 1)
         receiver = link.execute(1, 1)
         link.writing()
@@ -175,7 +177,8 @@ def test_rdma_destination_killed_mid_write_fails_its_sender_naming_peer_and_mess
         with pytest.raises(TransferProcessError) as e:
             sender.result(timeout_s=60)
         msg = str(e.value)
-        assert "to slot 1" in msg and f"message {mid}" in msg, msg
+        named = re.search(r"message (\d+)", msg)  # the one in flight: any, on a loaded box
+        assert "to slot 1" in msg and named and int(named.group(1)) in sent, msg
         assert time.monotonic() - t0 < 20, msg
         with pytest.raises(TransferProcessError):
             receiver.result(timeout_s=5)
