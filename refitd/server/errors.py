@@ -32,8 +32,8 @@ def invalid(message: str) -> ControlError:
     return ControlError(ErrorKind.INVALID, message)
 
 
-def precondition(message: str) -> ControlError:
-    return ControlError(ErrorKind.PRECONDITION, message)
+def precondition(message: str, trailers: tuple[tuple[str, bytes], ...] = ()) -> ControlError:
+    return ControlError(ErrorKind.PRECONDITION, message, trailers)
 
 
 def not_found(message: str) -> ControlError:
