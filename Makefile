@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml requirements/engines.txt
 	$(BIN)/pip install -q -e '.[dev,adapters,rdma]'
 	# vLLM and SGLang for the engine tests, without their dependency trees (torch stays).
 	scripts/install_engines.sh $(BIN)/python
+	$(BIN)/python -m refitd.formats.delta  # compile the delta codec's kernels into numba's cache
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +26,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	PATH=$(abspath $(BIN)):$$PATH scripts/gen_protos.sh --check
+	$(BIN)/python -m refitd.formats.delta  # cached kernels: no test process compiles them
 	$(BIN)/pytest -q
 
 lint: $(STAMP)

@@ -82,6 +82,13 @@ class Settings(BaseSettings):
     )
     embedded_agent: bool = Field(True, description="`refitd serve` also runs the local agent")
     transport: str = Field("gloo", description="refit communicator backend: gloo or nccl")
+    links: str = Field(
+        "auto",
+        description="path of each link (source slot -> destination slot): auto (mapped "
+        "memory between slots of one host, rdma where both agents offer it, else the "
+        "communicator), or one of collective, mapped, rdma forced; a link that cannot take a "
+        "forced path goes collective and the plan counts it (docs/architecture.md)",
+    )
     rendezvous: bool = Field(True, description="host the data-plane rendezvous TCPStore")
     store_token: str = Field(
         "",
@@ -257,6 +264,13 @@ class Settings(BaseSettings):
     def _known_transport(cls, v: str) -> str:
         if v not in ("gloo", "nccl"):
             raise ValueError(f"transport must be gloo or nccl, got {v!r}")
+        return v
+
+    @field_validator("links")
+    @classmethod
+    def _known_links(cls, v: str) -> str:
+        if v not in ("auto", "collective", "mapped", "rdma"):
+            raise ValueError(f"links must be auto, collective, mapped or rdma, got {v!r}")
         return v
 
     @field_validator("rdma_protocol")

@@ -314,7 +314,10 @@ class Abort(SlotCommand[Ack]):
 class Probe(SlotCommand[Probed]):
     """Raw reference for benchmarks: per peer rank one buffer of nbytes sent (or received)
     `repeat` times ({rank: (nbytes, repeat)}), or one memcpy of `memcpy` bytes `repeat`
-    times on `device`. `prepare` only allocates; buffers live until `release`."""
+    times on `device` (in pieces of `memcpy_piece` bytes when set, as a refit copies its
+    chunks). `prepare` only allocates; buffers live until `release`, except `kept` memcpy
+    buffers, which live as long as the process (made early, they are as old as the worker
+    memory a bench registered beside them: a VM backs fresh pages more slowly)."""
 
     timeout_s: float
     sends: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -322,6 +325,8 @@ class Probe(SlotCommand[Probed]):
     memcpy: int | None = None
     repeat: int = 1
     device: str = "cpu"
+    memcpy_piece: int | None = None
+    kept: bool = False
     prepare: bool = False
     release: bool = False
 

@@ -320,20 +320,22 @@ class SlotInfo(_message.Message):
     def __init__(self, device: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("host", "slots", "pid", "agent_id", "batch_execute", "data_plane_address")
+    __slots__ = ("host", "slots", "pid", "agent_id", "batch_execute", "data_plane_address", "links")
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_EXECUTE_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     host: str
     slots: _containers.RepeatedCompositeFieldContainer[SlotInfo]
     pid: int
     agent_id: str
     batch_execute: bool
     data_plane_address: str
-    def __init__(self, host: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., pid: _Optional[int] = ..., agent_id: _Optional[str] = ..., batch_execute: _Optional[bool] = ..., data_plane_address: _Optional[str] = ...) -> None: ...
+    links: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, host: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., pid: _Optional[int] = ..., agent_id: _Optional[str] = ..., batch_execute: _Optional[bool] = ..., data_plane_address: _Optional[str] = ..., links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("agent_id", "slot_ids", "heartbeat_interval_s")

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import json
 import multiprocessing as mp
+import os
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-speed-rule",
         action="store_true",
         help="ignore measured refit times (refit_mode's slower-than-dense rule): measures the codec",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per rank: the delta codec encodes and applies with as many",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address of the Gloo store")
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -161,7 +168,7 @@ def _rank(
     from refitd.demo.versions import perturb
     from refitd.executor.delta.exchange import KIND_DELTA, DeltaReport, exchange_deltas
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     slot = _open_slot(rank, port, args, store_host, local)
     store, t, ex, access, base = slot.store, slot.transport, slot.executor, slot.access, slot.base
     sends, recvs, flat, gen = slot.sends, slot.recvs, slot.flat, slot.gen
@@ -178,7 +185,10 @@ def _rank(
         use_delta = mode.delta
         _barrier(store, f"delta{v}", rank, args.timeout)
         t0 = time.monotonic()
-        if use_delta:
+        promote_s = 0.0
+        if use_delta:  # as in the daemon, the execute first promotes the version committed last
+            base.promote(v - 1, access)
+            promote_s = time.monotonic() - t0
             rep = exchange_deltas(t, sends, recvs, access, base, v, allowed=frozenset(access.sends),
                             max_density=args.max_density, deadline=t0 + args.timeout)  # fmt: skip
         else:
@@ -191,7 +201,8 @@ def _rank(
         report = ex.run(args.timeout)
         dense_s = time.monotonic() - t0
         verified = got is None or torch.equal(got.view(torch.int16), flat.view(torch.int16))
-        base.promote(v, access)
+        if not use_delta:  # no pending version: the base is forgotten, as in the daemon
+            base.promote(v, access)
         sent = list(rep.sent.values())
         changed = sum(m["changed"] for m in sent)
         elements = sum(m["elements"] for m in sent)
@@ -205,7 +216,8 @@ def _rank(
         else:
             timings.append(Timing(False, min(slow_delta, slow_dense)))
         out.put({"rank": rank, "version": v, "delta_s": delta_s, "dense_s": dense_s,
-                 "encode_s": rep.encode_s, "apply_s": rep.apply_s, "verified": verified,
+                 "encode_s": rep.encode_s, "apply_s": rep.apply_s, "promote_s": promote_s,
+                 "verified": verified,
                  "wire_bytes": rep.wire_bytes if use_delta else report.sent_bytes,
                  "dense_bytes": report.sent_bytes, "changed": changed, "elements": elements,
                  "picked": "delta" if use_delta else "dense", "why": mode.why.name.lower(),
@@ -254,7 +266,7 @@ def _exchange_outcome(
     )
 
 
-def _summary(rows: list[dict], args: argparse.Namespace) -> dict:
+def _summary(rows: list[dict], args: argparse.Namespace, load: tuple[float, ...]) -> dict:
     per_v: dict[int, list[dict]] = {}
     for r in rows:
         per_v.setdefault(r["version"], []).append(r)
@@ -269,12 +281,15 @@ def _summary(rows: list[dict], args: argparse.Namespace) -> dict:
     med, dmed = statistics.median(secs), statistics.median(dense)
     return {
         "bench": "delta",
+        # the machine's load average (1, 5, 15 min) at the start and at the end
+        "load_avg": [[round(x, 2) for x in load], [round(x, 2) for x in os.getloadavg()]],
         "transport": "gloo",
         "link_bit": args.link_bit,
         "bytes": args.bytes,
         "lr": None if args.density is not None else args.lr,
         "forced_density": args.density,
         "versions": n,
+        "threads": args.threads,
         "picked": [
             next(r["picked"] for r in per_v[v] if r["rank"] == SRC[0]) for v in sorted(per_v)
         ],
@@ -305,16 +320,29 @@ def _delta_versions(per_v: dict[int, list[dict]]) -> dict:
     src = [r for rs in vs for r in rs if r["rank"] in SRC]
     secs = statistics.median(max(r["delta_s"] for r in rs) for rs in vs)
     dense = statistics.median(max(r["dense_s"] for r in rs) for rs in vs)
+
+    def slowest(key: str, ranks: tuple[int, ...]) -> float:
+        return statistics.median(max(r[key] for r in rs if r["rank"] in ranks) for rs in vs)
+
+    encode, apply = slowest("encode_s", SRC), slowest("apply_s", DST)
+    # the slots encode (and apply) in parallel: a refit's dense bytes over the slowest slot's
+    # seconds, against the same bytes over the dense refit's seconds (the link)
+    nbytes = sum(r["dense_bytes"] for r in src) / len(vs)
+    gbps = {k: nbytes / s / 1e9 if s else None for k, s in (("encode", encode),
+            ("apply", apply), ("link", dense))}  # fmt: skip
     return {
         "delta_versions": len(vs),
         "delta_wire_ratio": sum(r["wire_bytes"] for r in src) / sum(r["dense_bytes"] for r in src),
         "delta_time_ratio": secs / dense if dense else None,
-        "encode_s": statistics.median(
-            max(r["encode_s"] for r in rs if r["rank"] in SRC) for rs in vs
-        ),
-        "apply_s": statistics.median(
-            max(r["apply_s"] for r in rs if r["rank"] in DST) for rs in vs
-        ),
+        "encode_s": encode,
+        "apply_s": apply,
+        "promote_s": slowest("promote_s", SRC),
+        "encode_gbps": gbps["encode"],
+        "apply_gbps": gbps["apply"],
+        "link_gbps": gbps["link"],
+        "codec_over_link": (min(gbps["encode"] or 0.0, gbps["apply"] or 0.0) / gbps["link"])
+        if gbps["link"]
+        else None,
     }
 
 
@@ -366,9 +394,10 @@ def _run_netns(args: argparse.Namespace) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    load = os.getloadavg()
     if args.link_bit:
         rows = _run_netns(args)
-        print(json.dumps(_summary(rows, args)))
+        print(json.dumps(_summary(rows, args, load)))
         return 0 if all(r["verified"] for r in rows) else 1
     store = dist.TCPStore(args.host, 0, 5, True, datetime.timedelta(seconds=args.timeout),
                           wait_for_workers=False)  # fmt: skip
@@ -394,5 +423,5 @@ def run(args: argparse.Namespace) -> int:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    print(json.dumps(_summary(rows, args)))
+    print(json.dumps(_summary(rows, args, load)))
     return 0 if all(r["verified"] for r in rows) else 1

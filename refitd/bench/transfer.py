@@ -24,19 +24,28 @@ import signal
 import statistics
 import sys
 import time
-from collections import defaultdict
 
-import torch
 import torch.distributed as dist
 
+from refitd.bench.transfer_refs import (
+    compare_reports,
+    keep_memcpy_buffers,
+    link_reference,
+    links_summary,
+    memcpy_reference,
+    sent_memcpy_reference,
+)
+from refitd.bench.transfer_shards import mxfp8_context, place_shards, verify
+from refitd.executor.chunks import WIRE_CHUNK
 from refitd.memory.arena import SharedTensorArena
 from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
+from refitd.plan.links import COLLECTIVE, MAPPED, LinkPolicy, SlotSite
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.program import encode_program
-from refitd.plan.wire import MXFP8, PLAIN, mxfp8_scale_shape
-from refitd.slot_protocol import DEFAULTS, Connect, Execute, Load, Probe, SnapshotInfo
+from refitd.plan.wire import MXFP8, PLAIN
+from refitd.slot_protocol import DEFAULTS, Connect, Execute, Load, SnapshotInfo
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
 COLS = 4096
@@ -60,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--src-slots", type=int, default=2)
     parser.add_argument("--dst-slots", type=int, default=2)
     parser.add_argument("--transport", choices=("gloo", "local"), default="gloo")
+    parser.add_argument(
+        "--links",
+        choices=("collective", "mapped", "auto"),
+        default="collective",
+        help="path of the links between slots (all slots on one host); with mapped or auto "
+        "the same model also runs collective in the same run, for comparison",
+    )
     parser.add_argument("--wire", choices=("bf16", "mxfp8"), default="bf16")
     parser.add_argument("--src", type=parse_layout, default=None, help="tp=N (default: slots)")
     parser.add_argument("--dst", type=parse_layout, default=None, help="tp=N (default: slots)")
@@ -94,14 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--snapshot-bytes", type=parse_bytes, default=parse_bytes("4GiB"), help="cap per slot"
     )
-
-
-def _pattern(k: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Global tensor k: distinct, exactly representable BF16 values from its index."""
-    n = math.prod(shape)
-    return ((torch.arange(n, dtype=torch.int32) * 7 + k * 13) % 2039 - 1019).to(
-        torch.bfloat16
-    ).reshape(shape) / 64
 
 
 def _specs(
@@ -157,11 +165,6 @@ def _specs(
     return src, dst, shapes
 
 
-def _block(g: torch.Tensor, s: TensorSpec) -> torch.Tensor:
-    (b,) = s.boxes
-    return g[tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape, strict=True))]
-
-
 def run(args: argparse.Namespace) -> int:
     # a SIGTERM (e.g. from `timeout`) unwinds through `finally`, so shared memory is unlinked
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -174,25 +177,36 @@ def run(args: argparse.Namespace) -> int:
     config = PlanConfig(
         bucket_bytes=args.bucket, sender_quantization=args.wire == "mxfp8", relay=args.relay
     )
-    plan = build_plan("bench", 1, src, dst, config)
+    cplan = build_plan("bench", 1, src, dst, config)  # every message collective
+    sites = [SlotSite(s, "bench-host", "cpu", (MAPPED,)) for s in cplan.slots()]
+    links = LinkPolicy.of(args.links, sites)
+    plan = cplan
+    if args.links != COLLECTIVE:
+        plan = build_plan("bench", 1, src, dst, dataclasses.replace(config, links=links))
     slots = plan.slots()
     # one arena per slot, as one worker process per slot would have: a slot's tensors sit
     # side by side in shared memory, not interleaved with other ranks'
     arenas: dict[int, SharedTensorArena] = {}
     handles: list[TransferProcessHandle] = []
     try:
-        shards = _place_shards(src, dst, shapes, arenas)
+        shards = place_shards(src, dst, shapes, arenas)
         handles = [TransferProcessHandle(slot) for slot in slots]
         rank_of = {slot: r for r, slot in enumerate(slots)}
+        if plan is not cplan:  # the one-sided writes' memcpy reference, as old as the shards
+            keep_memcpy_buffers(args, handles, plan.send_bytes())
         store = _connect(args, handles, rank_of)  # noqa: F841 (the store serves while we run)
         snapshots = _load_programs(args, plan, handles, shards.mem, len(src))
-        timed = _measure(args, plan, handles, src, rank_of)
-        ok = _verify(args, src, dst, shapes, shards.tensors, shards.scales)
+        if plan is not cplan:
+            _load_programs(args, cplan, handles, shards.mem, len(src))
+        timed = _measure(args, plan, handles, src, rank_of, cplan)
+        ok = verify(args, src, dst, shapes, shards.tensors, shards.scales)
         ok = ok and timed.mismatch is None
         out = _summary(args, plan, timed, model_bytes, len(slots), ok, snapshots)
+        if plan is not cplan:
+            out |= links_summary(plan, timed, out["bytes"])
         if args.wire == "mxfp8":
             seconds, ref_seconds = statistics.median(timed.runs), statistics.median(timed.refs)
-            out |= _mxfp8_context(
+            out |= mxfp8_context(
                 shards.tensors[0], model_bytes, args.src_slots, ref_seconds, seconds
             )
         print(json.dumps(out))
@@ -202,58 +216,6 @@ def run(args: argparse.Namespace) -> int:
             h.close()
         for a in arenas.values():
             a.close()
-
-
-@dataclasses.dataclass
-class _Shards:
-    """Every slot's tensors (sources, then destinations, in plan tensor order), the MXFP8
-    scales of destinations by tensor index, and the shared-memory handle of each by name
-    (t{i}; the scales ride on their tensor's handle)."""
-
-    tensors: list[torch.Tensor]
-    scales: dict[int, torch.Tensor]
-    mem: dict
-
-
-def _place_shards(
-    src: list[TensorSpec],
-    dst: list[TensorSpec],
-    shapes: dict[str, tuple[int, int]],
-    arenas: dict[int, SharedTensorArena],
-) -> _Shards:
-    """Sources filled from the pattern and zeroed destinations, each in its slot's arena
-    (created on first use into `arenas`, which the caller closes)."""
-
-    def arena_of(slot: int) -> SharedTensorArena:
-        if slot not in arenas:
-            arenas[slot] = SharedTensorArena(prefix="refitd-bench")
-        return arenas[slot]
-
-    scales: dict[int, torch.Tensor] = {}
-    by_name: dict[str, list[int]] = defaultdict(list)
-    for i, s in enumerate(src):
-        by_name[s.name].append(i)
-    mem = {}
-    tensors = [torch.empty(0)] * len(src)
-    # each tensor goes to shared memory as soon as it exists: peak memory stays one tensor
-    for k, name in enumerate(shapes):
-        g = _pattern(k, shapes[name])
-        for i in by_name[name]:
-            tensors[i] = _block(g, src[i]).clone()
-            mem |= arena_of(src[i].slot).register({f"t{i}": tensors[i]})
-    for j, d in enumerate(dst):
-        i = len(src) + j
-        dtype = torch.uint8 if d.storage == MXFP8 else torch.bfloat16
-        tensors.append(torch.zeros(d.local_shape, dtype=dtype))
-        mem |= arena_of(d.slot).register({f"t{i}": tensors[i]})
-        if d.storage == MXFP8:
-            scales[i] = torch.zeros(mxfp8_scale_shape(d.local_shape), dtype=torch.uint8)
-    smem = {}
-    for i, t in scales.items():
-        smem |= arena_of(dst[i - len(src)].slot).register({f"s{i}": t})
-    for i in scales:
-        mem[f"t{i}"] = dataclasses.replace(mem[f"t{i}"], scales=smem[f"s{i}"])
-    return _Shards(tensors, scales, mem)
 
 
 def _connect(
@@ -335,6 +297,9 @@ class _Timed:
     mismatch: str | None = None
     reports: list[dict] = dataclasses.field(default_factory=list)
     vreports: list[dict] = dataclasses.field(default_factory=list)
+    # --links mapped or auto: a memcpy of each slot's sent bytes, the collective refit
+    sent_memcpys: list[float] = dataclasses.field(default_factory=list)
+    collective: list[float] = dataclasses.field(default_factory=list)
 
 
 def _refit(
@@ -365,25 +330,36 @@ def _measure(
     handles: list[TransferProcessHandle],
     src: list[TensorSpec],
     rank_of: dict[int, int],
+    cplan: Plan,
 ) -> _Timed:
     """A warm-up refit, then --repeat rounds of refit, reference and memcpy (and a verified
-    refit with --verify): they alternate, and medians are compared, so load from other
-    processes on the machine hits both alike."""
+    refit with --verify; with --links, a memcpy of the bytes each slot sent and a refit of
+    the collective plan `cplan`): they alternate, and medians are compared, so load from
+    other processes on the machine hits them alike."""
     src_slots = {s.slot for s in src}
     _refit(args, plan, handles, src_slots, 1)
+    if plan is not cplan:
+        _refit(args, cplan, handles, src_slots, 1 << 20)
     timed = _Timed()
     for k in range(max(1, args.repeat)):
         seconds, timed.reports, blocked = _refit(args, plan, handles, src_slots, 2 + 2 * k)
         timed.runs.append(seconds)
         timed.blocked.append(blocked)
-        timed.refs.append(_reference(args, handles, plan, rank_of, timed.reports))
-        timed.memcpys.append(_memcpy_reference(args, handles, src))
+        if plan is not cplan:
+            piece = args.wire_chunk or WIRE_CHUNK
+            timed.sent_memcpys.append(sent_memcpy_reference(args, handles, timed.reports, piece))
+            cseconds, creports, _ = _refit(args, cplan, handles, src_slots, (1 << 20) + 1 + k)
+            timed.collective.append(cseconds)
+            timed.refs.append(link_reference(args, handles, cplan, rank_of, creports))
+        else:
+            timed.refs.append(link_reference(args, handles, plan, rank_of, timed.reports))
+        timed.memcpys.append(memcpy_reference(args, handles, src))
         if args.verify:
             vseconds, timed.vreports, _ = _refit(
                 args, plan, handles, src_slots, 3 + 2 * k, verify=True
             )
             timed.verified.append(vseconds)
-            timed.mismatch = timed.mismatch or _compare_checksums(plan, handles, timed.vreports)
+            timed.mismatch = timed.mismatch or compare_reports(plan, handles, timed.vreports)
     return timed
 
 
@@ -459,144 +435,3 @@ def _snapshot_summary(args, snapshots: dict[int, SnapshotInfo]) -> dict | None:
         "bytes": sum(s.bytes for s in snapshots.values()),
         "fallback": sorted({s.fallback for s in snapshots.values() if s.fallback}),
     }
-
-
-def _memcpy_reference(args, handles, src) -> float:
-    """Seconds of a memcpy of each source slot's source bytes, all slots at once (what a
-    snapshot release must at least cost the trainer), copied --ref-chunk bytes at a time."""
-    per_slot: dict[int, int] = defaultdict(int)
-    for s in src:
-        per_slot[s.slot] += math.prod(s.local_shape) * 2
-    by_slot = {h.slot: h for h in handles}
-    # in --ref-chunk pieces, as the local reference: two whole copies of a 2 GiB slot would
-    # double the run's shared memory (a 4 GiB run was killed for memory on a 24 GiB host)
-    sizes = {
-        s: {"memcpy": min(n, args.ref_chunk), "repeat": _ref_sizes(n, args.ref_chunk)[1]}
-        for s, n in per_slot.items()
-    }
-    for slot, size in sizes.items():
-        by_slot[slot].send(Probe(args.timeout, prepare=True, **size)).result()
-    t0 = time.monotonic()
-    pend = [by_slot[slot].send(Probe(args.timeout, **size)) for slot, size in sizes.items()]
-    for p in pend:
-        p.result()
-    seconds = time.monotonic() - t0
-    _release(args, handles)
-    return seconds
-
-
-def _compare_checksums(plan, handles, reports) -> str | None:
-    """The controller's comparison of a verified refit's per-message checksums."""
-    from refitd.server.refit.checksums import compare_checksums
-
-    sent, landed = {}, {}
-    for h, r in zip(handles, reports, strict=True):
-        sent |= {i: (h.slot, c) for i, c in r.checksums["send"].items()}
-        landed |= {i: (h.slot, c) for i, c in r.checksums["recv"].items()}
-    return compare_checksums(plan, sent, landed)
-
-
-def _reference(args, handles, plan, rank_of, reports) -> float:
-    """Seconds of the raw reference moving the same bytes between the same processes."""
-    if args.transport == "local":
-        sizes = []
-        for r in reports:
-            n = r.local_bytes
-            chunk = min(n, args.ref_chunk)
-            sizes.append({"memcpy": chunk, "repeat": max(1, round(n / chunk))})
-        for h, size in zip(handles, sizes, strict=True):
-            h.send(Probe(args.timeout, prepare=True, **size)).result()
-        t0 = time.monotonic()
-        pend = [h.send(Probe(args.timeout, **size)) for h, size in zip(handles, sizes, strict=True)]
-        for p in pend:
-            p.result()
-        seconds = time.monotonic() - t0
-        _release(args, handles)
-        return seconds
-    pair: dict[tuple[int, int], int] = defaultdict(int)
-    for r in reports:
-        for m in r.messages:
-            if m.direction == "send":
-                pair[(r.slot, m.peer_slot)] += m.nbytes
-    pend = []
-    for h in handles:
-        sends = {
-            rank_of[d]: _ref_sizes(n, args.ref_chunk) for (s, d), n in pair.items() if s == h.slot
-        }
-        recvs = {
-            rank_of[s]: _ref_sizes(n, args.ref_chunk) for (s, d), n in pair.items() if d == h.slot
-        }
-        pend.append((h, sends, recvs))
-    # buffers are allocated before the clock starts: a prepare call, then the timed run
-    for h, sends, recvs in pend:
-        h.send(Probe(args.timeout, sends=sends, recvs=recvs, prepare=True)).result()
-    t0 = time.monotonic()
-    started = [h.send(Probe(args.timeout, sends=sends, recvs=recvs)) for h, sends, recvs in pend]
-    for p in started:
-        p.result()
-    seconds = time.monotonic() - t0
-    _release(args, handles)
-    return seconds
-
-
-def _release(args, handles) -> None:
-    """Free the reference buffers (after the clock stopped)."""
-    for h in handles:
-        h.send(Probe(args.timeout, release=True)).result()
-
-
-def _mxfp8_context(
-    shard: torch.Tensor, model_bytes: int, src_slots: int, ref_seconds: float, seconds: float
-) -> dict:
-    """What bounds an MXFP8 refit here: the quantizer's speed, measured in this run on one
-    source shard with the same code the sender runs (the CPU torch reference), and the
-    ratio to quantizing each source slot's bytes then sending them raw (no overlap)."""
-    from refitd.formats import mxfp8_quantize
-
-    mxfp8_quantize(shard[:64])
-    t0 = time.monotonic()
-    mxfp8_quantize(shard)
-    q = time.monotonic() - t0
-    qgbps = shard.numel() * shard.element_size() / q / 1e9
-    quantize_s = model_bytes / src_slots / (qgbps * 1e9)
-    return {
-        "quantize_bf16_gbps": round(qgbps, 3),
-        "quantize_s_per_slot": round(quantize_s, 4),
-        "ratio_to_quantize_then_send": round((quantize_s + ref_seconds) / seconds, 3),
-        "note": (
-            "CPU: the sender quantizes with the torch reference codec (about "
-            f"{qgbps:.2f} GB/s of BF16 in this process), so the refit is quantizer-bound and "
-            "`ratio` (to a raw send of the same wire bytes) is low; on a GPU the Triton "
-            "kernels quantize at device bandwidth (refitd bench gpu)"
-        ),
-    }
-
-
-def _ref_sizes(n: int, chunk: int) -> list[int]:
-    size = min(n, chunk)
-    return [size, max(1, round(n / size))]
-
-
-def _verify(args, src, dst, shapes, tensors, scales) -> bool:
-    n_src = len(src)
-    by_name: dict[str, list[int]] = defaultdict(list)
-    for j, d in enumerate(dst):
-        by_name[d.name].append(j)
-    if args.wire == "mxfp8":
-        from refitd.formats import mxfp8_quantize
-    for k, name in enumerate(shapes):
-        g = _pattern(k, shapes[name])
-        for j in by_name[name]:
-            d = dst[j]
-            want = _block(g, d)
-            got = tensors[n_src + j]
-            if d.storage == MXFP8:
-                values, sc = mxfp8_quantize(want)
-                if not (
-                    torch.equal(got, values.view(torch.uint8))
-                    and torch.equal(scales[n_src + j], sc.view(torch.uint8))
-                ):
-                    return False
-            elif not torch.equal(got, want):
-                return False
-    return True

@@ -214,3 +214,32 @@ def flat_range_views(t: torch.Tensor, e0: int, e1: int) -> list[torch.Tensor]:
     if r1:
         out += flat_range_views(t[i1], 0, r1)
     return out
+
+
+def flat_range_pairs(
+    a: torch.Tensor, b: torch.Tensor, e0: int, e1: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """flat_range_views of two tensors of one shape cut at the same places (views of one
+    piece have one shape on both sides): a copy between regions of different strides."""
+    if e0 >= e1:
+        return [], []
+    if a.dim() <= 1 or (a.is_contiguous() and b.is_contiguous()):
+        return [a.reshape(-1)[e0:e1]], [b.reshape(-1)[e0:e1]]
+    inner = a.numel() // a.shape[0]
+    i0, r0 = divmod(e0, inner)
+    i1, r1 = divmod(e1, inner)
+    if i0 == i1:
+        return flat_range_pairs(a[i0], b[i0], r0, r1)
+    xs: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
+    if r0:
+        x, y = flat_range_pairs(a[i0], b[i0], r0, inner)
+        xs, ys = xs + x, ys + y
+        i0 += 1
+    if i1 > i0:
+        xs.append(a[i0:i1])
+        ys.append(b[i0:i1])
+    if r1:
+        x, y = flat_range_pairs(a[i1], b[i1], 0, r1)
+        xs, ys = xs + x, ys + y
+    return xs, ys

@@ -23,15 +23,21 @@ import torch
 
 from refitd.executor.chunks import Chunk
 from refitd.executor.errors import ExecutionError
+from refitd.executor.onesided import OneSided
 from refitd.executor.prepare import PreparedProgram
 from refitd.executor.views import LocalStep
 from refitd.plan.program import MessageColumns
 from refitd.slot_protocol import ExecReport, MessageStat
 from refitd.transport.base import DoneWork, P2POp, Transport, Work
 
-_SKIPPED = torch.empty(0, dtype=torch.uint8)  # marks a receive chunk of a skipped message
+_SKIPPED = torch.empty(0, dtype=torch.uint8)  # no buffer: a skipped or one-sided chunk
 
 _Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int64 checksum
+# a posted chunk: (chunk, buffer, ring, is a send, its work when not from the batch)
+_Post = tuple[Chunk, torch.Tensor, int, bool, Work | None]
+
+
+ONE_SIDED = -2  # the ring of a one-sided chunk (onesided.py): written by the sender
 
 
 @dataclass
@@ -39,7 +45,7 @@ class _Posted:
     chunk: Chunk
     work: Work
     buf: torch.Tensor
-    ring: int  # staging ring slot, -1 for a zero-copy chunk
+    ring: int  # staging ring slot, -1 for a zero-copy chunk, ONE_SIDED
 
     @property
     def staged(self) -> bool:
@@ -60,6 +66,8 @@ class RefitExecution:
         abort: threading.Event,
         verify: bool,
         skip: frozenset[int],
+        one_sided: OneSided,
+        attempt: int,
     ) -> None:
         self.t0 = t0  # the refit's start (monotonic), before the storage check
         self.prep = prep
@@ -74,6 +82,8 @@ class RefitExecution:
         self.abort = abort
         self.verify = verify
         self.skip = skip
+        self.one_sided = one_sided
+        self.attempt = attempt
         self.is_cuda = prep.device.type == "cuda"
         self.report = ExecReport(slot=self.slot)
         self.send_sums: _Sums | None = {} if verify else None
@@ -174,7 +184,7 @@ class RefitExecution:
         try:
             for sends, recvs in self.prep.steps:
                 ops: list[P2POp] = []
-                posted: list[tuple[Chunk, torch.Tensor, int, bool]] = []
+                posted: list[_Post] = []
                 for ch in recvs:
                     posted.append(self._post_recv(ch, ops))
                 for ch in sends:
@@ -189,9 +199,12 @@ class RefitExecution:
             self.send_q.put(None)
             self.recv_q.put(None)
 
-    def _post_recv(self, ch: Chunk, ops: list[P2POp]) -> tuple[Chunk, torch.Tensor, int, bool]:
+    def _post_recv(self, ch: Chunk, ops: list[P2POp]) -> _Post:
         if ch.mid in self.skip:  # landed before the executor ran
-            return (ch, _SKIPPED, -1, False)
+            return (ch, _SKIPPED, -1, False, DoneWork())
+        if id(ch) in self.prep.one_sided:
+            work = self.one_sided.work(ch, self.attempt, self.abort, self.describe(ch, "recv"))
+            return (ch, _SKIPPED, ONE_SIDED, False, work)
         zc = self.prep.zc_recv[id(ch)]
         ring = self.prep.ring.get(id(ch), -1)
         buf = (
@@ -202,12 +215,20 @@ class RefitExecution:
             )
         )
         ops.append(P2POp(False, buf[: ch.nbytes], self.peer(ch.src_slot), ch.tag))
-        return (ch, buf, ring, False)
+        return (ch, buf, ring, False, None)
 
-    def _post_send(self, ch: Chunk, ops: list[P2POp]) -> tuple[Chunk, torch.Tensor, int, bool]:
+    def _post_send(self, ch: Chunk, ops: list[P2POp]) -> _Post:
         need = self.prep.relay_wait.get(id(ch))
         if need is not None:
             self.wait_recvs(need, self.describe(ch, "send"))
+        if id(ch) in self.prep.one_sided:
+            try:
+                self.one_sided.write(ch, self.data, self.send_sums, self.attempt, self.prep.device)
+            except Exception as e:
+                raise ExecutionError(f"{self.describe(ch, 'send')}: {e}") from e
+            if self.prep.reads_source[id(ch)]:
+                self.source_done()
+            return (ch, _SKIPPED, ONE_SIDED, True, DoneWork())
         zc = self.prep.zc_send[id(ch)]
         ring = self.prep.ring.get(id(ch), -1)
         if zc is None:
@@ -226,11 +247,9 @@ class RefitExecution:
         else:
             buf = zc
         ops.append(P2POp(True, buf[: ch.nbytes], self.peer(ch.dst_slot), ch.tag))
-        return (ch, buf, ring, True)
+        return (ch, buf, ring, True, None)
 
-    def _submit(
-        self, ops: list[P2POp], posted: list[tuple[Chunk, torch.Tensor, int, bool]]
-    ) -> None:
+    def _submit(self, ops: list[P2POp], posted: list[_Post]) -> None:
         """One batch of the step's operations; their works go to the waiters in order."""
         try:
             works = iter(self.transport.batch(ops) if ops else [])  # type: ignore[union-attr]
@@ -239,12 +258,13 @@ class RefitExecution:
             raise ExecutionError(
                 f"{self.describe(ch0, 'send' if posted[0][3] else 'recv')}: {e}"
             ) from e
-        for ch, buf, ring, is_send in posted:
-            if buf is _SKIPPED:  # counted in posting order by the receiver
+        for ch, buf, ring, is_send, work in posted:
+            if buf is _SKIPPED and ring != ONE_SIDED:  # counted in order by the receiver
                 self.recv_q.put(_Posted(ch, DoneWork(), buf, -1))
                 continue
             self._stat("send" if is_send else "recv", ch, ring < 0)
-            (self.send_q if is_send else self.recv_q).put(_Posted(ch, next(works), buf, ring))
+            work = next(works) if work is None else work
+            (self.send_q if is_send else self.recv_q).put(_Posted(ch, work, buf, ring))
 
     def send_waiter(self) -> None:
         """Complete sends in posting order; free their buffers, count their sources."""
@@ -257,7 +277,7 @@ class RefitExecution:
                 self._finished("send", item.chunk.mid)
                 if item.staged:
                     self.pool.release("send", item.ring)
-                else:
+                elif item.ring != ONE_SIDED:  # a one-sided write did this when it ran
                     if self.send_sums is not None:  # zero-copy: overlaps the next sends
                         self.data.source_sums(item.chunk, self.send_sums)
                     if self.prep.reads_source[id(item.chunk)]:
@@ -274,7 +294,7 @@ class RefitExecution:
         partial: dict[int, torch.Tensor] = {}
         try:
             while (item := self.recv_q.get()) is not None:
-                if item.buf is _SKIPPED:
+                if item.buf is _SKIPPED and item.ring != ONE_SIDED:
                     self._recv_completed(0)
                     continue
                 tw = time.monotonic()
@@ -293,7 +313,9 @@ class RefitExecution:
                             f"{self.describe(item.chunk, 'recv')}: unpack failed: {e}"
                         ) from e
                     self.pool.release("recv", item.ring)
-                if self.recv_sums is not None:
+                if self.recv_sums is not None and item.ring == ONE_SIDED:
+                    self.data.landed_direct(item.chunk, self.recv_sums)
+                elif self.recv_sums is not None:
                     self.data.landed(item.chunk, self.recv_sums)
                 self._finished("recv", item.chunk.mid)
                 self._recv_completed(item.chunk.nbytes)

@@ -98,7 +98,10 @@ class PreparedProgram:
         staging_bytes: int,
         wire_chunk: int,
         staged_chunk: int | None,
+        one_sided: frozenset[int] = frozenset(),
     ) -> None:
+        """`one_sided`: ids of messages on one-sided paths (onesided.py): their chunks are
+        written by the sender and waited for on a doorbell, never staged here."""
         self.program = program
         self.info = info
         self.data = data
@@ -110,8 +113,16 @@ class PreparedProgram:
         except ExecutionError as e:
             raise ExecutionError(f"slot {p.slot}: {e}") from e
         self.steps = self._group_steps()
-        self.zc_send = {id(c): self._zero_copy_send(c) for c in self.send_chunks}
-        self.zc_recv = {id(c): data.zero_copy_recv(c) for c in self.recv_chunks}
+        self.one_sided = frozenset(
+            id(c) for c in self.send_chunks + self.recv_chunks if c.mid in one_sided
+        )
+        two = self.one_sided
+        self.zc_send = {
+            id(c): None if id(c) in two else self._zero_copy_send(c) for c in self.send_chunks
+        }
+        self.zc_recv = {
+            id(c): None if id(c) in two else data.zero_copy_recv(c) for c in self.recv_chunks
+        }
         self.pool, self.ring = self._staging(staging_bytes)
         self.relay_wait = self._relay_waits()
         relay = info.relay.tolist()
@@ -144,8 +155,8 @@ class PreparedProgram:
     def _staging(self, staging_bytes: int) -> tuple[StagingRing, dict[int, int]]:
         """The staging ring, sized for the largest staged chunk, and each staged chunk's
         ring slot (the k-th staged chunk of a side, in posting order, uses slot k mod n)."""
-        staged_send = [c.nbytes for c in self.send_chunks if self.zc_send[id(c)] is None]
-        staged_recv = [c.nbytes for c in self.recv_chunks if self.zc_recv[id(c)] is None]
+        staged_send = [c.nbytes for c in self.send_chunks if self._staged(c, self.zc_send)]
+        staged_recv = [c.nbytes for c in self.recv_chunks if self._staged(c, self.zc_recv)]
         buf_bytes = -(-max(staged_send + staged_recv, default=16) // 16) * 16
         pool = StagingRing(
             staging_bytes, buf_bytes, self.device, max(len(staged_send), len(staged_recv))
@@ -154,14 +165,18 @@ class PreparedProgram:
         n_send = n_recv = 0
         for sends, recvs in self.steps:
             for ch in recvs:
-                if self.zc_recv[id(ch)] is None:
+                if self._staged(ch, self.zc_recv):
                     ring[id(ch)] = pool.slot_of(n_recv)
                     n_recv += 1
             for ch in sends:
-                if self.zc_send[id(ch)] is None:
+                if self._staged(ch, self.zc_send):
                     ring[id(ch)] = pool.slot_of(n_send)
                     n_send += 1
         return pool, ring
+
+    def _staged(self, ch: Chunk, zero_copy: dict[int, torch.Tensor | None]) -> bool:
+        """Whether a chunk goes through a staging buffer (neither zero-copy nor one-sided)."""
+        return zero_copy[id(ch)] is None and id(ch) not in self.one_sided
 
     def _relay_waits(self) -> dict[int, int]:
         """Send chunk of a relay message -> receives (in posting order) to complete first."""

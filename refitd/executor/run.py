@@ -43,6 +43,7 @@ import torch
 from refitd.executor.chunks import DIRECT_MIN, WIRE_CHUNK, CopyInfo
 from refitd.executor.errors import ExecutionError
 from refitd.executor.execution import RefitExecution
+from refitd.executor.onesided import OneSided, OneSidedLinks
 from refitd.executor.prepare import (
     PreparedProgram,
     TensorResolver,
@@ -102,7 +103,9 @@ class Executor:
         slot_ranks: dict[int, int] | None = None,
         config: ExecutorConfig | None = None,
         device: torch.device | None = None,
+        links: OneSidedLinks | None = None,
     ) -> None:
+        """`links`: the one-sided paths of the program's messages on them (onesided.py)."""
         self.program = program
         self.resolver = resolver
         self.transport = transport
@@ -113,6 +116,8 @@ class Executor:
         tensors = resolve_tensors(program, resolver, self._index_list)
         first = next(iter(tensors.values()), None)
         self.device = device or (first.data.device if first else torch.device("cpu"))
+        self.one_sided = OneSided(program, links)
+        tensors.update(self.one_sided.remote_tensors())  # destinations the sends write
         self.data = SlotViews(program, self.info, tensors)
         self.prepared = PreparedProgram(
             program,
@@ -122,6 +127,7 @@ class Executor:
             self.config.staging_bytes,
             self.config.wire_chunk,
             self.config.staged_chunk,
+            self.one_sided.mids,
         )
 
     def _peer(self, slot: int) -> int:
@@ -134,10 +140,13 @@ class Executor:
         abort: threading.Event | None = None,
         verify: bool = False,
         skip: frozenset[int] = frozenset(),
+        attempt: int = 0,
     ) -> ExecReport:
         """One refit of this slot; raises ExecutionError (or StorageMovedError) on failure.
         With verify, fills report.checksums and checks local copies (module docstring).
-        `skip`: message ids moved elsewhere this refit (delta refits), on both ends."""
+        `skip`: message ids moved elsewhere this refit (delta refits), on both ends.
+        `attempt`: the refit attempt's id, which one-sided doorbells carry (unique per
+        attempt: a doorbell rung by another attempt never completes a wait)."""
         t0 = time.monotonic()
         p = self.program
         relayed = [
@@ -148,7 +157,11 @@ class Executor:
         ]
         if relayed:  # a relay forwards what this refit delivered: it cannot go first
             raise ExecutionError(f"slot {p.slot}: relay messages {relayed[:4]} cannot be skipped")
+        if skip & self.one_sided.mids:
+            bad = sorted(skip & self.one_sided.mids)[:4]
+            raise ExecutionError(f"slot {p.slot}: one-sided messages {bad} cannot be skipped")
         self.resolver.check(self._index_list)
+        self.one_sided.check(attempt)
         self.prepared.pool.reset()
         if self.prepared.has_messages and self.transport is None:
             raise ExecutionError(f"slot {p.slot}: program has messages but no transport")
@@ -162,5 +175,7 @@ class Executor:
             abort or threading.Event(),
             verify,
             skip,
+            self.one_sided,
+            attempt,
         )
         return execution.run()

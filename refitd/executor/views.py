@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refitd.executor.checksums import Checksummer, combine
-from refitd.executor.chunks import Chunk, CopyInfo, flat_range_views
+from refitd.executor.chunks import Chunk, CopyInfo, flat_range_pairs, flat_range_views
 from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import (
     ResolvedTensor,
@@ -247,6 +247,60 @@ class SlotViews:
                 dst,
                 tuple(self._dst_off[i][:nd]),
             )
+
+    # ------------------------------------------------------------------ one-sided
+    def direct_views(self, ch: Chunk) -> _Views:
+        """A one-sided send chunk's work: each plain raw copy's destination pieces with
+        its source pieces (copied straight, strided regions in place, casts included), and
+        in `slow` the other copies (encoded and landed whole, by `land_coded`)."""
+        w = ch.cache.get("direct")
+        if w is None:
+            w = ch.cache["direct"] = _Views([], [], [])
+            for i, off in zip(ch.rows, ch.offs, strict=True):
+                if not self.plain_raw_dst(i):
+                    w.slow.append((i, off))
+                elif ch.split:
+                    e0 = ch.seg_start // self._dtype[i].itemsize
+                    e1 = e0 + ch.nbytes // self._dtype[i].itemsize
+                    dst, src = flat_range_pairs(self.dst_block(i), self.src_block(i), e0, e1)
+                    w.dst += dst
+                    w.src += src
+                else:
+                    w.dst.append(self.dst_block(i))
+                    w.src.append(self.src_block(i))
+        return w
+
+    def land_coded(self, i: int) -> None:
+        """Copy row i through its wire format into its destination, as a receiver would
+        (encode into a scratch segment, decode into the region): bit for bit the same."""
+        wire = WIRES[self._wire[i]]
+        src = self.src_block(i)
+        seg = torch.empty(self._seg[i], dtype=torch.uint8, device=src.device)
+        encode_segment(wire, src, seg)
+        nd = self._nd[i]
+        dst = self.tensors[self._dst_t[i]]
+        seg = seg.to(dst.data.device)
+        off = tuple(self._dst_off[i][:nd])
+        decode_segment(wire, seg, self.shape(i), self._dtype[i], dst, off)
+
+    def region_sum(self, i: int) -> torch.Tensor:
+        """Checksum of what row i's copy left in its destination (values, and scales of a
+        quantized storage): on a one-sided path both ends read the landed region."""
+        d = self.tensors[self._dst_t[i]]
+        if d.storage == PLAIN:
+            return self.summer.tensor(self.dst_block(i))
+        r = dest_region(d, tuple(self._dst_off[i][: self._nd[i]]), self.shape(i))
+        h = torch.zeros((), dtype=torch.int64, device=d.data.device)
+        for part in r.parts():  # values, scales (, global scale)
+            h = h * 1000003 + self.summer.tensor(part)
+        return h
+
+    def landed_direct(self, ch: Chunk, sums: _Sums) -> None:
+        """Receiver checksums of a one-sided chunk once its doorbell rang: every copy whose
+        last piece it carries, read back from where it landed."""
+        for i in ch.rows:
+            if not ch.split or ch.seg_start + ch.nbytes == self._pay[i]:
+                sums[(ch.mid, i)] = self.region_sum(i)
 
     # ------------------------------------------------------------------ local copies
     def local_plan(self, rows: list[int], grouped: GroupedLanding | None = None) -> LocalStep:

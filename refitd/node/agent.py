@@ -47,6 +47,8 @@ from refitd.slot_protocol import Failed, Report, SlotOptions
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 60.0  # orphaned shared memory of killed workers is unlinked this often
 RECONNECT_MAX_S = 1.0  # longest wait between attempts to register again
+# one-sided paths every transfer process of this agent can take (refitd.transport.paths)
+OFFERED_LINKS = ("mapped",)
 
 
 class NodeAgent:
@@ -126,6 +128,7 @@ class NodeAgent:
             agent_id=self.agent_id,
             batch_execute=True,
             data_plane_address=self.data_plane.address,
+            links=OFFERED_LINKS,
         )
 
     def _register(self) -> None:

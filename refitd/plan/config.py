@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from refitd.plan.errors import PlanError
+from refitd.plan.links import LinkPolicy
 from refitd.plan.names import NameMap
 from refitd.plan.wire import WireRegistry, default_wires
 
@@ -17,7 +18,8 @@ class PlanConfig:
     schedule in which each slot moves one message at a time, as NCCL on one stream runs
     them: buckets.serial_rounds); relay_chain: a block held by several destination pools
     goes from the sources to the first of them (in registration order), which forwards it
-    to the others, instead of every pool forwarding some blocks to the others (relay.py)."""
+    to the others, instead of every pool forwarding some blocks to the others (relay.py);
+    links: the path of every message (links.py; default: all collective)."""
 
     bucket_bytes: int = 64 << 20
     sender_quantization: bool = False
@@ -29,6 +31,7 @@ class PlanConfig:
     relay_chain: bool = False
     schedule: str = "lanes"
     wires: WireRegistry = field(default_factory=default_wires)
+    links: LinkPolicy = field(default_factory=LinkPolicy)
 
     def __post_init__(self) -> None:
         if self.schedule not in ("lanes", "serial"):

@@ -4,10 +4,11 @@
 (`tensors`, `source_count`, `program(slot)`) and lists, per matching destination shard,
 every copy into it: the source rank and the block of its canonical tensor, where it lands
 locally, bytes on the wire, wire format, round, and whether it comes direct, by relay
-(another destination replica forwards it) or as a local copy on the same slot. `lines()`
-gives the compact text form used by `refitd explain`:
+(another destination replica forwards it) or as a local copy on the same slot, and the
+path of its message (refitd.plan.links: mapped, rdma, collective; local for a local copy).
+`lines()` gives the compact text form used by `refitd explain`:
 
-    S(trainer:0)[0:125, 0:64] -> R[0:125, 0:64]  16.0 KiB raw  round 0  direct  slot 0->4
+    S(trainer:0)[0:125, 0:64] -> R[0:125, 0:64]  16.0 KiB raw  round 0  direct  mapped  msg 3  slot 0->4
 
 Errors name the unknown tensor, pool or rank (PlanError).
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from refitd.plan.errors import PlanError
 from refitd.plan.layout import TensorSpec
+from refitd.plan.links import LOCAL
 from refitd.plan.planner import Plan
 from refitd.plan.program.columns import Copy, SlotProgram
 from refitd.plan.wire import segment_nbytes
@@ -44,13 +46,16 @@ class Feed:
     src_slot: int
     dst_slot: int
     via: str = ""  # relay: "pool:rank" of the destination replica that forwards it
+    path: str = LOCAL  # the message's path (links.PATHS), "local" for a local copy
+    message: int | None = None  # the message id (None: a local copy)
 
     def line(self) -> str:
         rnd = "local" if self.round is None else f"round {self.round}"
         via = f" via {self.via}" if self.via else ""
+        msg = "" if self.message is None else f"  msg {self.message}"
         return (
             f"S({self.source})[{_fmt(self.source_box)}] -> R[{_fmt(self.dest_box)}]  "
-            f"{_size(self.nbytes)} {self.wire}  {rnd}  {self.route}{via}  "
+            f"{_size(self.nbytes)} {self.wire}  {rnd}  {self.route}{via}  {self.path}{msg}  "
             f"slot {self.src_slot}->{self.dst_slot}"
         )
 
@@ -174,7 +179,7 @@ def explain(
         spec = plan.tensors[i]
         prog = program(spec.slot)
         feeds = [
-            _feed(plan, program, c, m.round, m.src_slot, spec.slot)
+            _feed(plan, program, c, m.round, m.src_slot, spec.slot, m.path, m.id)
             for m in prog.recvs
             for c in m.copies
             if c.dst_tensor == i
@@ -201,7 +206,16 @@ def explain(
     return out
 
 
-def _feed(plan: Plan, program: Any, c: Copy, rnd: int | None, src_slot: int, dst_slot: int) -> Feed:
+def _feed(
+    plan: Plan,
+    program: Any,
+    c: Copy,
+    rnd: int | None,
+    src_slot: int,
+    dst_slot: int,
+    path: str = LOCAL,
+    message: int | None = None,
+) -> Feed:
     src = plan.tensors[c.src_tensor]
     via = ""
     route = "local" if rnd is None else "direct"
@@ -223,6 +237,8 @@ def _feed(plan: Plan, program: Any, c: Copy, rnd: int | None, src_slot: int, dst
         src_slot=src_slot,
         dst_slot=dst_slot,
         via=via,
+        path=path,
+        message=message,
     )
 
 

@@ -16,6 +16,7 @@ from refitd.plan.config import PlanConfig
 from refitd.plan.copies import CopyTable, Pieces
 from refitd.plan.grouping import dense_index
 from refitd.plan.layout import TensorSpec
+from refitd.plan.links import PATHS, path_summary
 from refitd.plan.program.build import Messages, PlanTensors, ProgramIndex, concat_ranges
 from refitd.plan.program.columns import SlotProgram
 from refitd.plan.schedule import BucketScheduler, ScheduledMessages
@@ -79,6 +80,7 @@ class Plan:
         lidx = lidx[np.argsort(table.feed[lidx] >= 0, kind="stable")]
         self._local = Pieces(table, lidx)
         relays, remote_nb = self._schedule(table, nb, local)
+        self._m_path, self._m_fallback = config.links.choose(self._m_src, self._m_dst)
         self._remote_table: CopyTable | None = None  # relay_feeds' whole table
         self._send_load = np.bincount(
             self._dense[self._remote.column("src")], weights=remote_nb, minlength=slots.size
@@ -168,8 +170,10 @@ class Plan:
 
     def message_columns(self) -> dict[str, np.ndarray]:
         """Every remote message as columns, row = message id: src and dst slot, round, wire
-        bytes, relay (it forwards received blocks). For tools such as the link model."""
+        bytes, relay (it forwards received blocks), path (a code into links.PATHS). For
+        tools such as the link model."""
         return {
+            "path": self._m_path.copy(),
             "src": self._m_src.copy(),
             "dst": self._m_dst.copy(),
             "round": self._m_round.copy(),
@@ -201,6 +205,23 @@ class Plan:
         hit = ((a0 < b0 + bn) & (b0 < a0 + an) | ~live).all(axis=1) & (t.dst[f] == t.src[r])
         pairs = np.unique(np.c_[msg_of_row[r[hit]], msg_of_row[f[hit]]], axis=0)
         return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+    def link_summary(self) -> dict[str, object]:
+        """Messages and bytes per path, local copies, and the fallbacks of a forced links
+        mode (links.path_summary): what refit records and the status show."""
+        st = self.stats
+        return path_summary(
+            self._m_path,
+            self._m_bytes,
+            self._m_fallback,
+            st.local_copies,
+            st.local_bytes,
+            self.config.links.mode,
+        )
+
+    def message_path(self, mid: int) -> str:
+        """The path of message `mid`."""
+        return PATHS[int(self._m_path[mid])]
 
     def send_bytes(self) -> dict[int, int]:
         """Remote bytes each slot sends."""
@@ -234,6 +255,7 @@ class Plan:
                 self._m_start,
                 self._m_end,
                 self._m_bytes,
+                self._m_path,
             )
             copies = Pieces.concat([self._remote, self._local])
             self._index = ProgramIndex(self.digest, copies, self._remote.rows.size, msgs, tensors)

@@ -10,6 +10,7 @@ from refitd.plan.errors import PlanError
 from refitd.plan.explain import explain, format_explanations
 from refitd.server.errors import not_found, precondition
 from refitd.server.frontend import PlanSource
+from refitd.server.plan_options import table_slots
 from refitd.server.planning import ControllerPlan, make_digest, make_plan
 
 
@@ -43,10 +44,13 @@ def current_plan(c: PlanSource, model: str) -> tuple[ControllerPlan, bool]:
         )
     try:
         options = c.refits.plan_options
-        digest = make_digest(model, sources, destinations, options)
+        sites = reg.slot_sites(table_slots(sources, destinations))
+        digest = make_digest(model, sources, destinations, options, sites)
         plan = c.refits.plans.get(digest)
         if plan is None:
-            plan = make_plan(model, epoch, sources, destinations, options, digest=digest)
+            plan = make_plan(
+                model, epoch, sources, destinations, options, digest=digest, sites=sites
+            )
             c.refits.plans.put(plan)
     finally:
         with reg.lock:

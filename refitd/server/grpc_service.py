@@ -337,6 +337,7 @@ class AgentControlService:
             request.agent_id,
             batch_execute=request.batch_execute,
             data_plane_address=request.data_plane_address,
+            links=tuple(request.links),
         )
         self.c.refresh_gauges()
         return pb.RegisterAgentResponse(

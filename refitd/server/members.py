@@ -111,3 +111,4 @@ class Agent:
     connected: bool = False  # its Commands stream is open
     batch_execute: bool = False  # takes one ExecuteCommand for all its slots
     data_plane_address: str = ""  # where its transfer processes accept peers
+    links: tuple[str, ...] = ()  # one-sided paths its transfer processes offer

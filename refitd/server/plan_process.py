@@ -77,6 +77,7 @@ class ForkedPlan:
     tensors: np.ndarray  # int64: every slot's program tensors (plan indices), end to end
     tensor_offsets: np.ndarray  # int64 [slots + 1]
     timings: dict[str, float]  # the child's plan_s, programs_s, cpu_s
+    links: dict[str, object]  # messages and bytes per path (Plan.link_summary)
 
     def program(self, i: int) -> memoryview:
         """The i-th slot's encoded program (a slice of the mapping)."""
@@ -229,6 +230,7 @@ def _write_plan(fd: int, plan: Plan, t_plan: float, t0: float, c0: float) -> Non
         "recv_bytes": plan.recv_bytes(),
         "readers": readers,
         "holders": {s: tuple(sorted(k)) for s, k in holders.items()},
+        "links": plan.link_summary(),
         "program_offsets": np.cumsum([0, *map(len, programs)], dtype=np.int64),
         "tensor_offsets": np.cumsum([0, *map(len, tensors)], dtype=np.int64),
         "program_bytes": sum(map(len, programs)),

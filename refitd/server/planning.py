@@ -33,6 +33,7 @@ from refitd.plan.table import SpecTable
 from refitd.plan.twins import build_twin_plan, pair_twins
 from refitd.server.errors import ControlError, precondition
 from refitd.server.heap import release_free_heap
+from refitd.server.plan_options import PlanOptions, Site, planner_config
 from refitd.server.plan_process import ForkedPlan, PlanningProcess, WorkerKey
 
 # What a loaded slot program's handles came from: per worker holding tensors on the slot,
@@ -41,20 +42,6 @@ from refitd.server.plan_process import ForkedPlan, PlanningProcess, WorkerKey
 SlotInputs = tuple[tuple[tuple[WorkerKey, str], ...], frozenset[str], frozenset[str]]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """The plan configuration the controller passes on (from Settings). schedule "auto"
-    resolves by transport (`planner_schedule`)."""
-
-    bucket_bytes: int
-    sender_quantization: bool = False
-    relay: bool = True
-    relay_chain: bool = False
-    allow_dtype_cast: bool = False
-    schedule: str = "auto"
-    transport: str = "gloo"
 
 
 @dataclass(frozen=True)
@@ -88,6 +75,7 @@ class ControllerPlan:
     _holders: dict[int, tuple[WorkerKey, ...]] | None = None
     _readers: dict[WorkerKey, list[int]] | None = None
     _traffic: tuple[dict[int, int], dict[int, int]] | None = None
+    _links: dict[str, object] | None = None
     timings: dict[str, float] = field(default_factory=dict)  # a planning process's own
 
     @classmethod
@@ -113,7 +101,15 @@ class ControllerPlan:
         }
         cp._holders, cp._readers = fp.holders, fp.readers
         cp._traffic, cp.timings = (fp.send_bytes, fp.recv_bytes), fp.timings
+        cp._links = fp.links
         return cp
+
+    @property
+    def links(self) -> dict[str, object]:
+        """Messages and bytes per path, local copies, fallbacks (Plan.link_summary)."""
+        if self._links is None:
+            self._links = self.plan.link_summary()
+        return self._links
 
     @property
     def total_bytes(self) -> int:
@@ -241,28 +237,6 @@ def stale_slots(
     return out
 
 
-def planner_schedule(schedule: str, transport: str, relay: bool) -> tuple[str, bool]:
-    """(PlanConfig.schedule, PlanConfig.relay) for the plan_schedule setting. "auto": under
-    NCCL a slot moves one chunk at a time, so serial rounds without relays (1.13x the bound
-    against 3.42x for lanes with relays, docs/simulate.md); Gloo posts every chunk at once
-    and keeps lanes with relays as set."""
-    if schedule != "auto":
-        return schedule, relay
-    return ("serial", False) if transport == "nccl" else ("lanes", relay)
-
-
-def planner_config(options: PlanOptions) -> PlanConfig:
-    schedule, relay = planner_schedule(options.schedule, options.transport, options.relay)
-    return PlanConfig(
-        bucket_bytes=options.bucket_bytes,
-        sender_quantization=options.sender_quantization,
-        relay=relay,
-        relay_chain=options.relay_chain,
-        allow_dtype_cast=options.allow_dtype_cast,
-        schedule=schedule,
-    )
-
-
 def _table(specs: Sequence[TensorSpec] | SpecTable) -> SpecTable:
     return specs if isinstance(specs, SpecTable) else SpecTable.from_specs(specs)
 
@@ -272,10 +246,12 @@ def make_digest(
     sources: Sequence[TensorSpec] | SpecTable,
     destinations: Sequence[TensorSpec] | SpecTable,
     options: PlanOptions,
+    sites: Sequence[Site] = (),
 ) -> str:
-    """Plan digest of (model, layouts, config), the plan cache key: the layout identity. A
-    restart that re-registers the same layouts (new memory handles, new epoch) hits it."""
-    return plan_digest(model, sources, destinations, planner_config(options))
+    """Plan digest of (model, layouts, config with the links of `sites`), the plan cache
+    key: the layout identity. A restart that re-registers the same layouts (new memory
+    handles, new epoch) on the same slots with the same offers hits it."""
+    return plan_digest(model, sources, destinations, planner_config(options, sites))
 
 
 def make_plan(
@@ -287,12 +263,14 @@ def make_plan(
     gc_pause: GcPause | None = None,
     digest: str | None = None,
     process: PlanningProcess | None = None,
+    sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """Build the plan through refitd.plan.planner; PlanError -> FAILED_PRECONDITION.
     In this process, no slot program is built here (see ControllerPlan.load_payload) and
     the plan keeps `gc_pause` for them; with `process`, a planning process builds the plan
     and every program (plan_process.py). `digest`: make_digest of the same inputs, when
-    the caller has it."""
+    the caller has it; `sites`: the slots' hosts, device kinds and offered paths (the
+    links' paths)."""
     src, dst = _table(sources), _table(destinations)
     what = f"plan of model {model!r} epoch {epoch}"
     if process is None:
@@ -302,8 +280,9 @@ def make_plan(
             options,
             gc_pause,
             "general",
+            sites,
         )
-    config = planner_config(options)
+    config = planner_config(options, sites)
     n_src, n_dst = len(src), len(dst)
     try:
         fp = process.build(model, epoch, src, dst, config, digest)
@@ -311,14 +290,16 @@ def make_plan(
         raise precondition(f"{what}: {e}") from e
     except ControlError as e:  # the child died or overran: this refit plans here instead
         log.warning("%s: %s; planning in the controller's process instead", what, e.message)
-        return make_plan(model, epoch, src, dst, options, gc_pause, digest)
+        return make_plan(model, epoch, src, dst, options, gc_pause, digest, sites=sites)
 
     def rebuild() -> Plan:  # the tables as they were: they may have grown since
         return build_plan_from_table(
             model, epoch, _prefix(src, n_src), _prefix(dst, n_dst), config, fp.digest
         )
 
-    return ControllerPlan.forked(fp, model, src.specs + dst.specs, rebuild, gc_pause)
+    cp = ControllerPlan.forked(fp, model, src.specs + dst.specs, rebuild, gc_pause)
+    _say_fallback(cp, what, options)
+    return cp
 
 
 def _prefix(table: SpecTable, n: int) -> SpecTable:
@@ -332,6 +313,7 @@ def make_twin_plan(
     pairs: Sequence[tuple[SpecTable, SpecTable]],
     options: PlanOptions,
     gc_pause: GcPause | None = None,
+    sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """A twin plan (refitd.plan.twins: each pair's second worker copied whole from its
     first) as the controller uses it; PlanError -> FAILED_PRECONDITION."""
@@ -341,6 +323,7 @@ def make_twin_plan(
         options,
         gc_pause,
         "twin",
+        sites,
     )
 
 
@@ -350,15 +333,25 @@ def _controller_plan(
     options: PlanOptions,
     gc_pause: GcPause | None,
     kind: str,
+    sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """`build` run with the options' planner config inside the pause; PlanError ->
     FAILED_PRECONDITION starting with `what`."""
     with gc_pause or contextlib.nullcontext():
         try:
-            plan = build(planner_config(options))
+            plan = build(planner_config(options, sites))
         except PlanError as e:
             raise precondition(f"{what}: {e}") from e
-    return ControllerPlan.of(plan, gc_pause, kind)
+    cp = ControllerPlan.of(plan, gc_pause, kind)
+    _say_fallback(cp, what, options)
+    return cp
+
+
+def _say_fallback(cp: ControllerPlan, what: str, options: PlanOptions) -> None:
+    """Log the links of a forced path that fell back to collective (the plan counts them)."""
+    fallback = cp.links.get("fallback")
+    if fallback:
+        log.warning("%s: links %s fell back to collective: %s", what, options.links, fallback)
 
 
 def make_catch_up_plan(
@@ -368,6 +361,7 @@ def make_catch_up_plan(
     behind: Sequence[SpecTable],
     options: PlanOptions,
     gc_pause: GcPause | None = None,
+    sites: Sequence[Site] = (),
 ) -> ControllerPlan:
     """The plan copying the committed version from replicas that hold it (`holders`, one
     table per worker) into the ranks `behind`: each rank behind copied whole from a holder
@@ -376,9 +370,9 @@ def make_catch_up_plan(
     twins = pair_twins(holders, behind)
     if twins is not None:
         pairs = [(holders[i], behind[j]) for i, j in twins]
-        return make_twin_plan(model, epoch, pairs, options, gc_pause)
+        return make_twin_plan(model, epoch, pairs, options, gc_pause, sites)
     sources, destinations = SpecTable.from_tables(holders), SpecTable.from_tables(behind)
-    return make_plan(model, epoch, sources, destinations, options, gc_pause)
+    return make_plan(model, epoch, sources, destinations, options, gc_pause, sites=sites)
 
 
 class PlanCache:

@@ -103,6 +103,7 @@ def _plan_traffic(c: StatusSource, model: str) -> dict[str, Any] | None:
         "local_bytes": st.local_bytes,
         "relay_bytes": st.relay_bytes,
         "messages": st.messages,
+        "links": cp.links,
         "rounds": st.rounds,
         "send_imbalance": st.send_imbalance,
         "bottleneck": {
@@ -194,6 +195,7 @@ def status_document(
                 "host": a.host,
                 "pid": a.pid,
                 "data_plane_address": a.data_plane_address,
+                "links": list(a.links),
                 "connected": c.agents.connected(a.agent_id),
                 "slots": list(a.slot_ids),
             }

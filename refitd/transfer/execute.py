@@ -43,7 +43,10 @@ def execute_refit(state: TransferSlot, cmd: Execute, released: Callable[[], None
     if cmd.delta is not None and entry is not None:  # reads the snapshot when there is one
         delta, sums = _delta_path(state, entry, ex, cmd.delta, cmd)
         skip = frozenset(cmd.delta.send) | frozenset(cmd.delta.recv)
-    report = ex.run(cmd.timeout_s, on_released, state.aborting, verify=cmd.verify, skip=skip)
+    report = ex.run(
+        cmd.timeout_s, on_released, state.aborting, verify=cmd.verify, skip=skip,
+        attempt=cmd.refit_id,
+    )  # fmt: skip
     if entry is not None and not state.aborting.is_set():
         entry.filled = cmd.refit_id
     if delta is not None:

@@ -1,13 +1,18 @@
 """Worker memory in a transfer process: plan tensor index -> mapped tensor, staging buffers
-of staged pools, and the liveness check of registered storage."""
+of staged pools, and the liveness check of registered storage.
+
+Staging buffers live in memory another transfer process of the host can map (shared
+memory on the CPU, CUDA IPC on a GPU; a `SharedTensorArena` of this process holds them), so
+a sender on a mapped link writes a staged pool's tensors in place as it writes live ones."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import ResolvedTensor
+from refitd.memory.arena import SharedTensorArena
 from refitd.memory.handles import MemoryHandle
 from refitd.memory.mapping import LivenessCheck, MemoryMapper, check_live_words, liveness_check
 from refitd.plan.wire import PLAIN
@@ -20,7 +25,8 @@ class MappedResolver:
     Staged tensors (a staged pool's destinations) resolve to staging buffers this process
     owns, so the executor and relays write and forward them unchanged; `apply` copies them
     into the live memory. They are allocated by `stage` (at program load) as copies of the
-    live tensors, so regions a refit does not write keep their live values.
+    live tensors, so regions a refit does not write keep their live values, in an arena of
+    this process (`staging_handles`: what another process maps them by); `close` frees them.
     """
 
     mapper: MemoryMapper
@@ -30,6 +36,8 @@ class MappedResolver:
     _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
     _staging: dict[int, ResolvedTensor] = field(default_factory=dict)
     _checks: dict[tuple[int, ...], LivenessCheck] = field(default_factory=dict)
+    _arena: SharedTensorArena | None = None
+    staging_handles: dict[int, MemoryHandle] = field(default_factory=dict)
 
     def resolve(self, index: int) -> ResolvedTensor:
         if index in self.staged:
@@ -37,16 +45,32 @@ class MappedResolver:
         return self.live(index)
 
     def stage(self) -> None:
-        """Allocate the staging buffers: same shape, dtype, storage and device as live."""
+        """Allocate the staging buffers: same shape, dtype, storage and device as live, in
+        shareable memory."""
+        if not self.staged:
+            return
+        self._arena = SharedTensorArena(prefix="refitd-stage")
         for i in sorted(self.staged):
             t = self.live(i)
+            parts = {
+                k: v.clone()
+                for k, v in (("data", t.data), ("scales", t.scales), ("gs", t.global_scale))
+                if v is not None
+            }
+            h = self._arena.register({f"{i}.{k}": v for k, v in parts.items()})
+            self.staging_handles[i] = replace(
+                h[f"{i}.data"], name=t.name, scales=h.get(f"{i}.scales"),
+                global_scale=h.get(f"{i}.gs"),
+            )  # fmt: skip
             self._staging[i] = ResolvedTensor(
-                t.name,
-                t.data.clone(),
-                None if t.scales is None else t.scales.clone(),
-                t.storage,
-                None if t.global_scale is None else t.global_scale.clone(),
+                t.name, parts["data"], parts.get("scales"), t.storage, parts.get("gs")
             )
+
+    def close(self) -> None:
+        """Free the staging buffers (a mapping elsewhere keeps its pages until dropped)."""
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
     def apply(self) -> int:
         """Copy every staging buffer into its live tensor; returns the bytes copied."""

@@ -3,6 +3,7 @@ process between the same ranks (and on the same device) as the refit they are co
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ def probe(state: TransferSlot, cmd: Probe) -> Probed:
     allocates (and drops other buffers); buffers live until `release`, so freeing them is
     never timed (both answer 0.0 seconds)."""
     if cmd.release:
-        state.probe_bufs.clear()
+        state.probe_bufs = {k: v for k, v in state.probe_bufs.items() if k[0] == "k"}
         return Probed(0.0)
     if cmd.memcpy is not None:
         return _memcpy(state, cmd, cmd.memcpy)
@@ -57,20 +58,31 @@ def probe(state: TransferSlot, cmd: Probe) -> Probed:
 
 def _memcpy(state: TransferSlot, cmd: Probe, n: int) -> Probed:
     dev = torch.device(cmd.device)
-    if cmd.prepare:
-        state.probe_bufs = {k: v for k, v in state.probe_bufs.items() if k[0] == "m"}
-    a = state.probe_bufs.get(("m", 0))
-    if a is None or a.numel() != n or a.device != dev:
-        a = state.probe_bufs[("m", 0)] = _probe_buffer(n, dev)
-        state.probe_bufs[("m", 1)] = _probe_buffer(n, dev)
-    b = state.probe_bufs[("m", 1)]
+    kind = "k" if cmd.kept else "m"
+    if cmd.prepare and not cmd.kept:
+        state.probe_bufs = {k: v for k, v in state.probe_bufs.items() if k[0] in "mk"}
+    a = state.probe_bufs.get((kind, 0))
+    if a is None or a.numel() < n or a.device != dev or (a.numel() != n and not cmd.kept):
+        a = state.probe_bufs[(kind, 0)] = _probe_buffer(n, dev)
+        state.probe_bufs[(kind, 1)] = _probe_buffer(n, dev)
+    a, b = a[:n], state.probe_bufs[(kind, 1)][:n]
     if cmd.prepare:
         return Probed(0.0)
+    piece = cmd.memcpy_piece or n
+
+    def copies() -> None:
+        for _ in range(cmd.repeat):
+            for i in range(0, n, piece):
+                b[i : i + piece].copy_(a[i : i + piece])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    # on a thread of its own, as a refit's copies run (torch's intra-op threads are set up
+    # per calling thread; on a loaded 2-core VM the command loop's are measurably slower)
     t0 = time.monotonic()
-    for _ in range(cmd.repeat):
-        b.copy_(a)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    worker = threading.Thread(target=copies, name="refitd-probe-memcpy")
+    worker.start()
+    worker.join()
     return Probed(time.monotonic() - t0)
 
 

@@ -12,13 +12,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from refitd.executor.chunks import WIRE_CHUNK
 from refitd.executor.errors import ExecutionError
+from refitd.executor.onesided import OneSidedLinks
 from refitd.executor.run import Executor, ExecutorConfig
 from refitd.memory.handles import MemoryHandle
 from refitd.memory.mapping import MemoryMapper
@@ -43,11 +44,14 @@ from refitd.slot_protocol import (
     Unloaded,
 )
 from refitd.transfer.execute import execute_refit
+from refitd.transfer.links import Exposures, attach, expose, make_path, republish
 from refitd.transfer.mapped import MappedResolver
 from refitd.transfer.probe import probe
 from refitd.transfer.snapshot import Snapshot, SnapshotResolver, prepare_snapshot
 from refitd.transport.base import ConnectInfo, Transport
 from refitd.transport.factory import create_transport
+from refitd.transport.gloo import open_store
+from refitd.transport.paths import Links
 
 
 @dataclass
@@ -62,6 +66,21 @@ class LoadedPlan:
     delta: Any = None  # (ProgramAccess, DeltaBase) of delta refits, made on first use
     snapshot: Snapshot | None = None  # snapshot release of this slot's sources (snapshot.py)
     snapshot_request: tuple[tuple[int, ...], int] = ((), 0)  # (tensors asked, cap) at load
+    exposures: Exposures = field(default_factory=Exposures)  # one-sided receives (links.py)
+    onesided: OneSidedLinks | None = None  # one-sided peers of the current executor
+
+    def reset(self) -> None:
+        """Drop the executor and the peers it wrote into (a new communicator or plan)."""
+        self.executor = None
+        if self.onesided is not None:
+            self.onesided.close()
+            self.onesided = None
+
+    def close(self) -> None:
+        """Release what the plan holds: peers, exposures (their doorbells retire), staging."""
+        self.reset()
+        self.exposures.close()
+        self.resolver.close()
 
 
 class TransferSlot:
@@ -71,6 +90,7 @@ class TransferSlot:
         self.slot = slot
         self.mapper = MemoryMapper()
         self.transport: Transport | None = None
+        self.links: Links | None = None  # one-sided paths of the communicator epoch
         self.slot_ranks: dict[int, int] | None = None
         self.loaded: dict[str, LoadedPlan] = {}
         self.aborting = threading.Event()  # set by abort: the running refit stops
@@ -86,23 +106,27 @@ class TransferSlot:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        if self.links is not None:
+            self.links.close()
+            self.links = None
         for entry in self.loaded.values():
-            entry.executor = None
-        transport = create_transport(cmd.transport)
-        transport.connect(
-            ConnectInfo(
-                epoch=cmd.epoch,
-                store_host=cmd.store_host,
-                store_port=cmd.store_port,
-                rank=cmd.rank,
-                world_size=cmd.world_size,
-                timeout_s=cmd.timeout_s,
-                store_token=cmd.store_token,
-                local_address=cmd.data_plane_address,
-                local_interface=cmd.data_plane_interface,
-            )
+            entry.reset()
+        info = ConnectInfo(
+            epoch=cmd.epoch,
+            store_host=cmd.store_host,
+            store_port=cmd.store_port,
+            rank=cmd.rank,
+            world_size=cmd.world_size,
+            timeout_s=cmd.timeout_s,
+            store_token=cmd.store_token,
+            local_address=cmd.data_plane_address,
+            local_interface=cmd.data_plane_interface,
         )
+        transport = create_transport(cmd.transport)
+        transport.connect(info)
         self.transport = transport
+        if cmd.store_port:  # a communicator with a rendezvous store: one-sided paths too
+            self.links = Links(info, open_store, make_path)
         self.slot_ranks = cmd.slot_ranks
         return Connected()
 
@@ -127,16 +151,20 @@ class TransferSlot:
             and old.snapshot_request == (wanted, cap)
         ):
             # Reloaded after a reconnect: keep the mappings and the staging buffers (a
-            # filled staging is what a retried apply copies).
-            old.executor = None
+            # filled staging is what a retried apply copies); exposures under the new epoch.
+            old.reset()
+            if self.links is not None:
+                republish(self.links, old.exposures)
             return Loaded()
         if staged:
             # A newer plan of the model (a new membership epoch: the old digest never runs
             # again) replaces the staging buffers of the older ones, which are freed first.
             for digest, entry in list(self.loaded.items()):
                 if entry.model == cmd.model and entry.resolver.staged:
-                    del self.loaded[digest]
+                    self.loaded.pop(digest).close()
         entry = self._prepare(cmd, program, staged, raw, (wanted, cap))
+        if old is not None:
+            old.close()  # its doorbells retire: senders attached to it attach again
         for other in list(self.loaded.values()):
             # a newer plan of the same layout (a new epoch) keeps the sender's delta base
             if other.model == cmd.model and other.delta is not None and _same_sends(other, program):
@@ -165,6 +193,11 @@ class TransferSlot:
         )
         resolver = MappedResolver(self.mapper, handles, storages, staged)
         resolver.stage()
+        try:
+            exposures = expose(self.links, program, resolver, raw)
+        except BaseException:
+            resolver.close()
+            raise
         config = ExecutorConfig(
             staging_bytes=cmd.staging_bytes,
             wire_chunk=cmd.wire_chunk or WIRE_CHUNK,
@@ -179,10 +212,14 @@ class TransferSlot:
             model=cmd.model,
             snapshot=prepare_snapshot(program, resolver, wanted, cap) if wanted else None,
             snapshot_request=snapshot_request,
+            exposures=exposures,
         )
 
     def unload(self, cmd: Unload) -> Unloaded:
-        return Unloaded(self.loaded.pop(cmd.digest, None) is not None)
+        entry = self.loaded.pop(cmd.digest, None)
+        if entry is not None:
+            entry.close()
+        return Unloaded(entry is not None)
 
     def apply(self, cmd: Apply) -> Applied:
         """Copy the staging buffers of a loaded plan into live memory (a staged pool is
@@ -218,6 +255,8 @@ class TransferSlot:
         entry = self.loaded.get(digest)
         if entry is None:
             raise ExecutionError(f"plan {digest!r} is not loaded in this transfer process")
+        if entry.onesided is not None and entry.onesided.stale():
+            entry.reset()  # a destination loaded the plan again: attach to it afresh
         if entry.executor is None:
             snap = entry.snapshot
             resolver: Any = entry.resolver
@@ -226,6 +265,8 @@ class TransferSlot:
                 resolver = SnapshotResolver(entry.resolver, snap)
                 live = [entry.resolver.resolve(i).data for i in sorted(snap.indices)[:1]]
                 device = live[0].device if live else None
+            entry.reset()
+            entry.onesided = attach(self.links, entry.program, entry.exposures)
             entry.executor = Executor(
                 entry.program,
                 resolver,
@@ -233,6 +274,7 @@ class TransferSlot:
                 self.slot_ranks,
                 entry.config,
                 device=device,
+                links=entry.onesided,
             )
         return entry.executor
 
@@ -245,7 +287,7 @@ class TransferSlot:
         if self.busy.is_set() and self.transport is not None:
             transport, self.transport = self.transport, None
             for entry in self.loaded.values():
-                entry.executor = None
+                entry.executor = None  # its peers are closed by the next connect
             with contextlib.suppress(Exception):
                 transport.close()
         return Ack()
@@ -257,7 +299,11 @@ class TransferSlot:
             self.running.join(5)
         if self.transport is not None:
             self.transport.close()
+        for entry in self.loaded.values():
+            entry.close()
         self.loaded.clear()
+        if self.links is not None:
+            self.links.close()
         self.mapper.close()
         self.closed = True
         return Ack()

@@ -9,20 +9,18 @@ from refitd.transport.base import Transport
 from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport
 from refitd.transport.nccl import NcclTransport
-from refitd.transport.nvshmem import NvshmemTransport
 
 TRANSPORTS: Mapping[str, Callable[[], Transport]] = types.MappingProxyType(
     {
         "local": LocalTransport,
         "gloo": GlooTransport,
         "nccl": NcclTransport,
-        "nvshmem": NvshmemTransport,
     }
 )
 
 
 def create_transport(name: str) -> Transport:
-    """A new transport of this name: local, gloo, nccl or nvshmem."""
+    """A new transport of this name: local, gloo or nccl."""
     try:
         make = TRANSPORTS[name]
     except KeyError:

@@ -51,7 +51,10 @@ SLOT_SIDE = (NODE, TRANSFER, EXECUTOR)
 # the modules that move or map bytes (torch): the node agent only relays their errors and
 # reaps shared memory by name
 BYTE_MOVERS = (
-    *(f"refitd.transport.{m}" for m in ("base", "gloo", "local", "mooncake", "nccl", "nvshmem")),
+    *(
+        f"refitd.transport.{m}"
+        for m in ("base", "doorbell", "gloo", "local", "mooncake", "nccl", "paths")
+    ),
     *(f"refitd.memory.{m}" for m in ("arena", "mapping", "segments")),
 )
 CONTROL_PLANE = ("grpc", "google.protobuf", "refitd._proto", "refitd.rpc", "refitd.server")

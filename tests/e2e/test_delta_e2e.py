@@ -36,8 +36,9 @@ def delta_daemon() -> Iterator[Daemon]:
             *("--delta-refits", "--verify-checksums", "--pause-timeout-s", "20"),
             *("--heartbeat-timeout-s", "30", "--no-relay"),
             # these tests check the delta path itself: on loopback the speed rule would
-            # (rightly) send later versions dense once a delta refit measured slower
-            "--no-delta-speed-rule",
+            # (rightly) send later versions dense once a delta refit measured slower, and
+            # links between slots of one host would be mapped (written in place: dense)
+            *("--no-delta-speed-rule", "--links", "collective"),
         ],
     )
     d.start()
@@ -164,7 +165,10 @@ def test_relay_fed_replica_dense_and_bit_for_bit() -> None:
     (dense) messages through the executor, after the delta path: both bit for bit."""
     d = Daemon(
         cpu_slots=3,
-        extra_args=["--delta-refits", "--verify-checksums", "--heartbeat-timeout-s", "30"],
+        extra_args=[
+            *("--delta-refits", "--verify-checksums", "--heartbeat-timeout-s", "30"),
+            *("--links", "collective"),  # the delta path (mapped links go dense)
+        ],
     )
     d.start()
     tr = Trainer(d.address, "deltarelay", lr=1e-6)

@@ -1,8 +1,10 @@
 """A refitd cluster over four emulated hosts (network namespaces on a private bridge).
 
-ctl: the controller (no agent). hosta: an agent and the trainer, tp=2 (2 ranks). hostb and
-hostc: an agent each and one rank of each of two inference pools, tp=2 each (infer-a rank 0
-and infer-b rank 1 on hostb, the others on hostc), so every pool spans two hosts. hostb's
+ctl: the controller (no agent). hosta: an agent and the trainer, tp=2 (2 ranks), and infer-c
+(tp=1) on the trainer's first slot: its refit mixes a local copy (from trainer rank 0) and
+a mapped link (from rank 1, the other slot of the host). hostb and hostc: an agent each and
+one rank of each of two inference pools, tp=2 each (infer-a rank 0 and infer-b rank 1 on
+hostb, the others on hostc), so every pool spans two hosts (collective links). hostb's
 /etc/hosts maps its name to 127.0.1.1 (the Debian default) and hostc's name does not
 resolve at all: the agents must not take their data-plane address from the host name.
 hosta sets --data-plane-address, hostb --data-plane-interface, hostc uses the default (the
@@ -37,7 +39,11 @@ SERVE_ARGS = [
 HOSTS = ["ctl", "hosta", "hostb", "hostc"]
 RESOLVES = {"hostb": "127.0.1.1", "hostc": None}
 WORKERS = {
-    "hosta": [RankSpec("trainer", 0, 2, "cpu:0"), RankSpec("trainer", 1, 2, "cpu:1")],
+    "hosta": [
+        RankSpec("trainer", 0, 2, "cpu:0"),
+        RankSpec("trainer", 1, 2, "cpu:1"),
+        RankSpec("infer-c", 0, 1, "cpu:0"),
+    ],
     "hostb": [RankSpec("infer-a", 0, 2, "cpu:0"), RankSpec("infer-b", 1, 2, "cpu:1")],
     "hostc": [RankSpec("infer-a", 1, 2, "cpu:0"), RankSpec("infer-b", 0, 2, "cpu:1")],
 }

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from refitd.bench.cluster.multihost import MultiHostCluster
+from refitd.cli.status import render
 from refitd.demo.gpt import GptConfig
 
 from .conftest import LEASE_S, MB
@@ -46,6 +47,27 @@ def test_tp2_trainer_to_two_pools_spread_over_two_hosts(cluster: MultiHostCluste
         assert received >= 2 * model, (host, received, model)
     sent = after["hosta"][0] - before["hosta"][0]
     assert sent >= 2 * model  # two versions, each read once from the trainer host
+
+
+def test_one_refit_mixes_local_mapped_and_collective_links(cluster: MultiHostCluster) -> None:
+    """infer-c shares hosta with the trainer: a local copy from the rank on its slot and a
+    mapped link from the other slot; the pools on hostb and hostc are reached by the
+    communicator. The plan, the status and the refit record say so."""
+    doc = cluster.status()
+    model = next(m for m in doc["models"] if m["name"] == cluster.model)
+    _committed(cluster, model["committed_version"] + 1)
+    doc = cluster.status()
+    links = next(m for m in doc["models"] if m["name"] == cluster.model)["plan"]["links"]
+    assert links["policy"] == "auto" and "fallback" not in links, links
+    assert links["mapped"]["messages"] > 0 and links["collective"]["messages"] > 0, links
+    assert links["local"]["copies"] > 0, links
+    record = doc["refits"][0]
+    assert record["state"] == "committed" and record["links"] == links, record
+    assert {a["host"]: a["links"] for a in doc["agents"] if a["connected"]} == {
+        h: ["mapped"] for h in ("hosta", "hostb", "hostc")
+    }
+    line = next(x for x in render(doc).splitlines() if "links auto:" in x)
+    assert "mapped" in line and "collective" in line and "local" in line, line
 
 
 def test_agent_with_loopback_data_plane_refuses_to_start(cluster: MultiHostCluster) -> None:

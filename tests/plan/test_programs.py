@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refitd.plan.layouts import Shard, dtensor_layout, make_spec
+from refitd.plan.links import PATHS, LinkPolicy, SlotSite
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import (
     PROGRAM_FORMAT_VERSION,
@@ -24,12 +25,17 @@ from .test_layouts_plan import tp_side
 FEW = settings(max_examples=12, deadline=None)
 
 
-def _plan(tp_s=2, tp_d=3, dp_d=2, relay=True, bucket=256):
+def _plan(tp_s=2, tp_d=3, dp_d=2, relay=True, bucket=256, links="collective"):
+    """Slots 0.. hold the sources, 20.. the destinations; for `links`, even slots sit on
+    one host and odd ones on another, every agent offering mapped."""
     src = tp_side("train", tp_s, 1, 1, (48, 8), 0, 0)
     src += tp_side("train", tp_s, 1, 1, (48,), 0, 0, name="bias")
     dst = tp_side("inf", tp_d, dp_d, 1, (48, 8), 0, 20)
     dst += tp_side("inf", tp_d, dp_d, 1, (48,), 0, 20, name="bias")
-    return src, dst, PlanConfig(bucket_bytes=bucket, relay=relay)
+    slots = sorted({s.slot for s in src + dst})
+    sites = [SlotSite(s, f"host{s % 2}", "cpu", ("mapped",)) for s in slots]
+    policy = LinkPolicy.of(links, sites)
+    return src, dst, PlanConfig(bucket_bytes=bucket, relay=relay, links=policy)
 
 
 @FEW
@@ -39,14 +45,24 @@ def _plan(tp_s=2, tp_d=3, dp_d=2, relay=True, bucket=256):
     dp_d=st.sampled_from([1, 2, 3]),
     relay=st.booleans(),
     bucket=st.sampled_from([64, 256, 1 << 20]),
+    links=st.sampled_from(["collective", "auto", "mapped"]),
 )
-def test_programs_round_trip_and_replay(tp_s, tp_d, dp_d, relay, bucket):
-    """Every program survives its encoding unchanged, the one-pass builder gives the same
-    programs as the per-slot one, and the oracle replays the decoded programs bit for bit
-    (run_and_check ships every program through bytes)."""
-    src, dst, cfg = _plan(tp_s, tp_d, dp_d, relay, bucket)
+def test_programs_round_trip_and_replay(tp_s, tp_d, dp_d, relay, bucket, links):
+    """Every program survives its encoding unchanged (paths of messages included), the
+    one-pass builder gives the same programs as the per-slot one, and the oracle replays
+    the decoded programs bit for bit (run_and_check ships every program through bytes);
+    both ends of a message agree on its path, which its link decides."""
+    src, dst, cfg = _plan(tp_s, tp_d, dp_d, relay, bucket, links)
     plan = run_and_check(src, dst, cfg)
     every = plan.programs()
+    ends: dict[int, set[str]] = {}
+    for p in every.values():
+        for m in (*p.sends, *p.recvs):
+            ends.setdefault(m.id, set()).add(m.path)
+            same_host = m.src_slot % 2 == m.dst_slot % 2
+            assert m.path == ("mapped" if links != "collective" and same_host else "collective")
+    assert all(len(v) == 1 for v in ends.values())
+    assert set(PATHS[c] for c in plan.message_columns()["path"]) <= {"collective", "mapped"}
     assert sorted(every) == plan.slots()
     for slot, p in every.items():
         assert p == plan.program(slot)

@@ -107,6 +107,17 @@ def test_each_rule_sends_its_messages_dense() -> None:
     assert s["dense_why"] == {"no_base": 1, "format": 1, "unknown_base": 4, "other_version": 1}
 
 
+def test_a_message_on_a_one_sided_link_goes_dense_as_link() -> None:
+    """A mapped (or rdma) link writes the destination in place: its message goes dense,
+    and the ledger says why, before any other rule."""
+    cols = columns([0, 0, 1], [(0, 0), (1, 0), (2, 0)])
+    cols = dataclasses.replace(cols, one_sided=np.array([False, True, True]))
+    senders = {0: SenderBase(5, PLAN)}  # slot 1 has no base: link names it first
+    d = decide(ON, refit_mode(ON, []), PLAN, cols, senders, [dest("a")])
+    assert d.why.tolist() == [Why.DELTA, Why.LINK, Why.LINK]
+    assert d.summary()["dense_why"] == {"link": 2}
+
+
 def test_sender_without_base_goes_dense() -> None:
     cols = columns([0, 1], [(0, 0), (1, 0)])
     d = decide(ON, refit_mode(ON, []), PLAN, cols, {1: SenderBase(UNKNOWN, PLAN)}, [dest("a")])

@@ -7,7 +7,9 @@ hangs past the timeouts, torn versions served, paused ranks never told how the r
 versions or registry entries lost after a controller restart, and the time from the restart
 to the next committed refit. With --delta the refits are delta refits (the controller with
 --delta-refits, sparse successive versions); the `delta` column counts the runs whose killed
-refit had messages allowed as deltas. Prints a table and one JSON line with the totals.
+refit had messages allowed as deltas. With --links the controller plans links that way
+(default auto: the two slots of the suite's one host are linked by mapped memory). Prints a
+table and one JSON line with the totals.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="delta refits (--delta-refits, sparse successive versions): kills mid-delta",
     )
+    parser.add_argument(
+        "--links",
+        choices=("auto", "collective", "mapped", "rdma"),
+        default="auto",
+        help="the controller's links setting (default auto: mapped between the two slots; "
+        "collective with --delta, whose deltas travel on the communicator)",
+    )
 
 
 def parse_cases(text: str) -> list[tuple[str, str]]:
@@ -58,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     from refitd.bench.faults.suite import FaultSuite, RunResult
 
     cases = parse_cases(args.cases)
-    suite = FaultSuite(args.mb, say=lambda s: print(s, file=sys.stderr), delta=args.delta)
+    suite = FaultSuite(
+        args.mb, say=lambda s: print(s, file=sys.stderr), delta=args.delta, links=args.links
+    )
     rows: list[dict] = []
     t0 = time.monotonic()
     print(
@@ -111,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         "runs": sum(r["runs"] for r in rows),
         "phase_hits": sum(r["hit"] for r in rows),
         "delta": args.delta,
+        "links": suite.links,
+        "paths": suite.paths,
         "delta_hits": sum(r["delta_hits"] for r in rows),
         "hangs": sum(r["hangs"] for r in rows),
         "torn": sum(r["torn"] for r in rows),

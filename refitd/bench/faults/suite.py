@@ -145,9 +145,13 @@ class RunResult:
 class Cluster:
     """The processes of the suite on free loopback ports, state in a temp dir."""
 
-    def __init__(self, mb: float = 8.0, refit_timeout_s: float = 20.0, delta: bool = False) -> None:
+    def __init__(
+        self, mb: float = 8.0, refit_timeout_s: float = 20.0, delta: bool = False,
+        links: str = "auto",
+    ) -> None:  # fmt: skip
         self.mb = mb
         self.delta = delta
+        self.links = links
         self.refit_timeout_s = refit_timeout_s
         self.tmp = tempfile.TemporaryDirectory(prefix="refitd-faults-")
         self.dir = Path(self.tmp.name)
@@ -189,7 +193,7 @@ class Cluster:
         return [
             sys.executable, "-m", "refitd.cli.main", "serve", "--no-embedded-agent",
             "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
-            "--data-dir", str(self.dir / "state"), *SERVE_TIMEOUTS,
+            "--data-dir", str(self.dir / "state"), *SERVE_TIMEOUTS, "--links", self.links,
             # kills must land in delta refits: no dense-by-speed choice on loopback
             *(["--delta-refits", "--no-delta-speed-rule"] if self.delta else []),
         ]  # fmt: skip
@@ -326,10 +330,14 @@ class FaultSuite:
     """Runs cases on one Cluster, rebuilding it only when a run leaves it broken."""
 
     def __init__(
-        self, mb: float = 8.0, say: Callable[[str], None] = print, delta: bool = False
-    ) -> None:
+        self, mb: float = 8.0, say: Callable[[str], None] = print, delta: bool = False,
+        links: str = "auto",
+    ) -> None:  # fmt: skip
         self.mb = mb
         self.delta = delta
+        # deltas travel on the communicator: a mapped link writes in place (dense)
+        self.links = "collective" if delta and links == "auto" else links
+        self.paths: dict = {}  # messages per path of the cluster's plan (from the status)
         self.say = say
         self.cluster: Cluster | None = None
         self.healthy = False  # the last run ended with a committed refit on every rank
@@ -344,7 +352,7 @@ class FaultSuite:
                 return self.cluster
             self.say("fault suite: cluster unhealthy, rebuilding it")
             self.cluster.close()
-        self.cluster = Cluster(self.mb, delta=self.delta)
+        self.cluster = Cluster(self.mb, delta=self.delta, links=self.links)
         self.cluster.start()
         _, ok = self.cluster.refit(timeout_s=60)
         if not ok:
@@ -361,6 +369,7 @@ class FaultSuite:
         self.healthy = False
         res = RunResult(role, phase)
         before = c.model_status() or {}
+        self.paths = (before.get("plan") or {}).get("links") or self.paths
         committed0 = before.get("committed_version", 0)
         torn0 = len(c.mismatches)
         untold0 = len(c.untold)

@@ -46,6 +46,7 @@ from refitd.formats.delta import (
     apply_parts,
     apply_segment_delta,
     encode_parts,
+    load_kernels,
     region_streams,
     sampled_changes,
     segment_streams,
@@ -61,7 +62,7 @@ HEADER = 16
 # before its full encode, and goes dense at once when the sample is clearly above the
 # density threshold (by SAMPLE_MARGIN: a borderline sample still gets the exact check)
 SAMPLE_MIN_BYTES = 8 << 20
-SAMPLE_STRIDE = 16
+SAMPLE_STRIDE = 64
 SAMPLE_MARGIN = 1.25
 
 
@@ -125,7 +126,7 @@ class DeltaBase:
         for r, d in self.pending_delta.items():
             streams = segment_streams(access.wire(r), access.shape(r), access.src_dtype(r),
                                       self.base[r])  # fmt: skip
-            apply_parts(d, streams, name=f"base of copy row {r}")
+            apply_parts(d, streams, name=f"base of copy row {r}", threads=torch.get_num_threads())
         for r, full in self.pending_full.items():
             self.base[r] = full  # a view of a dense payload, which is never reused
         self.version = version
@@ -254,7 +255,8 @@ def _encode_message(
         live = _live_streams(access, r)
         old = segment_streams(access.wire(r), access.shape(r), access.src_dtype(r), base.base[r])
         at.append(sink.size)
-        d, st = encode_parts(old, live, sink=sink, scratch=base.scratch)
+        d, st = encode_parts(old, live, sink=sink, scratch=base.scratch,
+                             threads=torch.get_num_threads())  # fmt: skip
         sizes.append(d.size)
         sink.view(sink.reserve(_pad8(d.size) - d.size), sink.size)[:] = 0
         lives.append(live)
@@ -290,7 +292,8 @@ def _land(m: DeltaMessage, kind: int, payload: torch.Tensor, access: CopyAccess)
     for r, size in zip(rows, sizes, strict=True):
         t, off = access.dst(r)
         region = dest_region(t, off, access.shape(r))
-        stats = stats + apply_segment_delta(buf[pos : pos + size], region, name=t.name)
+        stats = stats + apply_segment_delta(buf[pos : pos + size], region, name=t.name,
+                                            threads=torch.get_num_threads())  # fmt: skip
         pos += _pad8(size)
     return stats
 
@@ -326,6 +329,8 @@ def exchange_deltas(
     rep = DeltaReport()
     what = describe or (lambda m, d: f"{d} of delta message {m.mid} with rank {m.peer}")
     summer = Checksummer()
+    if base.version == UNKNOWN:  # a first refit (all dense): the codec's kernels loaded now,
+        load_kernels()  # not in the first delta refit, which the controller times against it
     base.start(version)
     got = {m.mid: torch.zeros(HEADER, dtype=torch.uint8) for m in recvs}
     header_works = transport.batch(

@@ -26,6 +26,7 @@ from refitd.formats.delta.streams import (
     bits_view,
     encode_parts,
     encode_stream,
+    load_kernels,
     sampled_changes,
     worth_delta,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "encode_parts",
     "encode_segment_delta",
     "encode_stream",
+    "load_kernels",
     "region_streams",
     "sampled_changes",
     "segment_streams",

@@ -1,31 +1,60 @@
-"""One frame of the delta codec: finding the changes, writing and applying the frame bytes.
+"""Frames of the delta codec on the Python side: memory for the compiled kernels and their words.
 
-The byte layout is streams.py's. Finding the changes costs most, so it takes one of
-two routes, chosen per frame, that produce the same bytes:
-
-- sparse (few changed elements): base and live are compared as 8-byte words (four BF16, two
-  FP32 elements per word), and only the words that differ are split into their elements.
-  The positions of the changed elements are listed once; counts per block, in-block indices
-  and values come from that list. NumPy's nonzero costs per element scanned, so scanning a
-  quarter as many words is what makes this route fast.
-- mask (many changed elements): an element mask, packed into bits once; the block counts are
-  popcounts of the packed bits and a BITMAP block's bitmap is its slice of them.
-
-Working memory comes from a Scratch (reused across frames and calls, so a refit allocates no
-base-sized arrays), and frames are written straight into a ByteSink.
+The byte layout is streams.py's; kernels.py encodes a frame, kernels_apply.py checks and
+applies a stream, one pass each. Here: arrays of any strides as the kernels' layouts (flat
+storage, row offsets, row length, step: read and written in place, never copied whole),
+the room a frame may take, the working memory a sender reuses across frames and refits
+(Scratch), the growable buffer frames are written into (ByteSink), runs of frames in
+threads, and the apply kernel's outcome codes worded as errors.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-UNCHANGED, BITMAP, INDEX, DENSE = 0, 1, 2, 3
+from refitd.formats.delta import kernels, kernels_apply
+from refitd.formats.delta.kernels import BITMAP, DENSE, INDEX, UNCHANGED
+from refitd.formats.delta.kernels_apply import (
+    BAD_COUNTS,
+    BAD_POPULATION,
+    BAD_SIZE,
+    BLOCK_COUNT,
+    OK,
+    PAST_BLOCK,
+    TRAILING,
+    TRUNCATED,
+    UNKNOWN_KIND,
+    UNORDERED,
+)
+
+__all__ = [
+    "BITMAP",
+    "DENSE",
+    "FRAME_HEADER",
+    "INDEX",
+    "UNCHANGED",
+    "ByteSink",
+    "DeltaError",
+    "Layout",
+    "Scratch",
+    "apply_frames",
+    "encode_frames",
+    "frame_capacity",
+    "layout",
+    "pad8",
+    "read_bytes",
+]
+
+A, T = TypeVar("A"), TypeVar("T")
 FRAME_HEADER = np.dtype([("nbytes", "<u8"), ("blocks", "<u4"), ("zero", "<u4")])
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-SPARSE_WORDS = 1 / 3  # above this fraction of changed words a frame takes the mask route
-CHUNK_WORDS = 1 << 16  # words compared and gathered at a time (512 KiB per side: in cache)
+# (flat storage, element offset of each row's first element, row length, element step)
+Layout = tuple[np.ndarray, np.ndarray, int, int]
 
 
 class DeltaError(ValueError):
@@ -42,6 +71,10 @@ class Scratch:
     8-byte aligned byte buffer. One Scratch serves one thread at a time."""
 
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    sinks: dict[int, ByteSink] = field(default_factory=dict)  # an encoding thread's output
+
+    def sink(self, thread: int) -> ByteSink:
+        return self.sinks.setdefault(thread, ByteSink())
 
     def get(self, name: str, nbytes: int) -> np.ndarray:
         buf = self.buffers.get(name)
@@ -56,7 +89,9 @@ class Scratch:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.size for b in self.buffers.values())
+        return sum(b.size for b in self.buffers.values()) + sum(
+            k.capacity for k in self.sinks.values()
+        )
 
 
 class ByteSink:
@@ -79,6 +114,12 @@ class ByteSink:
         self.size = at + n
         return at
 
+    def truncate(self, size: int) -> None:
+        """Drop the bytes from `size` on (room reserved and not used)."""
+        if not 0 <= size <= self.size:
+            raise ValueError(f"ByteSink.truncate: {size} outside [0, {self.size}]")
+        self.size = size
+
     def view(self, a: int, b: int) -> np.ndarray:
         return self._buf[a:b]
 
@@ -93,229 +134,6 @@ class ByteSink:
         return self._buf.size
 
 
-def choose_kinds(counts: np.ndarray, lens: np.ndarray, block: int, width: int) -> np.ndarray:
-    """Per block the cheapest encoding (ties go to the simpler one)."""
-    bitmap_cost = block // 8 + counts * width
-    index_cost = counts * (2 + width)
-    dense_cost = lens * width
-    kinds = np.where(index_cost <= bitmap_cost, INDEX, BITMAP)
-    kinds = np.where(dense_cost <= np.minimum(bitmap_cost, index_cost), DENSE, kinds)
-    return np.where(counts == 0, UNCHANGED, kinds).astype(np.uint8)
-
-
-def runs(blocks: np.ndarray) -> list[tuple[int, int]]:
-    """Sorted block numbers -> [(first, end)) runs of consecutive blocks."""
-    if blocks.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [blocks.size]))
-    return [(int(blocks[s]), int(blocks[e - 1]) + 1) for s, e in zip(starts, ends, strict=True)]
-
-
-def _aligned(x: np.ndarray) -> bool:
-    return x.ctypes.data % 8 == 0
-
-
-def _block_of(pos: np.ndarray, block: int) -> np.ndarray:
-    if block & (block - 1) == 0:
-        return pos >> (block.bit_length() - 1)
-    return pos // block
-
-
-def _word_changes(
-    b: np.ndarray, lv: np.ndarray, s: Scratch
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Sparse route: (positions, values) of the changed elements, or None when more than
-    SPARSE_WORDS of the 8-byte words changed (the mask route is cheaper then). Works through
-    the frame in cache-sized chunks, so the gathers read what the comparison just brought in."""
-    width, n = lv.dtype.itemsize, lv.size
-    lanes = 8 // width
-    nm = n - n % lanes
-    bw, lw = b[:nm].view(np.uint64), lv[:nm].view(np.uint64)
-    wm = s.typed("word_mask", min(CHUNK_WORDS, bw.size), np.bool_)
-    limit = SPARSE_WORDS * max(bw.size, 1)
-    shift = lanes.bit_length() - 1
-    found, seen = [], 0
-    for a in range(0, bw.size, CHUNK_WORDS):
-        cb, cl = bw[a : a + CHUNK_WORDS], lw[a : a + CHUNK_WORDS]
-        m = wm[: cb.size]
-        np.not_equal(cb, cl, out=m)
-        wi = np.flatnonzero(m)
-        seen += wi.size
-        if seen > limit:
-            return None
-        lx = cl.take(wi)
-        if lanes == 1:
-            found.append((wi + a, lx))
-            continue
-        x = cb.take(wi)
-        np.bitwise_xor(x, lx, out=x)
-        j = np.flatnonzero(x.view(lv.dtype) != 0)  # nonzero of bools is several times faster
-        wi += a
-        found.append((((wi.take(j >> shift)) << shift) | (j & (lanes - 1)),
-                      lx.view(lv.dtype).take(j)))  # fmt: skip
-    if nm < n:  # the last elements, fewer than a word
-        tail = np.flatnonzero(b[nm:] != lv[nm:]) + nm
-        found.append((tail, lv[tail]))
-    if not found:
-        return np.zeros(0, dtype=np.int64), lv[:0]
-    if len(found) == 1:
-        return found[0]
-    return np.concatenate([p for p, _ in found]), np.concatenate([v for _, v in found])
-
-
-@dataclass
-class _Frame:
-    """What one frame sends, before its bytes are written."""
-
-    kinds: np.ndarray
-    counts: np.ndarray
-    bitmaps: np.ndarray  # uint8 [BITMAP blocks, block / 8]
-    indices: np.ndarray  # in-block indices of INDEX blocks' changes
-    values: list[np.ndarray]  # BITMAP blocks' changed values, then INDEX blocks'
-    dense: np.ndarray  # DENSE block numbers
-
-    def nbytes(self, block: int, n: int, width: int) -> tuple[int, int]:
-        """(frame bytes, dense elements)."""
-        nb = self.kinds.size
-        dense_n = sum(min(e * block, n) - a * block for a, e in runs(self.dense))
-        nvals = sum(v.size for v in self.values) + dense_n
-        head = FRAME_HEADER.itemsize + pad8(nb) + pad8(2 * nb) + self.bitmaps.size
-        return pad8(pad8(head + 2 * self.indices.size) + nvals * width), dense_n
-
-
-def _sparse_frame(pos: np.ndarray, vals: np.ndarray, n: int, block: int, width: int) -> _Frame:
-    nb = -(-n // block)
-    bk = _block_of(pos, block)
-    counts = np.bincount(bk, minlength=nb)
-    lens = np.full(nb, block, dtype=np.int64)
-    lens[-1] = n - (nb - 1) * block
-    kinds = choose_kinds(counts, lens, block, width)
-    bm = np.flatnonzero(kinds == BITMAP)
-    dn = np.flatnonzero(kinds == DENSE)
-    if bm.size == 0 and dn.size == 0:  # every change is in an INDEX block
-        local = pos - bk * block if block & (block - 1) else pos & (block - 1)
-        empty = np.zeros((0, block // 8), dtype=np.uint8)
-        return _Frame(kinds, counts, empty, local, [vals], dn)
-    kind_at = kinds.take(bk)
-    at_bm, at_ix = kind_at == BITMAP, kind_at == INDEX
-    flags = np.zeros((bm.size, block), dtype=bool)
-    flags[np.searchsorted(bm, bk[at_bm]), pos[at_bm] - bk[at_bm] * block] = True
-    bitmaps = np.packbits(flags, axis=1, bitorder="little")
-    local = pos[at_ix] - bk[at_ix] * block
-    return _Frame(kinds, counts, bitmaps, local, [vals[at_bm], vals[at_ix]], dn)
-
-
-def _mask_frame(b: np.ndarray, lv: np.ndarray, block: int, s: Scratch) -> _Frame:
-    n, width = lv.size, lv.dtype.itemsize
-    nb = -(-n // block)
-    mask = s.typed("mask", nb * block, np.bool_)
-    np.not_equal(b, lv, out=mask[:n])
-    mask[n:] = False
-    m2 = mask.reshape(nb, block)
-    bits = np.packbits(mask, bitorder="little").reshape(nb, block // 8)
-    if block % 64 == 0:
-        counts = np.bitwise_count(bits.view(np.uint64)).sum(axis=1, dtype=np.int64)
-    else:
-        counts = np.bitwise_count(bits).sum(axis=1, dtype=np.int64)
-    lens = np.full(nb, block, dtype=np.int64)
-    lens[-1] = n - (nb - 1) * block
-    kinds = choose_kinds(counts, lens, block, width)
-    bm, ix, dn = (np.flatnonzero(kinds == k) for k in (BITMAP, INDEX, DENSE))
-    if bm.size == nb:  # every block a bitmap: one boolean selection over the frame
-        values = [lv[mask[:n]]]
-    elif bm.size:
-        keep = np.zeros(nb, dtype=bool)
-        keep[bm] = True
-        values = [lv[(m2 & keep[:, None]).reshape(-1)[:n]]]
-    else:
-        values = [lv[:0]]
-    rows, local = np.nonzero(m2[ix])
-    values.append(lv.take(ix.take(rows) * block + local))
-    return _Frame(kinds, counts, bits[bm], local, values, dn)
-
-
-def encode_frame(
-    b: np.ndarray, lv: np.ndarray, sink: ByteSink, block: int, s: Scratch
-) -> tuple[int, np.ndarray]:
-    """Append one frame of flat contiguous uint arrays to sink; (changed, kinds)."""
-    n, width = lv.size, lv.dtype.itemsize
-    if not (_aligned(b) and _aligned(lv)):
-        raise ValueError("delta encode_frame: base and live frames must be 8-byte aligned")
-    found = _word_changes(b, lv, s)
-    if found is not None:
-        f = _sparse_frame(found[0], found[1], n, block, width)
-    else:
-        f = _mask_frame(b, lv, block, s)
-    nb = f.kinds.size
-    total, _ = f.nbytes(block, n, width)
-    at = sink.reserve(total)
-    out = sink.view(at, at + total)
-    out[: FRAME_HEADER.itemsize].view(FRAME_HEADER)[0] = (total, nb, 0)
-    pos = FRAME_HEADER.itemsize
-    out[pos : pos + pad8(nb)] = 0
-    out[pos : pos + nb] = f.kinds
-    pos += pad8(nb)
-    out[pos : pos + pad8(2 * nb)] = 0
-    out[pos : pos + 2 * nb].view("<u2")[:] = f.counts
-    pos += pad8(2 * nb)
-    out[pos : pos + f.bitmaps.size] = f.bitmaps.reshape(-1)
-    pos += f.bitmaps.size
-    end = pad8(pos + 2 * f.indices.size)
-    out[pos:end] = 0
-    out[pos : pos + 2 * f.indices.size].view("<u2")[:] = f.indices
-    pos = end
-    for v in f.values:
-        out[pos : pos + v.size * width].view(lv.dtype)[:] = v
-        pos += v.size * width
-    for first, end_block in runs(f.dense):
-        a, e = first * block, min(end_block * block, n)
-        out[pos : pos + (e - a) * width].view(lv.dtype)[:] = lv[a:e]
-        pos += (e - a) * width
-    out[pos:total] = 0
-    return int(f.counts.sum()), f.kinds
-
-
-class Target:
-    """Flat element access to a destination of any strides, in place: contiguous arrays by
-    flat index, 2-D-collapsible ones by (row, column), anything else through .flat."""
-
-    def __init__(self, dst: np.ndarray) -> None:
-        self.flat: np.ndarray | None = dst.reshape(-1) if dst.flags.c_contiguous else None
-        self.rows: np.ndarray | None = None
-        self.any = dst
-        if self.flat is None and dst.ndim >= 1:
-            v = dst.view()
-            try:
-                v.shape = (-1, dst.shape[-1]) if dst.size else (0, 1)
-                self.rows = v
-            except AttributeError:
-                self.rows = None
-
-    def put(self, positions: np.ndarray, values: np.ndarray) -> None:
-        if self.flat is not None:
-            self.flat[positions] = values
-        elif self.rows is not None:
-            w = self.rows.shape[1]
-            self.rows[positions // w, positions % w] = values
-        else:
-            self.any.flat[positions] = values
-
-    def put_mask(self, start: int, mask: np.ndarray, values: np.ndarray) -> None:
-        """values into the elements start + i where mask[i], in order."""
-        if self.flat is not None:
-            self.flat[start : start + mask.size][mask] = values
-        else:
-            self.put(start + np.flatnonzero(mask), values)
-
-    def put_range(self, a: int, b: int, values: np.ndarray) -> None:
-        if self.flat is not None:
-            self.flat[a:b] = values
-        else:
-            self.put(np.arange(a, b), values)
-
-
 def read_bytes(buf: np.ndarray, pos: int, nbytes: int, what: str) -> np.ndarray:
     if nbytes < 0 or pos + nbytes > buf.size:
         raise DeltaError(
@@ -324,64 +142,165 @@ def read_bytes(buf: np.ndarray, pos: int, nbytes: int, what: str) -> np.ndarray:
     return buf[pos : pos + nbytes]
 
 
-def apply_frame(buf: np.ndarray, pos: int, dst: Target, start: int, n: int, block: int,
-                dtype: np.dtype) -> tuple[int, int, np.ndarray]:  # fmt: skip
-    """Apply one frame at buf[pos:] to elements [start, start + n); (frame bytes, changed, kinds)."""
-    width = dtype.itemsize
-    head = read_bytes(buf, pos, FRAME_HEADER.itemsize, "frame header").view(FRAME_HEADER)[0]
-    nbytes, nb = int(head["nbytes"]), int(head["blocks"])
-    if nb != -(-n // block):
-        raise DeltaError(f"delta frame at byte {pos} has {nb} blocks, expected {-(-n // block)}")
-    frame = read_bytes(buf, pos, nbytes, "frame")
-    at = FRAME_HEADER.itemsize
-    kinds = read_bytes(frame, at, nb, "block kinds")
-    at += pad8(nb)
-    counts = read_bytes(frame, at, 2 * nb, "changed counts").view("<u2").astype(np.int64)
-    at += pad8(2 * nb)
-    lens = np.full(nb, block, dtype=np.int64)
-    lens[-1] = n - (nb - 1) * block
-    if kinds.size and int(kinds.max()) > DENSE:
-        raise DeltaError(f"delta frame at byte {pos}: unknown block kind {int(kinds.max())}")
-    if np.any(counts > lens) or np.any((kinds == UNCHANGED) & (counts != 0)):
-        raise DeltaError(f"delta frame at byte {pos}: changed counts inconsistent with blocks")
-    bm, ix, dn = (np.flatnonzero(kinds == k) for k in (BITMAP, INDEX, DENSE))
-    bits = read_bytes(frame, at, bm.size * (block // 8), "bitmaps").reshape(bm.size, block // 8)
-    at += bits.size
-    if block % 64 == 0 and bits.size:
-        population = np.bitwise_count(bits.view("<u8")).sum(axis=1, dtype=np.int64)
-    else:
-        population = np.bitwise_count(bits).sum(axis=1, dtype=np.int64)
-    if not np.array_equal(population, counts[bm]):
-        raise DeltaError(f"delta frame at byte {pos}: bitmap population differs from counts")
-    nbm = int(counts[bm].sum())
-    nix = int(counts[ix].sum())
-    ci = read_bytes(frame, at, 2 * nix, "indices").view("<u2")
-    at = pad8(at + 2 * nix)
-    ri = np.repeat(ix * block, counts[ix])
-    last = ci[nix - int(counts[nb - 1]) :] if nix and ix[-1] == nb - 1 else ci[:0]
-    if nix and (int(ci.max()) >= block or (last.size and int(last.max()) >= lens[-1])):
-        raise DeltaError(f"delta frame at byte {pos}: a changed index lies past its block")
-    ndense = int(lens[dn].sum())
-    values = read_bytes(frame, at, (nbm + nix + ndense) * width, "values").view(dtype)
-    if pad8(at + values.size * width) != nbytes:
-        raise DeltaError(f"delta frame at byte {pos}: {nbytes} bytes, sections say otherwise")
-    if nbm:  # bitmap values in block order: a boolean mask over the frame places them
-        flags = np.unpackbits(bits, axis=1, count=block, bitorder="little").view(bool)
-        if bm.size == nb:
-            fm = flags.reshape(-1)
+def layout(x: np.ndarray) -> Layout | None:
+    """The kernels' view of an array's elements in row-major order, in place: its flat
+    storage, its rows' offsets, row length and step (dimensions that are contiguous with
+    the next are merged, so a contiguous array is one row and a block of a matrix one offset
+    per row). None for an array with a negative stride."""
+    item = x.itemsize
+    if x.flags.c_contiguous:
+        return x.reshape(-1), np.zeros(1, dtype=np.int64), max(x.size, 1), 1
+    if any(s < 0 for s in x.strides):
+        return None
+    dims = [(n, s // item) for n, s in zip(x.shape, x.strides, strict=True) if n != 1]
+    merged = [dims[-1]]
+    for n, s in reversed(dims[:-1]):
+        inner, inner_step = merged[0]
+        if s == inner * inner_step:
+            merged[0] = (n * inner, inner_step)
         else:
-            fm = np.zeros(nb * block, dtype=bool)
-            fm.reshape(nb, block)[bm] = flags
-        if fm[n:].any():
-            raise DeltaError(f"delta frame at byte {pos}: a changed index lies past its block")
-        dst.put_mask(start, fm[:n], values[:nbm])
-    if nix:
-        ri += ci
-        ri += start
-        dst.put(ri, values[nbm : nbm + nix])
-    v = nbm + nix
-    for first, end in runs(dn):
-        a, b = first * block, min(end * block, n)
-        dst.put_range(start + a, start + b, values[v : v + b - a])
-        v += b - a
-    return nbytes, int(counts.sum()), kinds
+            merged.insert(0, (n, s))
+    width, step = merged[-1]
+    rows = np.zeros(1, dtype=np.int64)
+    for n, s in merged[:-1]:
+        rows = (rows[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)  # outer first
+    span = int(rows.max()) + (width - 1) * step + 1
+    flat = np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(item,))
+    return flat, rows, width, step
+
+
+def frame_capacity(n: int, block: int, width: int) -> int:
+    """The most bytes a frame of n elements takes: every block costs at most its elements
+    (the encoder picks the cheapest kind, DENSE being one), plus the header and padding."""
+    nb = -(-n // block)
+    return FRAME_HEADER.itemsize + pad8(nb) + pad8(2 * nb) + n * width + 16
+
+
+def encode_work(s: Scratch, block: int, frame_blocks: int, dtype: np.dtype, thread: int = 0
+                ) -> tuple:  # fmt: skip
+    """The encode kernel's working memory for frames of frame_blocks blocks, from s (a set
+    per encoding thread): block
+    copies of base and live (for blocks not readable in place), their word offsets, the
+    block's change masks, bitmaps, indices (an INDEX block has at most block / 16 changes,
+    or a bitmap would be cheaper), values, kinds and counts."""
+    per_index = frame_blocks * (block // 16) + 8  # + 8: the kernel writes words 8 at a time
+    return (
+        s.typed(f"base_block{thread}", block, dtype),
+        s.typed(f"live_block{thread}", block, dtype),
+        s.typed(f"base_words{thread}", -(-block // 64), np.int64),
+        s.typed(f"live_words{thread}", -(-block // 64), np.int64),
+        s.typed(f"masks{thread}", -(-block // 64), np.uint64),
+        s.typed(f"bitmaps{thread}", frame_blocks * (block // 8), np.uint8),
+        s.typed(f"indices{thread}", per_index, np.uint16),
+        s.typed(f"bitmap_values{thread}", frame_blocks * block + 8, dtype),
+        s.typed(f"index_values{thread}", per_index, dtype),
+        s.typed(f"kinds{thread}", frame_blocks, np.uint8),
+        s.typed(f"counts{thread}", frame_blocks, np.uint16),
+    )
+
+
+def encode_frames(
+    base: Layout, live: Layout, n: int, block: int, frame_blocks: int, sink: ByteSink,
+    scratch: Scratch, threads: int = 1,
+) -> tuple[int, np.ndarray]:  # fmt: skip
+    """Append the frames of n elements to sink; (changed, blocks per kind). With threads,
+    runs of consecutive frames are encoded in parallel, each into its own buffer, and
+    appended in order."""
+    step = block * frame_blocks
+    runs = _runs(-(-n // step), threads)
+    width = live[0].itemsize
+
+    def encode(i: int) -> tuple[int, np.ndarray]:
+        run, out = runs[i], sink if len(runs) == 1 else scratch.sink(i)
+        work = encode_work(scratch, block, frame_blocks, live[0].dtype, i)
+        tally, changed = np.zeros(4, dtype=np.int64), 0
+        for start in range(run[0] * step, min(run[1] * step, n), step):
+            fn = min(step, n - start)
+            cap = frame_capacity(fn, block, width)
+            at = out.reserve(cap)
+            total, c = kernels.encode_frame(base, live, start, fn, block, work,
+                                            out.view(at, at + cap), tally)  # fmt: skip
+            out.truncate(at + total)
+            changed += int(c)
+        return changed, tally
+
+    for i in range(len(runs) if len(runs) > 1 else 0):
+        scratch.sink(i).reset()
+    results = _in_threads(encode, list(range(len(runs))))
+    if len(runs) > 1:
+        for i in range(len(runs)):
+            part = scratch.sink(i).data()
+            at = sink.reserve(part.size)
+            sink.view(at, at + part.size)[:] = part
+    return sum(c for c, _ in results), sum(t for _, t in results)  # type: ignore[return-value]
+
+
+_APPLY_ERRORS = {
+    TRUNCATED: "delta truncated: the frame at byte {pos} needs bytes up to {detail}",
+    BLOCK_COUNT: "delta frame at byte {pos} has {detail} blocks, not as many as its elements fill",
+    UNKNOWN_KIND: "delta frame at byte {pos}: unknown block kind {detail}",
+    BAD_COUNTS: "delta frame at byte {pos}: changed counts inconsistent with blocks "
+    "(block {detail})",
+    BAD_POPULATION: "delta frame at byte {pos}: bitmap population differs from counts "
+    "(block {detail})",
+    PAST_BLOCK: "delta frame at byte {pos}: a changed index lies past its block (block {detail})",
+    UNORDERED: "delta frame at byte {pos}: changed indices out of order (block {detail})",
+    BAD_SIZE: "delta frame at byte {pos}: {detail} bytes, sections say otherwise",
+    TRAILING: "{detail} trailing bytes after the last frame",
+}
+
+
+def apply_frames(
+    buf: np.ndarray, pos: int, dst: Layout, n: int, block: int, frame_blocks: int, threads: int = 1
+) -> tuple[int, np.ndarray]:
+    """Apply the frames at buf[pos:] to the n elements of dst; (changed, blocks per kind).
+    A frame is checked in full before any element of it is written. With threads, runs of
+    consecutive frames land in parallel (each thread its own elements)."""
+    step = block * frame_blocks
+    frames = -(-n // step)
+    runs = _runs(frames, threads)
+    at = _frame_offsets(buf, pos, frames) if len(runs) > 1 else None
+    # per thread: its elements [first, first + count) and its frames' bytes [a, b)
+    tasks = [(0, n, pos, buf.size)]  # one thread, or frames whose sizes do not add up
+    if at is not None:
+        tasks = [(f0 * step, min(f1 * step, n) - f0 * step, at[f0], at[f1]) for f0, f1 in runs]
+
+    def land(task: tuple[int, int, int, int]) -> tuple[int, np.ndarray]:
+        first, count, a, b = task
+        tally = np.zeros(4, dtype=np.int64)
+        code, detail, where, changed = kernels_apply.apply_stream(
+            buf[a:b], 0, dst, first, count, block, frame_blocks, tally
+        )
+        if code != OK:  # the kernel says why; the first thread's error in frame order
+            raise DeltaError(_APPLY_ERRORS[code].format(pos=a + where, detail=detail))
+        return int(changed), tally
+
+    results = _in_threads(land, tasks)
+    return sum(c for c, _ in results), sum(t for _, t in results)  # type: ignore[return-value]
+
+
+def _runs(frames: int, threads: int) -> list[tuple[int, int]]:
+    """frames split into at most `threads` runs of consecutive frames, as equal as can be."""
+    t = max(1, min(threads, frames))
+    cuts = [frames * i // t for i in range(t + 1)]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a] or [(0, 0)]
+
+
+def _frame_offsets(buf: np.ndarray, pos: int, frames: int) -> list[int] | None:
+    """Byte offset of each frame and of the end, from the frames' headers; None where they
+    do not add up to the buffer exactly (the kernel then reports what is wrong)."""
+    at = [pos]
+    for _ in range(frames):
+        if at[-1] + FRAME_HEADER.itemsize > buf.size:
+            return None
+        nbytes = int(buf[at[-1] : at[-1] + 8].view("<u8")[0])
+        at.append(at[-1] + nbytes)
+    return at if at[-1] == buf.size else None
+
+
+def _in_threads(fn: Callable[[A], T], items: list[A]) -> list[T]:
+    """fn over the items, in threads when there are several (the kernels release the GIL)."""
+    if len(items) == 1:
+        return [fn(items[0])]
+    with ThreadPoolExecutor(len(items), thread_name_prefix="delta-codec") as pool:
+        return list(pool.map(fn, items))

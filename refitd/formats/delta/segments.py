@@ -54,16 +54,23 @@ def encode_segment_delta(
     src_dtype: str,
     base_seg: torch.Tensor,
     live_seg: torch.Tensor,
+    *,
+    threads: int = 1,
 ) -> tuple[np.ndarray, DeltaStats]:
     """The delta from the base version's segment to the live one (both encoded segments)."""
     return encode_parts(
         segment_streams(wire, shape, src_dtype, base_seg),
         segment_streams(wire, shape, src_dtype, live_seg),
+        threads=threads,
     )
 
 
 def apply_segment_delta(
-    delta: np.ndarray | bytes | memoryview, dst: DestRegion, *, name: str = "destination"
+    delta: np.ndarray | bytes | memoryview,
+    dst: DestRegion,
+    *,
+    name: str = "destination",
+    threads: int = 1,
 ) -> DeltaStats:
     """Apply a segment delta in place to a destination region holding the base version."""
-    return apply_parts(delta, region_streams(dst), name=name)
+    return apply_parts(delta, region_streams(dst), name=name, threads=threads)

@@ -46,10 +46,11 @@ from refitd.formats.delta.frames import (
     UNCHANGED,
     ByteSink,
     DeltaError,
+    Layout,
     Scratch,
-    Target,
-    apply_frame,
-    encode_frame,
+    apply_frames,
+    encode_frames,
+    layout,
     pad8,
     read_bytes,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "bits_view",
     "encode_parts",
     "encode_stream",
+    "load_kernels",
     "sampled_changes",
     "worth_delta",
 ]
@@ -82,7 +84,7 @@ KIND_NAMES = ("unchanged", "bitmap", "index", "dense")
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_STREAM_HEADER = np.dtype(
+STREAM_HEADER = np.dtype(
     [
         ("magic", "S4"),
         ("version", "<u1"),
@@ -168,54 +170,22 @@ def bits_view(x: np.ndarray | torch.Tensor) -> np.ndarray:
     return x.view(_UINT[width])
 
 
-def _check_block(block: int, frame_blocks: int) -> None:
+def check_block(block: int, frame_blocks: int) -> None:
     if block <= 0 or block % 8 or block > MAX_BLOCK:
         raise ValueError(f"delta block must be a positive multiple of 8 up to {MAX_BLOCK}")
     if frame_blocks <= 0:
         raise ValueError("delta frame_blocks must be positive")
 
 
-class _Frames:
-    """A live array of any strides read as flat frames: contiguous 8-byte aligned views where
-    it is, else copied a frame at a time into scratch (a strided source is never copied whole)."""
-
-    def __init__(self, x: np.ndarray, scratch: Scratch, name: str) -> None:
-        self.x, self.scratch, self.name = x, scratch, name
-        self.flat = x.reshape(-1) if x.flags.c_contiguous else None
-        self.rows: np.ndarray | None = None
-        if self.flat is None:
-            v = x.view()
-            try:
-                v.shape = (-1, x.shape[-1])
-                self.rows = v
-            except AttributeError:  # not collapsible to rows: one flat copy
-                self.flat = x.reshape(-1)
-
-    def frame(self, a: int, b: int) -> np.ndarray:
-        if self.flat is not None:
-            f = self.flat[a:b]
-            if f.ctypes.data % 8 == 0:
-                return f
-            out = self.scratch.typed(self.name, b - a, f.dtype)
-            out[:] = f
-            return out
-        rows = self.rows
-        assert rows is not None
-        w = rows.shape[1]
-        out = self.scratch.typed(self.name, b - a, rows.dtype)
-        r0, c0 = divmod(a, w)
-        r1, c1 = divmod(b, w)
-        if c1 == 0:  # ends at a row end
-            r1, c1 = r1 - 1, w
-        if r0 == r1:
-            out[:] = rows[r0, c0:c1]
-            return out
-        k = w - c0
-        out[:k] = rows[r0, c0:]
-        mid = (r1 - r0 - 1) * w
-        out[k : k + mid].reshape(r1 - r0 - 1, w)[:] = rows[r0 + 1 : r1]
-        out[k + mid :] = rows[r1, :c1]
-        return out
+def _layout(x: np.ndarray, scratch: Scratch | None, name: str) -> tuple[Layout, np.ndarray | None]:
+    """The kernels' layout of x; for an array with a negative stride (NumPy only), a
+    contiguous copy in scratch, returned too so a destination can be written back."""
+    lay = layout(x)
+    if lay is not None:
+        return lay, None
+    copy = (scratch or Scratch()).typed(name, x.size, x.dtype).reshape(x.shape)
+    copy[...] = x
+    return layout(copy), copy  # type: ignore[return-value]
 
 
 def encode_stream(
@@ -226,12 +196,14 @@ def encode_stream(
     frame_blocks: int = DEFAULT_FRAME_BLOCKS,
     sink: ByteSink | None = None,
     scratch: Scratch | None = None,
+    threads: int = 1,
 ) -> tuple[np.ndarray, DeltaStats]:
     """Encode the delta that turns `base` into `live` (same element count and size, any
     shapes and strides; elements in row-major order). It is appended to `sink` (a new one
     when None); returns (a view of the appended bytes, valid until the sink grows again; its
-    stats). `scratch` is reused working memory (a sender keeps one across refits)."""
-    _check_block(block, frame_blocks)
+    stats). `scratch` is reused working memory (a sender keeps one across refits); with
+    `threads`, runs of frames are encoded in parallel (the same bytes)."""
+    check_block(block, frame_blocks)
     b, lv = bits_view(base), bits_view(live)
     if b.size != lv.size or b.dtype != lv.dtype:
         raise DeltaError(
@@ -239,32 +211,26 @@ def encode_stream(
         )
     sink = ByteSink() if sink is None else sink
     scratch = Scratch() if scratch is None else scratch
-    bases, lives = _Frames(b, scratch, "base_frame"), _Frames(lv, scratch, "live_frame")
+    (bl, _), (ll, _) = _layout(b, scratch, "base_copy"), _layout(lv, scratch, "live_copy")
     width, n = lv.dtype.itemsize, lv.size
-    at = sink.reserve(_STREAM_HEADER.itemsize)
+    at = sink.reserve(STREAM_HEADER.itemsize)
     header = (STREAM_MAGIC, FORMAT_VERSION, width, 0, block, frame_blocks, n)
-    sink.view(at, sink.size).view(_STREAM_HEADER)[0] = header
-    changed, per_kind = 0, np.zeros(4, dtype=np.int64)
-    step = block * frame_blocks
-    for start in range(0, n, step):
-        end = min(start + step, n)
-        c, kinds = encode_frame(bases.frame(start, end), lives.frame(start, end), sink, block,
-                                scratch)  # fmt: skip
-        changed += c
-        per_kind += np.bincount(kinds, minlength=4)
+    sink.view(at, sink.size).view(STREAM_HEADER)[0] = header
+    changed, tally = encode_frames(bl, ll, n, block, frame_blocks, sink, scratch, threads)
     size = sink.size - at
-    stats = DeltaStats(n, changed, size, n * width, tuple(int(k) for k in per_kind))  # type: ignore[arg-type]
+    stats = DeltaStats(n, changed, size, n * width, tuple(int(k) for k in tally))  # type: ignore[arg-type]
     return sink.view(at, sink.size), stats
 
 
 def apply_stream(delta: np.ndarray | bytes | memoryview, dst: np.ndarray | torch.Tensor,
-                 *, name: str = "destination") -> DeltaStats:  # fmt: skip
+                 *, name: str = "destination", threads: int = 1) -> DeltaStats:  # fmt: skip
     """Apply a stream delta in place to `dst` (any strides, elements in row-major order), which
-    must hold exactly the base the delta was encoded against. `name` goes into errors."""
+    must hold exactly the base the delta was encoded against. `name` goes into errors; with
+    `threads`, runs of frames land in parallel."""
     buf = np.frombuffer(delta, dtype=np.uint8) if not isinstance(delta, np.ndarray) else delta
     target = bits_view(dst)
     try:
-        head = read_bytes(buf, 0, _STREAM_HEADER.itemsize, "stream header").view(_STREAM_HEADER)[0]
+        head = read_bytes(buf, 0, STREAM_HEADER.itemsize, "stream header").view(STREAM_HEADER)[0]
         if bytes(head["magic"]) != STREAM_MAGIC or int(head["version"]) != FORMAT_VERSION:
             raise DeltaError("not a delta stream (bad magic or format version)")
         width, block = int(head["width"]), int(head["block"])
@@ -274,21 +240,15 @@ def apply_stream(delta: np.ndarray | bytes | memoryview, dst: np.ndarray | torch
                 f"delta of {n} {width}-byte elements cannot land in {target.size} "
                 f"{target.dtype.itemsize}-byte elements"
             )
-        _check_block(block, frame_blocks)
-        flat, pos, changed = Target(target), _STREAM_HEADER.itemsize, 0
-        per_kind = np.zeros(4, dtype=np.int64)
-        step = block * frame_blocks
-        for start in range(0, n, step):
-            used, c, kinds = apply_frame(
-                buf, pos, flat, start, min(step, n - start), block, target.dtype
-            )
-            pos, changed = pos + used, changed + c
-            per_kind += np.bincount(kinds, minlength=4)
-        if pos != buf.size:
-            raise DeltaError(f"{buf.size - pos} trailing bytes after the last frame")
+        check_block(block, frame_blocks)
+        lay, copy = _layout(target, None, "destination")
+        changed, tally = apply_frames(buf, STREAM_HEADER.itemsize, lay, n, block, frame_blocks,
+                                      threads)  # fmt: skip
+        if copy is not None:
+            target[...] = copy
     except (DeltaError, ValueError) as e:
         raise DeltaError(f"delta for {name}: {e}") from None
-    return DeltaStats(n, changed, pos, n * width, tuple(int(k) for k in per_kind))  # type: ignore[arg-type]
+    return DeltaStats(n, changed, buf.size, n * width, tuple(int(k) for k in tally))  # type: ignore[arg-type]
 
 
 def encode_parts(
@@ -298,6 +258,7 @@ def encode_parts(
     block: int = DEFAULT_BLOCK,
     sink: ByteSink | None = None,
     scratch: Scratch | None = None,
+    threads: int = 1,
 ) -> tuple[np.ndarray, DeltaStats]:
     """Encode a segment of several parts (values, scales ...) as one container, each part a
     stream at its own element width; appended to `sink` like encode_stream."""
@@ -308,7 +269,7 @@ def encode_parts(
     at = sink.reserve(head)
     sizes, stats = [], EMPTY_STATS
     for b, lv in zip(bases, lives, strict=True):
-        d, st = encode_stream(b, lv, block=block, sink=sink, scratch=scratch)
+        d, st = encode_stream(b, lv, block=block, sink=sink, scratch=scratch, threads=threads)
         sizes.append(d.size)
         pad = sink.reserve(pad8(d.size) - d.size)
         sink.view(pad, sink.size)[:] = 0
@@ -322,7 +283,7 @@ def encode_parts(
 
 
 def apply_parts(delta: np.ndarray | bytes | memoryview, dsts: Sequence[np.ndarray | torch.Tensor],
-                *, name: str = "destination") -> DeltaStats:  # fmt: skip
+                *, name: str = "destination", threads: int = 1) -> DeltaStats:  # fmt: skip
     """Apply a container delta in place, part i into dsts[i]."""
     buf = np.frombuffer(delta, dtype=np.uint8) if not isinstance(delta, np.ndarray) else delta
     if buf.size < 8 or bytes(buf[:4]) != CONTAINER_MAGIC:
@@ -335,8 +296,24 @@ def apply_parts(delta: np.ndarray | bytes | memoryview, dsts: Sequence[np.ndarra
     pos, stats = head, EMPTY_STATS
     for i, (size, dst) in enumerate(zip(sizes, dsts, strict=True)):
         part = read_bytes(buf, pos, int(size), f"part {i}")
-        stats = stats + apply_stream(part, dst, name=f"{name} part {i}")
+        stats = stats + apply_stream(part, dst, name=f"{name} part {i}", threads=threads)
         pos += pad8(int(size))
     if pos != buf.size:
         raise DeltaError(f"delta for {name}: {buf.size - pos} trailing bytes after the parts")
     return DeltaStats(stats.elements, stats.changed, buf.size, stats.dense_nbytes, stats.blocks)
+
+
+def load_kernels(widths: Sequence[int] = (1, 2, 4, 8)) -> None:
+    """Have the compiled kernels ready for these element widths: encode and apply a small
+    delta with every block kind (numba compiles them, or loads them from its disk cache,
+    on first use: a fraction of a second loaded, seconds compiled, once per process)."""
+    for width in widths:
+        base = np.zeros(4 * DEFAULT_BLOCK, dtype=_UINT[width])
+        live = base.copy()
+        live[5] = 1  # an INDEX block, a BITMAP block and a DENSE block
+        live[DEFAULT_BLOCK : DEFAULT_BLOCK + DEFAULT_BLOCK // 2] = 1
+        live[2 * DEFAULT_BLOCK :] = 1
+        delta, _ = encode_stream(base, live)
+        apply_stream(delta, base)
+        if not np.array_equal(base, live):
+            raise RuntimeError(f"delta kernels for {width}-byte elements do not round-trip")

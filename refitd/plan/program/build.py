@@ -105,6 +105,7 @@ class Messages:
     start: np.ndarray
     end: np.ndarray
     nbytes: np.ndarray
+    path: np.ndarray  # uint8 code into links.PATHS
 
 
 def _pad(a: np.ndarray, d: int, fill: int) -> np.ndarray:
@@ -239,6 +240,7 @@ class ProgramIndex:
             start=end - lens,
             end=end,
             nbytes=msgs.nbytes[o],
+            path=msgs.path[o].astype(np.uint8),
         )
         side["lo"], side["hi"] = self_lo, self_lo + cnt
         return m
@@ -292,5 +294,5 @@ class ProgramIndex:
     def _slice(m: MessageColumns, lo: int, hi: int) -> MessageColumns:
         return MessageColumns(
             m.id[lo:hi], m.round[lo:hi], m.src_slot[lo:hi], m.dst_slot[lo:hi],
-            m.start[lo:hi], m.end[lo:hi], m.nbytes[lo:hi],
+            m.start[lo:hi], m.end[lo:hi], m.nbytes[lo:hi], m.path[lo:hi],
         )  # fmt: skip

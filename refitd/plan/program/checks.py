@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from refitd.plan.links import PATHS
 from refitd.plan.program.columns import DTYPES, STORAGES, ProgramError, SlotProgram, TensorColumns
 from refitd.plan.wire import BUILTIN_WIRES, DTYPE_SIZES, WireRegistry
 
@@ -108,6 +109,8 @@ def _check_ranges(p: SlotProgram, fail: Fail) -> None:
         ):
             raise fail(f"{side}.start", "message copy ranges do not tile the copies in order")
         pos = int(m.end[-1]) if len(m) else pos
+        if len(m) and int(m.path.max()) >= len(PATHS):
+            raise fail(f"{side}.path", f"unknown path code {int(m.path.max())}")
         mine = m.src_slot if side == "send" else m.dst_slot
         if (mine != p.slot).any():
             raise fail(f"{side}.{'src' if side == 'send' else 'dst'}_slot", "not this slot")

@@ -31,7 +31,7 @@ from refitd.plan.program.columns import (
 )
 from refitd.plan.wire import BUILTIN_WIRES, WireRegistry
 
-PROGRAM_FORMAT_VERSION = 2
+PROGRAM_FORMAT_VERSION = 3
 MAGIC = b"RFTP"
 _PREAMBLE = struct.Struct("<4sHHII")  # magic, version, reserved, header length, crc32
 _INT = ("|u1", "<u2", "<i4", "<i8")  # integer columns: the narrowest of these that fits
@@ -44,6 +44,8 @@ _BYTE_COLS = {
     "copies.src_dtype",
     "copies.dst_dtype",
     "copies.flags",
+    "send.path",
+    "recv.path",
     "tensors.dtype",
     "tensors.storage",
     "tensors.ndim",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from refitd.plan.links import COLLECTIVE, PATHS
 from refitd.plan.wire import DTYPE_SIZES, RAW, STORAGE_FORMATS, WIRE_FORMATS
 
 WIRES = WIRE_FORMATS  # wire code -> name (the built-in registry's order)
@@ -42,7 +43,8 @@ class Copy:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """Copies from one source slot to one destination slot, sent as one buffer (object view)."""
+    """Copies from one source slot to one destination slot, sent as one buffer (object
+    view); path: how its bytes travel (refitd.plan.links)."""
 
     id: int
     round: int
@@ -50,6 +52,7 @@ class Message:
     dst_slot: int
     copies: tuple[Copy, ...]
     nbytes: int
+    path: str = COLLECTIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,7 @@ class MessageColumns:
     start: np.ndarray  # first copy row
     end: np.ndarray
     nbytes: np.ndarray
+    path: np.ndarray  # [M] uint8 code into PATHS
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MessageColumns) and _eq_arrays(self, other)
@@ -228,6 +232,7 @@ class SlotProgram:
                 int(m.dst_slot[k]),
                 self.copy_objects(int(m.start[k]), int(m.end[k])),
                 int(m.nbytes[k]),
+                PATHS[int(m.path[k])],
             )
             for k in range(len(m))
         )

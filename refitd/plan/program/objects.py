@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.plan.layout import TensorSpec
+from refitd.plan.links import PATHS
 from refitd.plan.program.checks import check_program
 from refitd.plan.program.columns import (
     DTYPES,
@@ -119,6 +120,7 @@ class _ObjectColumns:
             start=arr(starts),
             end=arr(ends),
             nbytes=arr([m.nbytes for m in ms]),
+            path=arr([PATHS.index(m.path) for m in ms], np.uint8),
         )
 
     def tensors(

@@ -3,7 +3,9 @@
 Per message: its id, source slot and whether it is delta-capable (every copy lands without
 conversion: refitd.plan.wire.delta_capable; not into a staged pool, whose staging buffer is
 not the memory the version log speaks of; no relay copy, which forwards what this refit
-delivers and so runs in the executor after the delta path); and the destination workers
+delivers and so runs in the executor after the delta path; not on a one-sided path, whose
+sender writes the destination's memory in place: such a message goes dense, counted as
+`link` in the ledger); and the destination workers
 ((pool, rank)) each message writes. Read from the slot programs' columns: a receiving slot's
 program knows its destination tensors, a sending slot's which copies are relays.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refitd.plan.links import ONE_SIDED
 from refitd.plan.planner import Plan
 from refitd.plan.program import DTYPES
 from refitd.plan.wire import delta_capable
@@ -44,7 +47,7 @@ class PlanDelta:
 
 def plan_delta(plan: Plan, staged_pools: Collection[str]) -> PlanDelta:
     """The plan's message columns for the delta policy (module docstring)."""
-    mids, src, dst, capable = [], [], [], []
+    mids, src, dst, capable, one_sided = [], [], [], [], []
     pm, pw = [], []
     workers: dict[tuple[str, int], int] = {}
     relays: set[int] = set()
@@ -63,7 +66,8 @@ def plan_delta(plan: Plan, staged_pools: Collection[str]) -> PlanDelta:
             mids.append(int(m.id))
             src.append(int(m.src_slot))
             dst.append(int(m.dst_slot))
-            ok = True
+            one_sided.append(m.path in ONE_SIDED)
+            ok = m.path not in ONE_SIDED
             seen: set[int] = set()
             for cp in m.copies:
                 d = tensors[cp.dst_tensor]
@@ -84,6 +88,7 @@ def plan_delta(plan: Plan, staged_pools: Collection[str]) -> PlanDelta:
         ok_arr,
         np.array(pm, dtype=np.int64),
         np.array(pw, dtype=np.int64),
+        np.array(one_sided, dtype=bool),
     )
     return PlanDelta(mid_arr, np.array(dst, dtype=np.int64), cols, list(workers),
                      key.hexdigest()[:32])  # fmt: skip

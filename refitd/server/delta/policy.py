@@ -38,6 +38,7 @@ class Why(IntEnum):
     UNKNOWN_BASE = 5  # a destination's version is not known exactly
     OTHER_VERSION = 6  # a destination holds another version than the sender's base
     SLOWER = 7  # the last delta refit took longer than the last dense one
+    LINK = 8  # its link is one-sided (mapped, rdma): the sender writes in place, dense
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +163,7 @@ class DeltaMessageColumns:
     capable: np.ndarray  # bool [messages]: every copy lands without conversion
     pair_message: np.ndarray  # int64 [pairs]
     pair_worker: np.ndarray  # int64 [pairs]: index into the workers sequence
+    one_sided: np.ndarray | None = None  # bool [messages]: on a one-sided path (dense)
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,9 @@ def decide(
     other = np.zeros(n, dtype=bool)
     other[columns.pair_message[(pair_held != UNKNOWN) & (pair_held != pair_base)]] = True
     # the first failing rule names the reason (most fundamental first)
+    link = columns.one_sided if columns.one_sided is not None else np.zeros(n, dtype=bool)
     for mask, code in (
+        (link, Why.LINK),
         (msg_base == UNKNOWN, Why.NO_BASE),
         (~columns.capable, Why.FORMAT),
         (unknown, Why.UNKNOWN_BASE),

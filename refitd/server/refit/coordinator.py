@@ -84,6 +84,7 @@ class RefitCoordinator:
             allow_dtype_cast=settings.allow_dtype_cast,
             schedule=settings.plan_schedule,
             transport=settings.transport,
+            links=settings.links,
         )
         self._stop = threading.Event()
         self.records = RefitRecords(settings, db, metrics, registry)

@@ -19,11 +19,11 @@ from refitd.plan.table import SpecTable
 from refitd.server.errors import precondition
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
+from refitd.server.plan_options import PlanOptions, table_slots
 from refitd.server.plan_process import PlanningProcess
 from refitd.server.planning import (
     ControllerPlan,
     PlanCache,
-    PlanOptions,
     make_catch_up_plan,
     make_digest,
     make_plan,
@@ -60,6 +60,11 @@ class Membership:
     @property
     def by_agent(self) -> dict[str, list[int]]:
         return self.owners.by_agent
+
+    @property
+    def links(self) -> dict[str, object]:
+        """Messages and bytes per path of the plan (the refit record shows it)."""
+        return self.plan.links
 
     @property
     def batch_agents(self) -> frozenset[str]:
@@ -145,6 +150,7 @@ class Memberships:
                     "be written"
                 )
         run.detail["digest"] = ms.plan.digest
+        run.detail["links"] = ms.links
         return ms
 
     def ahead(self, model: str, source_pool: str, pool_size: int) -> Membership:
@@ -163,13 +169,16 @@ class Memberships:
         kind: str = "refit",
     ) -> ControllerPlan:
         """The plan of these layouts, from the cache (by layout digest) or built (and
-        cached, counted as `kind`); `epoch` is only recorded in a plan built now."""
-        digest = make_digest(model, sources, destinations, self.plan_options)
+        cached, counted as `kind`); `epoch` is only recorded in a plan built now. The
+        links' paths come from the slots' hosts and their agents' offers (part of the
+        digest)."""
+        sites = self.registry.slot_sites(table_slots(sources, destinations))
+        digest = make_digest(model, sources, destinations, self.plan_options, sites)
         plan = self.plans.get(digest)
         if plan is None:
             plan = make_plan(
                 model, epoch, sources, destinations, self.plan_options, self.gc_pause, digest,
-                self.process,
+                self.process, sites,
             )  # fmt: skip
             self.plans.put(plan)
             self.built(model, kind)
@@ -180,7 +189,12 @@ class Memberships:
     ) -> ControllerPlan:
         """A catch-up's plan (replicas -> the ranks behind, one table per worker), built
         each time (`make_catch_up_plan`)."""
-        plan = make_catch_up_plan(model, epoch, holders, behind, self.plan_options, self.gc_pause)
+        sites = self.registry.slot_sites(
+            {s for t in [*holders, *behind] for s in t.columns()[2].tolist()}
+        )
+        plan = make_catch_up_plan(
+            model, epoch, holders, behind, self.plan_options, self.gc_pause, sites
+        )
         self.built(model, "catch_up")
         return plan
 

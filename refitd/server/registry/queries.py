@@ -124,6 +124,20 @@ class Queries(RegistryState):
                     out[(pool, rank)] = w.memory
         return out
 
+    def slot_sites(self, slots: Iterable[int]) -> list[tuple[int, str, str, tuple[str, ...]]]:
+        """(slot, host, device kind, paths its agent offers) of each known slot: what the
+        planner picks each link's path from (an unknown slot is left out: collective)."""
+        with self.lock:
+            out = []
+            for slot in slots:
+                s = self.slots.get(slot)
+                if s is None:
+                    continue
+                a = self.agents.get(s.agent_id or "")
+                offers = a.links if a is not None else ()
+                out.append((slot, s.host, s.device.split(":")[0], offers))
+            return out
+
     def slot_agents(self, slots: Sequence[int]) -> list[tuple[int, Slot | None, Agent | None]]:
         """Each slot with its registration and the agent holding it (None when unknown)."""
         with self.lock:

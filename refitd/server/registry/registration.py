@@ -57,6 +57,7 @@ class Registrar(Queries):
         agent_id: str = "",
         batch_execute: bool = False,
         data_plane_address: str = "",
+        links: tuple[str, ...] = (),
     ) -> Agent:
         """Register (or re-register) a node agent; returns it with its global slot ids."""
         if not host:
@@ -105,6 +106,7 @@ class Registrar(Queries):
                 agent.connected = old.connected
             agent.batch_execute = batch_execute
             agent.data_plane_address = data_plane_address
+            agent.links = tuple(sorted(set(links)))
             self.agents[agent_id] = agent
             self.db.save_agent(agent_id, host, pid)
             for m in self.models.values():

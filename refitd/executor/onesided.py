@@ -1,0 +1,203 @@
+"""Messages on one-sided paths (refitd.transport.paths): the sender writes every chunk
+straight into the destination's memory and rings the destination's doorbell; the receiver
+waits on its doorbell, then reads back what landed (checksums) and goes on as if it had
+received the chunk (relays, local relay copies, DONE).
+
+`OneSidedLinks` is what the executor's owner hands over: per destination slot of a
+one-sided send its `Peer` and `Descriptor` (doorbell entries, generation), and this slot's
+own doorbell with the entry of every one-sided message it receives. `OneSided` prepares,
+once per executor, the destination tensors the sends write (checked against the program:
+an error names the peer slot and the message) and runs the per-chunk work. Both ends cut
+messages into the same chunks (chunks.py), so a chunk count on the doorbell means the same
+bytes to both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from refitd.executor.chunks import Chunk
+from refitd.executor.errors import ExecutionError
+from refitd.executor.segments import ResolvedTensor
+from refitd.executor.views import SlotViews
+from refitd.plan.links import ONE_SIDED, PATHS
+from refitd.plan.program import DTYPES, SlotProgram
+from refitd.plan.wire import NVFP4, PLAIN
+from refitd.torch_dtypes import torch_dtype
+from refitd.transport.doorbell import Doorbell
+from refitd.transport.paths import Descriptor, Peer
+
+_Sums = dict[tuple[int, int], torch.Tensor]
+
+
+@dataclass
+class OneSidedLinks:
+    """One-sided paths of one loaded plan in one transfer process (see the module doc)."""
+
+    peers: dict[int, tuple[Peer, Descriptor]] = field(default_factory=dict)
+    doorbell: Doorbell | None = None
+    recv_entries: dict[int, int] = field(default_factory=dict)  # message id -> entry
+
+    def stale(self) -> list[int]:
+        """Destination slots whose doorbell no longer shows the descriptor's generation
+        (they reloaded or unloaded the plan since it was fetched)."""
+        return [s for s, (p, d) in self.peers.items() if p.generation() != d.generation]
+
+    def close(self) -> None:
+        for peer, _ in self.peers.values():
+            peer.close()
+        self.peers.clear()
+
+
+def one_sided_messages(p: SlotProgram) -> tuple[frozenset[int], frozenset[int]]:
+    """(ids of sent, ids of received) messages of a program on one-sided paths."""
+    codes = np.array([k for k, name in enumerate(PATHS) if name in ONE_SIDED], np.uint8)
+    send = p.send.id[np.isin(p.send.path, codes)]
+    recv = p.recv.id[np.isin(p.recv.path, codes)]
+    return frozenset(send.tolist()), frozenset(recv.tolist())
+
+
+class _BellWork:
+    """A receive chunk of a one-sided message: done once the doorbell shows it."""
+
+    def __init__(
+        self, bell: Doorbell, entry: int, attempt: int, chunks: int, abort: threading.Event,
+        what: str,
+    ) -> None:  # fmt: skip
+        self.bell, self.entry, self.attempt, self.chunks = bell, entry, attempt, chunks
+        self.abort, self.what = abort, what
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        self.bell.wait(self.entry, self.attempt, self.chunks, deadline, self.abort, self.what)
+
+
+class OneSided:
+    """The one-sided messages of one executor: remote tensors checked, chunks written and
+    waited for."""
+
+    def __init__(self, program: SlotProgram, links: OneSidedLinks | None) -> None:
+        self.p = program
+        self.links = links or OneSidedLinks()
+        self.devices: set[torch.device] = set()  # of the destinations the sends write
+        self.send, self.recv = one_sided_messages(program)
+        missing = sorted({int(s) for s, m in zip(program.send.dst_slot, program.send.id,
+                                                   strict=True)
+                          if int(m) in self.send and int(s) not in self.links.peers})  # fmt: skip
+        if missing:
+            raise ExecutionError(
+                f"slot {program.slot}: messages to slots {missing} go by a one-sided path, but "
+                "no descriptor of theirs was attached"
+            )
+        if self.recv and self.links.doorbell is None:
+            raise ExecutionError(
+                f"slot {program.slot}: it receives messages on a one-sided path but exposed "
+                "no doorbell"
+            )
+        absent = sorted(m for m in self.recv if m not in self.links.recv_entries)
+        if absent:
+            raise ExecutionError(f"slot {program.slot}: no doorbell entry for messages {absent}")
+
+    @property
+    def mids(self) -> frozenset[int]:
+        return self.send | self.recv
+
+    def remote_tensors(self) -> dict[int, ResolvedTensor]:
+        """The destination tensors of the one-sided sends, mapped from their peers and
+        checked against the program (dtype of plain storage, regions inside)."""
+        p, c = self.p, self.p.copies
+        out: dict[int, ResolvedTensor] = {}
+        self.devices.clear()
+        for k in range(len(p.send)):
+            mid, dst_slot = int(p.send.id[k]), int(p.send.dst_slot[k])
+            if mid not in self.send:
+                continue
+            peer, _ = self.links.peers[dst_slot]
+            what = f"slot {p.slot}: message {mid} to slot {dst_slot}"
+            for i in range(int(p.send.start[k]), int(p.send.end[k])):
+                index = int(c.dst[i])
+                t = out.get(index)
+                if t is None:
+                    try:
+                        r = peer.tensor(index)
+                    except Exception as e:
+                        raise ExecutionError(f"{what}: {e}") from e
+                    t = out[index] = ResolvedTensor(
+                        r.name, r.data, r.scales, r.storage, r.global_scale
+                    )
+                    self.devices.add(r.data.device)
+                _check_region(t, c, i, index, what)
+        return out
+
+    def check(self, attempt: int) -> None:
+        """Before a refit: every peer's descriptor is current and its memory live."""
+        stale = self.links.stale()
+        if stale:
+            raise ExecutionError(
+                f"slot {self.p.slot}: stale descriptors of slots {stale} (they loaded the plan "
+                f"again since this slot attached to them); attempt {attempt} writes nothing"
+            )
+        for slot, (peer, _) in self.links.peers.items():
+            try:
+                peer.check_live()
+            except Exception as e:
+                raise ExecutionError(f"slot {self.p.slot}: destination slot {slot}: {e}") from e
+
+    def write(
+        self, ch: Chunk, data: SlotViews, sums: _Sums | None, attempt: int, device: torch.device
+    ) -> None:
+        """Write one send chunk into its destination, then ring its doorbell."""
+        peer, desc = self.links.peers[ch.dst_slot]
+        w = data.direct_views(ch)
+        if sums is not None and not ch.seg_start:
+            for i in ch.rows:
+                if data.plain_raw_dst(i):
+                    sums[(ch.mid, i)] = data.source_sum(i)
+        peer.write(w.dst, w.src)
+        for i, _ in w.slow:
+            if ch.seg_start:
+                continue  # a coded copy lands whole with its first chunk
+            data.land_coded(i)
+            if sums is not None:
+                sums[(ch.mid, i)] = data.region_sum(i)
+        for dev in self.devices | {device}:  # the copies and landings are queued there
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
+        if peer.generation() != desc.generation:
+            raise ExecutionError(
+                f"slot {self.p.slot}: message {ch.mid} to slot {ch.dst_slot}: stale descriptor "
+                "(the destination unloaded or reloaded the plan while it was written)"
+            )
+        peer.ring(desc.entry[ch.mid], attempt, ch.index + 1)
+
+    def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> _BellWork:
+        """The wait of one receive chunk."""
+        bell = self.links.doorbell
+        assert bell is not None
+        return _BellWork(bell, self.links.recv_entries[ch.mid], attempt, ch.index + 1, abort, what)
+
+
+def _check_region(t: ResolvedTensor, c, i: int, index: int, what: str) -> None:
+    """A copy row's destination region fits the mapped tensor, whose dtype (plain storage)
+    is the program's."""
+    nd = int(c.ndim[i])
+    shape = tuple(t.data.shape)
+    if t.storage == NVFP4 and shape:  # two elements per byte of the last dim
+        shape = (*shape[:-1], 2 * shape[-1])
+    want = torch_dtype(DTYPES[int(c.dst_dtype[i])])
+    if t.storage == PLAIN and t.data.dtype != want:
+        raise ExecutionError(
+            f"{what}: mismatched descriptor: destination tensor {index} ({t.name!r}) is "
+            f"{t.data.dtype}, the plan writes {want}"
+        )
+    end = (c.dst_off[i, :nd] + c.shape[i, :nd]).tolist()
+    if len(shape) != nd or any(e > s for e, s in zip(end, shape, strict=True)):
+        raise ExecutionError(
+            f"{what}: mismatched descriptor: destination tensor {index} ({t.name!r}) has "
+            f"shape {list(shape)}, the plan writes up to {end}"
+        )

@@ -1,0 +1,160 @@
+"""One-sided paths of a loaded plan in a transfer process: what this slot exposes as a
+destination (at load) and the peers it writes into as a sender (when its executor is made).
+
+A destination exposes, per path kind its receives use, every destination tensor of those
+messages (the worker's memory, or the staging buffer of a staged pool) and a doorbell with
+one entry per message, then publishes the descriptor in the rendezvous store
+(refitd.transport.paths). A sender fetches the descriptor of each destination slot it
+writes, checks it (path, epoch, plan, slot) and attaches to it. `PATH_KINDS` names the
+path kinds this transfer process can take; another one plugs in there (its module imported
+when a plan first uses it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refitd.executor.errors import ExecutionError
+from refitd.executor.onesided import OneSidedLinks
+from refitd.plan.links import COLLECTIVE, PATHS
+from refitd.plan.program import SlotProgram
+from refitd.transfer.mapped import MappedResolver
+from refitd.transport.doorbell import new_generation
+from refitd.transport.errors import TransportError
+from refitd.transport.paths import Descriptor, Exposed, Exposure, Links, OneSidedPath
+
+# path kind -> "module:class" of its OneSidedPath (imported when a plan first uses it)
+PATH_KINDS = {"mapped": "refitd.transfer.mapped_path:MappedPath"}
+
+
+def make_path(kind: str) -> OneSidedPath:
+    """A new path of this kind; TransportError if this transfer process has none."""
+    where = PATH_KINDS.get(kind)
+    if where is None:
+        raise TransportError(
+            f"path {kind!r} is not available in this transfer process; known: "
+            f"{', '.join(PATH_KINDS)}"
+        )
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)()
+
+
+@dataclass
+class Exposures:
+    """What this slot exposed for one loaded plan: per path kind its exposure and the
+    descriptor published for it."""
+
+    by_kind: dict[str, tuple[Exposure, Descriptor]] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for exposure, _ in self.by_kind.values():
+            exposure.close()
+        self.by_kind.clear()
+
+
+def _by_kind(program: SlotProgram, side: str) -> dict[str, list[int]]:
+    """Path kind -> row positions of the one-sided messages of one side of a program."""
+    m = program.send if side == "send" else program.recv
+    out: dict[str, list[int]] = {}
+    for k, code in enumerate(m.path.tolist()):
+        name = PATHS[code]
+        if name != COLLECTIVE:
+            out.setdefault(name, []).append(k)
+    return out
+
+
+def expose(
+    links: Links | None, program: SlotProgram, resolver: MappedResolver, raw: dict[int, bytes]
+) -> Exposures:
+    """Expose what senders on one-sided paths write into this slot, and publish it."""
+    out = Exposures()
+    kinds = _by_kind(program, "recv")
+    if not kinds:
+        return out
+    if links is None:
+        raise ExecutionError(
+            f"slot {program.slot}: receives on one-sided paths need a connected communicator"
+        )
+    c = program.copies
+    try:
+        for kind, rows in kinds.items():
+            r = program.recv
+            mids = tuple(int(r.id[k]) for k in rows)
+            spans = [np.arange(int(r.start[k]), int(r.end[k])) for k in rows]
+            indices = np.unique(c.dst[np.concatenate(spans)]).tolist() if spans else []
+            tensors = {}
+            for i in indices:
+                t = resolver.resolve(i)
+                h = resolver.staging_handles.get(i)
+                handle = h.to_bytes() if h is not None else raw.get(i, b"")
+                if not handle:
+                    raise ExecutionError(f"slot {program.slot}: no memory handle of tensor {i}")
+                tensors[i] = Exposed(t.data, t.scales, t.storage, handle)
+            gen = new_generation()
+            exposure = links.path(kind).expose(tensors, len(mids), gen)
+            d = Descriptor(kind, links.epoch, program.digest, program.slot, gen, mids,
+                           exposure.body)  # fmt: skip
+            out.by_kind[kind] = (exposure, d)
+            links.publish(d)
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def republish(links: Links, exposures: Exposures) -> None:
+    """The same exposures under a new communicator epoch (a reconnect kept the plan)."""
+    for kind, (exposure, d) in list(exposures.by_kind.items()):
+        fresh = Descriptor(kind, links.epoch, d.digest, d.slot, d.generation, d.messages, d.body)
+        exposures.by_kind[kind] = (exposure, fresh)
+        links.publish(fresh)
+
+
+def attach(links: Links | None, program: SlotProgram, exposures: Exposures) -> OneSidedLinks:
+    """This slot's one-sided links for its executor: a peer per destination slot of its
+    one-sided sends (descriptors fetched now), its own doorbell for its receives."""
+    out = OneSidedLinks()
+    recv = _by_kind(program, "recv")
+    if len(recv) > 1:
+        raise ExecutionError(f"slot {program.slot}: receives on several one-sided paths {recv}")
+    for _kind, (exposure, d) in exposures.by_kind.items():
+        out.doorbell = exposure.doorbell
+        out.recv_entries = dict(d.entry)
+    sends = _by_kind(program, "send")
+    if not sends:
+        return out
+    if links is None:
+        raise ExecutionError(
+            f"slot {program.slot}: sends on one-sided paths need a connected communicator"
+        )
+    s = program.send
+    try:
+        for kind, rows in sends.items():
+            for slot in sorted({int(s.dst_slot[k]) for k in rows}):
+                first = next(int(s.id[k]) for k in rows if int(s.dst_slot[k]) == slot)
+                what = f"slot {program.slot}: message {first} to slot {slot} ({kind})"
+                if slot in out.peers:
+                    raise ExecutionError(f"{what}: slot {slot} is reached by two paths")
+                d = links.fetch(kind, program.digest, slot, what)
+                mine = [int(s.id[k]) for k in rows if int(s.dst_slot[k]) == slot]
+                absent = [m for m in mine if m not in d.entry]
+                if absent:
+                    raise ExecutionError(
+                        f"{what}: mismatched descriptor: it has no doorbell entry for "
+                        f"messages {absent[:4]}"
+                    )
+                peer = links.path(kind).attach(d.body, what)
+                out.peers[slot] = (peer, d)
+                if peer.generation() != d.generation:
+                    raise ExecutionError(
+                        f"{what}: stale descriptor: slot {slot}'s doorbell shows generation "
+                        f"{peer.generation()}, the descriptor {d.generation} (it loaded the "
+                        "plan again since)"
+                    )
+    except BaseException:
+        out.close()
+        raise
+    return out

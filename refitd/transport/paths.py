@@ -1,0 +1,234 @@
+"""One-sided paths: a sender writes straight into a destination slot's registered memory.
+
+A path kind implements `OneSidedPath` (the `mapped` path in refitd.transfer.mapped_path,
+beside worker memory; a remote-memory path such as RDMA plugs in the same way; the
+transfer process names them in refitd.transfer.links.PATH_KINDS):
+- on the destination, once per program load, `expose` makes the tensors that senders write
+  reachable (mapped: nothing to do, worker memory is shared memory or exported by CUDA IPC
+  and staging buffers are made shareable; a remote path registers the memory with its
+  engine) and creates the doorbell it receives completions on (doorbell.py); the framework
+  publishes the `Descriptor` (the path's body in an envelope naming kind, communicator epoch,
+  plan digest, slot, doorbell generation and the message of every doorbell entry) in the
+  rendezvous store under the epoch's prefix;
+- on a sender, once per loaded plan, `Links.fetch` reads the descriptor back (checked
+  against what the sender expects) and `attach` turns its body into a `Peer`: the
+  destination's tensors as views the sender slices (`tensor`), `write` (copy source views
+  into destination views), `ring` (a message's chunks landed) and `generation` (the
+  doorbell's current generation: a destination that reloaded or unloaded the plan shows
+  another one, so a stale descriptor is never written through).
+
+Descriptors go through the store rather than the controller's LoadProgram because what
+they carry exists only in the destination's transfer process after its load: the doorbell,
+the staging buffers of a staged pool, and (for a remote path) the engine's registration;
+keying them by communicator epoch and plan digest makes a reconnect or a new plan
+invisible to stale readers. The controller never sees them.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from refitd.transport.base import ConnectInfo
+from refitd.transport.doorbell import Doorbell
+from refitd.transport.errors import TransportError
+
+DESCRIPTOR_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Exposed:
+    """A destination tensor a path exposes: its memory (data and, quantized, scales) in
+    this process, its storage name, and the memory handle a process on the same host maps
+    it by (the worker's, or the staging buffer's)."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    storage: str
+    handle: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTensor:
+    """A destination tensor as a sender addresses it (views of it are write targets)."""
+
+    name: str
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    storage: str
+    global_scale: torch.Tensor | None = None  # nvfp4 storage: its float32 global scale
+
+
+class Exposure(abc.ABC):
+    """What a destination slot made reachable for one loaded plan."""
+
+    body: bytes  # the path's part of the descriptor
+    doorbell: Doorbell
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Retire the doorbell (senders holding this descriptor refuse it) and release."""
+
+
+class Peer(abc.ABC):
+    """A destination slot's exposed memory as one sender reaches it."""
+
+    @abc.abstractmethod
+    def tensor(self, index: int) -> RemoteTensor:
+        """Plan tensor `index` of the destination (TransportError when not exposed)."""
+
+    @abc.abstractmethod
+    def write(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        """Copy each source view into its destination view (views of `tensor()`s)."""
+
+    @abc.abstractmethod
+    def ring(self, entry: int, attempt: int, chunks: int) -> None:
+        """Chunks [0, chunks) of the message at doorbell `entry` landed."""
+
+    @abc.abstractmethod
+    def generation(self) -> int:
+        """The destination doorbell's generation now (doorbell.RETIRED once retired)."""
+
+    @abc.abstractmethod
+    def check_live(self) -> None:
+        """Raise (StorageMovedError, TransportError) if exposed memory was released."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Drop mappings or connections."""
+
+
+class OneSidedPath(abc.ABC):
+    """One kind of one-sided path (see the module docstring)."""
+
+    kind: str = ""
+
+    @abc.abstractmethod
+    def expose(self, tensors: dict[int, Exposed], entries: int, generation: int) -> Exposure:
+        """Destination side, once per program load: `tensors` reachable, a doorbell of
+        `entries` words with `generation`."""
+
+    @abc.abstractmethod
+    def attach(self, body: bytes, what: str) -> Peer:
+        """Sender side: the peer a descriptor body describes (`what` names it in errors)."""
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """What a sender needs to write into a destination slot under one plan."""
+
+    kind: str
+    epoch: int
+    digest: str
+    slot: int
+    generation: int
+    messages: tuple[int, ...]  # message id of each doorbell entry
+    body: bytes
+    entry: dict[int, int] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        self.entry.update({m: k for k, m in enumerate(self.messages)})
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            [DESCRIPTOR_VERSION, self.kind, self.epoch, self.digest, self.slot,
+             self.generation, list(self.messages), self.body],
+            use_bin_type=True,
+        )  # fmt: skip
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str) -> Descriptor:
+        try:
+            v, kind, epoch, digest, slot, gen, messages, body = msgpack.unpackb(data, raw=False)
+        except Exception as e:
+            raise TransportError(f"{what}: malformed descriptor ({e})") from None
+        if v != DESCRIPTOR_VERSION:
+            raise TransportError(f"{what}: descriptor format {v!r}, expected {DESCRIPTOR_VERSION}")
+        return cls(kind, epoch, digest, slot, gen, tuple(messages), body)
+
+
+def descriptor_key(kind: str, digest: str, slot: int) -> str:
+    return f"links/{kind}/{digest}/slot{slot}"
+
+
+class Links:
+    """The one-sided paths of one transfer process in one communicator epoch, and the
+    descriptors they exchange through the rendezvous store (opened on first use)."""
+
+    def __init__(
+        self,
+        info: ConnectInfo,
+        open_store: Callable[[ConnectInfo], object],
+        make_path: Callable[[str], OneSidedPath],
+    ) -> None:
+        """`make_path(kind)`: a new path of that kind (TransportError when unknown)."""
+        self.info = info
+        self._open_store = open_store
+        self._make_path = make_path
+        self._store: object | None = None
+        self._paths: dict[str, OneSidedPath] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def epoch(self) -> int:
+        return self.info.epoch
+
+    def path(self, kind: str) -> OneSidedPath:
+        with self._lock:
+            p = self._paths.get(kind)
+            if p is None:
+                p = self._paths[kind] = self._make_path(kind)
+            return p
+
+    def _client(self) -> object:
+        with self._lock:
+            if self._store is None:
+                self._store = self._open_store(self.info)
+            return self._store
+
+    def publish(self, d: Descriptor) -> None:
+        """Put a destination's descriptor in the store (replacing an older one)."""
+        try:
+            self._client().set(descriptor_key(d.kind, d.digest, d.slot), d.to_bytes())  # type: ignore[attr-defined]
+        except TransportError:
+            raise
+        except Exception as e:
+            raise TransportError(
+                f"slot {d.slot}: cannot publish its {d.kind} descriptor of plan {d.digest}: {e}"
+            ) from e
+
+    def fetch(self, kind: str, digest: str, slot: int, what: str) -> Descriptor:
+        """The descriptor slot `slot` published for plan `digest` in this epoch, checked
+        against what is expected of it; TransportError naming `what` otherwise."""
+        key = descriptor_key(kind, digest, slot)
+        store = self._client()
+        try:
+            if not store.check([key]):  # type: ignore[attr-defined]
+                raise TransportError(
+                    f"{what}: slot {slot} published no {kind} descriptor of plan {digest} in "
+                    f"communicator epoch {self.epoch} (it has not loaded the plan)"
+                )
+            raw = store.get(key)  # type: ignore[attr-defined]
+        except TransportError:
+            raise
+        except Exception as e:
+            raise TransportError(f"{what}: cannot read slot {slot}'s descriptor: {e}") from e
+        d = Descriptor.from_bytes(raw, what)
+        want = (kind, self.epoch, digest, slot)
+        got = (d.kind, d.epoch, d.digest, d.slot)
+        if got != want:
+            raise TransportError(
+                f"{what}: mismatched descriptor: it is for (path, epoch, plan, slot) {got}, "
+                f"expected {want}"
+            )
+        return d
+
+    def close(self) -> None:
+        """Drop the paths and the store client (the destinations' exposures are theirs)."""
+        with self._lock:
+            self._paths.clear()
+            self._store = None
