@@ -90,6 +90,7 @@ def meta_peers(address: str, args: dict[str, Any], role: PeerRole, out: Any, com
         streams: list[Any] = []
         hold = role.hold_s if role.refits else None
         agent_ids, period = _light_agents(agents, args["workers"], streams, role.agents, hold)
+        out.put(("agents", role.name, len(agent_ids)))
         trainer_ids: list[str] = []  # appended by the registering threads
         subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
         rtts: list[tuple[float, float]] = []  # heartbeats: (sent, round trip), seconds
