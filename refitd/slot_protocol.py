@@ -36,6 +36,8 @@ class SlotOptions:
     rpc_timeout_s: float = 30.0  # the quick commands (abort, unload, ...) and the agent's RPCs
     staging_bytes: int = 256 * MiB  # cap on the slot's staging buffers
     snapshot_bytes: int = 2048 * MiB  # cap on the snapshot of the slot's sources
+    rdma_protocol: str = "tcp"  # the rdma path's protocol (refitd.transfer.rdma_path)
+    rdma_devices: tuple[str, ...] = ()  # its RDMA devices (empty: every one found)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SlotOptions:
@@ -46,6 +48,8 @@ class SlotOptions:
             rpc_timeout_s=settings.rpc_timeout_s,
             staging_bytes=settings.staging_bytes,
             snapshot_bytes=settings.snapshot_bytes,
+            rdma_protocol=settings.rdma_protocol,
+            rdma_devices=tuple(settings.rdma_devices),
         )
 
 
@@ -226,6 +230,8 @@ class Connect(SlotCommand[Connected]):
     store_token: str = ""
     data_plane_address: str = ""
     data_plane_interface: str = ""
+    rdma_protocol: str = "tcp"  # the agent's settings of the rdma path
+    rdma_devices: tuple[str, ...] = ()
 
     def wait_s(self, options: SlotOptions) -> float:
         return self.timeout_s + REPLY_MARGIN_S

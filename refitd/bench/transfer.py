@@ -41,11 +41,12 @@ from refitd.memory.arena import SharedTensorArena
 from refitd.node.process_handle import TransferProcessHandle
 from refitd.plan.layout import TensorSpec
 from refitd.plan.layouts import make_spec, megatron_layout
-from refitd.plan.links import COLLECTIVE, MAPPED, LinkPolicy, SlotSite
+from refitd.plan.links import COLLECTIVE, MAPPED, RDMA, LinkPolicy, SlotSite
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.plan.wire import MXFP8, PLAIN
 from refitd.slot_protocol import DEFAULTS, Connect, Execute, Load, SnapshotInfo
+from refitd.transport.mooncake_env import mooncake_unavailable_reason
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
 COLS = 4096
@@ -71,10 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=("gloo", "local"), default="gloo")
     parser.add_argument(
         "--links",
-        choices=("collective", "mapped", "auto"),
+        choices=("collective", "mapped", "rdma", "auto"),
         default="collective",
-        help="path of the links between slots (all slots on one host); with mapped or auto "
-        "the same model also runs collective in the same run, for comparison",
+        help="path of the links between slots (all slots on one host; rdma: Mooncake over "
+        "TCP on loopback); with mapped, rdma or auto the same model also runs collective in "
+        "the same run, for comparison",
     )
     parser.add_argument("--wire", choices=("bf16", "mxfp8"), default="bf16")
     parser.add_argument("--src", type=parse_layout, default=None, help="tp=N (default: slots)")
@@ -178,7 +180,10 @@ def run(args: argparse.Namespace) -> int:
         bucket_bytes=args.bucket, sender_quantization=args.wire == "mxfp8", relay=args.relay
     )
     cplan = build_plan("bench", 1, src, dst, config)  # every message collective
-    sites = [SlotSite(s, "bench-host", "cpu", (MAPPED,)) for s in cplan.slots()]
+    offers = (MAPPED,) if mooncake_unavailable_reason() else (MAPPED, RDMA)
+    if args.links == RDMA and RDMA not in offers:
+        raise SystemExit(f"--links rdma: {mooncake_unavailable_reason()}")
+    sites = [SlotSite(s, "bench-host", "cpu", offers) for s in cplan.slots()]
     links = LinkPolicy.of(args.links, sites)
     plan = cplan
     if args.links != COLLECTIVE:

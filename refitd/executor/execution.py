@@ -223,7 +223,9 @@ class RefitExecution:
             self.wait_recvs(need, self.describe(ch, "send"))
         if id(ch) in self.prep.one_sided:
             try:
-                self.one_sided.write(ch, self.data, self.send_sums, self.attempt, self.prep.device)
+                self.one_sided.write(
+                    ch, self.data, self.send_sums, self.attempt, self.prep.device, self.deadline
+                )
             except Exception as e:
                 raise ExecutionError(f"{self.describe(ch, 'send')}: {e}") from e
             if self.prep.reads_source[id(ch)]:

@@ -29,7 +29,8 @@ from refitd.plan.links import ONE_SIDED, PATHS
 from refitd.plan.program import DTYPES, SlotProgram
 from refitd.plan.wire import NVFP4, PLAIN
 from refitd.torch_dtypes import torch_dtype
-from refitd.transport.doorbell import Doorbell
+from refitd.transport.doorbell import RETIRED, Doorbell
+from refitd.transport.errors import TransportError
 from refitd.transport.paths import Descriptor, Peer
 
 _Sums = dict[tuple[int, int], torch.Tensor]
@@ -45,8 +46,17 @@ class OneSidedLinks:
 
     def stale(self) -> list[int]:
         """Destination slots whose doorbell no longer shows the descriptor's generation
-        (they reloaded or unloaded the plan since it was fetched)."""
-        return [s for s, (p, d) in self.peers.items() if p.generation() != d.generation]
+        (they reloaded or unloaded the plan since it was fetched) or cannot be read (a
+        remote one that went away: attaching afresh says why)."""
+        out = []
+        for slot, (peer, d) in self.peers.items():
+            try:
+                gen = peer.generation()
+            except TransportError:
+                gen = RETIRED
+            if gen != d.generation:
+                out.append(slot)
+        return out
 
     def close(self) -> None:
         for peer, _ in self.peers.values():
@@ -149,20 +159,29 @@ class OneSided:
                 raise ExecutionError(f"slot {self.p.slot}: destination slot {slot}: {e}") from e
 
     def write(
-        self, ch: Chunk, data: SlotViews, sums: _Sums | None, attempt: int, device: torch.device
+        self,
+        ch: Chunk,
+        data: SlotViews,
+        sums: _Sums | None,
+        attempt: int,
+        device: torch.device,
+        deadline: float,
     ) -> None:
-        """Write one send chunk into its destination, then ring its doorbell."""
+        """Write one send chunk into its destination (by the monotonic `deadline`), then
+        ring its doorbell. A copy through a codec is encoded and landed by the sender (the
+        destination takes no part), then flushed to the peer."""
         peer, desc = self.links.peers[ch.dst_slot]
         w = data.direct_views(ch)
         if sums is not None and not ch.seg_start:
             for i in ch.rows:
                 if data.plain_raw_dst(i):
                     sums[(ch.mid, i)] = data.source_sum(i)
-        peer.write(w.dst, w.src)
+        peer.write(w.dst, w.src, deadline)
         for i, _ in w.slow:
             if ch.seg_start:
                 continue  # a coded copy lands whole with its first chunk
             data.land_coded(i)
+            peer.flush(data.dst_parts(i), deadline)
             if sums is not None:
                 sums[(ch.mid, i)] = data.region_sum(i)
         for dev in self.devices | {device}:  # the copies and landings are queued there

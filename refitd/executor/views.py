@@ -283,6 +283,14 @@ class SlotViews:
         off = tuple(self._dst_off[i][:nd])
         decode_segment(wire, seg, self.shape(i), self._dtype[i], dst, off)
 
+    def dst_parts(self, i: int) -> list[torch.Tensor]:
+        """Views of what row i's copy writes in its destination: the region's values, and
+        of a quantized storage its scales (and global scale)."""
+        d = self.tensors[self._dst_t[i]]
+        if d.storage == PLAIN:
+            return [self.dst_block(i)]
+        return list(dest_region(d, tuple(self._dst_off[i][: self._nd[i]]), self.shape(i)).parts())
+
     def region_sum(self, i: int) -> torch.Tensor:
         """Checksum of what row i's copy left in its destination (values, and scales of a
         quantized storage): on a one-sided path both ends read the landed region."""

@@ -47,8 +47,21 @@ from refitd.slot_protocol import Failed, Report, SlotOptions
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 60.0  # orphaned shared memory of killed workers is unlinked this often
 RECONNECT_MAX_S = 1.0  # longest wait between attempts to register again
-# one-sided paths every transfer process of this agent can take (refitd.transport.paths)
-OFFERED_LINKS = ("mapped",)
+
+
+def offered_links(settings: Settings) -> tuple[str, ...]:
+    """One-sided paths every transfer process of this agent can take (refitd.transport.paths):
+    mapped always; rdma where Mooncake Transfer Engine imports and, with rdma_protocol=rdma,
+    the host has an RDMA device."""
+    from refitd.transport.mooncake_env import mooncake_unavailable_reason, rdma_devices_present
+
+    why = mooncake_unavailable_reason()
+    if why is None and settings.rdma_protocol == "rdma" and not rdma_devices_present():
+        why = "rdma_protocol=rdma but this host has no RDMA device"
+    if why is not None:
+        log.info("the rdma path is not offered: %s", why)
+        return ("mapped",)
+    return ("mapped", "rdma")
 
 
 class NodeAgent:
@@ -71,6 +84,7 @@ class NodeAgent:
         self.data_plane = data_plane or choose_data_plane(settings, controller_address)
         self.settings = settings
         self.slot_options = SlotOptions.from_settings(settings)
+        self.links = offered_links(settings)
         self.agent_id = ""
         self.slots: dict[int, SlotRunner] = {}
         self.heartbeat_interval_s = 1.0
@@ -128,7 +142,7 @@ class NodeAgent:
             agent_id=self.agent_id,
             batch_execute=True,
             data_plane_address=self.data_plane.address,
-            links=OFFERED_LINKS,
+            links=self.links,
         )
 
     def _register(self) -> None:

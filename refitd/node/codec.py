@@ -110,6 +110,8 @@ def _connect(c: pb.ConnectCommand, ctx: SlotContext) -> Connect:
         store_token=c.store_token,
         data_plane_address=ctx.data_plane_address,
         data_plane_interface=ctx.data_plane_interface,
+        rdma_protocol=ctx.options.rdma_protocol,
+        rdma_devices=ctx.options.rdma_devices,
     )
 
 

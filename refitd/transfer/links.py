@@ -24,14 +24,25 @@ from refitd.plan.program import SlotProgram
 from refitd.transfer.mapped import MappedResolver
 from refitd.transport.doorbell import new_generation
 from refitd.transport.errors import TransportError
-from refitd.transport.paths import Descriptor, Exposed, Exposure, Links, OneSidedPath
+from refitd.transport.paths import (
+    Descriptor,
+    Exposed,
+    Exposure,
+    Links,
+    OneSidedPath,
+    PathSettings,
+)
 
 # path kind -> "module:class" of its OneSidedPath (imported when a plan first uses it)
-PATH_KINDS = {"mapped": "refitd.transfer.mapped_path:MappedPath"}
+PATH_KINDS = {
+    "mapped": "refitd.transfer.mapped_path:MappedPath",
+    "rdma": "refitd.transfer.rdma_path:RdmaPath",
+}
 
 
-def make_path(kind: str) -> OneSidedPath:
-    """A new path of this kind; TransportError if this transfer process has none."""
+def make_path(kind: str, settings: PathSettings | None = None) -> OneSidedPath:
+    """A new path of this kind taking `settings`; TransportError if this transfer process
+    has none."""
     where = PATH_KINDS.get(kind)
     if where is None:
         raise TransportError(
@@ -39,7 +50,7 @@ def make_path(kind: str) -> OneSidedPath:
             f"{', '.join(PATH_KINDS)}"
         )
     module, _, name = where.partition(":")
-    return getattr(importlib.import_module(module), name)()
+    return getattr(importlib.import_module(module), name)(settings)
 
 
 @dataclass
@@ -92,7 +103,7 @@ def expose(
                 handle = h.to_bytes() if h is not None else raw.get(i, b"")
                 if not handle:
                     raise ExecutionError(f"slot {program.slot}: no memory handle of tensor {i}")
-                tensors[i] = Exposed(t.data, t.scales, t.storage, handle)
+                tensors[i] = Exposed(t.data, t.scales, t.storage, handle, t.global_scale)
             gen = new_generation()
             exposure = links.path(kind).expose(tensors, len(mids), gen)
             d = Descriptor(kind, links.epoch, program.digest, program.slot, gen, mids,

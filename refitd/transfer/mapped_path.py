@@ -97,7 +97,7 @@ class MappedPeer(Peer):
         t = self._mapped[index] = RemoteTensor(h.name, data, scales, raw[1], gscale)
         return t
 
-    def write(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    def write(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> None:
         if dst:
             torch._foreach_copy_(dst, src)
 

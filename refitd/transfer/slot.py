@@ -9,6 +9,7 @@ execute (run by the command loop on its own thread) is in execute.py, probe in p
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -51,7 +52,7 @@ from refitd.transfer.snapshot import Snapshot, SnapshotResolver, prepare_snapsho
 from refitd.transport.base import ConnectInfo, Transport
 from refitd.transport.factory import create_transport
 from refitd.transport.gloo import open_store
-from refitd.transport.paths import Links
+from refitd.transport.paths import Links, PathSettings
 
 
 @dataclass
@@ -126,7 +127,13 @@ class TransferSlot:
         transport.connect(info)
         self.transport = transport
         if cmd.store_port:  # a communicator with a rendezvous store: one-sided paths too
-            self.links = Links(info, open_store, make_path)
+            settings = PathSettings(
+                slot=self.slot if self.slot is not None else cmd.rank,
+                host=cmd.data_plane_address or "127.0.0.1",
+                rdma_protocol=cmd.rdma_protocol,
+                rdma_devices=tuple(cmd.rdma_devices),
+            )
+            self.links = Links(info, open_store, functools.partial(make_path, settings=settings))
         self.slot_ranks = cmd.slot_ranks
         return Connected()
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import threading
 import time
 from bisect import bisect_right
@@ -26,44 +25,22 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, astuple, dataclass
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from refitd.transport.errors import TransportError
+from refitd.transport.mooncake_env import (
+    RDMA_SYSFS,
+    mooncake_unavailable_reason,
+    rdma_devices_present,
+)
 
 PROTOCOLS = ("tcp", "rdma")
-RDMA_SYSFS = Path("/sys/class/infiniband")
 STAMP_BYTES = 64
 PROBE_S = 2.0  # longest wait for a peer's answer when telling a gone peer from a refusal
 MAGIC = b"refitd-mc1:"
 Route = tuple[Any, str]  # a local engine and a session of the peer's
-# Debian packages that provide the shared libraries the engine links.
-DEBIAN = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1", "libcurl.so.4": "libcurl4"}
-
-
-def mooncake_unavailable_reason() -> str | None:
-    """Why Mooncake Transfer Engine cannot be imported here, naming what to install; None
-    when it can."""
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # read once, when the engine loads
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as e:
-        lib = re.search(r"(lib[\w+-]+\.so[.\d]*): cannot open shared object", str(e))
-        if lib:
-            pkg = DEBIAN.get(lib.group(1), "the package that provides it")
-            return f"{lib.group(1)} is missing (Debian: apt-get install {pkg})"
-        return (
-            f"Mooncake Transfer Engine is not installed ({e}): pip install 'refitd[rdma]' "
-            "(mooncake-transfer-engine-non-cuda; GPU hosts: mooncake-transfer-engine)"
-        )
-    return None
-
-
-def rdma_devices_present() -> list[str]:
-    """RDMA devices the kernel exposes (mlx5_0, ...), empty where there is no fabric."""
-    return sorted(p.name for p in RDMA_SYSFS.iterdir()) if RDMA_SYSFS.is_dir() else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +135,7 @@ class MooncakeEndpoint:
         self._register_raw([(self._stamp.data_ptr(), self._stamp.numel())])
         self._held: list[torch.Tensor] = []
         self._local = _Ranges([])
+        self._extra: dict[int, tuple[int, torch.Tensor]] = {}  # add_local: addr -> (n, held)
         self._descriptor: SegmentDescriptor | None = None
 
     def _start_engine(self) -> Any:
@@ -199,6 +177,23 @@ class MooncakeEndpoint:
             self.slot, self.sessions, token, tuple(new.ranges), stamp, digest
         )
         self._stamp[:STAMP_BYTES] = torch.tensor(list(_stamp_bytes(digest)), dtype=torch.uint8)
+
+    def add_local(self, buffer: torch.Tensor) -> None:
+        """Register memory this endpoint only writes from or reads into (a writer's sources
+        and staging), beside the registration peers see; held until `remove_local`."""
+        addr, n = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        if not buffer.is_contiguous() or n == 0:
+            raise TransportError(f"slot {self.slot}: a local buffer must be contiguous, non-empty")
+        if addr in self._extra:
+            raise TransportError(f"slot {self.slot}: {_hex((addr, n))} is registered already")
+        self._register_raw([(addr, n)])
+        self._extra[addr] = (n, buffer)
+
+    def remove_local(self, buffer: torch.Tensor) -> None:
+        """Unregister a buffer of `add_local` (idempotent)."""
+        if self._extra.pop(buffer.data_ptr(), None) is not None:
+            for engine in self._engines:
+                engine.unregister_memory(buffer.data_ptr())
 
     def unregister(self) -> None:
         """Unregister this slot's buffers; descriptors of them are refused from now on."""
@@ -251,7 +246,9 @@ class MooncakeEndpoint:
         return MooncakePeer(self, desc, routes)
 
     def check_local(self, op: WriteOp) -> None:
-        if not self._local.contains(op.local, op.nbytes):
+        if not self._local.contains(op.local, op.nbytes) and not any(
+            a <= op.local and op.local + op.nbytes <= a + n for a, (n, _) in self._extra.items()
+        ):
             raise TransportError(
                 f"slot {self.slot}: source {_hex((op.local, op.nbytes))} is outside this "
                 "slot's registered memory (register it first)"
@@ -262,6 +259,8 @@ class MooncakeEndpoint:
         keeps its engines alive until it is dropped."""
         if self._engines:
             self.unregister()
+            for addr in list(self._extra):
+                self.remove_local(self._extra[addr][1])
             for engine in self._engines:
                 engine.unregister_memory(self._stamp.data_ptr())
             self._engines = []
@@ -284,10 +283,23 @@ class MooncakePeer:
         self.endpoint, self.desc, self.slot = endpoint, desc, desc.slot
         self._routes, self._remote = routes, _Ranges(desc.buffers)
 
+    def covers(self, addr: int, nbytes: int) -> bool:
+        """Whether [addr, addr + nbytes) lies in one buffer the peer registered."""
+        return self._remote.contains(addr, nbytes)
+
     def write(self, ops: Sequence[WriteOp], timeout_s: float, message: str = "") -> MooncakeWork:
         """Post these writes (each checked against both registrations first) and return the
         Work; its wait raises TransportError on any failure or after timeout_s."""
-        what = f"message {message}" if message else "write"
+        return self._post(ops, timeout_s, message, False)
+
+    def read(self, ops: Sequence[WriteOp], timeout_s: float, message: str = "") -> MooncakeWork:
+        """Post one-sided reads: each op's `remote` bytes into its `local` address."""
+        return self._post(ops, timeout_s, message, True)
+
+    def _post(
+        self, ops: Sequence[WriteOp], timeout_s: float, message: str, read: bool
+    ) -> MooncakeWork:
+        what = f"message {message}" if message else ("read" if read else "write")
         if not self._remote.ranges:
             raise TransportError(f"{what} to {self.desc.where}: the peer registered no memory")
         requests = []
@@ -306,8 +318,8 @@ class MooncakePeer:
                 requests.append(
                     (route, op.local + off, op.remote + off, min(split, op.nbytes - off))
                 )
-        label = f"mooncake {what} to {self.desc.where}"
-        work = MooncakeWork(self._routes, label, timeout_s, self.endpoint.options.window, False)
+        label = f"mooncake {what} {'from' if read else 'to'} {self.desc.where}"
+        work = MooncakeWork(self._routes, label, timeout_s, self.endpoint.options.window, read)
         work.post(requests)
         return work
 

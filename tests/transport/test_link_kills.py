@@ -1,7 +1,10 @@
-"""A mapped link when a transfer process dies (real processes, kill -9): a destination that
-dies mid-write does not stop its sender, which finishes; a sender that dies leaves its
-destination waiting until the abort, which ends the wait at once. Fresh processes then
-land the next refit bit for bit."""
+"""One-sided links when a transfer process dies or stalls (real processes). Mapped: a
+destination that dies mid-write (kill -9) does not stop its sender, which finishes; a sender
+that dies leaves its destination waiting until the abort, which ends the wait at once. Rdma
+(Mooncake over TCP on loopback): a destination killed mid-write fails its sender's refit
+with a TransportError naming the peer slot and the message; a stopped destination (SIGSTOP)
+fails it at the transfer deadline, never a hang. Fresh processes then land the next refit
+bit for bit."""
 
 from __future__ import annotations
 
@@ -22,25 +25,28 @@ from refitd.plan.links import LinkPolicy, SlotSite
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
 from refitd.slot_protocol import Abort, Connect, Execute, Load
+from refitd.transport.mooncake_env import mooncake_unavailable_reason
 
 pytestmark = pytest.mark.slow
+RDMA_REASON = mooncake_unavailable_reason()
+needs_rdma = pytest.mark.skipif(RDMA_REASON is not None, reason=f"rdma path: {RDMA_REASON}")
 ROWS, COLS, TENSORS = 2048, 4096, 8  # 8 x 16 MiB: the sender writes for a while
 
 
 class _Link:
-    """Slot 0 holds the sources, slot 1 the destinations, one host: every message mapped."""
+    """Slot 0 holds the sources, slot 1 the destinations, one host: every message on `path`."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str = "mapped") -> None:
         shape = (ROWS, COLS)
         spec = dict(model="m", global_shape=shape, dtype="bfloat16", layout=megatron_layout(shape))
         self.src = [make_spec(pool="t", rank=0, slot=0, name=f"w{k}", **spec)
                     for k in range(TENSORS)]  # fmt: skip
         self.dst = [make_spec(pool="i", rank=0, slot=1, name=f"w{k}", **spec)
                     for k in range(TENSORS)]  # fmt: skip
-        sites = [SlotSite(s, "h", "cpu", ("mapped",)) for s in (0, 1)]
+        sites = [SlotSite(s, "h", "cpu", ("mapped", "rdma")) for s in (0, 1)]
         self.plan = build_plan("m", 1, self.src, self.dst,
-                               PlanConfig(links=LinkPolicy.of("mapped", sites)))  # fmt: skip
-        assert self.plan.link_summary()["mapped"]["messages"] > 0
+                               PlanConfig(links=LinkPolicy.of(path, sites)))  # fmt: skip
+        assert self.plan.link_summary()[path]["messages"] > 0
         gen = torch.Generator().manual_seed(7)
         self.tensors = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in self.src]
         self.tensors += [torch.zeros(shape, dtype=torch.bfloat16) for _ in self.dst]
@@ -76,6 +82,14 @@ class _Link:
         os.kill(self.procs[slot].process.pid, signal.SIGKILL)
         self.procs[slot].process.join(10)
         self.procs.pop(slot).close()
+
+    def writing(self, timeout_s: float = 30.0) -> None:
+        """Wait until the first bytes landed in the destination (it is being written)."""
+        dst = self.tensors[len(self.src) :]
+        deadline = time.monotonic() + timeout_s
+        while not any(bool(t.view(torch.int16).any()) for t in dst):
+            assert time.monotonic() < deadline, "no byte landed"
+            time.sleep(0.001)
 
     def landed(self) -> bool:
         n = len(self.src)
@@ -132,4 +146,68 @@ def test_a_sender_killed_leaves_its_destination_waiting_until_the_abort() -> Non
             p.result(timeout_s=60)
         assert link.landed()
     finally:
+        link.close()
+
+
+def _again(link: _Link, refit_id: int, restart: tuple[int, ...]) -> None:
+    """Fresh processes for `restart`, every slot reconnected and reloaded: the next refit
+    lands bit for bit."""
+    for t in link.tensors[len(link.src) :]:
+        t.zero_()
+    link.start(restart)
+    pend = [link.execute(s, refit_id) for s in (0, 1)]
+    for p in pend:
+        p.result(timeout_s=60)
+    assert link.landed()
+
+
+@needs_rdma
+def test_rdma_destination_killed_mid_write_fails_its_sender_naming_peer_and_message() -> None:
+    link = _Link("rdma")
+    try:
+        link.start()
+        mid = int(link.plan.program(0).send.id[0])
+        sender = link.execute(0, 1)
+        receiver = link.execute(1, 1)
+        link.writing()
+        link.kill(1)
+        t0 = time.monotonic()
+        with pytest.raises(TransferProcessError) as e:
+            sender.result(timeout_s=60)
+        msg = str(e.value)
+        assert "to slot 1" in msg and f"message {mid}" in msg, msg
+        assert time.monotonic() - t0 < 20, msg
+        with pytest.raises(TransferProcessError):
+            receiver.result(timeout_s=5)
+        _again(link, 2, (1,))
+    finally:
+        link.close()
+
+
+@needs_rdma
+def test_rdma_stopped_destination_times_out_the_write_never_hangs() -> None:
+    link = _Link("rdma")
+    pid = 0
+    try:
+        link.start()
+        pid = link.procs[1].process.pid
+        # stopped before the refit: stopped after its first bytes, a sender on a loaded box
+        # can have written all 128 MiB before the signal lands
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        sender = link.execute(0, 1, timeout_s=4.0)
+        receiver = link.execute(1, 1, timeout_s=4.0)
+        with pytest.raises(TransferProcessError) as e:
+            sender.result(timeout_s=30)
+        msg = str(e.value)
+        assert "to slot 1" in msg and ("timed out" in msg or "does not answer" in msg), msg
+        assert time.monotonic() - t0 < 15, msg
+        os.kill(pid, signal.SIGCONT)
+        pid = 0
+        with pytest.raises(TransferProcessError):
+            receiver.result(timeout_s=15)
+        _again(link, 2, ())
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
         link.close()

@@ -28,18 +28,25 @@ from refitd.plan.wire import (
 )
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import epoch_prefix
+from refitd.transport.mooncake import mooncake_unavailable_reason
 from refitd.transport.paths import Descriptor, descriptor_key
+
+RDMA_REASON = mooncake_unavailable_reason()
+needs_rdma = pytest.mark.skipif(RDMA_REASON is not None, reason=f"rdma path: {RDMA_REASON}")
+# the rdma path (Mooncake over TCP on loopback) where its engine imports
+PATHS = ["collective", "mapped", "auto"] + ([] if RDMA_REASON else ["rdma"])
+OFFERS = ("mapped",) if RDMA_REASON else ("mapped", "rdma")
 
 
 def _policy(mode: str, slots: list[int], hosts: int = 1) -> LinkPolicy:
-    return LinkPolicy.of(mode, [SlotSite(s, f"h{s % hosts}", "cpu", ("mapped",)) for s in slots])
+    return LinkPolicy.of(mode, [SlotSite(s, f"h{s % hosts}", "cpu", OFFERS) for s in slots])
 
 
 @settings(max_examples=8, deadline=None)
 @given(
     src_parts=st.integers(1, 3),
     dst_parts=st.integers(1, 3),
-    links=st.sampled_from(["collective", "mapped", "auto"]),
+    links=st.sampled_from(PATHS),
     staged=st.booleans(),
     snapshot=st.booleans(),
     replicas=st.booleans(),
@@ -47,11 +54,23 @@ def _policy(mode: str, slots: list[int], hosts: int = 1) -> LinkPolicy:
 )
 def test_every_path_lands_bit_for_bit(src_parts, dst_parts, links, staged, snapshot, replicas,
                                       data) -> None:  # fmt: skip
-    """auto: slots of even and odd numbers on two hosts (mapped and collective links in one
-    plan); a second destination pool of replicas fed by relays; casts to float32."""
+    """auto: slots of even and odd numbers on two hosts (mapped links on each, rdma links
+    between them where Mooncake imports, else collective, in one plan); a second
+    destination pool of replicas fed by relays; casts to float32."""
     slot = st.integers(0, 3)
     src_slots = [data.draw(slot) for _ in range(src_parts)]
     dst_slots = [data.draw(slot) for _ in range(dst_parts)]
+    _lands_bit_for_bit(src_slots, dst_slots, links, staged, snapshot, replicas)
+
+
+@needs_rdma
+def test_rdma_lands_staged_snapshot_relays_and_casts_bit_for_bit() -> None:
+    _lands_bit_for_bit([0, 1], [2, 3, 1], "rdma", True, True, True)
+
+
+def _lands_bit_for_bit(src_slots: list[int], dst_slots: list[int], links: str, staged: bool,
+                       snapshot: bool, replicas: bool) -> None:  # fmt: skip
+    src_parts, dst_parts = len(src_slots), len(dst_slots)
     src, dst = make_model(src_parts, dst_parts, src_slots, dst_slots, {"qkv": "float32"})
     if replicas:
         dst += [dataclasses.replace(d, pool="infer2", slot=3 - d.slot) for d in dst]
@@ -116,17 +135,18 @@ def _quantized_buffers(storage: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("storage", [MXFP8, NVFP4])
 @pytest.mark.parametrize("quantize_on_sender", [False, True])
-def test_quantized_landings_are_the_same_on_mapped_and_collective_links(
+def test_quantized_landings_are_the_same_on_every_path(
     storage: str, quantize_on_sender: bool
 ) -> None:
     """A copy that lands through a codec (quantized on the wire, or on landing) is encoded
-    and decoded by the sender of a mapped link: bit for bit what the collective link's
-    receiver lands, and equal to the reference quantizer's."""
+    and decoded by the sender of a mapped or rdma link (an rdma sender lands it in its
+    mirror and writes the quantized bytes): bit for bit what the collective link's receiver
+    lands, and equal to the reference quantizer's."""
     from refitd import formats
 
     g = torch.randn(64, 128).to(torch.bfloat16)
     landed = {}
-    for links in ("collective", "mapped"):
+    for links in ["collective", *OFFERS]:
         src, dst, plan = _quantized_sides(storage, quantize_on_sender, links)
         assert plan.link_summary().get(links, {}).get("messages")
         sources = [g[:, :64].clone(), g[:, 64:].clone()] if len(src) == 2 else [g.clone()]
@@ -153,12 +173,12 @@ def test_quantized_landings_are_the_same_on_mapped_and_collective_links(
 
 
 class _Pair:
-    """Slot 0 (sources) -> slot 1 (destinations) on one host, every message mapped."""
+    """Slot 0 (sources) -> slot 1 (destinations) on one host, every message on `path`."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str = "mapped") -> None:
         self.src, self.dst = make_model(1, 1, [0], [1])
         self.plan = build_plan("m", 1, self.src, self.dst, PlanConfig(256, links=_policy(
-            "mapped", [0, 1])))  # fmt: skip
+            path, [0, 1])))  # fmt: skip
         self.g = globals_for(5)
         self.tensors = fill_sources(self.src, self.g) + [
             torch.zeros(d.local_shape, dtype=torch.bfloat16) for d in self.dst
@@ -169,7 +189,7 @@ class _Pair:
         self.h.load(self.plan)
         info = ConnectInfo(1, "127.0.0.1", self.h.store.port, 0, 2, 10.0)
         self.store = dist.PrefixStore(epoch_prefix(info), self.h.store)
-        self.key = descriptor_key("mapped", self.plan.digest, 1)
+        self.key = descriptor_key(path, self.plan.digest, 1)
         self.mid = int(self.plan.program(1).recv.id[0])
         self.attempt = 30
 
@@ -225,11 +245,17 @@ def test_mismatched_descriptors_are_refused_naming_the_peer_and_message() -> Non
         p.h.close()
 
 
-def test_a_stale_descriptor_is_refused_and_a_fresh_one_is_attached() -> None:
+@pytest.mark.parametrize(
+    ("path", "refusal"),
+    [("mapped", "stale descriptor"),
+     pytest.param("rdma", "descriptor refused", marks=needs_rdma)],
+)  # fmt: skip
+def test_a_stale_descriptor_is_refused_and_a_fresh_one_is_attached(path, refusal) -> None:
     """The destination loads the plan again with new memory (its worker registered again):
-    its old doorbell retires, and a sender given the old descriptor refuses it; with the
-    descriptor the destination published it lands."""
-    p = _Pair()
+    its old doorbell retires (rdma: its old registration and engines go), and a sender
+    given the old descriptor refuses it; with the descriptor the destination published it
+    lands."""
+    p = _Pair(path)
     try:
         p.h.execute(p.plan, 41)
         old = p.descriptor()
@@ -244,7 +270,7 @@ def test_a_stale_descriptor_is_refused_and_a_fresh_one_is_attached() -> None:
             current = p.descriptor()
             assert current.generation != old.generation
             p.put(old)
-            p.refused("stale descriptor")
+            p.refused(refusal)
             p.put(current)
             p.h.execute(p.plan, 43)
             assert p.landed()
@@ -254,3 +280,52 @@ def test_a_stale_descriptor_is_refused_and_a_fresh_one_is_attached() -> None:
     except BaseException:
         p.h.close()
         raise
+
+
+def test_a_descriptor_larger_than_a_store_value_travels_in_parts() -> None:
+    """torch's TCPStore refuses values over 8 MiB (a destination of 100,000 tensors has a
+    larger descriptor): it is published in parts and read back whole; republished, the
+    reader gets the new one."""
+    import datetime
+    import os
+
+    from refitd.transport.paths import Links
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))  # fmt: skip
+    info = ConnectInfo(epoch=3, store_host="127.0.0.1", store_port=store.port, rank=0,
+                       world_size=1, timeout_s=20)  # fmt: skip
+    links = Links(info, lambda i: store, lambda kind: None)  # type: ignore[arg-type, return-value]
+    body = os.urandom(19 << 20)
+    d = Descriptor("mapped", 3, "abc", 1, 7, tuple(range(1000)), body)
+    links.publish(d)
+    assert len(store.get(descriptor_key("mapped", "abc", 1))) < 1024  # the header only
+    got = links.fetch("mapped", "abc", 1, "test")
+    assert (got.body, got.messages, got.generation) == (body, d.messages, 7)
+    newer = dataclasses.replace(d, generation=8, body=os.urandom(9 << 20))
+    links.publish(newer)
+    got = links.fetch("mapped", "abc", 1, "test")
+    assert (got.body, got.generation) == (newer.body, 8)
+
+
+@needs_rdma
+def test_rdma_memory_the_destination_never_registered_is_refused() -> None:
+    """A descriptor naming a destination tensor outside what the slot registered (its
+    registration is checked, not trusted): refused naming the peer slot and message before
+    any byte is written; the published descriptor then lands."""
+    import msgpack
+
+    p = _Pair("rdma")
+    try:
+        good = p.descriptor()
+        body = msgpack.unpackb(good.body, raw=False, strict_map_key=False)
+        index = next(iter(body["tensors"]))
+        elsewhere = torch.zeros(4096, dtype=torch.bfloat16)  # memory no one registered
+        body["tensors"][index][1][0][0] = elsewhere.data_ptr()
+        p.put(dataclasses.replace(good, body=msgpack.packb(body, use_bin_type=True)))
+        p.refused(f"its tensor {index}", "outside the memory slot 1 registered")
+        p.put(good)
+        p.h.execute(p.plan, 32)
+        assert p.landed()
+    finally:
+        p.h.close()

@@ -1,0 +1,316 @@
+"""`rdma`: one-sided writes into another slot's registered memory through Mooncake Transfer
+Engine (refitd.transport.mooncake), across hosts or, over TCP, on one.
+
+Destination, once per program load (`expose`): an endpoint of its own registers the
+storages of the exposed tensors (data, scales, global scales: worker shared memory or
+staging buffers) and a doorbell in ordinary memory. The descriptor body carries the
+endpoint's digest-stamped segment descriptor, the doorbell's address and each tensor's
+address, dtype, shape and strides. The destination's CPU takes no part in a refit.
+
+Sender (`attach`): the path's endpoint opens the segment descriptor (one whose stamp no
+longer matches the peer's live registration is refused) and every tensor is checked to lie
+in registered memory. The executor addresses *mirrors*: local tensors shaped like the
+destination's whose byte offsets are the destination's. `write` turns destination views
+into runs of contiguous bytes and posts them as one batch, from the source itself when it
+is CPU memory of the same dtype whose runs match (its storage registered once per peer),
+else copied into the mirror first (casts, layouts whose runs differ). A codec landing
+(a quantized destination) is encoded and landed in the mirror by the sender, then
+`flush`ed. `ring` and `generation` write and read the doorbell's words remotely.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from refitd.torch_dtypes import torch_dtype
+from refitd.transport.doorbell import HEADER_WORDS, MAGIC, RETIRED, Doorbell, value
+from refitd.transport.errors import TransportError
+from refitd.transport.mooncake import MooncakeEndpoint, MooncakeOptions, MooncakePeer, WriteOp
+from refitd.transport.paths import (
+    Exposed,
+    Exposure,
+    OneSidedPath,
+    PathSettings,
+    Peer,
+    RemoteTensor,
+)
+
+CONTROL_TIMEOUT_S = 10.0  # a doorbell read or ring outside a write's deadline
+OPEN_TIMEOUT_S = 10.0  # opening a peer's descriptor (probe and stamp reads)
+_Spec = list[Any]  # [address, dtype name, shape, strides] of a tensor in the destination
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage of `t` (what gets registered)."""
+    s = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
+
+
+def _outermost(buffers: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Whole storages of `buffers`, one per distinct memory, none inside another."""
+    by_addr: dict[int, torch.Tensor] = {}
+    for t in buffers:
+        w = _whole(t)
+        if w.numel() and w.numel() > by_addr.get(w.data_ptr(), torch.empty(0)).numel():
+            by_addr[w.data_ptr()] = w
+    out: list[torch.Tensor] = []
+    for addr in sorted(by_addr):
+        w = by_addr[addr]
+        if out and addr + w.numel() <= out[-1].data_ptr() + out[-1].numel():
+            continue
+        out.append(w)
+    return out
+
+
+def _spec(t: torch.Tensor | None) -> _Spec | None:
+    if t is None:
+        return None
+    return [t.data_ptr(), str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride())]
+
+
+def _runs(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[list[np.ndarray], int]:
+    """Element offsets of the contiguous runs of a view under each of several stride sets
+    (one array per set, runs in the same order) and the elements per run: the innermost
+    dimensions contiguous under every set make one run."""
+    dims = [(n, [s[k] for s in strides]) for k, n in enumerate(shape) if n != 1]
+    run, k = 1, len(dims)
+    while k and all(st == run for st in dims[k - 1][1]):
+        run *= dims[k - 1][0]
+        k -= 1
+    offs = [np.zeros(1, np.int64) for _ in strides]
+    for n, sts in dims[:k]:
+        step = np.arange(n, dtype=np.int64)
+        offs = [(o[:, None] + step * st).ravel() for o, st in zip(offs, sts, strict=True)]
+    return offs, run
+
+
+class RdmaExposure(Exposure):
+    def __init__(self, body: bytes, doorbell: Doorbell, endpoint: MooncakeEndpoint, held):
+        self.body, self.doorbell, self.endpoint, self._held = body, doorbell, endpoint, held
+
+    def close(self) -> None:
+        self.doorbell.retire()
+        self.endpoint.close()
+        self._held = []
+
+
+class RdmaPeer(Peer):
+    """A destination slot as one sender writes it (see the module docstring)."""
+
+    def __init__(
+        self, path: RdmaPath, peer: MooncakePeer, bell: int, tensors: dict[int, Any], what: str
+    ) -> None:
+        self.path, self.peer, self.bell, self.what = path, peer, bell, what
+        self._specs = tensors
+        self._tensors: dict[int, RemoteTensor] = {}
+        self._mirrors: dict[int, tuple[int, int]] = {}  # storage -> (mirror, remote) address
+        self._registered: set[int] = set()  # storages this peer holds registered
+        self._scratch = torch.zeros(4, dtype=torch.int64)  # ring word, doorbell header
+        self._lock = threading.Lock()
+        self._deadline = 0.0
+        self._register(self._scratch)
+
+    def tensor(self, index: int) -> RemoteTensor:
+        t = self._tensors.get(index)
+        if t is not None:
+            return t
+        spec = self._specs.get(index)
+        if spec is None:
+            raise TransportError(f"{self.what}: its descriptor exposes no tensor {index}")
+        storage, parts = spec
+        data, scales, gscale = (None if p is None else self._mirror(p, index) for p in parts)
+        assert data is not None
+        t = self._tensors[index] = RemoteTensor(f"tensor {index}", data, scales, storage, gscale)
+        return t
+
+    def _mirror(self, spec: _Spec, index: int) -> torch.Tensor:
+        """A local tensor laid out as the destination's, after checking the destination's
+        lies inside the memory its slot registered."""
+        try:
+            addr, dtype, shape, strides = int(spec[0]), torch_dtype(spec[1]), spec[2], spec[3]
+            extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+        except (ValueError, TypeError, IndexError) as e:
+            raise TransportError(f"{self.what}: malformed tensor {index} ({e})") from None
+        nbytes = (extent if math.prod(shape) else 0) * dtype.itemsize
+        if nbytes and not self.peer.covers(addr, nbytes):
+            raise TransportError(
+                f"{self.what}: its tensor {index} ({nbytes} bytes at {addr:#x}) is outside "
+                f"the memory slot {self.peer.slot} registered (never registered, or released)"
+            )
+        m = torch.empty_strided(shape, strides, dtype=dtype)
+        self._mirrors[m.untyped_storage().data_ptr()] = (m.data_ptr(), addr)
+        return m
+
+    def _register(self, t: torch.Tensor) -> None:
+        key = t.untyped_storage().data_ptr()
+        if key not in self._registered:
+            self.path.acquire(t)
+            self._registered.add(key)
+
+    def write(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> None:
+        ops: list[WriteOp] = []
+        for d, s in zip(dst, src, strict=True):
+            if d.numel():
+                ops += self._ops(d, s)
+        self._post(ops, deadline)
+
+    def flush(self, views: list[torch.Tensor], deadline: float) -> None:
+        self.write(views, views, deadline)
+
+    def _ops(self, d: torch.Tensor, s: torch.Tensor) -> list[WriteOp]:
+        mirror, remote = self._mirrors[d.untyped_storage().data_ptr()]
+        item = d.element_size()
+        (doff,), run = _runs(d.shape, [d.stride()])
+        direct = s.device.type == "cpu" and s.dtype == d.dtype and s.shape == d.shape
+        if direct:
+            (doff, soff), joint = _runs(d.shape, [d.stride(), s.stride()])
+            direct = joint == run
+        if not direct:
+            d.copy_(s)
+            s, soff = d, doff
+        self._register(s)
+        base_d = d.data_ptr() - mirror + remote
+        n = run * item
+        return [
+            WriteOp(s.data_ptr() + int(a) * item, base_d + int(b) * item, n)
+            for a, b in zip(soff.tolist(), doff.tolist(), strict=True)
+        ]
+
+    def _post(self, ops: list[WriteOp], deadline: float, read: bool = False) -> None:
+        if not ops:
+            return
+        self._deadline = deadline
+        merged = [ops[0]]
+        for op in ops[1:]:  # adjacent on both sides: one request
+            last = merged[-1]
+            if last.local + last.nbytes == op.local and last.remote + last.nbytes == op.remote:
+                merged[-1] = WriteOp(last.local, last.remote, last.nbytes + op.nbytes)
+            else:
+                merged.append(op)
+        timeout = max(deadline - time.monotonic(), 0.05)
+        post = self.peer.read if read else self.peer.write
+        post(merged, timeout).wait(timeout)
+
+    def _control_deadline(self) -> float:
+        return max(self._deadline, time.monotonic() + CONTROL_TIMEOUT_S)
+
+    def ring(self, entry: int, attempt: int, chunks: int) -> None:
+        with self._lock:
+            self._scratch[0] = value(attempt, chunks)
+            at = self.bell + 8 * (HEADER_WORDS + entry)
+            self._post([WriteOp(self._scratch.data_ptr(), at, 8)], self._control_deadline())
+
+    def generation(self) -> int:
+        with self._lock:
+            self._scratch[1:3] = 0
+            op = WriteOp(self._scratch.data_ptr() + 8, self.bell, 16)
+            self._post([op], self._control_deadline(), read=True)
+            magic, gen = (int(x) for x in self._scratch[1:3].tolist())
+        return gen if magic == MAGIC else RETIRED
+
+    def check_live(self) -> None:
+        """Nothing to check locally: the doorbell read (`generation`) before each refit
+        finds a destination that unloaded, reloaded or went away."""
+
+    def close(self) -> None:
+        for key in self._registered:
+            self.path.release(key)
+        self._registered.clear()
+        self._tensors.clear()
+        self._mirrors.clear()
+
+
+class RdmaPath(OneSidedPath):
+    """The rdma path of one transfer process: an endpoint per exposure (destination), one
+    shared by its peers (sender), whose registrations are counted per storage."""
+
+    kind = "rdma"
+
+    def __init__(self, settings: PathSettings | None = None) -> None:
+        super().__init__(settings)
+        self._sender: MooncakeEndpoint | None = None
+        self._held: dict[int, list[Any]] = {}  # storage address -> [count, registered tensor]
+        self._lock = threading.Lock()
+
+    def options(self) -> MooncakeOptions:
+        s = self.settings
+        return MooncakeOptions(protocol=s.rdma_protocol, devices=s.rdma_devices, host=s.host)
+
+    def expose(self, tensors: dict[int, Exposed], entries: int, generation: int) -> Exposure:
+        words = torch.zeros(HEADER_WORDS + entries, dtype=torch.int64)
+        bell = Doorbell(words.numpy())
+        bell.init(generation, entries)
+        parts = [p for t in tensors.values() for p in (t.data, t.scales, t.global_scale)]
+        held = _outermost([words, *(p for p in parts if p is not None)])
+        endpoint = MooncakeEndpoint(self.settings.slot, self.options())
+        try:
+            endpoint.register(held, f"{generation:x}")
+            specs = {
+                int(i): [t.storage, [_spec(p) for p in (t.data, t.scales, t.global_scale)]]
+                for i, t in tensors.items()
+            }
+            body = msgpack.packb(
+                {"segment": endpoint.descriptor(), "doorbell": words.data_ptr(), "tensors": specs},
+                use_bin_type=True,
+            )
+        except BaseException:
+            endpoint.close()
+            raise
+        return RdmaExposure(body, bell, endpoint, held)
+
+    def attach(self, body: bytes, what: str) -> Peer:
+        try:
+            d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+            segment, bell = bytes(d["segment"]), int(d["doorbell"])
+            tensors = {int(i): (str(s), p) for i, (s, p) in d["tensors"].items()}
+        except Exception as e:
+            raise TransportError(f"{what}: malformed rdma descriptor ({e})") from None
+        try:
+            peer = self._endpoint().open(segment, timeout_s=OPEN_TIMEOUT_S)
+        except TransportError as e:
+            raise TransportError(f"{what}: descriptor refused: {e}") from None
+        if not peer.covers(bell, 8 * HEADER_WORDS):
+            raise TransportError(f"{what}: its doorbell is outside the memory it registered")
+        return RdmaPeer(self, peer, bell, tensors, what)
+
+    def _endpoint(self) -> MooncakeEndpoint:
+        with self._lock:
+            if self._sender is None:
+                self._sender = MooncakeEndpoint(self.settings.slot, self.options())
+            return self._sender
+
+    def acquire(self, t: torch.Tensor) -> None:
+        """Register the storage of `t` with the sender's endpoint (counted)."""
+        endpoint = self._endpoint()
+        whole = _whole(t)
+        with self._lock:
+            entry = self._held.get(whole.data_ptr())
+            if entry is None:
+                endpoint.add_local(whole)
+                entry = self._held[whole.data_ptr()] = [0, whole]
+            entry[0] += 1
+
+    def release(self, key: int) -> None:
+        with self._lock:
+            entry = self._held.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0 and self._sender is not None:
+                self._sender.remove_local(entry[1])
+                del self._held[key]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sender is not None:
+                self._sender.close()
+                self._sender = None
+            self._held.clear()
