@@ -118,7 +118,7 @@ class TensorRegistration(_message.Message):
     def __init__(self, name: _Optional[str] = ..., canonical: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., local_shape: _Optional[_Iterable[int]] = ..., boxes: _Optional[_Iterable[_Union[Box, _Mapping]]] = ..., storage: _Optional[str] = ..., memory: _Optional[bytes] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("model", "pool", "role", "rank", "pool_size", "host", "device", "pid", "tensors", "worker_id", "held_version", "paused_refit_id", "staged", "snapshot", "adapter")
+    __slots__ = ("model", "pool", "role", "rank", "pool_size", "host", "device", "pid", "tensors", "worker_id", "held_version", "paused_refit_id", "staged", "snapshot", "adapter", "process", "predecessor")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class RegisterWorkerRequest(_message.Message):
     STAGED_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    PREDECESSOR_FIELD_NUMBER: _ClassVar[int]
     model: str
     pool: str
     role: Role
@@ -149,7 +151,21 @@ class RegisterWorkerRequest(_message.Message):
     staged: bool
     snapshot: bool
     adapter: bool
-    def __init__(self, model: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., pool_size: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRegistration, _Mapping]]] = ..., worker_id: _Optional[str] = ..., held_version: _Optional[int] = ..., paused_refit_id: _Optional[int] = ..., staged: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., adapter: _Optional[bool] = ...) -> None: ...
+    process: ProcessIdentity
+    predecessor: ProcessIdentity
+    def __init__(self, model: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., rank: _Optional[int] = ..., pool_size: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRegistration, _Mapping]]] = ..., worker_id: _Optional[str] = ..., held_version: _Optional[int] = ..., paused_refit_id: _Optional[int] = ..., staged: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., adapter: _Optional[bool] = ..., process: _Optional[_Union[ProcessIdentity, _Mapping]] = ..., predecessor: _Optional[_Union[ProcessIdentity, _Mapping]] = ...) -> None: ...
+
+class ProcessIdentity(_message.Message):
+    __slots__ = ("boot_id", "pid_namespace", "pid", "start_ticks")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    pid_namespace: str
+    pid: int
+    start_ticks: int
+    def __init__(self, boot_id: _Optional[str] = ..., pid_namespace: _Optional[str] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "epoch", "current_version", "slot", "heartbeat_interval_s")
@@ -258,6 +274,14 @@ class AckRequest(_message.Message):
 class AckResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("subscribe", "ack")
+    SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    subscribe: SubscribeRequest
+    ack: AckRequest
+    def __init__(self, subscribe: _Optional[_Union[SubscribeRequest, _Mapping]] = ..., ack: _Optional[_Union[AckRequest, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("model",)

@@ -74,6 +74,11 @@ class RefitStub:
                 request_serializer=refitd_dot_v1_dot_refitd__pb2.ExplainRequest.SerializeToString,
                 response_deserializer=refitd_dot_v1_dot_refitd__pb2.ExplainResponse.FromString,
                 _registered_method=True)
+        self.Events = channel.stream_stream(
+                '/refitd.v1.Refit/Events',
+                request_serializer=refitd_dot_v1_dot_refitd__pb2.EventsRequest.SerializeToString,
+                response_deserializer=refitd_dot_v1_dot_refitd__pb2.VersionEvent.FromString,
+                _registered_method=True)
 
 
 class RefitServicer:
@@ -127,6 +132,12 @@ class RefitServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Events(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RefitServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_RefitServicer_to_server(servicer, server):
                     servicer.Explain,
                     request_deserializer=refitd_dot_v1_dot_refitd__pb2.ExplainRequest.FromString,
                     response_serializer=refitd_dot_v1_dot_refitd__pb2.ExplainResponse.SerializeToString,
+            ),
+            'Events': grpc.stream_stream_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=refitd_dot_v1_dot_refitd__pb2.EventsRequest.FromString,
+                    response_serializer=refitd_dot_v1_dot_refitd__pb2.VersionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class Refit:
             '/refitd.v1.Refit/Explain',
             refitd_dot_v1_dot_refitd__pb2.ExplainRequest.SerializeToString,
             refitd_dot_v1_dot_refitd__pb2.ExplainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Events(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/refitd.v1.Refit/Events',
+            refitd_dot_v1_dot_refitd__pb2.EventsRequest.SerializeToString,
+            refitd_dot_v1_dot_refitd__pb2.VersionEvent.FromString,
             options,
             channel_credentials,
             insecure,

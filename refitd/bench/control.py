@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="controller pauses destination pools only after the barrier (early_pause off)",
     )
     parser.add_argument(
+        "--unary-acks",
+        action="store_true",
+        help="inference ranks subscribe with Subscribe and ack each event with an Ack call "
+        "(clients before the Events stream) instead of acking on their Events stream",
+    )
+    parser.add_argument(
         "--per-slot",
         action="store_true",
         help="agents without batch_execute: one ExecuteCommand and report per slot",
@@ -94,7 +100,14 @@ def _worker_request(pool: str, role: int, rank: int, size: int, host: str, slot:
 
 
 def _peers(
-    address: str, host: str, slots: int, batch: bool, ready: Any, out: Any, stop: Any
+    address: str,
+    host: str,
+    slots: int,
+    batch: bool,
+    unary_acks: bool,
+    ready: Any,
+    out: Any,
+    stop: Any,
 ) -> None:
     """Peer process: light agents (answer commands at once) and subscribing inference ranks."""
     import grpc
@@ -108,7 +121,8 @@ def _peers(
     time.sleep(0.5)  # agent streams open
     n = slots // 2
     for r in range(n):
-        threading.Thread(target=_subscriber, args=(refit, host, r, n, streams), daemon=True).start()
+        args = (refit, host, r, n, streams, unary_acks)
+        threading.Thread(target=_subscriber, args=args, daemon=True).start()
     time.sleep(0.5)
     ready.set()
     stop.wait()
@@ -183,25 +197,37 @@ def _answer(
         pass
 
 
-def _subscriber(refit: Any, host: str, rank: int, n: int, streams: list[Any]) -> None:
-    """Inference rank `rank` of n: register, subscribe and ack every event."""
+def _subscriber(
+    refit: Any, host: str, rank: int, n: int, streams: list[Any], unary_acks: bool
+) -> None:
+    """Inference rank `rank` of n: register, subscribe and ack every event, on one Events
+    stream as the client library does (with `unary_acks`: Subscribe, and an Ack call each)."""
     import grpc
 
     from refitd._proto import refitd_pb2 as pb
 
     req = _worker_request("infer", pb.ROLE_DESTINATION, rank, n, host, n + rank)
     resp = refit.RegisterWorker(req, timeout=30)
-    stream = refit.Subscribe(pb.SubscribeRequest(worker_id=resp.worker_id))
+    subscribe = pb.SubscribeRequest(worker_id=resp.worker_id)
+    acks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    if unary_acks:
+        stream = refit.Subscribe(subscribe)
+    else:
+        acks.put(pb.EventsRequest(subscribe=subscribe))
+        stream = refit.Events(iter(acks.get, None))
     streams.append(stream)
     try:
         for ev in stream:
-            if ev.kind != pb.EVENT_KIND_HELLO:
-                refit.Ack(
-                    pb.AckRequest(worker_id=resp.worker_id, event_id=ev.event_id, ok=True),
-                    timeout=30,
-                )
+            if ev.kind == pb.EVENT_KIND_HELLO:
+                continue
+            ack = pb.AckRequest(worker_id=resp.worker_id, event_id=ev.event_id, ok=True)
+            if unary_acks:
+                refit.Ack(ack, timeout=30)
+            else:
+                acks.put(pb.EventsRequest(ack=ack))
     except grpc.RpcError:
         pass
+    acks.put(None)
 
 
 def _start_controller(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -245,6 +271,7 @@ class _Marks:
     starts: list[float] = dataclasses.field(default_factory=list)
     ends: list[float] = dataclasses.field(default_factory=list)
     totals: list[float] = dataclasses.field(default_factory=list)
+    spreads: list[float] = dataclasses.field(default_factory=list)  # first -> last call
     marks: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
 
 
@@ -290,6 +317,7 @@ def _refits(
                 m.starts.append(max(got) - t_last_call)
                 m.ends.append(t_commit - max(done))
                 m.totals.append(max(t1 for _, t1, _ in res) - t_last_call)
+                m.spreads.append(t_last_call - min(t0 for t0, _, _ in res))
     return m
 
 
@@ -301,6 +329,7 @@ def _result(args: argparse.Namespace, slots: int, m: _Marks, rtts: list[float], 
     ctl_start = [r["control_start_s"] for r in inside]
     ctl_end = [r["control_end_s"] for r in inside]
     pauses = [r.get("pause_s", 0.0) for r in inside]
+    barriers = [r.get("barrier_s", 0.0) for r in inside]
     by_version = {r["version"]: r for r in inside}
     # CLOCK_MONOTONIC is shared by the processes of one host: split the start into the
     # last Refit's way in, the controller, and the ExecuteCommands' way out.
@@ -315,6 +344,7 @@ def _result(args: argparse.Namespace, slots: int, m: _Marks, rtts: list[float], 
         "inference_ranks": n,
         "refits": args.refits,
         "batch_execute": not args.per_slot,
+        "acks": "unary" if args.unary_acks else "events stream",
         "early_pause": not args.no_early_pause,
         "skew_ms": args.skew_ms,
         "start_p50_ms": pct(m.starts, 50) * ms,
@@ -327,6 +357,8 @@ def _result(args: argparse.Namespace, slots: int, m: _Marks, rtts: list[float], 
         "controller_start_p99_ms": pct(ctl_start, 99) * ms,
         "controller_end_p99_ms": pct(ctl_end, 99) * ms,
         "pause_handshake_p50_ms": pct(pauses, 50) * ms,
+        "calls_spread_p50_ms": pct(m.spreads, 50) * ms,
+        "barrier_at_controller_p50_ms": pct(barriers, 50) * ms,
         "last_refit_call_to_controller_p50_ms": pct(ask_in, 50) * ms,
         "execute_to_agents_p50_ms": pct(cmd_out, 50) * ms,
         "rpc_rtt_p50_ms": pct(rtts, 50) * ms,
@@ -355,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         peers = ctx.Process(
             target=_peers,
-            args=(address, host, slots, not args.per_slot, ready, out, stop),
+            args=(address, host, slots, not args.per_slot, args.unary_acks, ready, out, stop),
             daemon=True,
         )
         peers.start()

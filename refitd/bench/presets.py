@@ -8,7 +8,7 @@ stages taking one more when it does not divide.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from refitd.plan.errors import PlanError
@@ -193,12 +193,18 @@ class Parallel:
 
 
 def build_specs(
-    p: Preset, par: Parallel, model: str, pool: str, slot_base: int
+    p: Preset,
+    par: Parallel,
+    model: str,
+    pool: str,
+    slot_base: int,
+    ranks: Iterable[int] | None = None,
 ) -> list[TensorSpec]:
-    """Every registered tensor of every rank of one side (rank r on slot slot_base + r)."""
+    """Every registered tensor of every rank of one side (rank r on slot slot_base + r), or
+    of `ranks` only."""
     layouts: dict[tuple, Layout] = {}
     out: list[TensorSpec] = []
-    for rank in range(par.world):
+    for rank in range(par.world) if ranks is None else ranks:
         out.extend(_rank_specs(p, par, model, pool, rank, slot_base + rank, layouts))
     return out
 

@@ -36,6 +36,7 @@ published to every other thread, then the ack goes to the controller. So a threa
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -144,6 +145,8 @@ class InferenceClient(WorkerClient):
         self._last_event = 0
         self._paused_in = 0  # refit id of the PAUSE being honoured
         self._stream: grpc.Future | None = None
+        self._events_rpc = True  # the controller has the Events RPC (until it says otherwise)
+        self._acks: queue.SimpleQueue[pb.EventsRequest | None] | None = None  # its requests
         self._streaming = threading.Event()  # the subscription is open (and holds the lease)
         self._listener: threading.Thread | None = None
 
@@ -176,16 +179,25 @@ class InferenceClient(WorkerClient):
         """Events of this worker's pool, in order (see the module docstring for what the
         client does around each one, and in which order).
 
-        Reconnects with backoff when the controller goes away (registering again if it
-        forgot this worker) and resumes after the last event seen. Ends on close().
+        Events and their acks share one stream (the Events RPC); a controller without it
+        is followed with Subscribe, each ack an Ack call. Reconnects with backoff when the
+        controller goes away (registering again if it forgot this worker) and resumes
+        after the last event seen. Ends on close().
         """
         backoff = Backoff()
         while not self._closed.is_set():
+            acks: queue.SimpleQueue[pb.EventsRequest | None] | None = None
             try:
-                stream = self._conn.refit.Subscribe(
-                    pb.SubscribeRequest(worker_id=self.worker_id, after_event=self._last_event)
+                subscribe = pb.SubscribeRequest(
+                    worker_id=self.worker_id, after_event=self._last_event
                 )
-                self._stream = stream
+                if self._events_rpc:
+                    acks = queue.SimpleQueue()
+                    acks.put(pb.EventsRequest(subscribe=subscribe))
+                    stream = self._conn.refit.Events(iter(acks.get, None))
+                else:
+                    stream = self._conn.refit.Subscribe(subscribe)
+                self._stream, self._acks = stream, acks
                 for raw in stream:
                     backoff.reset()
                     self._streaming.set()
@@ -201,6 +213,9 @@ class InferenceClient(WorkerClient):
             except grpc.RpcError as err:
                 if self._closed.is_set():
                     return
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED and self._events_rpc:
+                    self._events_rpc = False  # a controller without Events: Subscribe
+                    continue
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     self._try_reregister()
                 else:
@@ -211,7 +226,9 @@ class InferenceClient(WorkerClient):
                 log.info("%s: subscription waits: %s", self._who(), err)
             finally:
                 self._streaming.clear()
-                self._stream = None
+                self._stream, self._acks = None, None
+                if acks is not None:
+                    acks.put(None)  # the stream's requests end
             backoff.wait(self._closed)
 
     def on_update(self, callback: Callable[[VersionEvent], None]) -> threading.Thread:
@@ -377,6 +394,8 @@ class InferenceClient(WorkerClient):
                 log.error("%s: registering moved tensors again failed: %s", self._who(), err)
 
     def _ack(self, event: VersionEvent, ok: bool, message: str, moved: list[str]) -> None:
+        """Ack on the Events stream (sent in order after what came before), or with an Ack
+        call when following with Subscribe."""
         req = pb.AckRequest(
             worker_id=self.worker_id,
             event_id=event.event_id,
@@ -384,6 +403,10 @@ class InferenceClient(WorkerClient):
             message=message,
             moved_tensors=moved,
         )
+        acks = self._acks
+        if acks is not None:
+            acks.put(pb.EventsRequest(ack=req))
+            return
         try:
             self._conn.call(self._conn.refit.Ack, req, f"ack {event.kind} v{event.version}")
         except RefitError as err:

@@ -9,6 +9,7 @@ tensor's storage moved, `refresh()` registers the moved tensors again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ from refitd.memory.arena import SharedTensorArena
 from refitd.memory.handles import MemoryHandle
 from refitd.plan.wire import storage_data_shape
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError
+from refitd.rpc.process import register_rank
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +183,10 @@ class WorkerClient:
             snapshot=self.snapshot,
             adapter=self.adapter,
         )
-        resp = self._conn.call(self._conn.refit.RegisterWorker, req, f"register {self._who()}")
+        # A restart on the host of its rank's former holder takes the rank over at once
+        # once it finds the holder gone (refitd.rpc.process).
+        register = functools.partial(register_rank, self._conn.refit.RegisterWorker)
+        resp = self._conn.call(register, req, f"register {self._who()}")
         self._registration = Registration(
             worker_id=resp.worker_id,
             epoch=resp.epoch,

@@ -1,4 +1,4 @@
-"""Bearer-token checks of the controller's front ends (gRPC interceptor, HTTP dependency).
+"""Bearer-token checks of the controller's front ends (gRPC calls, HTTP dependency).
 
 Default deny: with a token configured every gRPC method needs it except the read-only
 ones (GetStatus, health, reflection). On HTTP the probes and metrics stay open; the status
@@ -7,10 +7,8 @@ JSON and page need the token (header, `?token=` query or the cookie the page set
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
 
-import grpc
 from fastapi import HTTPException, Request
 
 from refitd.security import (
@@ -44,52 +42,20 @@ def token_problem(presented: str, expected: str, what: str) -> str:
     return ""
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Refuses calls without the bearer token with UNAUTHENTICATED, before parsing them."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        method = details.method
-        if method_is_open(method):
-            return continuation(details)
-        presented = ""
-        for key, value in details.invocation_metadata or ():
-            if key == AUTH_HEADER and isinstance(value, str):
-                presented = bearer_token(value)
-                break
-        problem = token_problem(presented, self._token, f"method {method}")
-        if not problem:
-            return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None
-        return _denying_handler(handler, problem)
-
-
-def _denying_handler(handler: grpc.RpcMethodHandler, problem: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape that aborts; the request bytes are never deserialized."""
-
-    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
-
-    def deny_stream(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
-        yield  # pragma: no cover - abort raises
-
-    ser = handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream, None, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, None, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, None, ser)
-    return grpc.unary_unary_rpc_method_handler(deny, None, ser)
+def call_token_problem(
+    metadata: Iterable[tuple[str, str | bytes]] | None, token: str, method: str
+) -> str:
+    """'' when a gRPC call of `method` may go on: no token is configured, the method is
+    open, or its metadata presents the token; otherwise why it is refused
+    (UNAUTHENTICATED, before its request is parsed)."""
+    if not token or method_is_open(method):
+        return ""
+    presented = ""
+    for key, value in metadata or ():
+        if key == AUTH_HEADER and isinstance(value, str):
+            presented = bearer_token(value)
+            break
+    return token_problem(presented, token, f"method {method}")
 
 
 def http_token_dependency(token: str) -> Callable[[Request], None]:

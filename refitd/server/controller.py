@@ -8,20 +8,19 @@ import logging
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from refitd._proto import refitd_pb2 as pb
-from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.config import Settings
 from refitd.security import ServerSecurity
 from refitd.server.database import StateDB
-from refitd.server.grpc_service import AgentControlService, RefitService, server_interceptors
+from refitd.server.grpc_service import AgentControlService, RefitService, service_handler
 from refitd.server.heap import keep_plan_heap
 from refitd.server.http import HttpServer
+from refitd.server.loop import ServerLoop
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.readiness import LocalAgent, Readiness
 from refitd.server.refit.coordinator import RefitCoordinator
@@ -53,18 +52,20 @@ class Controller:
         self.db = StateDB(settings.data_dir)
         self.registry = Registry(self.db)
         self.store: RendezvousStore | None = None
-        # The controller's streams: workers' Subscribe (events) and agents' Commands.
+        # The gRPC server's loop, and the controller's streams on it: workers' events and
+        # agents' commands.
+        self.loop = ServerLoop(settings.grpc_workers)
         self.board = GatherBoard()
-        self.events = EventHub(self.board)
-        self.agents = AgentHub(self.board)
+        self.events = EventHub(self.board, self.loop.soon)
+        self.agents = AgentHub(self.board, self.loop.soon)
         # Taken right after the restore: the members it waits for are the restored ones.
         self.ready = Readiness(
             self.registry, self.events, settings.heartbeat_timeout_s, local_agent
         )
         self.refits: RefitCoordinator
-        self.grpc_server: grpc.Server | None = None
+        self.grpc_server: grpc.aio.Server | None = None
         self.http: HttpServer | None = None
-        self.health = health.HealthServicer()
+        self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self._stopped = threading.Event()
 
@@ -99,6 +100,23 @@ class Controller:
             self.events,
             self.agents,
         )
+        self.loop.start()
+        self.grpc_server = self.loop.run(self._serve_grpc(), timeout_s=30)
+        self.http = HttpServer(self, s.host, s.http_port)
+        self.http.start()
+        self.refresh_gauges()
+        log.info(
+            "controller: gRPC %s, HTTP %s, store %s, state %s",
+            self.grpc_address,
+            self.http_address,
+            self.store_address_str or "off",
+            self.db.path,
+        )
+        return self
+
+    async def _serve_grpc(self) -> grpc.aio.Server:
+        """The gRPC server on the loop: Refit, AgentControl, health and reflection."""
+        s = self.settings
         opts = [
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_receive_message_length", s.max_message_bytes),
@@ -109,13 +127,14 @@ class Controller:
             ("grpc.server.max_pending_requests", s.grpc_max_pending),
             ("grpc.server.max_pending_requests_hard_limit", 2 * s.grpc_max_pending),
         ]
-        server = grpc.server(
-            ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc"),
-            options=opts,
-            interceptors=server_interceptors(self.security),
+        server = grpc.aio.server(options=opts)
+        token = self.security.token
+        server.add_generic_rpc_handlers(
+            (
+                service_handler("Refit", RefitService(self, self.loop), token),
+                service_handler("AgentControl", AgentControlService(self, self.loop), token),
+            )
         )
-        pbg.add_RefitServicer_to_server(RefitService(self), server)
-        pbg.add_AgentControlServicer_to_server(AgentControlService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
@@ -128,21 +147,14 @@ class Controller:
         self.grpc_port = self.security.add_port(server, f"{s.host}:{s.grpc_port}")
         if self.grpc_port == 0:
             raise RuntimeError(f"cannot bind gRPC on {s.host}:{s.grpc_port}")
-        server.start()
-        self.grpc_server = server
+        await server.start()
         for name in ("", *SERVICE_NAMES):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.http = HttpServer(self, s.host, s.http_port)
-        self.http.start()
-        self.refresh_gauges()
-        log.info(
-            "controller: gRPC %s, HTTP %s, store %s, state %s",
-            self.grpc_address,
-            self.http_address,
-            self.store_address_str or "off",
-            self.db.path,
-        )
-        return self
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return server
+
+    async def _stop_grpc(self, server: grpc.aio.Server, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await server.stop(grace_s)
 
     def readiness(self) -> dict[str, bool]:
         """Whether the controller is ready to refit, check by check (refitd.server.readiness)."""
@@ -166,11 +178,14 @@ class Controller:
         if self.stopping:
             return
         self.stopping = True
-        self.health.enter_graceful_shutdown()
         if self.http:
             self.http.stop()
         if self.grpc_server:
-            self.grpc_server.stop(grace_s).wait(grace_s + 3)
+            try:
+                self.loop.run(self._stop_grpc(self.grpc_server, grace_s), grace_s + 3)
+            except Exception:
+                log.exception("stopping the gRPC server")
+        self.loop.stop()
         if hasattr(self, "refits"):
             self.refits.stop()
         if self.store:

@@ -18,18 +18,22 @@ class ErrorKind(Enum):
 class ControlError(Exception):
     """A refused request, with a message naming the field, tensor and rank at fault."""
 
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    def __init__(
+        self, kind: ErrorKind, message: str, trailers: tuple[tuple[str, bytes], ...] = ()
+    ) -> None:
+        """`trailers`: gRPC trailing metadata for a client that acts on the refusal."""
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.trailers = trailers
 
 
 def invalid(message: str) -> ControlError:
     return ControlError(ErrorKind.INVALID, message)
 
 
-def precondition(message: str) -> ControlError:
-    return ControlError(ErrorKind.PRECONDITION, message)
+def precondition(message: str, trailers: tuple[tuple[str, bytes], ...] = ()) -> ControlError:
+    return ControlError(ErrorKind.PRECONDITION, message, trailers)
 
 
 def not_found(message: str) -> ControlError:

@@ -60,11 +60,8 @@ class StatusSource(PlanSource, Protocol):
 
 @runtime_checkable
 class ServiceBackend(StatusSource, Protocol):
-    """What the gRPC services (Refit, AgentControl) call: the status, and whether the
-    controller is stopping (streams end then), and the gauges after a membership change."""
-
-    @property
-    def stopping(self) -> bool: ...
+    """What the gRPC services (Refit, AgentControl) call: the status, and the gauges after
+    a membership change."""
 
     def refresh_gauges(self) -> None: ...
 

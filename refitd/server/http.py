@@ -101,13 +101,14 @@ def build_app(c: OpsBackend) -> FastAPI:
 
 
 class HttpServer:
-    """uvicorn serving the ops app on a socket bound before the thread starts."""
+    """uvicorn serving the ops app on a socket bound and listening before the thread starts."""
 
     def __init__(self, c: OpsBackend, host: str, port: int) -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
+        self.sock.listen(socket.SOMAXCONN)  # a client connecting before the thread runs waits
         config = uvicorn.Config(
             build_app(c),
             log_level="warning",

@@ -10,6 +10,21 @@ from refitd.plan.table import SpecTable
 from refitd.server.model_tables import ModelTables
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessId:
+    """A process on its host (RegisterWorkerRequest.process): equal for the same process
+    only (the pid means one process within a boot and a pid namespace, with its start)."""
+
+    boot_id: str
+    pid_namespace: str
+    pid: int
+    start_ticks: int
+
+    def sees(self, other: ProcessId) -> bool:
+        """Whether this process can look `other` up in its own /proc."""
+        return (self.boot_id, self.pid_namespace) == (other.boot_id, other.pid_namespace)
+
+
 @dataclass
 class Worker:
     """One registered trainer or inference rank."""
@@ -33,6 +48,7 @@ class Worker:
     paused_in: int = 0  # refit whose PAUSE it re-registered in, not yet told the outcome
     # adapter pools: sent a COMMIT, its spare slot unknown until it registers again
     flip_pending: bool = False
+    process: ProcessId | None = None  # the registering process (None: its client sent none)
     table: SpecTable | None = field(default=None, repr=False, compare=False)  # of `specs`
 
     def describe(self) -> str:

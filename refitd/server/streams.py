@@ -1,30 +1,31 @@
 """The controller's two outgoing streams and the waits on their answers.
 
-EventHub: one Subscribe stream per worker (version events, acked with Ack).
+EventHub: one Subscribe (or Events) stream per worker (version events, acked with Ack or on
+the Events stream).
 AgentHub: one Commands stream per agent (commands, answered with Report).
 Gather: a phase of a refit waiting for a set of answers (acks or reports), failing on the
 first bad answer, on a member leaving (one it waits for, or any member of the refit it
 watches), or on its timeout. Nothing here blocks without one. The answer paths (Ack, Report)
 are a dict pop and a set discard under short locks; waiters are woken once per phase.
+Streams are sent by their handlers, coroutines on the gRPC server's loop (server/loop.py):
+any thread queues an item, and the loop is woken once per burst.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import itertools
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from refitd._proto import refitd_pb2 as pb
+from refitd.server.loop import Soon
 
 T = TypeVar("T")
-# A stream rechecks its RPC this often; a terminated RPC wakes it at once (the RPC's
-# callback), so this is only a fallback. Every open stream holds a thread: at 2,048
-# subscribed ranks a 2 s poll was 1,000 wake-ups a second, each taking the GIL.
-POLL_S = 15.0
 
 
 class PhaseFailed(Exception):
@@ -32,37 +33,42 @@ class PhaseFailed(Exception):
 
 
 class Stream(Generic[T]):
-    """One open server stream: items queued by the controller, yielded by the servicer."""
+    """One open server stream: items queued by any thread, sent by its handler on the
+    server's loop (reached through `soon`). An open stream holds no thread."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, soon: Soon) -> None:
         self.owner = owner
-        self._queue: queue.SimpleQueue[T | None] = queue.SimpleQueue()
+        self._soon = soon
+        self._items: collections.deque[T] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.closed = threading.Event()
 
     def put(self, item: T) -> None:
-        self._queue.put(item)
+        self._items.append(item)
+        self._soon(self._wake)
 
     def close(self) -> None:
         self.closed.set()
-        self._queue.put(None)
+        self._soon(self._wake)
 
-    def wake(self) -> None:
-        """Make `items` recheck `alive()` now (its RPC terminated)."""
-        self._queue.put(None)
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    def items(self, alive: Callable[[], bool]) -> Iterator[T]:
-        """Yield queued items until closed or `alive()` turns false (client gone); idle
-        streams wake every POLL_S only, so thousands of them cost little."""
-        while not self.closed.is_set() and alive():
+    async def items(self) -> AsyncIterator[T]:
+        """Yield queued items until closed. The call's cancellation (its client went, or
+        the server stops) ends it where it waits."""
+        loop = asyncio.get_running_loop()
+        while not self.closed.is_set():
+            if self._items:
+                yield self._items.popleft()
+                continue
+            self._waiter = loop.create_future()
             try:
-                item = self._queue.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            if item is None:
-                if self.closed.is_set() or not alive():
-                    return
-                continue
-            yield item
+                await self._waiter
+            finally:
+                self._waiter = None
 
 
 @dataclass
@@ -173,8 +179,9 @@ class GatherBoard:
 class EventHub:
     """Subscribe streams by worker id, and the acks the controller waits for."""
 
-    def __init__(self, board: GatherBoard) -> None:
+    def __init__(self, board: GatherBoard, soon: Soon) -> None:
         self._lock = threading.Lock()
+        self._soon = soon
         self._streams: dict[str, Stream[pb.VersionEvent]] = {}
         # Ids go on rising across controller restarts (microseconds since the epoch at
         # start): a client drops events whose id is not above the last one it handled.
@@ -184,7 +191,7 @@ class EventHub:
 
     def open(self, worker_id: str) -> Stream[pb.VersionEvent]:
         """A new stream for the worker; an older one of the same worker is closed."""
-        s: Stream[pb.VersionEvent] = Stream(worker_id)
+        s: Stream[pb.VersionEvent] = Stream(worker_id, self._soon)
         with self._lock:
             old = self._streams.get(worker_id)
             self._streams[worker_id] = s
@@ -251,15 +258,16 @@ class EventHub:
 class AgentHub:
     """Commands streams by agent id, and the reports the controller waits for."""
 
-    def __init__(self, board: GatherBoard) -> None:
+    def __init__(self, board: GatherBoard, soon: Soon) -> None:
         self._lock = threading.Lock()
+        self._soon = soon
         self._streams: dict[str, Stream[pb.AgentCommand]] = {}
         self._command_ids = itertools.count(1)
         self._waiting: dict[int, tuple[Gather, Callable[[pb.AgentReport], None] | None]] = {}
         self.board = board
 
     def open(self, agent_id: str) -> Stream[pb.AgentCommand]:
-        s: Stream[pb.AgentCommand] = Stream(agent_id)
+        s: Stream[pb.AgentCommand] = Stream(agent_id, self._soon)
         with self._lock:
             old = self._streams.get(agent_id)
             self._streams[agent_id] = s

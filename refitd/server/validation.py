@@ -40,6 +40,7 @@ MAX_META_VALUE = 4096
 MAX_POOL_SIZE = 1 << 20
 MAX_SLOTS_PER_AGENT = 4096
 MAX_MESSAGE_TEXT = 1 << 16
+MAX_IDENTITY_TEXT = 128
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 ROLE_NAMES = {pb.ROLE_SOURCE: "source", pb.ROLE_DESTINATION: "destination"}
@@ -178,6 +179,14 @@ def check_identifier(value: str, field: str) -> str:
     return value
 
 
+def check_process(p: pb.ProcessIdentity, what: str) -> None:
+    """A process identity: its boot and namespace named, its pid and start positive."""
+    check_text(p.boot_id, MAX_IDENTITY_TEXT, f"{what}: boot_id")
+    check_text(p.pid_namespace, MAX_IDENTITY_TEXT, f"{what}: pid_namespace")
+    if p.pid <= 0 or p.start_ticks <= 0:
+        raise invalid(f"{what}: pid and start_ticks must be > 0, got {p.pid}, {p.start_ticks}")
+
+
 def check_worker_header(req: pb.RegisterWorkerRequest) -> str:
     """Fields of RegisterWorker other than the tensors; returns the role name."""
     check_identifier(req.model, "model")
@@ -208,6 +217,11 @@ def check_worker_header(req: pb.RegisterWorkerRequest) -> str:
             raise invalid(f"field {name} of {who} must be >= 0, got {getattr(req, name)}")
     if req.paused_refit_id and req.role != pb.ROLE_DESTINATION:
         raise invalid(f"field paused_refit_id of {who}: only destination ranks pause")
+    for name in ("process", "predecessor"):
+        if req.HasField(name):
+            check_process(getattr(req, name), f"field {name} of {who}")
+    if req.HasField("predecessor") and not req.HasField("process"):
+        raise invalid(f"field predecessor of {who} needs field process (who looked it up)")
     if not req.tensors:
         raise invalid(f"rank {req.rank} of pool {req.pool!r} registers no tensors")
     if len(req.tensors) > MAX_TENSORS:

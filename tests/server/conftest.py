@@ -115,7 +115,11 @@ def register(
     )
 
 
-def make_cluster(c: Controller, stub: pbg.RefitStub, **agent_kw: object) -> Cluster:
+def make_cluster(
+    c: Controller, stub: pbg.RefitStub, on_stream: bool = False, **agent_kw: object
+) -> Cluster:
+    """The Cluster of the class docstring; `on_stream`: its inference rank acks on its
+    Events stream (else with Ack calls, as clients without Events do)."""
     n = next(_names)
     host = f"host{n}"
     agent = EchoAgent(c.grpc_address, host, ["cpu:0", "cpu:1", "cpu:2"], **agent_kw).start()  # type: ignore[arg-type]
@@ -125,7 +129,7 @@ def make_cluster(c: Controller, stub: pbg.RefitStub, **agent_kw: object) -> Clus
         cl.trainers.append(resp.worker_id)
     resp = register(stub, cl.model, "infer", pb.ROLE_DESTINATION, 0, 1, host, "cpu:2")
     cl.inference.append(resp.worker_id)
-    cl.subscribers.append(Subscriber(stub, resp.worker_id).start())
+    cl.subscribers.append(Subscriber(stub, resp.worker_id, on_stream=on_stream).start())
     return cl
 
 

@@ -4,6 +4,7 @@ bytes (the bytes path is tested end to end with the real agent elsewhere), and w
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -127,16 +128,25 @@ class EchoAgent:
 
 @dataclass
 class Subscriber:
-    """A destination worker's event stream; acks every event (or refuses, as told)."""
+    """A destination worker's event stream; acks every event (or refuses, as told), with an
+    Ack call each (Subscribe), or on the stream itself (`on_stream`: Events)."""
 
     stub: pbg.RefitStub
     worker_id: str
     refuse: str = ""
     moved: list[str] = field(default_factory=list)
     events: list[pb.VersionEvent] = field(default_factory=list)
+    on_stream: bool = False
+    error: Exception | None = None  # how its stream ended, when not by stop()
 
     def start(self) -> Subscriber:
-        self.stream = self.stub.Subscribe(pb.SubscribeRequest(worker_id=self.worker_id))
+        subscribe = pb.SubscribeRequest(worker_id=self.worker_id)
+        self.requests: queue.SimpleQueue[pb.EventsRequest | None] = queue.SimpleQueue()
+        if self.on_stream:
+            self.requests.put(pb.EventsRequest(subscribe=subscribe))
+            self.stream = self.stub.Events(iter(self.requests.get, None))
+        else:
+            self.stream = self.stub.Subscribe(subscribe)
         self.hello = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -151,18 +161,20 @@ class Subscriber:
                     self.hello.set()
                     continue
                 refuse = bool(self.refuse) and ev.kind == pb.EVENT_KIND_PAUSE
-                self.stub.Ack(
-                    pb.AckRequest(
-                        worker_id=self.worker_id,
-                        event_id=ev.event_id,
-                        ok=not refuse,
-                        message=self.refuse if refuse else "",
-                        moved_tensors=self.moved if ev.kind == pb.EVENT_KIND_PAUSE else [],
-                    ),
-                    timeout=10,
+                ack = pb.AckRequest(
+                    worker_id=self.worker_id,
+                    event_id=ev.event_id,
+                    ok=not refuse,
+                    message=self.refuse if refuse else "",
+                    moved_tensors=self.moved if ev.kind == pb.EVENT_KIND_PAUSE else [],
                 )
-        except (grpc.RpcError, ValueError):  # ValueError: the test closed its channel
-            pass
+                if self.on_stream:
+                    self.requests.put(pb.EventsRequest(ack=ack))
+                else:
+                    self.stub.Ack(ack, timeout=10)
+        except (grpc.RpcError, ValueError) as e:  # ValueError: the test closed its channel
+            self.error = e
+        self.requests.put(None)
 
     def kinds(self) -> list[tuple[int, int]]:
         return [(e.kind, e.version) for e in self.events]

@@ -6,6 +6,9 @@ registered by a second process until the holder's heartbeats stop."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ import pytest
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.rpc.process import register_rank
 from refitd.server.controller import Controller
 
 from .conftest import Cluster, controller_settings, make_cluster
@@ -285,5 +289,64 @@ def test_a_rank_held_by_a_live_trainer_is_refused_until_its_heartbeats_stop(
     finally:
         stop.set()
         beats.join(5)
+        agent.stop()
+        ch.close()
+
+
+def _identity(pid: int) -> pb.ProcessIdentity:
+    """The identity of process `pid` on this host, read from /proc here."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return pb.ProcessIdentity(
+        boot_id=Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        pid_namespace=os.readlink("/proc/self/ns/pid"),
+        pid=pid,
+        start_ticks=int(raw[raw.rindex(")") + 2 :].split()[19]),
+    )
+
+
+def test_a_restart_on_the_holders_host_takes_the_rank_at_once_once_the_holder_is_gone(
+    controller: Controller,
+) -> None:
+    """The rank's holder is a real process on this host. A registration from this host
+    while it runs is refused at once, naming it (not granted after the holder's silence);
+    once it is killed, the next registration takes the rank at once, well inside the
+    silence a holder on another host is waited for."""
+    s = controller.settings
+    silence_s = min(s.heartbeat_timeout_s, 2 * s.heartbeat_period_s + 1.0)
+    assert silence_s >= 4.0
+    ch = grpc.insecure_channel(controller.grpc_address)
+    stub = pbg.RefitStub(ch)
+    agent = EchoAgent(controller.grpc_address, "pid-host", ["cpu:0"]).start()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+
+    def request() -> pb.RegisterWorkerRequest:
+        return pb.RegisterWorkerRequest(
+            model="restart", pool="train", role=pb.ROLE_SOURCE, rank=0, pool_size=1,
+            host="pid-host", device="cpu:0", pid=os.getpid(),
+            tensors=[row_shard("w", 4, 8, 0, 1)],
+        )  # fmt: skip
+
+    try:
+        first_req = request()
+        first_req.process.CopyFrom(_identity(holder.pid))
+        first = stub.RegisterWorker(first_req, timeout=5).worker_id
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            register_rank(stub.RegisterWorker, request(), timeout=30)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"held by live worker {first}" in e.value.details(), e.value.details()
+        assert "once it is gone there" in e.value.details(), e.value.details()
+        assert time.monotonic() - t0 < silence_s / 2
+
+        holder.kill()
+        holder.wait(10)
+        t0 = time.monotonic()
+        second = register_rank(stub.RegisterWorker, request(), timeout=30).worker_id
+        assert time.monotonic() - t0 < silence_s / 2
+        assert second != first
+        assert controller.registry.worker(second).pid == os.getpid()
+    finally:
+        holder.kill()
+        holder.wait(10)
         agent.stop()
         ch.close()

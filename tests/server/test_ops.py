@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ from refitd.cli import status as status_cli
 from refitd.config import add_settings_arguments, load_settings, settings_from_args
 from refitd.server.controller import Controller
 from refitd.server.frontend import OpsBackend, PlanSource, ServiceBackend, StatusSource
+from refitd.server.http import HttpServer
 
 from .conftest import Cluster, controller_settings, make_cluster, register
 
@@ -235,3 +237,19 @@ def test_config_from_flags_env_and_file(tmp_path: Path, monkeypatch: pytest.Monk
     cfg.write_text("grpc_prot = 1\n")
     with pytest.raises(ValueError, match="grpc_prot"):
         load_settings()
+
+
+def test_http_accepts_connections_once_constructed(controller: Controller) -> None:
+    """A client that connects right after start() (before uvicorn's thread runs) is queued
+    and answered, not refused: the socket listens before the thread starts."""
+    server = HttpServer(controller, "127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5):
+            pass  # refused when the socket is only bound
+    finally:
+        server.start()
+    try:
+        r = httpx.get(f"http://127.0.0.1:{server.port}/healthz", timeout=10)
+        assert r.json() == {"status": "ok"}
+    finally:
+        server.stop()

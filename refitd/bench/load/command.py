@@ -219,8 +219,7 @@ def run(args: argparse.Namespace) -> int:
     demo: Any = None
     try:
         roles = fault_roles(args.workers, args.hold_s) if args.faults else [PeerRole()]
-        for role in roles:
-            peers.start(role)
+        peers.start_all(roles)
         registered = peers.registered([r.name for r in roles])
         rss["registered"] = me.memory_info().rss
         log.warning("bench load: registered")

@@ -63,8 +63,7 @@ def run_faults(ctl: Any, peers: Peers, roles: list[PeerRole], workers: int, me: 
     }
     # the victims come back: the same ranks and slots
     t_back = time.monotonic()
-    for role in roles[1:]:
-        peers.start(role)
+    peers.start_all(roles[1:], timeout_s=REFIT_TIMEOUT_S)
     peers.registered([r.name for r in roles[1:]], timeout_s=REFIT_TIMEOUT_S)
     out["faults_reregistered_s"] = time.monotonic() - t_back
     after = _refit(ctl, peers, roles, 3)

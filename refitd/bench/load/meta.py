@@ -90,6 +90,7 @@ def meta_peers(address: str, args: dict[str, Any], role: PeerRole, out: Any, com
         streams: list[Any] = []
         hold = role.hold_s if role.refits else None
         agent_ids, period = _light_agents(agents, args["workers"], streams, role.agents, hold)
+        out.put(("agents", role.name, len(agent_ids)))
         trainer_ids: list[str] = []  # appended by the registering threads
         subscriptions: list[Any] = []  # inference ranks: an open Subscribe stream is their lease
         rtts: list[tuple[float, float]] = []  # heartbeats: (sent, round trip), seconds
@@ -239,15 +240,15 @@ def _meta_requests(args: dict[str, Any], role: PeerRole) -> list[Any]:
         for i in range(args["pools"])
     ]
     requests = []
-    index = -1
+    index = 0
     for pool, kind, par, base in sides:
+        # only this role's ranks are built, as a process of its own builds only its own
+        mine = [r for r in range(par.world) if (index + r) % role.of in role.share]
+        index += par.world
         by_rank: dict[int, list[Any]] = {}
-        for spec in build_specs(p, par, META_MODEL, pool, base):
+        for spec in build_specs(p, par, META_MODEL, pool, base, mine):
             by_rank.setdefault(spec.rank, []).append(spec)
         for rank, specs in sorted(by_rank.items()):
-            index += 1
-            if index % role.of not in role.share:
-                continue
             requests.append(
                 pb.RegisterWorkerRequest(
                     model=META_MODEL,
@@ -270,11 +271,14 @@ def _meta_requests(args: dict[str, Any], role: PeerRole) -> list[Any]:
 def _register(
     req: Any, refit: Any, trainer_ids: list[str], subscriptions: list[Any], told: Told | None
 ) -> None:
-    """Register one metadata worker: a trainer rank joins the heartbeats, an inference rank
-    subscribes (its lease); with `told`, a thread reads and acks its events."""
+    """Register one metadata worker (with this process's identity, as the client library
+    does: a restarted process takes over ranks whose holder it finds gone at once); a
+    trainer rank joins the heartbeats, an inference rank subscribes (its lease); with
+    `told`, a thread reads and acks its events."""
     from refitd._proto import refitd_pb2 as pb
+    from refitd.rpc.process import register_rank
 
-    worker_id = refit.RegisterWorker(req, timeout=300).worker_id
+    worker_id = register_rank(refit.RegisterWorker, req, timeout=300).worker_id
     if req.role == pb.ROLE_SOURCE:
         trainer_ids.append(worker_id)
         return

@@ -52,6 +52,21 @@ class Peers:
         theirs.close()
         self.procs[role.name], self.pipes[role.name], self.roles[role.name] = p, ours, role
 
+    def start_all(self, roles: list[PeerRole], timeout_s: float = 600.0) -> None:
+        """Start `roles`: those holding light agents first, the rest once their agents are
+        registered (a worker's slot must be served by an agent when it registers)."""
+        hosts = [r for r in roles if r.agents is None or r.agents]
+        for role in hosts:
+            self.start(role)
+        deadline = time.monotonic() + timeout_s
+        for role in hosts:
+            msg = self.next(deadline, lambda m, n=role.name: m[:2] in (("agents", n), ("error", n)))
+            if msg[0] == "error":
+                raise RuntimeError(f"metadata peer {msg[1]} failed: {msg[2]}")
+        for role in roles:
+            if role not in hosts:
+                self.start(role)
+
     def registered(self, names: list[str], timeout_s: float = 1800.0) -> dict[str, Registered]:
         """Wait for the registration report of each role in `names`."""
         t0 = time.monotonic()

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
@@ -20,6 +21,7 @@ from refitd.refit_states import STATE_NAMES
 from refitd.server.database import RefitRecord, StateDB
 from refitd.server.delta.refits import DeltaRefits
 from refitd.server.errors import ControlError, ErrorKind, not_found, precondition
+from refitd.server.loop import Signal
 from refitd.server.members import Worker
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.plan_process import FORK_SUPPORT_VAR, PlanningProcess, fork_safe
@@ -39,6 +41,19 @@ from refitd.server.registry import Registry
 from refitd.server.streams import AgentHub, EventHub, GatherBoard
 
 log = logging.getLogger("refitd.controller")
+
+
+@dataclass
+class Ask:
+    """One Refit call recorded in its run: what it waits for (None: nothing), and until when."""
+
+    m: ModelRefits
+    run: RefitRun
+    rank: int
+    wait: int
+    ready: Signal | None
+    deadline: float  # monotonic
+    waited: float  # the wait it was given, in seconds
 
 
 class RefitCoordinator:
@@ -145,10 +160,11 @@ class RefitCoordinator:
         self.settler.settle(worker_ids)
 
     # ------------------------------------------------------------------ Refit RPC
-    def request(
-        self, worker_id: str, version: int, wait: int, timeout_s: float
-    ) -> pb.RefitResponse:
-        """A trainer rank asks for `version`; waits as asked (sources read by default)."""
+    # A Refit call is `ask` (recorded, never blocks long), a wait on `Ask.ready` until
+    # `Ask.deadline` (the gRPC handler awaits it on the server's loop), then `answer`.
+    def ask(self, worker_id: str, version: int, wait: int, timeout_s: float) -> Ask:
+        """A trainer rank asks for `version`: the call recorded in its run, and what it
+        waits for (nothing when `Ask.ready` is None: answer at once)."""
         w = self.registry.worker(worker_id)
         if w.role != "source":
             raise precondition(
@@ -163,19 +179,26 @@ class RefitCoordinator:
         self.registry.renew_worker(w)  # a Refit call renews the lease like a heartbeat
         committed = self.registry.model(w.model).committed_version
         m, run, ready = self.scheduler.join(w, version, committed, wait)
-        if ready is None:
-            return run.response()
         waited = timeout_s or self.settings.refit_wait_timeout_s
-        deadline = time.monotonic() + waited
-        ok, response = self.scheduler.await_event(m, run, w.rank, ready, deadline)
-        if not ok:
+        return Ask(m, run, w.rank, wait, ready, time.monotonic() + waited, waited)
+
+    def woke(self, a: Ask, came: bool) -> pb.RefitResponse | None:
+        """After a wait on `a.ready` (`came`: it was set in time): the run's answer now, or
+        None when the wake-up was stale (a retry cleared the event): wait again."""
+        assert a.ready is not None
+        return self.scheduler.woke(a.m, a.run, a.rank, a.ready, came)
+
+    def answer(self, a: Ask, came: bool, response: pb.RefitResponse) -> pb.RefitResponse:
+        """The call's answer once its wait ended: DEADLINE when its event did not come;
+        with WAIT_SERVED, after the COMMIT acks (this may block until the deadline)."""
+        if not came:
             raise ControlError(
                 ErrorKind.DEADLINE,
-                f"version {run.version} of model {run.model!r}: still "
-                f"{STATE_NAMES[run.state]} after {waited:g}s; the refit goes on",
+                f"version {a.run.version} of model {a.run.model!r}: still "
+                f"{STATE_NAMES[a.run.state]} after {a.waited:g}s; the refit goes on",
             )
-        if wait == pb.WAIT_SERVED and response.state == pb.REFIT_STATE_COMMITTED:
-            response.served, response.message = self.acks.await_served(run, deadline)
+        if a.wait == pb.WAIT_SERVED and response.state == pb.REFIT_STATE_COMMITTED:
+            response.served, response.message = self.acks.await_served(a.run, a.deadline)
         return response
 
     # ------------------------------------------------------------------ driver

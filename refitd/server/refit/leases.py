@@ -16,6 +16,7 @@ from refitd.server.database import StateDB
 from refitd.server.errors import ControlError
 from refitd.server.members import Worker
 from refitd.server.registry import Registry, rank_taken
+from refitd.server.registry.registration import process_id
 from refitd.server.streams import AgentHub, EventHub, GatherBoard
 
 log = logging.getLogger("refitd.controller")
@@ -70,8 +71,11 @@ class PausedSettler:
 class RankClaims:
     """Whether a registration may take a rank another worker holds: the same worker again
     (its client re-registering) or a restored one may; a new process may once the holder is
-    gone (subscription closed and heartbeats stopped, or lease expired). A holder that is
-    alive is named in the refusal."""
+    gone. Gone is proven at once by a registrant on the holder's host that found no process
+    of the holder's pid and start time there (`predecessor`); a registrant that could look
+    the holder up but has not is refused at once with the holder named, so it can. Otherwise
+    gone means subscription closed and heartbeats stopped, or lease expired. A holder that
+    is alive is named in the refusal."""
 
     def __init__(self, settings: Settings, registry: Registry, events: EventHub) -> None:
         self.settings = settings
@@ -89,7 +93,10 @@ class RankClaims:
         """The id of `holder`, a live worker of another identity holding `req`'s rank, when
         it is gone (this registration replaces it). A holder whose subscription is open, or
         that renews its lease within `silence_s` of when it was last heard, is alive:
-        FAILED_PRECONDITION naming it. Waits at most `silence_s` (outside the registry lock)."""
+        FAILED_PRECONDITION naming it. Waits at most `silence_s` (outside the registry lock),
+        unless the registrant can look the holder up on its own host."""
+        if self._proven_gone(holder, req):
+            return holder.worker_id
         seen = holder.last_seen
         gone = (
             not self.events.subscribed([holder.worker_id])
@@ -102,6 +109,35 @@ class RankClaims:
             raise rank_taken(holder, req, "its subscription is open")
         heard = time.monotonic() - holder.last_seen
         raise rank_taken(holder, req, f"it renewed its lease {heard:.1f}s ago")
+
+    @staticmethod
+    def _proven_gone(holder: Worker, req: pb.RegisterWorkerRequest) -> bool:
+        """True when the registrant, on the holder's boot and pid namespace, names the
+        holder's process as its predecessor (it found it gone). A registrant that could
+        look it up but names none is refused with the holder named; False for the others
+        (another host, or a client without a process identity): the controller waits."""
+        if not req.HasField("process") or holder.process is None:
+            return False
+        registrant = process_id(req.process)
+        if not registrant.sees(holder.process):
+            return False
+        if req.HasField("predecessor") and process_id(req.predecessor) == holder.process:
+            log.warning(
+                "%s replaced: its process (pid %d on host %r) was found gone there by the "
+                "new one (pid %d)",
+                holder.describe(),
+                holder.pid,
+                holder.host,
+                registrant.pid,
+            )
+            return True
+        raise rank_taken(
+            holder,
+            req,
+            "it ran on this process's host and pid namespace; once it is gone there, a "
+            "registration naming it predecessor takes the rank",
+            named=True,
+        )
 
 
 class LeaseWatcher:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
+from refitd.server.loop import Signal
 from refitd.server.streams import AckTally
 
 FINAL = (pb.REFIT_STATE_COMMITTED, pb.REFIT_STATE_FAILED, pb.REFIT_STATE_SUPERSEDED)
@@ -59,8 +60,8 @@ class RefitRun:
     slot_ranks: dict[int, list[int]] = field(default_factory=dict)  # slot -> ranks it reads
     unread: dict[int, int] = field(default_factory=dict)  # rank -> reader slots not released
     released: set[int] = field(default_factory=set)
-    rank_read: dict[int, threading.Event] = field(default_factory=dict)
-    finished: threading.Event = field(default_factory=threading.Event)
+    rank_read: dict[int, Signal] = field(default_factory=dict)
+    finished: Signal = field(default_factory=Signal)
     handed_back: bool = False  # a rank's Refit returned before the end: its weights may change
     lost: str = ""  # a source rank left during the barrier: why the run fails at once
     commit_acks: CommitAcks | None = None  # set before the run turns COMMITTED
@@ -89,10 +90,10 @@ class RefitRun:
         """Source ranks that have not asked for this version yet."""
         return sorted(set(range(self.pool_size)) - self.asked)
 
-    def rank_event(self, rank: int) -> threading.Event:
+    def rank_event(self, rank: int) -> Signal:
         ev = self.rank_read.get(rank)
         if ev is None:
-            ev = self.rank_read[rank] = threading.Event()
+            ev = self.rank_read[rank] = Signal()
             if self.final or (
                 self.state >= pb.REFIT_STATE_TRANSFERRING and self.unread.get(rank, 0) == 0
             ):

@@ -5,7 +5,7 @@ with a timeout). While one runs for a model, newer requests wait; when it ends o
 newest fully-requested version runs and every older pending version returns SUPERSEDED.
 One outcome per attempt: a failed or superseded run stays the answer for its version until
 every rank of the source pool was told it; the next ask for that version starts a new run.
-Each model has one driver thread; RPC threads only record requests and wait on an Event of
+Each model has one driver thread; Refit calls only record requests and wait on a Signal of
 the run they joined (no polling, no spurious wake-ups).
 """
 
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
 from refitd.server.errors import precondition
+from refitd.server.loop import Signal
 from refitd.server.members import Worker
 from refitd.server.refit.records import RefitRecords
 from refitd.server.refit.run import ModelRefits, RefitRun
@@ -94,7 +95,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def join(
         self, w: Worker, version: int, committed: int, wait: int
-    ) -> tuple[ModelRefits, RefitRun, threading.Event | None]:
+    ) -> tuple[ModelRefits, RefitRun, Signal | None]:
         """Record source rank `w`'s ask for `version` (a new run, or the one pending or
         running); returns the run and the event to wait on (None: answer at once)."""
         m = self.model(w.model)
@@ -136,22 +137,21 @@ class Scheduler:
             return m, run, run.finished if final else run.rank_event(w.rank)
 
     @staticmethod
-    def await_event(
-        m: ModelRefits, run: RefitRun, rank: int, ready: threading.Event, deadline: float
-    ) -> tuple[bool, pb.RefitResponse]:
-        """Wait for `ready` until `deadline`: (whether it came, the run's answer now), with
-        source rank `rank` counted as told when that answer is the final state."""
-        while True:
-            ok = ready.wait(max(0.0, deadline - time.monotonic()))
-            with m.cond:
-                # A retry clears the rank events (under m.cond) before re-reading sources:
-                # a waiter woken just before that goes back to waiting.
-                if ready.is_set() or run.final or not ok:
-                    if run.final:
-                        run.told.add(rank)
-                    else:
-                        run.handed_back = True
-                    return ok, run.response()
+    def woke(
+        m: ModelRefits, run: RefitRun, rank: int, ready: Signal, came: bool
+    ) -> pb.RefitResponse | None:
+        """After a wait on `ready` (`came`: it was set in time): the run's answer now, with
+        source rank `rank` counted as told when that answer is the final state; None when
+        the wake-up was stale: a retry clears the rank events (under m.cond) before
+        re-reading sources, so a waiter woken just before that waits again."""
+        with m.cond:
+            if ready.is_set() or run.final or not came:
+                if run.final:
+                    run.told.add(rank)
+                else:
+                    run.handed_back = True
+                return run.response()
+            return None
 
     # ------------------------------------------------------------------ next run
     def next_run(self, m: ModelRefits) -> RefitRun | None:

@@ -18,7 +18,8 @@ registry is the controller's in-memory view, written through to StateDB.
 Locking (the same object everywhere, so every part keeps one discipline):
 - `lock` (re-entrant) guards the dicts and every field of their members but `last_seen`.
   A method that reads more than one entry, or changes anything, takes it; SQLite writes
-  happen under it.
+  happen under it. A look-up of one member (`worker`, `agent`, `model`) is one dict read
+  without it: the calls on the gRPC server's loop must not queue behind a registration.
 - `_lease_lock` guards `last_seen` only; its condition `_renewed` wakes the waits for a
   sign of life (`renewed`). Heartbeats (`touch_worker`, `touch_agent`, `renew_worker`) take
   only it, never `lock`: a heartbeat must not queue behind a burst of registrations that

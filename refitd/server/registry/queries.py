@@ -1,5 +1,6 @@
 """What the registry answers: look-ups of one member (NOT_FOUND when absent), and the
-snapshots a refit, the status, readiness and the gauges read, each under the registry lock."""
+snapshots a refit, the status, readiness and the gauges read, each under the registry lock
+(a look-up of one member reads its dict without it)."""
 
 from __future__ import annotations
 
@@ -14,26 +15,25 @@ from refitd.server.registry.state import RegistryState
 class Queries(RegistryState):
     """Read-only look-ups and snapshots of the members."""
 
+    # One entry each, read without the registry lock (a dict read is atomic): the calls on
+    # the gRPC server's loop look members up, and must not wait for a registration.
     def model(self, name: str) -> Model:
-        with self.lock:
-            m = self.models.get(name)
-            if m is None:
-                raise not_found(f"model {name!r} is not registered")
-            return m
+        m = self.models.get(name)
+        if m is None:
+            raise not_found(f"model {name!r} is not registered")
+        return m
 
     def agent(self, agent_id: str) -> Agent:
-        with self.lock:
-            a = self.agents.get(agent_id)
-            if a is None:
-                raise not_found(f"agent_id {agent_id!r} is not registered")
-            return a
+        a = self.agents.get(agent_id)
+        if a is None:
+            raise not_found(f"agent_id {agent_id!r} is not registered")
+        return a
 
     def worker(self, worker_id: str) -> Worker:
-        with self.lock:
-            w = self.workers.get(worker_id)
-            if w is None:
-                raise not_found(f"worker_id {worker_id!r} is not registered")
-            return w
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise not_found(f"worker_id {worker_id!r} is not registered")
+        return w
 
     def rank_worker(self, model: str, pool: str, rank: int) -> Worker | None:
         """The worker registered as `rank` of `pool` of `model` (None: none)."""

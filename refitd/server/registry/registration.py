@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterable
 from refitd._proto import refitd_pb2 as pb
 from refitd.plan.layout import TensorSpec
 from refitd.plan.table import SpecTable
+from refitd.rpc.process import HOLDER_METADATA
 from refitd.server.errors import ControlError, invalid, precondition
-from refitd.server.members import Agent, Model, Pool, Slot, Worker
+from refitd.server.members import Agent, Model, Pool, ProcessId, Slot, Worker
 from refitd.server.registry.pool_checks import (
     check_against_pool,
     check_pool_role,
@@ -251,6 +252,7 @@ class Registrar(Queries):
             if 0 < req.held_version == model.committed_version and dest
             else 0,
             paused_in=req.paused_refit_id if live and dest else 0,
+            process=process_id(req.process) if req.HasField("process") else None,
         )
 
     def unregister_worker(self, worker_id: str) -> Worker:
@@ -313,11 +315,27 @@ class Registrar(Queries):
             return False
 
 
-def rank_taken(holder: Worker, req: pb.RegisterWorkerRequest, why: str) -> ControlError:
-    """The refusal of a second process registering a rank that a live worker holds."""
+def process_id(p: pb.ProcessIdentity) -> ProcessId:
+    return ProcessId(p.boot_id, p.pid_namespace, p.pid, p.start_ticks)
+
+
+def rank_taken(
+    holder: Worker, req: pb.RegisterWorkerRequest, why: str, named: bool = False
+) -> ControlError:
+    """The refusal of a second process registering a rank that a live worker holds;
+    `named`: with the holder's process identity for the registrant to look up
+    (trailing metadata, refitd.rpc.process)."""
+    trailers = ()
+    if named and holder.process is not None:
+        p = holder.process
+        ident = pb.ProcessIdentity(
+            boot_id=p.boot_id, pid_namespace=p.pid_namespace, pid=p.pid, start_ticks=p.start_ticks
+        )
+        trailers = ((HOLDER_METADATA, ident.SerializeToString()),)
     return precondition(
         f"rank {req.rank} of pool {req.pool!r} of model {req.model!r} is held by live "
         f"{holder.describe()}, pid {holder.pid} on host {holder.host!r} ({why}); a rank "
         "is registered by one process at a time: stop that process (or close its client) "
-        "first, or register this one as another rank"
+        "first, or register this one as another rank",
+        trailers,
     )
