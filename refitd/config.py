@@ -210,9 +210,9 @@ class Settings(BaseSettings):
     grpc_workers: int = Field(
         8192,
         ge=8,
-        description="gRPC thread pool, started on demand: every open stream (a subscribed "
-        "inference rank, a node agent) holds one, so keep it above their count plus 64 (at "
-        "4,096 ranks, 2,048 subscribed ranks and 64 agents hold 2,112)",
+        description="threads for the controller's calls that block (registrations, status, "
+        "SQLite), started on demand; streams and the refit's calls run on the server's event "
+        "loop and hold none",
     )
     grpc_max_pending: int = Field(
         16384,
