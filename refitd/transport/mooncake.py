@@ -27,6 +27,7 @@ from dataclasses import asdict, astuple, dataclass
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
 import torch
 
 from refitd.transport.errors import TransportError
@@ -41,6 +42,8 @@ STAMP_BYTES = 64
 PROBE_S = 2.0  # longest wait for a peer's answer when telling a gone peer from a refusal
 MAGIC = b"refitd-mc1:"
 Route = tuple[Any, str]  # a local engine and a session of the peer's
+_Batch = tuple[int, list[int], list[int], list[int]]  # route, locals, remotes, lengths
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]  # int64 local addresses, remote, nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +57,8 @@ class MooncakeOptions:
     engines: int = 2  # TCP: engines per endpoint, one I/O thread each (RDMA: always one)
     lanes: int = 4  # TCP: connections per peer and engine
     split_bytes: int = 16 << 20  # writes above this are posted as several requests
-    window: int = 256  # requests in flight per Work
+    window: int = 256  # batches in flight per Work
+    batch: int = 64  # requests per batch (small runs, e.g. the rows of a strided region)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +120,16 @@ class _Ranges:
     def contains(self, addr: int, nbytes: int) -> bool:
         i = bisect_right(self._starts, addr) - 1
         return i >= 0 and addr + nbytes <= self.ranges[i][0] + self.ranges[i][1]
+
+    def outside(self, addr: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Positions of the (addr, nbytes) runs that no one range contains."""
+        if not self.ranges:
+            return np.arange(addr.size)
+        starts = np.array(self._starts, np.int64)
+        ends = starts + np.array([n for _, n in self.ranges], np.int64)
+        i = np.searchsorted(starts, addr, side="right") - 1
+        ok = (i >= 0) & (addr + nbytes <= ends[np.maximum(i, 0)])
+        return np.flatnonzero(~ok)
 
 
 class MooncakeEndpoint:
@@ -231,7 +245,7 @@ class MooncakeEndpoint:
                 self._stamp[STAMP_BYTES:] = 0
                 scratch = self._stamp.data_ptr() + STAMP_BYTES
                 work = MooncakeWork([route], f"stamp read of {desc.where}", timeout_s, 1, True)
-                work.post([(0, scratch, desc.stamp, STAMP_BYTES)])
+                work.post([(0, [scratch], [desc.stamp], [STAMP_BYTES])])
                 work.wait(timeout_s)
                 live = bytes(self._stamp[STAMP_BYTES:].tolist())
                 if not live.startswith(MAGIC):
@@ -245,13 +259,15 @@ class MooncakeEndpoint:
                     )
         return MooncakePeer(self, desc, routes)
 
-    def check_local(self, op: WriteOp) -> None:
-        if not self._local.contains(op.local, op.nbytes) and not any(
-            a <= op.local and op.local + op.nbytes <= a + n for a, (n, _) in self._extra.items()
-        ):
+    def check_local(self, local: np.ndarray, nbytes: np.ndarray) -> None:
+        """Refuse runs of this process's memory outside what this endpoint registered."""
+        mine = _Ranges(self._local.ranges + [(a, n) for a, (n, _) in self._extra.items()])
+        bad = mine.outside(local, nbytes)
+        if bad.size:
+            k = int(bad[0])
             raise TransportError(
-                f"slot {self.slot}: source {_hex((op.local, op.nbytes))} is outside this "
-                "slot's registered memory (register it first)"
+                f"slot {self.slot}: source {_hex((int(local[k]), int(nbytes[k])))} is outside "
+                "this slot's registered memory (register it first)"
             )
 
     def close(self) -> None:
@@ -290,57 +306,85 @@ class MooncakePeer:
     def write(self, ops: Sequence[WriteOp], timeout_s: float, message: str = "") -> MooncakeWork:
         """Post these writes (each checked against both registrations first) and return the
         Work; its wait raises TransportError on any failure or after timeout_s."""
-        return self._post(ops, timeout_s, message, False)
+        return self.post(_arrays(ops), timeout_s, message, False)
 
     def read(self, ops: Sequence[WriteOp], timeout_s: float, message: str = "") -> MooncakeWork:
         """Post one-sided reads: each op's `remote` bytes into its `local` address."""
-        return self._post(ops, timeout_s, message, True)
+        return self.post(_arrays(ops), timeout_s, message, True)
 
-    def _post(
-        self, ops: Sequence[WriteOp], timeout_s: float, message: str, read: bool
+    def post(
+        self, runs: Runs, timeout_s: float, message: str = "", read: bool = False
     ) -> MooncakeWork:
+        """Post writes (or reads) of runs given as arrays (local, remote, nbytes), each
+        checked against both registrations first: many small runs cost no Python objects."""
         what = f"message {message}" if message else ("read" if read else "write")
         if not self._remote.ranges:
             raise TransportError(f"{what} to {self.desc.where}: the peer registered no memory")
-        requests = []
-        split = self.endpoint.options.split_bytes
-        for op in ops:
-            if op.nbytes <= 0:
-                continue
-            self.endpoint.check_local(op)
-            if not self._remote.contains(op.remote, op.nbytes):
-                raise TransportError(
-                    f"{what} to {self.desc.where}: destination {_hex((op.remote, op.nbytes))} "
-                    "is outside the peer's registered buffers"
-                )
-            for off in range(0, op.nbytes, split):
-                route = len(requests) % len(self._routes)
-                requests.append(
-                    (route, op.local + off, op.remote + off, min(split, op.nbytes - off))
-                )
+        local, remote, nbytes = (np.asarray(a, np.int64) for a in runs)
+        keep = nbytes > 0
+        if not keep.all():
+            local, remote, nbytes = local[keep], remote[keep], nbytes[keep]
+        self.endpoint.check_local(local, nbytes)
+        bad = self._remote.outside(remote, nbytes)
+        if bad.size:
+            k = int(bad[0])
+            raise TransportError(
+                f"{what} to {self.desc.where}: destination "
+                f"{_hex((int(remote[k]), int(nbytes[k])))} is outside the peer's registered buffers"
+            )
+        options = self.endpoint.options
+        split = options.split_bytes
+        if (nbytes > split).any():  # large runs: several requests each
+            parts = -(-nbytes // split)
+            first = np.repeat(np.cumsum(parts) - parts, parts)
+            off = (np.arange(int(parts.sum())) - first) * split
+            local, remote, total = (np.repeat(a, parts) for a in (local, remote, nbytes))
+            local, remote, nbytes = local + off, remote + off, np.minimum(split, total - off)
         label = f"mooncake {what} {'from' if read else 'to'} {self.desc.where}"
-        work = MooncakeWork(self._routes, label, timeout_s, self.endpoint.options.window, read)
-        work.post(requests)
+        work = MooncakeWork(self._routes, label, timeout_s, options.window, read)
+        work.post(_batches((local, remote, nbytes), options.batch, split, len(self._routes)))
         return work
 
 
+def _arrays(ops: Sequence[WriteOp]) -> Runs:
+    table = np.array([(o.local, o.remote, o.nbytes) for o in ops], np.int64).reshape(-1, 3)
+    return table[:, 0], table[:, 1], table[:, 2]
+
+
+def _batches(runs: Runs, most: int, nbytes: int, routes: int) -> list[_Batch]:
+    """Runs grouped into batches of at most `most` requests and about `nbytes` bytes,
+    spread over the routes batch by batch."""
+    local, remote, n = runs
+    if not n.size:
+        return []
+    before = np.cumsum(n) - n
+    k = np.arange(n.size)
+    starts = np.flatnonzero((k % most == 0) | (np.diff(before // nbytes, prepend=-1) != 0))
+    ends = [*starts[1:].tolist(), n.size]
+    return [
+        (b % routes, local[a:e].tolist(), remote[a:e].tolist(), n[a:e].tolist())
+        for b, (a, e) in enumerate(zip(starts.tolist(), ends, strict=True))
+    ]
+
+
 class MooncakeWork:
-    """Requests posted to the engines (at most `window` at once); wait() polls them."""
+    """Batches of requests posted to the engines (at most `window` batches at once);
+    wait() polls them."""
 
     def __init__(
         self, routes: list[Route], label: str, timeout: float, window: int, read: bool
     ) -> None:
         self._routes, self._label, self._window, self._read = routes, label, window, read
-        self._queue: deque[tuple[int, int, int, int]] = deque()  # (route, local, remote, n)
-        self._inflight: list[tuple[Any, int]] = []  # (engine, batch id)
+        self._queue: deque[_Batch] = deque()
+        self._inflight: list[tuple[Any, int, int]] = []  # (engine, batch id, requests)
         self._total = self._done = 0
         self._start, self._default_timeout = time.monotonic(), timeout
         self._deadline = self._start + timeout
         self._error: TransportError | None = None
 
-    def post(self, requests: Sequence[tuple[int, int, int, int]]) -> None:
-        self._queue.extend(requests)
-        self._total += len(requests)
+    def post(self, batches: Sequence[_Batch]) -> None:
+        self._queue.extend(batches)
+        self._total += sum(len(b[1]) for b in batches)
         self._submit()
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -372,20 +416,20 @@ class MooncakeWork:
                 if self._read
                 else engine.batch_transfer_async_write
             )
-            bid = post(session, [local], [remote], [n])
+            bid = post(session, local, remote, n)
             if bid == 0:
                 self._fail(f"could not post to the peer: {self._peer_state()}")
                 return
-            self._inflight.append((engine, bid))
+            self._inflight.append((engine, bid, len(n)))
 
     def _poll(self) -> int:
         still, finished = [], 0
-        for engine, bid in self._inflight:
+        for engine, bid, count in self._inflight:
             state = engine.transfer_check_status(bid)
             if state == 0:
-                still.append((engine, bid))
+                still.append((engine, bid, count))
             elif state == 1:
-                finished += 1
+                finished += count
             else:
                 kind = "failed" if state == -1 else "timed out in the engine"
                 self._fail(f"a request {kind}: {self._peer_state()}")
