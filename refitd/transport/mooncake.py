@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from bisect import bisect_right
@@ -31,13 +30,8 @@ import numpy as np
 import torch
 
 from refitd.transport.errors import TransportError
-from refitd.transport.mooncake_env import (
-    RDMA_SYSFS,
-    mooncake_unavailable_reason,
-    rdma_devices_present,
-)
+from refitd.transport.mooncake_env import check_fabric
 
-PROTOCOLS = ("tcp", "rdma")
 STAMP_BYTES = 64
 PROBE_S = 2.0  # longest wait for a peer's answer when telling a gone peer from a refusal
 MAGIC = b"refitd-mc1:"
@@ -138,7 +132,7 @@ class MooncakeEndpoint:
     def __init__(self, slot: int, options: MooncakeOptions | None = None) -> None:
         self.slot = slot
         self.options = options = options or MooncakeOptions()
-        _check_fabric(options)
+        check_fabric(options.protocol, options.devices, options.lanes)
         count = max(1, options.engines) if options.protocol == "tcp" else 1
         self._engines: list[Any] = [self._start_engine() for _ in range(count)]
         host = f"[{options.host}]" if ":" in options.host else options.host
@@ -450,41 +444,6 @@ class MooncakeWork:
     def _fail(self, why: str) -> None:
         elapsed = time.monotonic() - self._start
         self._error = TransportError(f"{self._label} after {elapsed:.2f}s: {why}")
-
-
-def _check_fabric(options: MooncakeOptions) -> None:
-    """Refuse, with what is missing, a protocol or device this host cannot serve."""
-    if options.protocol not in PROTOCOLS:
-        raise TransportError(f"rdma_protocol must be tcp or rdma, got {options.protocol!r}")
-    _configure_environment(options)
-    reason = mooncake_unavailable_reason()
-    if reason:
-        raise TransportError(f"the rdma path is unavailable: {reason}")
-    if options.protocol == "rdma":
-        present = rdma_devices_present()
-        if not present:
-            raise TransportError(
-                f"rdma_protocol=rdma but this host has no RDMA device ({RDMA_SYSFS} is empty "
-                "or absent: no fabric, or its driver is not loaded); use rdma_protocol=tcp"
-            )
-        missing = sorted(set(options.devices) - set(present))
-        if missing:
-            raise TransportError(
-                f"rdma_devices {', '.join(missing)} not found on this host; "
-                f"present: {', '.join(present)}"
-            )
-
-
-def _configure_environment(options: MooncakeOptions) -> None:
-    """The engine's tunables are environment variables read when it starts; an operator's
-    own MC_TCP_* values win over the options."""
-    env = os.environ
-    if options.protocol == "tcp":
-        env["MC_FORCE_TCP"] = "1"
-    else:
-        env.pop("MC_FORCE_TCP", None)
-    env.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1")
-    env.setdefault("MC_TCP_LANES_PER_PEER", str(options.lanes))
 
 
 def _probe(engine: Any, session: str, budget_s: float) -> bool | None:
