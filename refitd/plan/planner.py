@@ -141,12 +141,15 @@ def _copies(
 
 def _choices(b: Batch, intersector: BoxIntersector, config: PlanConfig) -> Choices:
     """A batch's copies for replica choice: links whose members sit on the same slots
-    share their candidate sets (one set per such link class and piece)."""
+    share their candidate sets, and so do pieces read from the same source box (one set
+    per such link class and distinct candidate row: a replicated tensor's thousands of
+    pieces have a few)."""
     slots, link_cls = unique_rows(intersector.src_slot_idx[b.link_src])
-    p = b.cand_pos.shape[0]
+    cand, piece_row = unique_rows(b.cand_pos)
+    p = cand.shape[0]
     return Choices(
-        sets=slots[:, b.cand_pos].reshape(-1, b.cand_pos.shape[1]),
-        cls=(link_cls.reshape(-1, 1) * p + np.arange(p)).reshape(-1),
+        sets=slots[:, cand].reshape(-1, b.cand_pos.shape[1]),
+        cls=(link_cls.reshape(-1, 1) * p + piece_row).reshape(-1),
         nbytes=row_prod(np.take(b.shape, b.piece, axis=0))
         * config.wires.element_bytes(b.wire[b.piece], b.esize),
         dst=intersector.dst_slot_idx[b.dst_spec],

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.plan.balance import Choices, choose_replicas
+from refitd.plan.grouping import unique_groups
 from refitd.plan.sides import sort_by
 
 # Share of the destination slots' relay capacity the level may count on: the water-filling
@@ -174,17 +175,24 @@ def _relay_senders(
     r_of = dcount[sel_gid]
     shed_load = load - np.bincount(c.src[sel], weights=c.nbytes[sel], minlength=n_slots)
     batches: list[Choices] = []
-    members: list[np.ndarray] = []
+    starts: list[np.ndarray] = []
     rows: list[np.ndarray] = []
-    for r in np.unique(r_of).tolist():
-        pick = np.flatnonzero(r_of == r)
-        mat = direct_list[dstart[sel_gid[pick]][:, None] + np.arange(r)[None, :]]
-        batches.append(Choices.of_rows(c.dst[mat], c.nbytes[sel[pick]], c.dst[sel[pick]]))
-        members.append(mat)
+    # one batch per direct member count r, its copies in candidate order; the copies of a
+    # group share one candidate set (the group's direct members' slots): [groups, r], not
+    # [copies, r], which at thousands of replicas is quadratic in them
+    by_r = np.argsort(r_of, kind="stable")
+    cuts = np.flatnonzero(np.diff(r_of[by_r])) + 1
+    for pick in np.split(by_r, cuts):
+        r = int(r_of[pick[0]])
+        groups, group_row = unique_groups(sel_gid[pick])[::2]
+        first = dstart[groups]
+        sets = c.dst[direct_list[first[:, None] + np.arange(r)[None, :]]]
+        batches.append(Choices(sets, group_row, c.nbytes[sel[pick]], c.dst[sel[pick]]))
+        starts.append(first[group_row])
         rows.append(sel[pick])
     cols, after = choose_replicas(batches, n_slots, shed_load)
-    for mat, idx, col in zip(members, rows, cols, strict=True):
-        feed[idx] = mat[np.arange(idx.size), col]
+    for start, idx, col in zip(starts, rows, cols, strict=True):
+        feed[idx] = direct_list[start + col]
     if after[is_source_slot].max(initial=0) > load[is_source_slot].max(initial=0):
         feed[:] = -1  # relay senders that also send as sources could not absorb it
 

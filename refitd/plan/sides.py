@@ -43,20 +43,46 @@ class Side:
 def sort_by(*keys: np.ndarray, unique: bool = False, shuffled: bool = False) -> np.ndarray:
     """Stable order by several non-negative integer keys, the first most significant: one
     argsort of a combined key when it fits in int64 (a radix sort when it fits in 16
-    bits), else lexsort. `unique`: the keys together never repeat, so the faster
-    unstable sort gives the same order. `shuffled`: the keys come in no useful order (a
-    stable sort gains nothing from runs), so positions join the key as its last part
-    where that fits, and the unstable sort gives the stable order."""
+    bits); keys too wide for one combined key are combined in parts, sorted least
+    significant part first, each later pass stable (lexsort's order, without a pass per
+    key). `unique`: the keys together never repeat, so the faster unstable sort gives the
+    same order. `shuffled`: the keys come in no useful order (a stable sort gains nothing
+    from runs), so positions join the key as its last part where that fits, and the
+    unstable sort gives the stable order."""
+    if not all(k.size for k in keys):
+        return np.zeros(0, np.int64)
+    parts = _combined(keys)
+    if parts is None:
+        return np.lexsort(keys[::-1])
+    (combined, span), *higher = parts
+    order = _argsort(combined, span, unique and not higher, shuffled or bool(higher))
+    for part, span in higher:
+        order = order[_argsort(part[order], span, False, False)]
+    return order
+
+
+def _combined(keys: tuple[np.ndarray, ...]) -> list[tuple[np.ndarray, int]] | None:
+    """The keys combined into as few int64 keys as fit below 2**62, least significant
+    first, each with its span; None when a key is negative or alone too wide."""
+    parts: list[tuple[np.ndarray, int]] = []
     combined = np.zeros(keys[0].size, np.int64)
     span = 1
     for k in reversed(keys):
-        if not k.size:
-            return np.zeros(0, np.int64)
         lo, hi = int(k.min()), int(k.max())
-        if lo < 0 or span * (hi + 1) >= 2**62:
-            return np.lexsort(keys[::-1])
+        if lo < 0 or hi + 1 >= 2**62:
+            return None
+        if span * (hi + 1) >= 2**62:
+            parts.append((combined, span))
+            combined = np.zeros(k.size, np.int64)
+            span = 1
         combined += k * span
         span *= hi + 1
+    parts.append((combined, span))
+    return parts
+
+
+def _argsort(combined: np.ndarray, span: int, unique: bool, shuffled: bool) -> np.ndarray:
+    """Stable argsort of one combined key of `span` values (see sort_by)."""
     n = combined.size
     if span <= 1 << 16:
         return np.argsort(combined.astype(np.uint16), kind="stable")

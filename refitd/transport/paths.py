@@ -27,6 +27,7 @@ invisible to stale readers. The controller never sees them.
 from __future__ import annotations
 
 import abc
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from refitd.transport.doorbell import Doorbell
 from refitd.transport.errors import TransportError
 
 DESCRIPTOR_VERSION = 1
+STORE_VALUE_BYTES = 4 << 20  # a descriptor part: half of the largest value TCPStore takes
+PARTS_MAGIC = b"refitd-parts:"  # a header naming the parts of a larger descriptor
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,15 +217,40 @@ class Links:
             return self._store
 
     def publish(self, d: Descriptor) -> None:
-        """Put a destination's descriptor in the store (replacing an older one)."""
+        """Put a destination's descriptor in the store (replacing an older one). One larger
+        than a store value may be (torch's TCPStore refuses values over 8 MiB) goes in
+        parts under keys of its own, then a small header under the descriptor's key names
+        them: a reader sees the old descriptor or the whole new one."""
+        key = descriptor_key(d.kind, d.digest, d.slot)
+        raw = d.to_bytes()
         try:
-            self._client().set(descriptor_key(d.kind, d.digest, d.slot), d.to_bytes())  # type: ignore[attr-defined]
+            store = self._client()
+            if len(raw) <= STORE_VALUE_BYTES:
+                store.set(key, raw)  # type: ignore[attr-defined]
+                return
+            prefix = f"{key}/parts/{d.generation}-{os.urandom(6).hex()}"
+            parts = range(0, len(raw), STORE_VALUE_BYTES)
+            for i, at in enumerate(parts):
+                store.set(f"{prefix}/{i}", raw[at : at + STORE_VALUE_BYTES])  # type: ignore[attr-defined]
+            store.set(key, PARTS_MAGIC + msgpack.packb([prefix, len(parts), len(raw)]))  # type: ignore[attr-defined]
         except TransportError:
             raise
         except Exception as e:
             raise TransportError(
-                f"slot {d.slot}: cannot publish its {d.kind} descriptor of plan {d.digest}: {e}"
+                f"slot {d.slot}: cannot publish its {d.kind} descriptor of plan {d.digest} "
+                f"({len(raw)} bytes): {e}"
             ) from e
+
+    @staticmethod
+    def _joined(store: object, raw: bytes) -> bytes:
+        """The descriptor bytes a header of parts names (raw itself when it is no header)."""
+        if not raw.startswith(PARTS_MAGIC):
+            return raw
+        prefix, n, total = msgpack.unpackb(raw[len(PARTS_MAGIC) :], raw=False)
+        out = b"".join(store.get(f"{prefix}/{i}") for i in range(n))  # type: ignore[attr-defined]
+        if len(out) != total:
+            raise TransportError(f"descriptor parts under {prefix}: {len(out)} bytes of {total}")
+        return out
 
     def fetch(self, kind: str, digest: str, slot: int, what: str) -> Descriptor:
         """The descriptor slot `slot` published for plan `digest` in this epoch, checked
@@ -235,7 +263,7 @@ class Links:
                     f"{what}: slot {slot} published no {kind} descriptor of plan {digest} in "
                     f"communicator epoch {self.epoch} (it has not loaded the plan)"
                 )
-            raw = store.get(key)  # type: ignore[attr-defined]
+            raw = self._joined(store, store.get(key))  # type: ignore[attr-defined]
         except TransportError:
             raise
         except Exception as e:

@@ -41,3 +41,19 @@ def test_sort_by_is_the_stable_lexicographic_order(rows: list, shuffled: bool) -
     want = np.lexsort(keys[::-1]) if rows else np.zeros(0, np.int64)
     assert np.array_equal(sort_by(*keys, shuffled=shuffled), want)
     assert np.array_equal(sort_by(keys[0] * 0 + 7, shuffled=shuffled), np.arange(len(rows)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2**40), st.integers(0, 7), st.integers(0, 2**40)), max_size=80
+    ),
+    st.booleans(),
+    st.booleans(),
+)
+def test_sort_by_keys_too_wide_for_one_int64(rows: list, shuffled: bool, dedupe: bool) -> None:
+    # three keys of up to 2**40 values need more than one combined int64 key
+    rows = sorted(set(rows), key=lambda r: hash(r)) if dedupe else rows
+    keys = [np.array(c, np.int64) for c in zip(*rows, strict=True)] or [np.zeros(0, np.int64)] * 3
+    want = np.lexsort(keys[::-1]) if rows else np.zeros(0, np.int64)
+    assert np.array_equal(sort_by(*keys, unique=dedupe, shuffled=shuffled), want)

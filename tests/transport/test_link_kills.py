@@ -191,11 +191,12 @@ def test_rdma_stopped_destination_times_out_the_write_never_hangs() -> None:
     try:
         link.start()
         pid = link.procs[1].process.pid
-        sender = link.execute(0, 1, timeout_s=4.0)
-        receiver = link.execute(1, 1, timeout_s=4.0)
-        link.writing()
+        # stopped before the refit: stopped after its first bytes, a sender on a loaded box
+        # can have written all 128 MiB before the signal lands
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
+        sender = link.execute(0, 1, timeout_s=4.0)
+        receiver = link.execute(1, 1, timeout_s=4.0)
         with pytest.raises(TransferProcessError) as e:
             sender.result(timeout_s=30)
         msg = str(e.value)

@@ -282,6 +282,32 @@ def test_a_stale_descriptor_is_refused_and_a_fresh_one_is_attached(path, refusal
         raise
 
 
+def test_a_descriptor_larger_than_a_store_value_travels_in_parts() -> None:
+    """torch's TCPStore refuses values over 8 MiB (a destination of 100,000 tensors has a
+    larger descriptor): it is published in parts and read back whole; republished, the
+    reader gets the new one."""
+    import datetime
+    import os
+
+    from refitd.transport.paths import Links
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))  # fmt: skip
+    info = ConnectInfo(epoch=3, store_host="127.0.0.1", store_port=store.port, rank=0,
+                       world_size=1, timeout_s=20)  # fmt: skip
+    links = Links(info, lambda i: store, lambda kind: None)  # type: ignore[arg-type, return-value]
+    body = os.urandom(19 << 20)
+    d = Descriptor("mapped", 3, "abc", 1, 7, tuple(range(1000)), body)
+    links.publish(d)
+    assert len(store.get(descriptor_key("mapped", "abc", 1))) < 1024  # the header only
+    got = links.fetch("mapped", "abc", 1, "test")
+    assert (got.body, got.messages, got.generation) == (body, d.messages, 7)
+    newer = dataclasses.replace(d, generation=8, body=os.urandom(9 << 20))
+    links.publish(newer)
+    got = links.fetch("mapped", "abc", 1, "test")
+    assert (got.body, got.generation) == (newer.body, 8)
+
+
 @needs_rdma
 def test_rdma_memory_the_destination_never_registered_is_refused() -> None:
     """A descriptor naming a destination tensor outside what the slot registered (its

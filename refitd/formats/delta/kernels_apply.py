@@ -47,6 +47,41 @@ def _bit_word(buf, at, nbytes, w):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _check_blocks(buf, kinds_at, counts_at, nb, block, last, bits_at, idx_at, nidx):  # type: ignore[no-untyped-def]
+    """The blocks of a frame whose offsets add up: each bitmap's population equals its count
+    and sets no bit past its block; each index list ascends inside its block."""
+    bbytes = block // 8
+    indices = buf[idx_at : idx_at + 2 * nidx].view(np.uint16)
+    b = bits_at
+    i = 0
+    for k in range(nb):
+        kind = buf[kinds_at + k]
+        c = _u16(buf, counts_at + 2 * k)
+        ln = block if k < nb - 1 else last
+        if kind == BITMAP:
+            population = 0
+            for w in range((bbytes + 7) // 8):
+                m = _bit_word(buf, b, bbytes, w)
+                population += popcount(m)
+                if m and (w << 6) + 63 - leading_zeros(m) >= ln:
+                    return PAST_BLOCK, k
+            if population != c:
+                return BAD_POPULATION, k
+            b += bbytes
+        elif kind == INDEX:
+            x = indices[i : i + c]
+            unordered = False
+            for j in range(1, c):  # no early exit: the check vectorises
+                unordered |= x[j] <= x[j - 1]
+            if unordered:
+                return UNORDERED, k
+            if x[c - 1] >= ln:  # ascending, so the last one is the largest
+                return PAST_BLOCK, k
+            i += c
+    return OK, np.int64(0)
+
+
+@njit(nogil=True, cache=True)
 def _check_frame(buf, pos, n, block, width, lay):  # type: ignore[no-untyped-def]
     """Check the frame at buf[pos:] against n elements in full; (code, detail) and its
     layout in lay: blocks; offsets of kinds, counts, bitmaps, indices and values; frame
@@ -94,33 +129,9 @@ def _check_frame(buf, pos, n, block, width, lay):  # type: ignore[no-untyped-def
         return TRUNCATED, values_at + nvals * width
     if pad8(values_at + nvals * width) != end:
         return BAD_SIZE, nbytes
-    indices = buf[idx_at : idx_at + 2 * nidx].view(np.uint16)
-    b = bits_at
-    i = 0
-    for k in range(nb):
-        kind = buf[kinds_at + k]
-        c = _u16(buf, counts_at + 2 * k)
-        ln = block if k < nb - 1 else last
-        if kind == BITMAP:
-            population = 0
-            for w in range((bbytes + 7) // 8):
-                m = _bit_word(buf, b, bbytes, w)
-                population += popcount(m)
-                if m and (w << 6) + 63 - leading_zeros(m) >= ln:
-                    return PAST_BLOCK, k
-            if population != c:
-                return BAD_POPULATION, k
-            b += bbytes
-        elif kind == INDEX:
-            x = indices[i : i + c]
-            unordered = False
-            for j in range(1, c):  # no early exit: the check vectorises
-                unordered |= x[j] <= x[j - 1]
-            if unordered:
-                return UNORDERED, k
-            if x[c - 1] >= ln:  # ascending, so the last one is the largest
-                return PAST_BLOCK, k
-            i += c
+    code, detail = _check_blocks(buf, kinds_at, counts_at, nb, block, last, bits_at, idx_at, nidx)
+    if code != OK:
+        return code, detail
     lay[0] = nb
     lay[1] = kinds_at
     lay[2] = counts_at
