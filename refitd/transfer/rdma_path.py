@@ -33,7 +33,8 @@ import torch
 from refitd.torch_dtypes import torch_dtype
 from refitd.transport.doorbell import HEADER_WORDS, MAGIC, RETIRED, Doorbell, value
 from refitd.transport.errors import TransportError
-from refitd.transport.mooncake import MooncakeEndpoint, MooncakeOptions, MooncakePeer, Runs
+from refitd.transport.mooncake import MooncakeEndpoint, MooncakeOptions, MooncakePeer
+from refitd.transport.mooncake_runs import Runs
 from refitd.transport.paths import (
     Exposed,
     Exposure,

@@ -19,7 +19,6 @@ import hashlib
 import json
 import threading
 import time
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, astuple, dataclass
@@ -31,13 +30,12 @@ import torch
 
 from refitd.transport.errors import TransportError
 from refitd.transport.mooncake_env import check_fabric
+from refitd.transport.mooncake_runs import Batch, Ranges, Runs, batches
 
 STAMP_BYTES = 64
 PROBE_S = 2.0  # longest wait for a peer's answer when telling a gone peer from a refusal
 MAGIC = b"refitd-mc1:"
 Route = tuple[Any, str]  # a local engine and a session of the peer's
-_Batch = tuple[int, list[int], list[int], list[int]]  # route, locals, remotes, lengths
-Runs = tuple[np.ndarray, np.ndarray, np.ndarray]  # int64 local addresses, remote, nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,28 +102,6 @@ def _digest(fields: Sequence[Any]) -> str:
     return hashlib.sha256(json.dumps(list(fields)).encode()).hexdigest()[:32]
 
 
-class _Ranges:
-    """Sorted, disjoint (address, nbytes) ranges and a containment check."""
-
-    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
-        self.ranges = sorted((int(a), int(n)) for a, n in ranges)
-        self._starts = [a for a, _ in self.ranges]
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        i = bisect_right(self._starts, addr) - 1
-        return i >= 0 and addr + nbytes <= self.ranges[i][0] + self.ranges[i][1]
-
-    def outside(self, addr: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-        """Positions of the (addr, nbytes) runs that no one range contains."""
-        if not self.ranges:
-            return np.arange(addr.size)
-        starts = np.array(self._starts, np.int64)
-        ends = starts + np.array([n for _, n in self.ranges], np.int64)
-        i = np.searchsorted(starts, addr, side="right") - 1
-        ok = (i >= 0) & (addr + nbytes <= ends[np.maximum(i, 0)])
-        return np.flatnonzero(~ok)
-
-
 class MooncakeEndpoint:
     """This slot's Transfer Engines: its registered memory, its descriptor, its peers."""
 
@@ -142,7 +118,7 @@ class MooncakeEndpoint:
         self._stamp = torch.zeros(2 * STAMP_BYTES, dtype=torch.uint8)
         self._register_raw([(self._stamp.data_ptr(), self._stamp.numel())])
         self._held: list[torch.Tensor] = []
-        self._local = _Ranges([])
+        self._local = Ranges([])
         self._extra: dict[int, tuple[int, torch.Tensor]] = {}  # add_local: addr -> (n, held)
         self._descriptor: SegmentDescriptor | None = None
 
@@ -169,7 +145,7 @@ class MooncakeEndpoint:
                     f"and non-empty, got shape {tuple(t.shape)}"
                 )
             ranges.append((t.data_ptr(), t.numel() * t.element_size()))
-        new = _Ranges(ranges)
+        new = Ranges(ranges)
         clash = next(((p, c) for p, c in pairwise(new.ranges) if sum(p) > c[0]), None)
         if clash:
             raise TransportError(
@@ -209,7 +185,7 @@ class MooncakeEndpoint:
         for engine in self._engines:
             for addr, _ in self._local.ranges:
                 engine.unregister_memory(addr)
-        self._held, self._local, self._descriptor = [], _Ranges([]), None
+        self._held, self._local, self._descriptor = [], Ranges([]), None
 
     def descriptor(self) -> bytes:
         """The bytes a peer needs to write here (they travel through the rendezvous store)."""
@@ -255,7 +231,7 @@ class MooncakeEndpoint:
 
     def check_local(self, local: np.ndarray, nbytes: np.ndarray) -> None:
         """Refuse runs of this process's memory outside what this endpoint registered."""
-        mine = _Ranges(self._local.ranges + [(a, n) for a, (n, _) in self._extra.items()])
+        mine = Ranges(self._local.ranges + [(a, n) for a, (n, _) in self._extra.items()])
         bad = mine.outside(local, nbytes)
         if bad.size:
             k = int(bad[0])
@@ -291,7 +267,7 @@ class MooncakePeer:
         self, endpoint: MooncakeEndpoint, desc: SegmentDescriptor, routes: list[Route]
     ) -> None:
         self.endpoint, self.desc, self.slot = endpoint, desc, desc.slot
-        self._routes, self._remote = routes, _Ranges(desc.buffers)
+        self._routes, self._remote = routes, Ranges(desc.buffers)
 
     def covers(self, addr: int, nbytes: int) -> bool:
         """Whether [addr, addr + nbytes) lies in one buffer the peer registered."""
@@ -336,29 +312,13 @@ class MooncakePeer:
             local, remote, nbytes = local + off, remote + off, np.minimum(split, total - off)
         label = f"mooncake {what} {'from' if read else 'to'} {self.desc.where}"
         work = MooncakeWork(self._routes, label, timeout_s, options.window, read)
-        work.post(_batches((local, remote, nbytes), options.batch, split, len(self._routes)))
+        work.post(batches((local, remote, nbytes), options.batch, split, len(self._routes)))
         return work
 
 
 def _arrays(ops: Sequence[WriteOp]) -> Runs:
     table = np.array([(o.local, o.remote, o.nbytes) for o in ops], np.int64).reshape(-1, 3)
     return table[:, 0], table[:, 1], table[:, 2]
-
-
-def _batches(runs: Runs, most: int, nbytes: int, routes: int) -> list[_Batch]:
-    """Runs grouped into batches of at most `most` requests and about `nbytes` bytes,
-    spread over the routes batch by batch."""
-    local, remote, n = runs
-    if not n.size:
-        return []
-    before = np.cumsum(n) - n
-    k = np.arange(n.size)
-    starts = np.flatnonzero((k % most == 0) | (np.diff(before // nbytes, prepend=-1) != 0))
-    ends = [*starts[1:].tolist(), n.size]
-    return [
-        (b % routes, local[a:e].tolist(), remote[a:e].tolist(), n[a:e].tolist())
-        for b, (a, e) in enumerate(zip(starts.tolist(), ends, strict=True))
-    ]
 
 
 class MooncakeWork:
@@ -369,14 +329,14 @@ class MooncakeWork:
         self, routes: list[Route], label: str, timeout: float, window: int, read: bool
     ) -> None:
         self._routes, self._label, self._window, self._read = routes, label, window, read
-        self._queue: deque[_Batch] = deque()
+        self._queue: deque[Batch] = deque()
         self._inflight: list[tuple[Any, int, int]] = []  # (engine, batch id, requests)
         self._total = self._done = 0
         self._start, self._default_timeout = time.monotonic(), timeout
         self._deadline = self._start + timeout
         self._error: TransportError | None = None
 
-    def post(self, batches: Sequence[_Batch]) -> None:
+    def post(self, batches: Sequence[Batch]) -> None:
         self._queue.extend(batches)
         self._total += sum(len(b[1]) for b in batches)
         self._submit()
