@@ -33,6 +33,7 @@ from refitd.transport.mooncake_env import check_fabric
 from refitd.transport.mooncake_runs import Batch, Ranges, Runs, batches
 
 STAMP_BYTES = 64
+BATCH_BYTES = 256 << 10  # runs of up to this many bytes in all share a batch
 PROBE_S = 2.0  # longest wait for a peer's answer when telling a gone peer from a refusal
 MAGIC = b"refitd-mc1:"
 Route = tuple[Any, str]  # a local engine and a session of the peer's
@@ -312,7 +313,9 @@ class MooncakePeer:
             local, remote, nbytes = local + off, remote + off, np.minimum(split, total - off)
         label = f"mooncake {what} {'from' if read else 'to'} {self.desc.where}"
         work = MooncakeWork(self._routes, label, timeout_s, options.window, read)
-        work.post(batches((local, remote, nbytes), options.batch, split, len(self._routes)))
+        # only small runs share a batch: a batch goes to one route, large runs use them all
+        cap = min(split, BATCH_BYTES)
+        work.post(batches((local, remote, nbytes), options.batch, cap, len(self._routes)))
         return work
 
 
