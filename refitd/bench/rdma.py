@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lanes", type=int, default=defaults.lanes)
     parser.add_argument("--split", type=parse_bytes, default=defaults.split_bytes)
     parser.add_argument("--window", type=int, default=defaults.window)
+    parser.add_argument("--batch", type=int, default=defaults.batch)
     parser.add_argument("--timeout", type=float, default=300.0)
 
 
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         lanes=args.lanes,
         split_bytes=args.split,
         window=args.window,
+        batch=args.batch,
     )
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     rounds = [(s, min(args.bytes, s * args.max_messages) // s) for s in sizes]

@@ -41,8 +41,8 @@ class OneSidedLinks:
     """One-sided paths of one loaded plan in one transfer process (see the module doc)."""
 
     peers: dict[int, tuple[Peer, Descriptor]] = field(default_factory=dict)
-    doorbell: Doorbell | None = None
-    recv_entries: dict[int, int] = field(default_factory=dict)  # message id -> entry
+    # message id -> (doorbell, entry): a slot has a doorbell per path kind it receives on
+    recv: dict[int, tuple[Doorbell, int]] = field(default_factory=dict)
 
     def stale(self) -> list[int]:
         """Destination slots whose doorbell no longer shows the descriptor's generation
@@ -104,14 +104,12 @@ class OneSided:
                 f"slot {program.slot}: messages to slots {missing} go by a one-sided path, but "
                 "no descriptor of theirs was attached"
             )
-        if self.recv and self.links.doorbell is None:
-            raise ExecutionError(
-                f"slot {program.slot}: it receives messages on a one-sided path but exposed "
-                "no doorbell"
-            )
-        absent = sorted(m for m in self.recv if m not in self.links.recv_entries)
+        absent = sorted(m for m in self.recv if m not in self.links.recv)
         if absent:
-            raise ExecutionError(f"slot {program.slot}: no doorbell entry for messages {absent}")
+            raise ExecutionError(
+                f"slot {program.slot}: it receives messages {absent[:8]} on a one-sided path "
+                "but exposed no doorbell entry for them"
+            )
 
     @property
     def mids(self) -> frozenset[int]:
@@ -196,9 +194,8 @@ class OneSided:
 
     def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> _BellWork:
         """The wait of one receive chunk."""
-        bell = self.links.doorbell
-        assert bell is not None
-        return _BellWork(bell, self.links.recv_entries[ch.mid], attempt, ch.index + 1, abort, what)
+        bell, entry = self.links.recv[ch.mid]
+        return _BellWork(bell, entry, attempt, ch.index + 1, abort, what)
 
 
 def _check_region(t: ResolvedTensor, c, i: int, index: int, what: str) -> None:

@@ -128,12 +128,8 @@ def attach(links: Links | None, program: SlotProgram, exposures: Exposures) -> O
     """This slot's one-sided links for its executor: a peer per destination slot of its
     one-sided sends (descriptors fetched now), its own doorbell for its receives."""
     out = OneSidedLinks()
-    recv = _by_kind(program, "recv")
-    if len(recv) > 1:
-        raise ExecutionError(f"slot {program.slot}: receives on several one-sided paths {recv}")
-    for _kind, (exposure, d) in exposures.by_kind.items():
-        out.doorbell = exposure.doorbell
-        out.recv_entries = dict(d.entry)
+    for exposure, d in exposures.by_kind.values():  # a doorbell per path kind received on
+        out.recv.update({m: (exposure.doorbell, k) for m, k in d.entry.items()})
     sends = _by_kind(program, "send")
     if not sends:
         return out

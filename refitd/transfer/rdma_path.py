@@ -33,7 +33,8 @@ import torch
 from refitd.torch_dtypes import torch_dtype
 from refitd.transport.doorbell import HEADER_WORDS, MAGIC, RETIRED, Doorbell, value
 from refitd.transport.errors import TransportError
-from refitd.transport.mooncake import MooncakeEndpoint, MooncakeOptions, MooncakePeer, WriteOp
+from refitd.transport.mooncake import MooncakeEndpoint, MooncakeOptions, MooncakePeer
+from refitd.transport.mooncake_runs import Runs
 from refitd.transport.paths import (
     Exposed,
     Exposure,
@@ -90,6 +91,10 @@ def _runs(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[list[
         step = np.arange(n, dtype=np.int64)
         offs = [(o[:, None] + step * st).ravel() for o, st in zip(offs, sts, strict=True)]
     return offs, run
+
+
+def _one(local: int, remote: int, nbytes: int) -> Runs:
+    return tuple(np.array([v], np.int64) for v in (local, remote, nbytes))  # type: ignore[return-value]
 
 
 class RdmaExposure(Exposure):
@@ -156,16 +161,16 @@ class RdmaPeer(Peer):
             self._registered.add(key)
 
     def write(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> None:
-        ops: list[WriteOp] = []
-        for d, s in zip(dst, src, strict=True):
-            if d.numel():
-                ops += self._ops(d, s)
-        self._post(ops, deadline)
+        runs = [self._runs(d, s) for d, s in zip(dst, src, strict=True) if d.numel()]
+        if runs:
+            self._post(tuple(np.concatenate(col) for col in zip(*runs, strict=True)), deadline)
 
     def flush(self, views: list[torch.Tensor], deadline: float) -> None:
         self.write(views, views, deadline)
 
-    def _ops(self, d: torch.Tensor, s: torch.Tensor) -> list[WriteOp]:
+    def _runs(self, d: torch.Tensor, s: torch.Tensor) -> Runs:
+        """(local, remote, nbytes) of the contiguous runs that put `s` where `d` is at the
+        destination: read from `s` itself when it can be, else from `d` after a copy."""
         mirror, remote = self._mirrors[d.untyped_storage().data_ptr()]
         item = d.element_size()
         (doff,), run = _runs(d.shape, [d.stride()])
@@ -177,27 +182,24 @@ class RdmaPeer(Peer):
             d.copy_(s)
             s, soff = d, doff
         self._register(s)
-        base_d = d.data_ptr() - mirror + remote
-        n = run * item
-        return [
-            WriteOp(s.data_ptr() + int(a) * item, base_d + int(b) * item, n)
-            for a, b in zip(soff.tolist(), doff.tolist(), strict=True)
-        ]
+        local = s.data_ptr() + soff * item
+        return local, d.data_ptr() - mirror + remote + doff * item, np.full_like(doff, run * item)
 
-    def _post(self, ops: list[WriteOp], deadline: float, read: bool = False) -> None:
-        if not ops:
+    def _post(self, runs: Runs, deadline: float, read: bool = False) -> None:
+        local, remote, n = runs
+        if not n.size:
             return
         self._deadline = deadline
-        merged = [ops[0]]
-        for op in ops[1:]:  # adjacent on both sides: one request
-            last = merged[-1]
-            if last.local + last.nbytes == op.local and last.remote + last.nbytes == op.remote:
-                merged[-1] = WriteOp(last.local, last.remote, last.nbytes + op.nbytes)
-            else:
-                merged.append(op)
+        # runs adjacent on both sides (e.g. tensors side by side in an arena): one request
+        joined = np.ones(n.size, bool)
+        joined[0] = False
+        ends_l, ends_r = local[:-1] + n[:-1], remote[:-1] + n[:-1]
+        joined[1:] = (ends_l == local[1:]) & (ends_r == remote[1:])
+        if joined.any():
+            first = np.flatnonzero(~joined)
+            local, remote, n = local[first], remote[first], np.add.reduceat(n, first)
         timeout = max(deadline - time.monotonic(), 0.05)
-        post = self.peer.read if read else self.peer.write
-        post(merged, timeout).wait(timeout)
+        self.peer.post((local, remote, n), timeout, read=read).wait(timeout)
 
     def _control_deadline(self) -> float:
         return max(self._deadline, time.monotonic() + CONTROL_TIMEOUT_S)
@@ -206,13 +208,13 @@ class RdmaPeer(Peer):
         with self._lock:
             self._scratch[0] = value(attempt, chunks)
             at = self.bell + 8 * (HEADER_WORDS + entry)
-            self._post([WriteOp(self._scratch.data_ptr(), at, 8)], self._control_deadline())
+            self._post(_one(self._scratch.data_ptr(), at, 8), self._control_deadline())
 
     def generation(self) -> int:
         with self._lock:
             self._scratch[1:3] = 0
-            op = WriteOp(self._scratch.data_ptr() + 8, self.bell, 16)
-            self._post([op], self._control_deadline(), read=True)
+            op = _one(self._scratch.data_ptr() + 8, self.bell, 16)
+            self._post(op, self._control_deadline(), read=True)
             magic, gen = (int(x) for x in self._scratch[1:3].tolist())
         return gen if magic == MAGIC else RETIRED
 

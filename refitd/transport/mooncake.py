@@ -17,27 +17,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, astuple, dataclass
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
 import torch
 
 from refitd.transport.errors import TransportError
-from refitd.transport.mooncake_env import (
-    RDMA_SYSFS,
-    mooncake_unavailable_reason,
-    rdma_devices_present,
-)
+from refitd.transport.mooncake_env import check_fabric
+from refitd.transport.mooncake_runs import Batch, Ranges, Runs, batches
 
-PROTOCOLS = ("tcp", "rdma")
 STAMP_BYTES = 64
+BATCH_BYTES = 256 << 10  # runs of up to this many bytes in all share a batch
 PROBE_S = 2.0  # longest wait for a peer's answer when telling a gone peer from a refusal
 MAGIC = b"refitd-mc1:"
 Route = tuple[Any, str]  # a local engine and a session of the peer's
@@ -54,7 +50,8 @@ class MooncakeOptions:
     engines: int = 2  # TCP: engines per endpoint, one I/O thread each (RDMA: always one)
     lanes: int = 4  # TCP: connections per peer and engine
     split_bytes: int = 16 << 20  # writes above this are posted as several requests
-    window: int = 256  # requests in flight per Work
+    window: int = 256  # batches in flight per Work
+    batch: int = 64  # requests per batch (small runs, e.g. the rows of a strided region)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,25 +103,13 @@ def _digest(fields: Sequence[Any]) -> str:
     return hashlib.sha256(json.dumps(list(fields)).encode()).hexdigest()[:32]
 
 
-class _Ranges:
-    """Sorted, disjoint (address, nbytes) ranges and a containment check."""
-
-    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
-        self.ranges = sorted((int(a), int(n)) for a, n in ranges)
-        self._starts = [a for a, _ in self.ranges]
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        i = bisect_right(self._starts, addr) - 1
-        return i >= 0 and addr + nbytes <= self.ranges[i][0] + self.ranges[i][1]
-
-
 class MooncakeEndpoint:
     """This slot's Transfer Engines: its registered memory, its descriptor, its peers."""
 
     def __init__(self, slot: int, options: MooncakeOptions | None = None) -> None:
         self.slot = slot
         self.options = options = options or MooncakeOptions()
-        _check_fabric(options)
+        check_fabric(options.protocol, options.devices, options.lanes)
         count = max(1, options.engines) if options.protocol == "tcp" else 1
         self._engines: list[Any] = [self._start_engine() for _ in range(count)]
         host = f"[{options.host}]" if ":" in options.host else options.host
@@ -134,7 +119,7 @@ class MooncakeEndpoint:
         self._stamp = torch.zeros(2 * STAMP_BYTES, dtype=torch.uint8)
         self._register_raw([(self._stamp.data_ptr(), self._stamp.numel())])
         self._held: list[torch.Tensor] = []
-        self._local = _Ranges([])
+        self._local = Ranges([])
         self._extra: dict[int, tuple[int, torch.Tensor]] = {}  # add_local: addr -> (n, held)
         self._descriptor: SegmentDescriptor | None = None
 
@@ -161,7 +146,7 @@ class MooncakeEndpoint:
                     f"and non-empty, got shape {tuple(t.shape)}"
                 )
             ranges.append((t.data_ptr(), t.numel() * t.element_size()))
-        new = _Ranges(ranges)
+        new = Ranges(ranges)
         clash = next(((p, c) for p, c in pairwise(new.ranges) if sum(p) > c[0]), None)
         if clash:
             raise TransportError(
@@ -201,7 +186,7 @@ class MooncakeEndpoint:
         for engine in self._engines:
             for addr, _ in self._local.ranges:
                 engine.unregister_memory(addr)
-        self._held, self._local, self._descriptor = [], _Ranges([]), None
+        self._held, self._local, self._descriptor = [], Ranges([]), None
 
     def descriptor(self) -> bytes:
         """The bytes a peer needs to write here (they travel through the rendezvous store)."""
@@ -231,7 +216,7 @@ class MooncakeEndpoint:
                 self._stamp[STAMP_BYTES:] = 0
                 scratch = self._stamp.data_ptr() + STAMP_BYTES
                 work = MooncakeWork([route], f"stamp read of {desc.where}", timeout_s, 1, True)
-                work.post([(0, scratch, desc.stamp, STAMP_BYTES)])
+                work.post([(0, [scratch], [desc.stamp], [STAMP_BYTES])])
                 work.wait(timeout_s)
                 live = bytes(self._stamp[STAMP_BYTES:].tolist())
                 if not live.startswith(MAGIC):
@@ -245,13 +230,15 @@ class MooncakeEndpoint:
                     )
         return MooncakePeer(self, desc, routes)
 
-    def check_local(self, op: WriteOp) -> None:
-        if not self._local.contains(op.local, op.nbytes) and not any(
-            a <= op.local and op.local + op.nbytes <= a + n for a, (n, _) in self._extra.items()
-        ):
+    def check_local(self, local: np.ndarray, nbytes: np.ndarray) -> None:
+        """Refuse runs of this process's memory outside what this endpoint registered."""
+        mine = Ranges(self._local.ranges + [(a, n) for a, (n, _) in self._extra.items()])
+        bad = mine.outside(local, nbytes)
+        if bad.size:
+            k = int(bad[0])
             raise TransportError(
-                f"slot {self.slot}: source {_hex((op.local, op.nbytes))} is outside this "
-                "slot's registered memory (register it first)"
+                f"slot {self.slot}: source {_hex((int(local[k]), int(nbytes[k])))} is outside "
+                "this slot's registered memory (register it first)"
             )
 
     def close(self) -> None:
@@ -281,7 +268,7 @@ class MooncakePeer:
         self, endpoint: MooncakeEndpoint, desc: SegmentDescriptor, routes: list[Route]
     ) -> None:
         self.endpoint, self.desc, self.slot = endpoint, desc, desc.slot
-        self._routes, self._remote = routes, _Ranges(desc.buffers)
+        self._routes, self._remote = routes, Ranges(desc.buffers)
 
     def covers(self, addr: int, nbytes: int) -> bool:
         """Whether [addr, addr + nbytes) lies in one buffer the peer registered."""
@@ -290,57 +277,71 @@ class MooncakePeer:
     def write(self, ops: Sequence[WriteOp], timeout_s: float, message: str = "") -> MooncakeWork:
         """Post these writes (each checked against both registrations first) and return the
         Work; its wait raises TransportError on any failure or after timeout_s."""
-        return self._post(ops, timeout_s, message, False)
+        return self.post(_arrays(ops), timeout_s, message, False)
 
     def read(self, ops: Sequence[WriteOp], timeout_s: float, message: str = "") -> MooncakeWork:
         """Post one-sided reads: each op's `remote` bytes into its `local` address."""
-        return self._post(ops, timeout_s, message, True)
+        return self.post(_arrays(ops), timeout_s, message, True)
 
-    def _post(
-        self, ops: Sequence[WriteOp], timeout_s: float, message: str, read: bool
+    def post(
+        self, runs: Runs, timeout_s: float, message: str = "", read: bool = False
     ) -> MooncakeWork:
+        """Post writes (or reads) of runs given as arrays (local, remote, nbytes), each
+        checked against both registrations first: many small runs cost no Python objects."""
         what = f"message {message}" if message else ("read" if read else "write")
         if not self._remote.ranges:
             raise TransportError(f"{what} to {self.desc.where}: the peer registered no memory")
-        requests = []
-        split = self.endpoint.options.split_bytes
-        for op in ops:
-            if op.nbytes <= 0:
-                continue
-            self.endpoint.check_local(op)
-            if not self._remote.contains(op.remote, op.nbytes):
-                raise TransportError(
-                    f"{what} to {self.desc.where}: destination {_hex((op.remote, op.nbytes))} "
-                    "is outside the peer's registered buffers"
-                )
-            for off in range(0, op.nbytes, split):
-                route = len(requests) % len(self._routes)
-                requests.append(
-                    (route, op.local + off, op.remote + off, min(split, op.nbytes - off))
-                )
+        local, remote, nbytes = (np.asarray(a, np.int64) for a in runs)
+        keep = nbytes > 0
+        if not keep.all():
+            local, remote, nbytes = local[keep], remote[keep], nbytes[keep]
+        self.endpoint.check_local(local, nbytes)
+        bad = self._remote.outside(remote, nbytes)
+        if bad.size:
+            k = int(bad[0])
+            raise TransportError(
+                f"{what} to {self.desc.where}: destination "
+                f"{_hex((int(remote[k]), int(nbytes[k])))} is outside the peer's registered buffers"
+            )
+        options = self.endpoint.options
+        split = options.split_bytes
+        if (nbytes > split).any():  # large runs: several requests each
+            parts = -(-nbytes // split)
+            first = np.repeat(np.cumsum(parts) - parts, parts)
+            off = (np.arange(int(parts.sum())) - first) * split
+            local, remote, total = (np.repeat(a, parts) for a in (local, remote, nbytes))
+            local, remote, nbytes = local + off, remote + off, np.minimum(split, total - off)
         label = f"mooncake {what} {'from' if read else 'to'} {self.desc.where}"
-        work = MooncakeWork(self._routes, label, timeout_s, self.endpoint.options.window, read)
-        work.post(requests)
+        work = MooncakeWork(self._routes, label, timeout_s, options.window, read)
+        # only small runs share a batch: a batch goes to one route, large runs use them all
+        cap = min(split, BATCH_BYTES)
+        work.post(batches((local, remote, nbytes), options.batch, cap, len(self._routes)))
         return work
 
 
+def _arrays(ops: Sequence[WriteOp]) -> Runs:
+    table = np.array([(o.local, o.remote, o.nbytes) for o in ops], np.int64).reshape(-1, 3)
+    return table[:, 0], table[:, 1], table[:, 2]
+
+
 class MooncakeWork:
-    """Requests posted to the engines (at most `window` at once); wait() polls them."""
+    """Batches of requests posted to the engines (at most `window` batches at once);
+    wait() polls them."""
 
     def __init__(
         self, routes: list[Route], label: str, timeout: float, window: int, read: bool
     ) -> None:
         self._routes, self._label, self._window, self._read = routes, label, window, read
-        self._queue: deque[tuple[int, int, int, int]] = deque()  # (route, local, remote, n)
-        self._inflight: list[tuple[Any, int]] = []  # (engine, batch id)
+        self._queue: deque[Batch] = deque()
+        self._inflight: list[tuple[Any, int, int]] = []  # (engine, batch id, requests)
         self._total = self._done = 0
         self._start, self._default_timeout = time.monotonic(), timeout
         self._deadline = self._start + timeout
         self._error: TransportError | None = None
 
-    def post(self, requests: Sequence[tuple[int, int, int, int]]) -> None:
-        self._queue.extend(requests)
-        self._total += len(requests)
+    def post(self, batches: Sequence[Batch]) -> None:
+        self._queue.extend(batches)
+        self._total += sum(len(b[1]) for b in batches)
         self._submit()
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -372,20 +373,20 @@ class MooncakeWork:
                 if self._read
                 else engine.batch_transfer_async_write
             )
-            bid = post(session, [local], [remote], [n])
+            bid = post(session, local, remote, n)
             if bid == 0:
                 self._fail(f"could not post to the peer: {self._peer_state()}")
                 return
-            self._inflight.append((engine, bid))
+            self._inflight.append((engine, bid, len(n)))
 
     def _poll(self) -> int:
         still, finished = [], 0
-        for engine, bid in self._inflight:
+        for engine, bid, count in self._inflight:
             state = engine.transfer_check_status(bid)
             if state == 0:
-                still.append((engine, bid))
+                still.append((engine, bid, count))
             elif state == 1:
-                finished += 1
+                finished += count
             else:
                 kind = "failed" if state == -1 else "timed out in the engine"
                 self._fail(f"a request {kind}: {self._peer_state()}")
@@ -406,41 +407,6 @@ class MooncakeWork:
     def _fail(self, why: str) -> None:
         elapsed = time.monotonic() - self._start
         self._error = TransportError(f"{self._label} after {elapsed:.2f}s: {why}")
-
-
-def _check_fabric(options: MooncakeOptions) -> None:
-    """Refuse, with what is missing, a protocol or device this host cannot serve."""
-    if options.protocol not in PROTOCOLS:
-        raise TransportError(f"rdma_protocol must be tcp or rdma, got {options.protocol!r}")
-    _configure_environment(options)
-    reason = mooncake_unavailable_reason()
-    if reason:
-        raise TransportError(f"the rdma path is unavailable: {reason}")
-    if options.protocol == "rdma":
-        present = rdma_devices_present()
-        if not present:
-            raise TransportError(
-                f"rdma_protocol=rdma but this host has no RDMA device ({RDMA_SYSFS} is empty "
-                "or absent: no fabric, or its driver is not loaded); use rdma_protocol=tcp"
-            )
-        missing = sorted(set(options.devices) - set(present))
-        if missing:
-            raise TransportError(
-                f"rdma_devices {', '.join(missing)} not found on this host; "
-                f"present: {', '.join(present)}"
-            )
-
-
-def _configure_environment(options: MooncakeOptions) -> None:
-    """The engine's tunables are environment variables read when it starts; an operator's
-    own MC_TCP_* values win over the options."""
-    env = os.environ
-    if options.protocol == "tcp":
-        env["MC_FORCE_TCP"] = "1"
-    else:
-        env.pop("MC_FORCE_TCP", None)
-    env.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1")
-    env.setdefault("MC_TCP_LANES_PER_PEER", str(options.lanes))
 
 
 def _probe(engine: Any, session: str, budget_s: float) -> bool | None:

@@ -8,7 +8,9 @@ hostb, the others on hostc), so every pool spans two hosts (collective links). h
 /etc/hosts maps its name to 127.0.1.1 (the Debian default) and hostc's name does not
 resolve at all: the agents must not take their data-plane address from the host name.
 hosta sets --data-plane-address, hostb --data-plane-interface, hostc uses the default (the
-route to the controller). Skipped only where network namespaces cannot be made (not root,
+route to the controller). Where Mooncake imports, hosta and hostb offer the rdma path
+(over TCP) and hostc, set to rdma_protocol=rdma without an RDMA device, does not: links
+between hosta and hostb go rdma, those to hostc collective. Skipped only where network namespaces cannot be made (not root,
 no `ip`). Torn down even on failure; namespaces of killed runs are removed first.
 """
 
@@ -66,7 +68,8 @@ def cluster(network: netns.Network) -> Iterator[MultiHostCluster]:
     agents = {
         "hosta": AgentSpec("cpu:0,cpu:1", ["--data-plane-address", network.hosts["hosta"].address]),
         "hostb": AgentSpec("cpu:0,cpu:1", ["--data-plane-interface", "eth0"]),
-        "hostc": AgentSpec("cpu:0,cpu:1"),
+        # RDMA WRITEs asked for on a host without an RDMA device: hostc offers no rdma path
+        "hostc": AgentSpec("cpu:0,cpu:1", ["--rdma-protocol", "rdma"]),
     }
     c = MultiHostCluster(network, "ctl", agents, WORKERS, MB, SERVE_ARGS)
     try:

@@ -15,6 +15,7 @@ import pytest
 from refitd.bench.cluster.multihost import MultiHostCluster
 from refitd.cli.status import render
 from refitd.demo.gpt import GptConfig
+from refitd.transport.mooncake_env import mooncake_unavailable_reason
 
 from .conftest import LEASE_S, MB
 
@@ -49,10 +50,13 @@ def test_tp2_trainer_to_two_pools_spread_over_two_hosts(cluster: MultiHostCluste
     assert sent >= 2 * model  # two versions, each read once from the trainer host
 
 
-def test_one_refit_mixes_local_mapped_and_collective_links(cluster: MultiHostCluster) -> None:
+def test_one_refit_mixes_local_mapped_rdma_and_collective_links(
+    cluster: MultiHostCluster,
+) -> None:
     """infer-c shares hosta with the trainer: a local copy from the rank on its slot and a
-    mapped link from the other slot; the pools on hostb and hostc are reached by the
-    communicator. The plan, the status and the refit record say so."""
+    mapped link from the other slot; the pool ranks on hostb are reached by rdma writes
+    (where Mooncake imports), those on hostc (no rdma offered) by the communicator. The
+    plan, the status and the refit record say so."""
     doc = cluster.status()
     model = next(m for m in doc["models"] if m["name"] == cluster.model)
     _committed(cluster, model["committed_version"] + 1)
@@ -61,13 +65,19 @@ def test_one_refit_mixes_local_mapped_and_collective_links(cluster: MultiHostClu
     assert links["policy"] == "auto" and "fallback" not in links, links
     assert links["mapped"]["messages"] > 0 and links["collective"]["messages"] > 0, links
     assert links["local"]["copies"] > 0, links
+    rdma = mooncake_unavailable_reason() is None
+    assert ("rdma" in links) == rdma, links
     record = doc["refits"][0]
     assert record["state"] == "committed" and record["links"] == links, record
+    offers = ["mapped", "rdma"] if rdma else ["mapped"]
     assert {a["host"]: a["links"] for a in doc["agents"] if a["connected"]} == {
-        h: ["mapped"] for h in ("hosta", "hostb", "hostc")
+        "hosta": offers,
+        "hostb": offers,
+        "hostc": ["mapped"],
     }
     line = next(x for x in render(doc).splitlines() if "links auto:" in x)
     assert "mapped" in line and "collective" in line and "local" in line, line
+    assert ("rdma" in line) == rdma, line
 
 
 def test_agent_with_loopback_data_plane_refuses_to_start(cluster: MultiHostCluster) -> None:

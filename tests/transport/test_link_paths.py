@@ -28,7 +28,7 @@ from refitd.plan.wire import (
 )
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import epoch_prefix
-from refitd.transport.mooncake import mooncake_unavailable_reason
+from refitd.transport.mooncake_env import mooncake_unavailable_reason
 from refitd.transport.paths import Descriptor, descriptor_key
 
 RDMA_REASON = mooncake_unavailable_reason()

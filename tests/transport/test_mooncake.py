@@ -24,9 +24,8 @@ from refitd.transport.mooncake import (
     MooncakeOptions,
     SegmentDescriptor,
     WriteOp,
-    mooncake_unavailable_reason,
-    rdma_devices_present,
 )
+from refitd.transport.mooncake_env import mooncake_unavailable_reason, rdma_devices_present
 
 REASON = mooncake_unavailable_reason()
 needs_mooncake = pytest.mark.skipif(REASON is not None, reason=f"mooncake transport: {REASON}")

@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the controller's relay setting",
     )
     parser.add_argument(
+        "--links",
+        choices=("collective", "rdma", "auto"),
+        default="collective",
+        help="the controller's links setting: collective (Gloo between hosts), rdma "
+        "(Mooncake writes over TCP, where it imports) or auto",
+    )
+    parser.add_argument(
         "--relay-chain",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -83,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         args.plan_schedule,
         "--relay" if args.relay else "--no-relay",
         "--relay-chain" if args.relay_chain else "--no-relay-chain",
+        "--links",
+        args.links,
     ]
     model_bytes = GptConfig.for_megabytes(args.mb, layers=2).nbytes
     rate_bps = args.rate_mbit * 1e6 / 8
@@ -118,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         "plan_schedule": args.plan_schedule,
         "relay": args.relay,
         "relay_chain": args.relay_chain,
+        "links": args.links,
         "refits": len(refit_s),
         "link_bound_s": bound_s,
         "refit_s_median": refit,
