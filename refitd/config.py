@@ -68,6 +68,12 @@ class Settings(BaseSettings):
         description="protocol of the rdma path (Mooncake Transfer Engine, refitd[rdma]): rdma "
         "(one-sided RDMA WRITEs; needs an RDMA device) or tcp (the same writes over TCP)",
     )
+    rdma_auto: bool = Field(
+        False,
+        description="let links=auto take the rdma path between agents that both set it over "
+        "TCP (rdma_protocol=tcp); with rdma_protocol=rdma (an RDMA fabric) auto takes it anyway. "
+        "Over plain TCP the collective path (Gloo) is usually faster than Mooncake's writes",
+    )
     rdma_devices: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="RDMA devices of the rdma path ('mlx5_0,mlx5_1'; default: every device "

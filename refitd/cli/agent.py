@@ -20,6 +20,7 @@ AGENT_FIELDS = [
     "data_plane_interface",
     "rdma_protocol",
     "rdma_devices",
+    "rdma_auto",
     "cpu_slots",
     "rpc_timeout_s",
     "connect_timeout_s",

@@ -41,6 +41,7 @@ from refitd.node.codec import (
 )
 from refitd.node.process_handle import start_transfer_server
 from refitd.node.slot_runner import SlotRunner
+from refitd.plan.links import RDMA_AUTO
 from refitd.rpc.connection import Backoff, ControllerConnection, RefitError, security_for
 from refitd.slot_protocol import Failed, Report, SlotOptions
 
@@ -52,7 +53,8 @@ RECONNECT_MAX_S = 1.0  # longest wait between attempts to register again
 def offered_links(settings: Settings) -> tuple[str, ...]:
     """One-sided paths every transfer process of this agent can take (refitd.transport.paths):
     mapped always; rdma where Mooncake Transfer Engine imports and, with rdma_protocol=rdma,
-    the host has an RDMA device."""
+    the host has an RDMA device; `rdma-auto` (the links setting `auto` may pick rdma) with an
+    RDMA fabric (rdma_protocol=rdma) or where `rdma_auto` asks for it over TCP."""
     from refitd.transport.mooncake_env import mooncake_unavailable_reason, rdma_devices_present
 
     why = mooncake_unavailable_reason()
@@ -61,6 +63,8 @@ def offered_links(settings: Settings) -> tuple[str, ...]:
     if why is not None:
         log.info("the rdma path is not offered: %s", why)
         return ("mapped",)
+    if settings.rdma_protocol == "rdma" or settings.rdma_auto:
+        return ("mapped", "rdma", RDMA_AUTO)
     return ("mapped", "rdma")
 
 

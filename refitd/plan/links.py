@@ -7,7 +7,9 @@ message). A message gets one of:
   sender's transfer process maps the destination's registered memory (shared memory on the
   CPU, CUDA IPC on a GPU) and writes into it;
 - `rdma`: both agents offer it: one-sided writes into the destination's registered memory
-  through a transfer engine;
+  through a transfer engine (under `auto` only where both agents also offer `rdma-auto`:
+  an RDMA fabric, or an operator who asked for it; over plain TCP the collective path is
+  usually the faster one);
 - `collective`: two-sided send and receive on the refit communicator (Gloo, NCCL).
 
 `LinkPolicy` is what the planner is given: the mode (`auto` picks the best path each link
@@ -30,6 +32,8 @@ LOCAL = "local"  # a copy inside one slot (no message)
 PATHS = (COLLECTIVE, MAPPED, RDMA)  # message path code -> name (the programs' path column)
 POLICIES = ("auto", COLLECTIVE, MAPPED, RDMA)
 ONE_SIDED = frozenset({MAPPED, RDMA})  # paths whose sender writes into the destination
+RDMA_AUTO = "rdma-auto"  # an offer: `auto` may pick rdma on this agent's links
+OFFERS = ONE_SIDED | {RDMA_AUTO}  # what an agent may offer
 # why a forced path fell back to collective on a link (code -> text)
 FALLBACKS = (
     "",
@@ -95,7 +99,8 @@ class LinkPolicy:
             can[p] = found & offered[a] & offered[b]
         can[MAPPED] &= same_host & same_kind
         if self.mode == "auto":
-            path[can[RDMA]] = PATHS.index(RDMA)
+            preferred = np.array([RDMA_AUTO in s.offers for s in self.sites] + [False], bool)
+            path[can[RDMA] & preferred[a] & preferred[b]] = PATHS.index(RDMA)
             path[can[MAPPED]] = PATHS.index(MAPPED)
             return path, fallback
         want = self.mode

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.plan.layout import Box, TensorSpec
-from refitd.plan.links import ONE_SIDED
+from refitd.plan.links import OFFERS
 from refitd.plan.wire import DTYPE_SIZES, PLAIN, STORAGE_FORMATS
 from refitd.server.errors import invalid
 from refitd.server.interning import Interner
@@ -135,11 +135,11 @@ def check_register_agent(req: pb.RegisterAgentRequest) -> None:
     if req.pid < 0:
         raise invalid(f"field pid of agent on host {req.host!r} must be >= 0, got {req.pid}")
     check_optional_id(req.agent_id, f"field agent_id of agent on host {req.host!r}")
-    unknown = sorted(set(req.links) - ONE_SIDED)
+    unknown = sorted(set(req.links) - OFFERS)
     if unknown:
         raise invalid(
             f"field links of agent on host {req.host!r} names unknown paths "
-            f"{[u[:32] for u in unknown[:4]]}; known: {', '.join(sorted(ONE_SIDED))}"
+            f"{[u[:32] for u in unknown[:4]]}; known: {', '.join(sorted(OFFERS))}"
         )
     if req.data_plane_address:
         try:

@@ -9,7 +9,7 @@ hostb, the others on hostc), so every pool spans two hosts (collective links). h
 resolve at all: the agents must not take their data-plane address from the host name.
 hosta sets --data-plane-address, hostb --data-plane-interface, hostc uses the default (the
 route to the controller). Where Mooncake imports, hosta and hostb offer the rdma path
-(over TCP) and hostc, set to rdma_protocol=rdma without an RDMA device, does not: links
+(over TCP, `rdma_auto` on) and hostc, set to rdma_protocol=rdma without an RDMA device, does not: links
 between hosta and hostb go rdma, those to hostc collective. Skipped only where network namespaces cannot be made (not root,
 no `ip`). Torn down even on failure; namespaces of killed runs are removed first.
 """
@@ -66,8 +66,10 @@ def network() -> Iterator[netns.Network]:
 @pytest.fixture(scope="package")
 def cluster(network: netns.Network) -> Iterator[MultiHostCluster]:
     agents = {
-        "hosta": AgentSpec("cpu:0,cpu:1", ["--data-plane-address", network.hosts["hosta"].address]),
-        "hostb": AgentSpec("cpu:0,cpu:1", ["--data-plane-interface", "eth0"]),
+        "hosta": AgentSpec(
+            "cpu:0,cpu:1", ["--data-plane-address", network.hosts["hosta"].address, "--rdma-auto"]
+        ),
+        "hostb": AgentSpec("cpu:0,cpu:1", ["--data-plane-interface", "eth0", "--rdma-auto"]),
         # RDMA WRITEs asked for on a host without an RDMA device: hostc offers no rdma path
         "hostc": AgentSpec("cpu:0,cpu:1", ["--rdma-protocol", "rdma"]),
     }

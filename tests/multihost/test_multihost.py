@@ -69,7 +69,7 @@ def test_one_refit_mixes_local_mapped_rdma_and_collective_links(
     assert ("rdma" in links) == rdma, links
     record = doc["refits"][0]
     assert record["state"] == "committed" and record["links"] == links, record
-    offers = ["mapped", "rdma"] if rdma else ["mapped"]
+    offers = ["mapped", "rdma", "rdma-auto"] if rdma else ["mapped"]
     assert {a["host"]: a["links"] for a in doc["agents"] if a["connected"]} == {
         "hosta": offers,
         "hostb": offers,

@@ -16,10 +16,10 @@ from .test_layouts_plan import tp_side
 SITES = [
     SlotSite(0, "a", "cpu", ("mapped",)),
     SlotSite(1, "a", "cpu", ("mapped",)),
-    SlotSite(2, "b", "cpu", ("mapped", "rdma")),
-    SlotSite(3, "a", "cuda", ("mapped", "rdma")),
+    SlotSite(2, "b", "cpu", ("mapped", "rdma", "rdma-auto")),
+    SlotSite(3, "a", "cuda", ("mapped", "rdma", "rdma-auto")),
     SlotSite(4, "a", "cpu", ()),
-    SlotSite(5, "c", "cuda", ("mapped", "rdma")),
+    SlotSite(5, "c", "cuda", ("mapped", "rdma", "rdma-auto")),
 ]
 
 
@@ -93,3 +93,16 @@ def test_a_plan_records_every_message_path_in_its_digest_summary_and_explain() -
             assert f.path in f.line() and (f.message is None) == (f.path == "local")
             if f.message is not None:
                 assert plans["auto"].message_path(f.message) == f.path
+
+
+def test_auto_takes_rdma_only_where_both_agents_offer_rdma_auto() -> None:
+    """Over TCP the collective path is usually faster than one-sided writes: `auto` picks
+    rdma only between agents that both offer `rdma-auto` (an RDMA fabric, or asked for)."""
+    sites = [SlotSite(0, "a", "cpu", ("mapped", "rdma")),
+             SlotSite(1, "b", "cpu", ("mapped", "rdma", "rdma-auto")),
+             SlotSite(2, "c", "cpu", ("mapped", "rdma", "rdma-auto"))]  # fmt: skip
+    src, dst = np.array([0, 1, 2], np.int64), np.array([1, 2, 0], np.int64)
+    auto, _ = LinkPolicy.of("auto", sites).choose(src, dst)
+    assert [PATHS[p] for p in auto.tolist()] == ["collective", "rdma", "collective"]
+    forced, why = LinkPolicy.of("rdma", sites).choose(src, dst)
+    assert [PATHS[p] for p in forced.tolist()] == ["rdma"] * 3 and not why.any()

@@ -35,7 +35,8 @@ RDMA_REASON = mooncake_unavailable_reason()
 needs_rdma = pytest.mark.skipif(RDMA_REASON is not None, reason=f"rdma path: {RDMA_REASON}")
 # the rdma path (Mooncake over TCP on loopback) where its engine imports
 PATHS = ["collective", "mapped", "auto"] + ([] if RDMA_REASON else ["rdma"])
-OFFERS = ("mapped",) if RDMA_REASON else ("mapped", "rdma")
+ONE_SIDED_PATHS = ("mapped",) if RDMA_REASON else ("mapped", "rdma")
+OFFERS = ONE_SIDED_PATHS if RDMA_REASON else (*ONE_SIDED_PATHS, "rdma-auto")
 
 
 def _policy(mode: str, slots: list[int], hosts: int = 1) -> LinkPolicy:
@@ -146,7 +147,7 @@ def test_quantized_landings_are_the_same_on_every_path(
 
     g = torch.randn(64, 128).to(torch.bfloat16)
     landed = {}
-    for links in ["collective", *OFFERS]:
+    for links in ["collective", *ONE_SIDED_PATHS]:
         src, dst, plan = _quantized_sides(storage, quantize_on_sender, links)
         assert plan.link_summary().get(links, {}).get("messages")
         sources = [g[:, :64].clone(), g[:, 64:].clone()] if len(src) == 2 else [g.clone()]
