@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from refitd.plan.wire import nvfp4_data_shape, nvfp4_scale_shape
+
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
 F32_EXP_MASK = 0x7F800000
@@ -52,6 +54,21 @@ def check_global_scale(t: torch.Tensor, what: str) -> None:
             f"{what}: expected a float32 tensor of one element, got {t.dtype} of shape "
             f"{tuple(t.shape)}"
         )
+
+
+def check_nvfp4_buffers(
+    shape: tuple[int, ...],
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    what: str,
+) -> None:
+    """The three NVFP4 buffers of element shape `shape` (even last dim): packed data and
+    E4M3 scale bytes of their exact shapes, and a float32 global scale of one element."""
+    check_packed_pairs(shape, what)
+    check_buffer(data, torch.uint8, nvfp4_data_shape(shape), "nvfp4 data")
+    check_buffer(scales, torch.uint8, nvfp4_scale_shape(shape), "nvfp4 scales")
+    check_global_scale(global_scale, "nvfp4 global scale")
 
 
 def abs_bits(x32: torch.Tensor) -> torch.Tensor:

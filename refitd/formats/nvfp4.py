@@ -38,9 +38,8 @@ from refitd.formats.fp8 import (
     E4M3_NAN,
     F32_EXP_MASK,
     abs_bits,
-    check_buffer,
     check_float,
-    check_global_scale,
+    check_nvfp4_buffers,
     check_packed_pairs,
     e4m3_values,
     to_e4m3_codes,
@@ -128,10 +127,7 @@ def nvfp4_quantize_into(
     installed (bit-identical to this reference)."""
     check_float(x, "nvfp4 quantize")
     shape = tuple(x.shape)
-    check_packed_pairs(shape, "nvfp4 quantize")
-    check_buffer(data, torch.uint8, nvfp4_data_shape(shape), "nvfp4 data")
-    check_buffer(scales, torch.uint8, nvfp4_scale_shape(shape), "nvfp4 scales")
-    check_global_scale(global_scale, "nvfp4 global scale")
+    check_nvfp4_buffers(shape, data, scales, global_scale, "nvfp4 quantize")
     if x.numel() == 0:
         return
     if x.is_cuda:
@@ -164,10 +160,7 @@ def nvfp4_dequantize_into(
     """Dequantize into an existing tensor (any float dtype, its shape gives the element
     shape), in place."""
     shape = tuple(out.shape)
-    check_packed_pairs(shape, "nvfp4 dequantize")
-    check_buffer(data, torch.uint8, nvfp4_data_shape(shape), "nvfp4 data")
-    check_buffer(scales, torch.uint8, nvfp4_scale_shape(shape), "nvfp4 scales")
-    check_global_scale(global_scale, "nvfp4 global scale")
+    check_nvfp4_buffers(shape, data, scales, global_scale, "nvfp4 dequantize")
     if out.numel() == 0:
         return
     codes = unpack(data).to(torch.int64)

@@ -12,15 +12,13 @@ import importlib.util
 
 import torch
 
-from refitd.formats.fp8 import check_buffer, check_float, check_global_scale, check_packed_pairs
+from refitd.formats.fp8 import check_buffer, check_float, check_nvfp4_buffers
 from refitd.plan.wire import (
     FP8_TILE,
     MXFP8_BLOCK,
     NVFP4_BLOCK,
     fp8_block_scale_shape,
     mxfp8_scale_shape,
-    nvfp4_data_shape,
-    nvfp4_scale_shape,
 )
 
 # Defaults from refitd.bench.gpu.quantizers on an H100 80GB HBM3 (both variants bit-identical
@@ -181,10 +179,7 @@ def nvfp4_quantize_into(
 
     check_float(x, "nvfp4 quantize")
     shape = tuple(x.shape)
-    check_packed_pairs(shape, "nvfp4 quantize")
-    check_buffer(data, torch.uint8, nvfp4_data_shape(shape), "nvfp4 data")
-    check_buffer(scales, torch.uint8, nvfp4_scale_shape(shape), "nvfp4 scales")
-    check_global_scale(global_scale, "nvfp4 global scale")
+    check_nvfp4_buffers(shape, data, scales, global_scale, "nvfp4 quantize")
     if x.numel() == 0:
         return
     cols = shape[-1]
