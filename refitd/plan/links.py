@@ -93,14 +93,11 @@ class LinkPolicy:
         kind = _codes([s.device for s in self.sites])
         same_host = found & (host[a] == host[b])
         same_kind = found & (kind[a] == kind[b])
-        can = {}
-        for p in ONE_SIDED:
-            offered = np.array([p in s.offers for s in self.sites] + [False], bool)
-            can[p] = found & offered[a] & offered[b]
+        both = {o: (on := self._offered(o))[a] & on[b] for o in OFFERS}
+        can = {p: found & both[p] for p in ONE_SIDED}
         can[MAPPED] &= same_host & same_kind
         if self.mode == "auto":
-            preferred = np.array([RDMA_AUTO in s.offers for s in self.sites] + [False], bool)
-            path[can[RDMA] & preferred[a] & preferred[b]] = PATHS.index(RDMA)
+            path[can[RDMA] & both[RDMA_AUTO]] = PATHS.index(RDMA)
             path[can[MAPPED]] = PATHS.index(MAPPED)
             return path, fallback
         want = self.mode
@@ -112,6 +109,10 @@ class LinkPolicy:
         why[~found] = FALLBACKS.index("a slot of the link is unknown to the policy")
         fallback[~can[want]] = why[~can[want]]
         return path, fallback
+
+    def _offered(self, offer: str) -> np.ndarray:
+        """Per site row whether its agent offers `offer`, and False last (an unknown slot)."""
+        return np.array([offer in s.offers for s in self.sites] + [False], bool)
 
 
 def _codes(values: list[str]) -> np.ndarray:
