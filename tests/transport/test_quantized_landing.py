@@ -7,23 +7,17 @@ row split)."""
 
 from __future__ import annotations
 
-import datetime
-import threading
-
 import pytest
 import torch
-import torch.distributed as dist
+from _executors import run_verified
 
 from refitd import formats
-from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
+from refitd.executor.run import DirectResolver, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.wire import FP8_BLOCK, MXFP8, NVFP4, PLAIN, nvfp4_data_shape, nvfp4_scale_shape
 from refitd.server.refit.checksums import compare_checksums
-from refitd.slot_protocol import ExecReport
-from refitd.transport.base import ConnectInfo
-from refitd.transport.gloo import GlooTransport
 
 
 def _spec(pool, rank, slot, name, gshape, rows, storage=PLAIN) -> TensorSpec:
@@ -31,37 +25,6 @@ def _spec(pool, rank, slot, name, gshape, rows, storage=PLAIN) -> TensorSpec:
     local = (rows[1] - rows[0], *gshape[1:])
     box = Box((rows[0], *[0] * (len(gshape) - 1)), local, (0,) * len(gshape))
     return TensorSpec("m", pool, rank, slot, name, name, gshape, "bfloat16", local, (box,), storage)
-
-
-def _run(plan: Plan, resolvers: dict[int, DirectResolver], config: ExecutorConfig) -> dict:
-    """One verified refit, every slot a rank of a real Gloo group (threads)."""
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(30)
-    )
-    slots = plan.slots()
-    results: dict[int, ExecReport | BaseException] = {}
-
-    def rank(r: int) -> None:
-        t = GlooTransport()
-        try:
-            t.connect(ConnectInfo(0, "127.0.0.1", store.port, r, len(slots), 20.0))
-            ex = Executor(plan.program(slots[r]), resolvers[slots[r]], t, config=config)
-            results[slots[r]] = ex.run(20.0, verify=True)
-        except BaseException as e:
-            results[slots[r]] = e
-        finally:
-            t.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(slots))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    for res in results.values():
-        if isinstance(res, BaseException):
-            raise res
-    assert len(results) == len(slots)
-    return results
 
 
 def _checksums_agree(plan: Plan, reports: dict) -> None:
@@ -109,7 +72,7 @@ def test_nvfp4_storage_lands_whole_shards_bit_for_bit(sender_quantization: bool)
         slot: DirectResolver({i: resolved[i] for i in plan.program(slot).tensors})
         for slot in plan.slots()
     }
-    reports = _run(plan, resolvers, ExecutorConfig(staging_bytes=4 << 10, wire_chunk=512))
+    reports = run_verified(plan, resolvers, ExecutorConfig(staging_bytes=4 << 10, wire_chunk=512))
     _checksums_agree(plan, reports)
     for i, d in enumerate(dst, start=len(src)):
         lo = d.boxes[0].offset[0]
@@ -134,7 +97,7 @@ def test_raw_copies_cut_by_the_bucket_land_in_block_fp8_storage() -> None:
         0: DirectResolver({0: ResolvedTensor("train/0/w", full)}),
         1: DirectResolver({1: ResolvedTensor("infer/0/w", data, scales, FP8_BLOCK)}),
     }
-    _checksums_agree(plan, _run(plan, resolvers, ExecutorConfig(wire_chunk=4096)))
+    _checksums_agree(plan, run_verified(plan, resolvers, ExecutorConfig(wire_chunk=4096)))
     want_data, want_scales = formats.fp8_block_quantize(full)
     assert torch.equal(data, want_data) and torch.equal(scales, want_scales)
 
@@ -155,7 +118,7 @@ def test_verified_sender_quantized_segments_cut_into_chunks_agree() -> None:
         1: DirectResolver({1: ResolvedTensor("infer/0/w", data, scales, MXFP8)}),
     }
     for _ in range(3):
-        _checksums_agree(plan, _run(plan, resolvers, ExecutorConfig(wire_chunk=128)))
+        _checksums_agree(plan, run_verified(plan, resolvers, ExecutorConfig(wire_chunk=128)))
     assert all(
         torch.equal(a, b) for a, b in zip((data, scales), formats.mxfp8_quantize(full), strict=True)
     )

@@ -3,13 +3,10 @@ threads of this process), and the controller's comparison over real executor che
 
 from __future__ import annotations
 
-import datetime
-import threading
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
+from _executors import run_verified
 from _transport_layouts import expected, fill_sources, globals_for, make_model
 
 from refitd.executor.checksums import MASK, A, Checksummer, checksum, combine
@@ -22,8 +19,6 @@ from refitd.plan.wire import MXFP8, PLAIN, RAW, mxfp8_scale_shape
 from refitd.server.planning import ControllerPlan
 from refitd.server.refit.checksums import compare_checksums
 from refitd.slot_protocol import ExecReport
-from refitd.transport.base import ConnectInfo
-from refitd.transport.gloo import GlooTransport
 from refitd.transport.local import LocalTransport
 
 
@@ -89,39 +84,6 @@ def _resolvers(plan: Plan, tensors: list[torch.Tensor]) -> dict[int, DirectResol
     return out
 
 
-def _run(
-    plan: Plan, resolvers: dict[int, DirectResolver], config: ExecutorConfig | None = None
-) -> dict[int, ExecReport]:
-    """One verified refit, every slot a rank of a real Gloo group (threads)."""
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(30)
-    )
-    slots = plan.slots()
-    results: dict[int, ExecReport | BaseException] = {}
-
-    def rank(r: int) -> None:
-        t = GlooTransport()
-        try:
-            t.connect(ConnectInfo(0, "127.0.0.1", store.port, r, len(slots), 20.0))
-            ex = Executor(plan.program(slots[r]), resolvers[slots[r]], t, config=config)
-            results[slots[r]] = ex.run(20.0, verify=True)
-        except BaseException as e:
-            results[slots[r]] = e
-        finally:
-            t.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(slots))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    for res in results.values():
-        if isinstance(res, BaseException):
-            raise res
-    assert len(results) == len(slots)
-    return results  # type: ignore[return-value]
-
-
 def _gather(reports: dict[int, ExecReport]) -> tuple[dict, dict]:
     sent, landed = {}, {}
     for slot, rep in reports.items():
@@ -138,7 +100,7 @@ def test_verified_refit_agrees_and_a_stale_sender_checksum_is_named() -> None:
     g1 = globals_for(1)
     tensors = _tensors(src, dst, g1)
     resolvers = _resolvers(plan, tensors)
-    sent1, landed1 = _gather(_run(plan, resolvers))
+    sent1, landed1 = _gather(run_verified(plan, resolvers))
     for i, d in enumerate(dst):
         assert torch.equal(tensors[len(src) + i], expected(d, g1)), (d.name, d.rank)
     assert sent1 and sent1.keys() == landed1.keys()
@@ -149,7 +111,7 @@ def test_verified_refit_agrees_and_a_stale_sender_checksum_is_named() -> None:
     g2 = globals_for(2)
     for t, fresh in zip(tensors, fill_sources(src, g2), strict=False):
         t.copy_(fresh)
-    sent2, landed2 = _gather(_run(plan, resolvers))
+    sent2, landed2 = _gather(run_verified(plan, resolvers))
     assert compare_checksums(plan, sent2, landed2) is None
     assert all(sent2[i][1] != sent1[i][1] for i in sent1)
     reason = compare_checksums(plan, sent1, landed2)
@@ -196,7 +158,7 @@ def test_receiver_readback_catches_a_landing_overwritten_by_an_aliased_destinati
     src, dst = _aliased_specs(dst_slot=1)
     plan = build_plan("m", 1, src, dst, PlanConfig(1 << 20))
     resolvers, shared = _aliased(plan, src)
-    sent, landed = _gather(_run(plan, resolvers))
+    sent, landed = _gather(run_verified(plan, resolvers))
     assert torch.all(shared == 2.0)  # b landed last over a
     (mid,) = sent
     reason = compare_checksums(plan, sent, landed)
@@ -246,7 +208,7 @@ def test_quantized_destinations_are_verified_on_their_segments(sender_quantizati
         1: DirectResolver({1: ResolvedTensor("infer/0/w", data, scales, MXFP8)}),
     }
     config = ExecutorConfig(staging_bytes=8 << 10, wire_chunk=1024)
-    sent, landed = _gather(_run(plan, resolvers, config))
+    sent, landed = _gather(run_verified(plan, resolvers, config))
     assert sent and compare_checksums(plan, sent, landed) is None
     ref_data, ref_scales = torch.zeros_like(data), torch.zeros_like(scales)
     region = formats.dest_region(MXFP8, ref_data, ref_scales, (0, 0), shape)
