@@ -283,20 +283,25 @@ def nvfp4_amax_kernel(
     M,
     C,
     n_col_programs,
+    n_tiles,
     sxm,
     sxc,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SRC_BF16: tl.constexpr,
 ):
-    """amax_ptr (int32, zeroed) <- the bits of max |x| over the finite values of x."""
+    """amax_ptr (int32, zeroed) <- the bits of max |x| over the finite values of x. Each
+    program folds every n-th tile (n: the grid) and makes one atomic, so a large tensor
+    does not queue hundreds of thousands of atomics on one address."""
     pid = tl.program_id(0)
-    rows = ((pid // n_col_programs) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
-    cols = ((pid % n_col_programs) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
-    mask = (rows < M) & (cols < C)
-    absb = _load_f32_bits(x_ptr + rows * sxm + cols * sxc, mask, SRC_BF16) & 0x7FFFFFFF
-    finite = tl.where(absb < 0x7F800000, absb, 0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(finite, axis=1), axis=0))
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.int32)
+    for t in range(pid, n_tiles, tl.num_programs(0)):
+        rows = ((t // n_col_programs) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+        cols = ((t % n_col_programs) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+        mask = (rows < M) & (cols < C)
+        absb = _load_f32_bits(x_ptr + rows * sxm + cols * sxc, mask, SRC_BF16) & 0x7FFFFFFF
+        acc = tl.maximum(acc, tl.where(absb < 0x7F800000, absb, 0))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 @triton.jit
@@ -332,23 +337,25 @@ def nvfp4_kernel(
     SRC_BF16: tl.constexpr,
 ):
     """One (BLOCK_M x BLOCK_C) tile of an NVFP4 quantization, given the tensor's amax bits
-    (nvfp4_amax_kernel). Even and odd elements are loaded apart, so each output byte is
-    one pair; the E4M3 scale rounding is the integer one of the FP8 kernels, divisions are
-    IEEE (div_rn). Subnormal inputs cannot reach a nonzero code or scale once amax is at
-    least 1e-8, so flush-to-zero on the device changes nothing."""
+    (nvfp4_amax_kernel). The tile is loaded contiguously and split into even and odd
+    elements in registers, so each output byte is one pair. The E4M3 scale rounding is the
+    integer one of the FP8 kernels; divisions are IEEE (div_rn). Subnormal inputs cannot
+    reach a nonzero code or scale once amax is at least 1e-8, so flush-to-zero on the
+    device changes nothing."""
     NBB: tl.constexpr = BLOCK_C // 16
     pid = tl.program_id(0)
     srows = ((pid // n_col_programs) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     rows = srows[:, :, None]
     blk = (pid % n_col_programs) * NBB + tl.arange(0, NBB)
+    cols = blk[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    bits = _load_f32_bits(x_ptr + rows * sxm + cols * sxc, (rows < M) & (cols < C), SRC_BF16)
+    even, odd = tl.split(tl.reshape(bits, (BLOCK_M, NBB, 8, 2)))
     pair = blk[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     mask = (rows < M) & (2 * pair < C)
-    even = _load_f32_bits(x_ptr + rows * sxm + 2 * pair * sxc, mask, SRC_BF16)
-    odd = _load_f32_bits(x_ptr + rows * sxm + (2 * pair + 1) * sxc, mask, SRC_BF16)
     amax = tl.maximum(tl.load(amax_ptr), NVFP4_AMAX_FLOOR_BITS).to(tl.float32, bitcast=True)
     encode = tl.math.div_rn(tl.full((), 2688.0, tl.float32), amax)
     decode = tl.math.div_rn(tl.full((), 1.0, tl.float32), encode)
-    bbits = tl.maximum(tl.max(even & 0x7FFFFFFF, axis=2), tl.max(odd & 0x7FFFFFFF, axis=2))
+    bbits = tl.max(bits & 0x7FFFFFFF, axis=2)
     nonfinite = bbits >= 0x7F800000
     bmax = tl.where(nonfinite, 0, bbits).to(tl.float32, bitcast=True)
     sixth = tl.full((), NVFP4_SIXTH_BITS, tl.int32).to(tl.float32, bitcast=True)

@@ -9,7 +9,7 @@ each refit then runs one launch per (kernel, source dtype, alignment) group:
     the checksums of refitd.executor.checksums, fused into the copy),
   - MXFP8 and block-FP8 quantization into persistent buffers (the per-tensor kernels'
     tiles, so the bytes are the same); a region large enough to fill the GPU alone gets
-    the per-tensor kernel's own launch instead.
+    the per-tensor kernel's own launch instead, as every NVFP4 region does.
 On CUDA the launches of a run are captured once into a CUDA graph and replayed.
 Regions it cannot take (other strides, dtypes, a CPU device, no triton) are refused by
 `add_*` returning False; the caller lands those one by one as before. Importable without
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from refitd.formats.region import DestRegion
-from refitd.plan.wire import FP8_BLOCK, FP8_TILE, MXFP8, MXFP8_BLOCK
+from refitd.plan.wire import FP8_BLOCK, FP8_TILE, MXFP8, MXFP8_BLOCK, NVFP4
 
 COPY_BLOCK_R = 8
 COPY_BLOCK_W = 512  # 32-bit words: a 16 KiB tile per program
@@ -189,16 +189,23 @@ class GroupedLanding:
         return True
 
     def add_quantize(self, src: torch.Tensor, dst: DestRegion) -> bool:
-        """Quantize src into a persistent MXFP8 / block-FP8 region; False when not eligible."""
+        """Quantize src into a persistent MXFP8 / block-FP8 / NVFP4 region; False when not
+        eligible. NVFP4 regions (whole tensors) and large ones take the per-tensor kernels,
+        launched with the rest (captured in the same graph): a large region fills the GPU
+        alone, and the per-tensor kernel runs faster there than the table-driven one."""
+        from refitd.formats import triton_kernels
+
         if src.device != self.device or src.dtype not in _SRC_DTYPES or dst.scales is None:
             return False
-        if tuple(src.shape) != tuple(dst.values.shape) or src.numel() == 0:
+        if src.numel() == 0:
             return False
-        if dst.storage in (MXFP8, FP8_BLOCK) and src.numel() >= self.own_launch_elements:
-            # a large region fills the GPU alone: the per-tensor kernel (its own launch,
-            # captured in the graph with the rest) runs faster than the table-driven one
-            from refitd.formats import triton_kernels
-
+        if dst.storage == NVFP4 and dst.global_scale is not None:
+            kernel = triton_kernels.nvfp4_quantize_into
+            self._direct.append(functools.partial(kernel, src, *dst.parts()))
+            ok = True
+        elif tuple(src.shape) != tuple(dst.values.shape):
+            return False
+        elif dst.storage in (MXFP8, FP8_BLOCK) and src.numel() >= self.own_launch_elements:
             kernel = getattr(triton_kernels, f"{dst.storage}_quantize_into")
             self._direct.append(
                 functools.partial(kernel, src, dst.values, dst.scales, fast=self.fast)

@@ -25,8 +25,9 @@ from refitd.plan.wire import (
 # to the reference there; fast=True reached 0.77 / 0.76 of copy_ bandwidth).
 MXFP8_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4, "fast": True}
 FP8_BLOCK_CONFIG = {"sub_r": 32, "num_warps": 8, "fast": True}
-# Not yet measured on a GPU: the MXFP8 tile shape, for a start.
-NVFP4_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4}
+# NVFP4: the MXFP8 tile shape; the amax pass folds tiles into at most this many programs
+# (one atomic each), a few per SM on an H100 / H200.
+NVFP4_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4, "amax_programs": 1056}
 
 
 def available() -> bool:
@@ -172,6 +173,7 @@ def nvfp4_quantize_into(
     block_m: int = NVFP4_CONFIG["block_m"],
     block_c: int = NVFP4_CONFIG["block_c"],
     num_warps: int = NVFP4_CONFIG["num_warps"],
+    amax_programs: int = NVFP4_CONFIG["amax_programs"],
 ) -> None:
     """NVFP4 of x (even last dim) into data (uint8, nvfp4_data_shape), scales (uint8,
     nvfp4_scale_shape) and global_scale (float32, one element)."""
@@ -199,8 +201,8 @@ def nvfp4_quantize_into(
     n_c = -(-cols // block_c)
     grid = (-(-rows // block_m) * n_c,)
     bf16 = x.dtype == torch.bfloat16
-    nvfp4_amax_kernel[grid](
-        x2, amax, rows, cols, n_c, x2.stride(0), x2.stride(1),
+    nvfp4_amax_kernel[(min(grid[0], amax_programs),)](
+        x2, amax, rows, cols, n_c, grid[0], x2.stride(0), x2.stride(1),
         BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=bf16, num_warps=num_warps,
     )  # fmt: skip
     nvfp4_kernel[grid](

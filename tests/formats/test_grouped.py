@@ -15,8 +15,13 @@ import torch
 from _fp8_data import special_tensor
 
 from refitd.executor.checksums import MASK, Checksummer, checksum
-from refitd.formats import dest_region, fp8_block_quantize, grouped, mxfp8_quantize
-from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.formats import (
+    dest_region,
+    fp8_block_quantize,
+    grouped,
+    mxfp8_quantize,
+    nvfp4_quantize,
+)
 
 HAS_CUDA = torch.cuda.is_available() and grouped.available(torch.device("cuda"))
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
@@ -114,7 +119,9 @@ QUANT_CASES = [
     ("fp8_block", (300, 260), (128, 0), (172, 260)),
     ("fp8_block", (256, 384), (0, 128), (256, 128)),
     ("fp8_block", (2, 130, 129), (0, 0, 0), (2, 130, 129)),
+    ("nvfp4", (24, 96), (0, 0), (24, 96)),  # nvfp4 regions are whole tensors
 ]
+QUANTIZERS = {"mxfp8": mxfp8_quantize, "fp8_block": fp8_block_quantize, "nvfp4": nvfp4_quantize}
 
 
 def _check_quantize(
@@ -127,14 +134,12 @@ def _check_quantize(
     landed = []
     for n, (fmt, shape, off, size) in enumerate(QUANT_CASES):
         for dtype in dtypes:
-            block = 32 if fmt == "mxfp8" else 128
+            block = {"mxfp8": 32, "fp8_block": 128, "nvfp4": 16}[fmt]
             full = special_tensor(shape, dtype, seed=n, block=block).to(dev)
-            data = torch.full(shape, 0xAB, dtype=torch.uint8, device=dev)
-            if fmt == "mxfp8":
-                scales = torch.full(mxfp8_scale_shape(shape), 7, dtype=torch.uint8, device=dev)
-            else:
-                scales = torch.full(fp8_block_scale_shape(shape), 7.0, device=dev)
-            region = dest_region(fmt, data, scales, off, size)
+            # persistent buffers of the reference's shapes and dtypes, filled with garbage
+            bufs = [torch.full_like(b, 7).to(dev) for b in QUANTIZERS[fmt](full.cpu())]
+            gscale = bufs[2] if fmt == "nvfp4" else None
+            region = dest_region(fmt, bufs[0], bufs[1], off, size, global_scale=gscale)
             src = full[tuple(slice(o, o + k) for o, k in zip(off, size, strict=True))]
             assert g.add_quantize(src, region), (fmt, shape, dtype)
             landed.append((fmt, src, region))
@@ -145,14 +150,12 @@ def _check_quantize(
             region.values.fill_(0xAB)
         g.run()
     for fmt, src, region in landed:
-        want_data, want_scales = (mxfp8_quantize if fmt == "mxfp8" else fp8_block_quantize)(
-            src.cpu()
-        )
-        assert torch.equal(region.values.cpu(), want_data), (fmt, tuple(src.shape), src.dtype)
-        got = region.scales.cpu()
-        if got.dtype == torch.float32:
-            got, want_scales = got.view(torch.int32), want_scales.view(torch.int32)
-        assert torch.equal(got, want_scales), (fmt, tuple(src.shape), src.dtype)
+        for got, want in zip(region.parts(), QUANTIZERS[fmt](src.cpu()), strict=True):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), (
+                fmt,
+                tuple(src.shape),
+                src.dtype,
+            )
 
 
 @interpreter

@@ -211,13 +211,13 @@ def test_regions_of_nvfp4_storage_must_be_the_whole_tensor() -> None:
         )
 
 
-def _check_kernel(device: str, shapes, dtypes) -> None:
+def _check_kernel(device: str, shapes, dtypes, **config) -> None:
     for dtype in dtypes:
         for shape in shapes:
             x = data(shape, dtype)
             want = nvfp4_quantize(x)  # CPU: the torch reference
             got = [torch.full(b.shape, 0x33, dtype=b.dtype, device=device) for b in want]
-            triton_kernels.nvfp4_quantize_into(x.to(device), *got)
+            triton_kernels.nvfp4_quantize_into(x.to(device), *got, **config)
             for g, w, what in zip(got, want, ("data", "scales", "global scale"), strict=True):
                 assert torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8)), (
                     what,
@@ -232,6 +232,13 @@ def _check_kernel(device: str, shapes, dtypes) -> None:
 )
 def test_kernel_in_interpreter_matches_reference() -> None:
     _check_kernel("cpu", [(40,), (6, 100), (3, 2, 48)], [torch.bfloat16, torch.float32])
+    # more tiles than amax programs (each program folds several), the amax mid-tensor
+    x = torch.linspace(-1, 1, 40 * 64).reshape(40, 64).to(torch.bfloat16)
+    x[20, 3] = 9.0
+    got = [torch.zeros_like(b) for b in nvfp4_quantize(x)]
+    triton_kernels.nvfp4_quantize_into(x, *got, amax_programs=2)
+    for g, w in zip(got, nvfp4_quantize(x), strict=True):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
 
 
 @pytest.mark.gpu
