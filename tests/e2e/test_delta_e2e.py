@@ -49,20 +49,26 @@ def delta_daemon() -> Iterator[Daemon]:
 
 
 class Trainer:
-    """One trainer rank holding every tensor (TP1), versions from FP32 masters."""
+    """One trainer rank holding every tensor (TP1) on the slot `device`, versions from FP32
+    masters."""
 
-    def __init__(self, address: str, model: str, lr: float, snapshot: bool = False) -> None:
+    def __init__(
+        self, address: str, model: str, lr: float, snapshot: bool = False, device: str = "cpu:0"
+    ) -> None:
         self.shards = rank_shards(TINY, ParallelLayout(), 0)
+        on = _memory(device)
         self.gens = {
             s.name: VersionGenerator(_numel(s.local_shape), lr, seed=i)
             for i, s in enumerate(self.shards)
         }
         self.src = {
-            s.name: self.gens[s.name].current(torch.empty(s.local_shape, dtype=torch.bfloat16))
+            s.name: self.gens[s.name].current(
+                torch.empty(s.local_shape, dtype=torch.bfloat16, device=on)
+            )
             for s in self.shards
         }
         self.client = TrainerClient(
-            address, model, rank=0, pool_size=1, device="cpu:0", snapshot=snapshot
+            address, model, rank=0, pool_size=1, device=device, snapshot=snapshot
         )
         self.client.register(self.src)
 
@@ -73,8 +79,17 @@ class Trainer:
     def refit(self, version: int) -> None:
         assert self.client.refit(version, wait="committed", timeout=60).state == "committed"
 
-    def fresh(self) -> dict[str, torch.Tensor]:
-        return {s.name: torch.zeros(s.local_shape, dtype=torch.bfloat16) for s in self.shards}
+    def fresh(self, device: str = "cpu:0") -> dict[str, torch.Tensor]:
+        """Zeroed destination tensors in the memory of the slot `device`."""
+        on = _memory(device)
+        return {
+            s.name: torch.zeros(s.local_shape, dtype=torch.bfloat16, device=on) for s in self.shards
+        }
+
+
+def _memory(slot_device: str) -> torch.device:
+    """Where a slot's tensors live: its CUDA device, or host memory for a CPU slot."""
+    return torch.device(slot_device) if slot_device.startswith("cuda") else torch.device("cpu")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -86,7 +101,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
     return [
-        n for n, t in want.items() if not torch.equal(got[n].view(torch.int16), t.view(torch.int16))
+        n
+        for n, t in want.items()
+        if not torch.equal(got[n].cpu().view(torch.int16), t.cpu().view(torch.int16))
     ]
 
 

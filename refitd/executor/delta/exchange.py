@@ -21,6 +21,10 @@ applied to the base only when the controller reports that version committed ever
 was sent (`promote`), so a failed refit never moves the base and the base costs one copy of
 the segments, not two.
 
+Device slots: the codec runs on host memory, so a message whose sources or destination
+live on a CUDA device is staged through pinned host memory (refitd.executor.delta.host);
+the base and its promotion are the same.
+
 Verification: for a delta or dense message of this path the sender checksums each copy's
 live wire streams, the receiver the destination streams after landing (the reconstructed
 destination), so a delta applied onto a wrong base fails the checksum comparison.
@@ -38,13 +42,13 @@ import torch
 
 from refitd.executor.checksums import Checksummer, combine
 from refitd.executor.chunks import TAG_CHUNK_BITS
+from refitd.executor.delta.host import HostSources, on_device_memory, through_host, wait
 from refitd.executor.segments import ResolvedTensor, block, dest_region
 from refitd.formats.delta import (
     ByteSink,
     DeltaStats,
     Scratch,
     apply_parts,
-    apply_segment_delta,
     encode_parts,
     load_kernels,
     region_streams,
@@ -272,16 +276,27 @@ def _encode_message(
     return KIND_DELTA, torch.from_numpy(out), stats, lives
 
 
+def _sources(m: DeltaMessage, access: CopyAccess, what: str) -> CopyAccess:
+    """The message's sources as the codec reads them: in place in host memory, else staged
+    through it (refitd.executor.delta.host)."""
+    device = access.src_block(m.rows[0]).device if m.rows else torch.device("cpu")
+    return HostSources(access, m.rows, device, what) if on_device_memory(device) else access
+
+
 def _land(m: DeltaMessage, kind: int, payload: torch.Tensor, access: CopyAccess) -> DeltaStats:
-    """Land a received payload into the message's destination regions."""
+    """Land a received payload into the message's destination regions (a device
+    destination through host memory: refitd.executor.delta.host)."""
     rows = m.rows
     stats = DeltaStats(0, 0, payload.numel(), 0, (0, 0, 0, 0))
     if kind == KIND_DENSE:
+        device = access.dst(rows[0])[0].data.device if rows else torch.device("cpu")
+        payload = payload.to(device)  # on the destination's device, as the executor lands it
         pos = 0
         for r in rows:
             n = access.seg_nbytes(r)
             access.decode(r, payload[pos : pos + n])
             pos += aligned(n)
+        wait(device)
         return stats
     buf = payload.numpy()
     count = int(buf[0:4].view("<u4")[0])
@@ -291,9 +306,16 @@ def _land(m: DeltaMessage, kind: int, payload: torch.Tensor, access: CopyAccess)
     pos = 8 + 8 * count
     for r, size in zip(rows, sizes, strict=True):
         t, off = access.dst(r)
-        region = dest_region(t, off, access.shape(r))
-        stats = stats + apply_segment_delta(buf[pos : pos + size], region, name=t.name,
-                                            threads=torch.get_num_threads())  # fmt: skip
+        delta, name = buf[pos : pos + size], t.name
+
+        def apply(streams: list[torch.Tensor], d: np.ndarray = delta, n: str = name) -> DeltaStats:
+            return apply_parts(d, streams, name=n, threads=torch.get_num_threads())
+
+        streams = region_streams(dest_region(t, off, access.shape(r)))
+        if on_device_memory(streams[0].device):
+            stats = stats + through_host(streams, apply, f"delta for {name}")
+        else:
+            stats = stats + apply(streams)
         pos += _pad8(size)
     return stats
 
@@ -340,7 +362,8 @@ def exchange_deltas(
     sent: list[tuple[Work, str]] = []
     for m in sends:  # encode message k while message k - 1 is on the wire
         te = time.monotonic()
-        kind, payload, st, lives = _encode_message(m, access, base, max_density, m.mid in allowed)
+        src = _sources(m, access, what(m, "send"))
+        kind, payload, st, lives = _encode_message(m, src, base, max_density, m.mid in allowed)
         rep.sent[m.mid] = {"kind": kind, "changed": st.changed, "elements": st.elements,
                            "nbytes": payload.numel(), "dense_nbytes": st.dense_nbytes}  # fmt: skip
         if verify:

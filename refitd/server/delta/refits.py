@@ -82,11 +82,12 @@ class DeltaRefits:
         committed: int,
         attempt: int,
         detail: dict,
-        host_slots: frozenset[int] = frozenset(),
+        delta_slots: frozenset[int] = frozenset(),
     ) -> dict[int, pb.DeltaCommand]:
         """Slot -> its DeltaCommand for this attempt (empty: everything goes dense through
         the executor); the decision's summary goes into `detail["delta"]`. Only messages
-        between `host_slots` (CPU slots: the codec runs on host memory) take the delta path."""
+        between `delta_slots` (the registry's delta_slots: the codec runs on host memory,
+        which the transport must carry) take the delta path."""
         if not self.settings.enabled:
             return {}
         led = self.ledger(model)
@@ -97,9 +98,9 @@ class DeltaRefits:
                 self._tallies[attempt] = _Tally(model=model, planned=False)
             return {}
         pd = self._plan(plan, staged_pools)
-        hosts = np.array(sorted(host_slots), dtype=np.int64)
-        on_host = np.isin(pd.columns.src_slot, hosts) & np.isin(pd.dst_slot, hosts)
-        pd = replace(pd, columns=replace(pd.columns, capable=pd.columns.capable & on_host))
+        ends = np.array(sorted(delta_slots), dtype=np.int64)
+        served = np.isin(pd.columns.src_slot, ends) & np.isin(pd.dst_slot, ends)
+        pd = replace(pd, columns=replace(pd.columns, capable=pd.columns.capable & served))
         by_key = {(w.pool, w.rank): w for w in dest_workers}
         states = [
             led.destination(w.worker_id, w.registered_at)

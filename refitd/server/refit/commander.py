@@ -264,11 +264,12 @@ class AgentCommander:
         self, ms: Membership, run: RefitRun, exec_id: int
     ) -> dict[int, pb.DeltaCommand]:
         committed = self.registry.committed_version(run.model)
-        host_slots = self.registry.host_slots()
+        # Gloo carries host buffers (NCCL only device ones): there GPU slots join the path
+        slots = self.registry.delta_slots(self.settings.transport == "gloo")
         return self.delta.commands(
             run.model, ms.plan, ms.dest_workers, ms.staged_pools | ms.adapter_pools, committed,
             exec_id,
-            run.detail, host_slots,
+            run.detail, slots,
         )  # fmt: skip
 
     def apply(self, ms: Membership, run: RefitRun, slots: set[int]) -> None:

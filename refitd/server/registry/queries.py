@@ -93,10 +93,13 @@ class Queries(RegistryState):
                 if wid in self.workers and self.workers[wid].live
             ]
 
-    def host_slots(self) -> frozenset[int]:
-        """Slots on CPU devices (host memory)."""
+    def delta_slots(self, device_slots: bool) -> frozenset[int]:
+        """Slots whose messages can take the delta path (its payloads are host memory): CPU
+        slots, and with `device_slots` (a transport that carries host buffers) CUDA slots,
+        which stage through pinned host memory."""
+        kinds = ("cpu", "cuda") if device_slots else ("cpu",)
         with self.lock:
-            return frozenset(i for i, sl in self.slots.items() if sl.device.startswith("cpu"))
+            return frozenset(i for i, sl in self.slots.items() if sl.device.split(":")[0] in kinds)
 
     def identities(self, model: str) -> dict[WorkerKey, str]:
         """(pool, rank) -> identity of its live registration: a new identity means new
