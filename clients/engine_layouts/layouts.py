@@ -317,6 +317,54 @@ def fused_qkv_a_name(engine: str) -> str:
     return {"vllm": "fused_qkv_a_proj", "sglang": "fused_qkv_a_proj_with_mqa"}[_engine(engine)]
 
 
+def deepseek_v3_layer(
+    i: int, d: DeepseekV3Dims, p: EngineParallel, engine: str, fused: bool
+) -> list[EngineTensor]:
+    """Decoder layer i of DeepSeek-V3 / Kimi-K2 as a vLLM or SGLang rank holds it: MLA, then
+    a dense MLP below `first_dense`, routed + shared experts above (fused: the expert
+    pieces read transformers' stacked experts)."""
+    qk = d.nope + d.rope
+    kv_a = d.kv_lora + d.rope
+    hf = f"model.layers.{i}"
+    attn = f"{hf}.self_attn"
+    tensors = [
+        _whole(f"{hf}.input_layernorm.weight", (d.hidden,)),
+        _whole(f"{hf}.post_attention_layernorm.weight", (d.hidden,)),
+        _whole(f"{attn}.kv_a_layernorm.weight", (d.kv_lora,)),
+        _split(f"{attn}.kv_b_proj.weight", (d.heads * (d.nope + d.v_head), d.kv_lora), 0,
+               p.tp_size, p.tp_rank),
+        _split(f"{attn}.o_proj.weight", (d.hidden, d.heads * d.v_head), 1, p.tp_size,
+               p.tp_rank),
+    ]  # fmt: skip
+    if d.q_lora:
+        tensors += [
+            _fused(f"{attn}.{fused_qkv_a_name(engine)}.weight", (d.hidden,), [
+                (f"{attn}.q_a_proj.weight", d.q_lora, 0, d.q_lora),
+                (f"{attn}.kv_a_proj_with_mqa.weight", kv_a, 0, kv_a),
+            ]),
+            _whole(f"{attn}.q_a_layernorm.weight", (d.q_lora,)),
+            _split(f"{attn}.q_b_proj.weight", (d.heads * qk, d.q_lora), 0, p.tp_size,
+                   p.tp_rank),
+        ]  # fmt: skip
+    else:
+        tensors += [
+            _whole(f"{attn}.kv_a_proj_with_mqa.weight", (kv_a, d.hidden)),
+            _split(f"{attn}.q_proj.weight", (d.heads * qk, d.hidden), 0, p.tp_size,
+                   p.tp_rank),
+        ]  # fmt: skip
+    if i < d.first_dense:
+        return [*tensors, *_mlp(f"{hf}.mlp", d.hidden, d.ffn, p)]
+    tensors += [
+        _whole(f"{hf}.mlp.gate.weight", (d.experts, d.hidden)),
+        _whole(f"{hf}.mlp.gate.e_score_correction_bias", (d.experts,)),
+    ]
+    if d.shared_experts:
+        tensors += _mlp(f"{hf}.mlp.shared_experts", d.hidden,
+                        d.expert_ffn * d.shared_experts, p)  # fmt: skip
+    tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p, fused)
+    return tensors
+
+
 def deepseek_v3_engine_layout(
     d: DeepseekV3Dims,
     p: EngineParallel,
@@ -331,47 +379,8 @@ def deepseek_v3_engine_layout(
     base = deepseek_v3_name_map(d) if _naming(source_naming) == "megatron" else NameMap(())
     tensors, name_map = _ends(base, d.vocab, d.hidden, d.tie_embeddings, p, padding, source_naming)
     fused = source_naming == "hf"
-    qk = d.nope + d.rope
-    kv_a = d.kv_lora + d.rope
     for i in range(d.layers):
-        hf = f"model.layers.{i}"
-        attn = f"{hf}.self_attn"
-        tensors += [
-            _whole(f"{hf}.input_layernorm.weight", (d.hidden,)),
-            _whole(f"{hf}.post_attention_layernorm.weight", (d.hidden,)),
-            _whole(f"{attn}.kv_a_layernorm.weight", (d.kv_lora,)),
-            _split(f"{attn}.kv_b_proj.weight", (d.heads * (d.nope + d.v_head), d.kv_lora), 0,
-                   p.tp_size, p.tp_rank),
-            _split(f"{attn}.o_proj.weight", (d.hidden, d.heads * d.v_head), 1, p.tp_size,
-                   p.tp_rank),
-        ]  # fmt: skip
-        if d.q_lora:
-            tensors += [
-                _fused(f"{attn}.{fused_qkv_a_name(engine)}.weight", (d.hidden,), [
-                    (f"{attn}.q_a_proj.weight", d.q_lora, 0, d.q_lora),
-                    (f"{attn}.kv_a_proj_with_mqa.weight", kv_a, 0, kv_a),
-                ]),
-                _whole(f"{attn}.q_a_layernorm.weight", (d.q_lora,)),
-                _split(f"{attn}.q_b_proj.weight", (d.heads * qk, d.q_lora), 0, p.tp_size,
-                       p.tp_rank),
-            ]  # fmt: skip
-        else:
-            tensors += [
-                _whole(f"{attn}.kv_a_proj_with_mqa.weight", (kv_a, d.hidden)),
-                _split(f"{attn}.q_proj.weight", (d.heads * qk, d.hidden), 0, p.tp_size,
-                       p.tp_rank),
-            ]  # fmt: skip
-        if i < d.first_dense:
-            tensors += _mlp(f"{hf}.mlp", d.hidden, d.ffn, p)
-            continue
-        tensors += [
-            _whole(f"{hf}.mlp.gate.weight", (d.experts, d.hidden)),
-            _whole(f"{hf}.mlp.gate.e_score_correction_bias", (d.experts,)),
-        ]
-        if d.shared_experts:
-            tensors += _mlp(f"{hf}.mlp.shared_experts", d.hidden,
-                            d.expert_ffn * d.shared_experts, p)  # fmt: skip
-        tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p, fused)
+        tensors += deepseek_v3_layer(i, d, p, engine, fused)
     return EngineLayout(tuple(tensors), name_map, source_naming)
 
 

@@ -141,6 +141,7 @@ class DeepseekV3Dims:
     shared_experts: int
     vocab: int
     tie_embeddings: bool = False
+    mtp_layers: int = 0  # MTP (next-token prediction) layers after the decoder's last
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> DeepseekV3Dims:
@@ -160,6 +161,7 @@ class DeepseekV3Dims:
             shared_experts=cfg.n_shared_experts or 0,
             vocab=cfg.vocab_size,
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            mtp_layers=int(getattr(cfg, "num_nextn_predict_layers", 0) or 0),
         )
 
 

@@ -29,6 +29,9 @@ class MappedResolver:
     into the live memory. They are allocated by `stage` (at program load) as copies of the
     live tensors, so regions a refit does not write keep their live values, in an arena of
     this process (`staging_handles`: what another process maps them by); `close` frees them.
+    Tensors registered over the same memory (the pieces of an engine's fused tensor) share
+    one staging buffer, so applying one never writes back another's rows as they were at
+    load.
     """
 
     mapper: MemoryMapper
@@ -48,12 +51,19 @@ class MappedResolver:
 
     def stage(self) -> None:
         """Allocate the staging buffers: same shape, dtype, storage and device as live, in
-        shareable memory."""
+        shareable memory; one per distinct live memory."""
         if not self.staged:
             return
         self._arena = SharedTensorArena(prefix="refitd-stage")
+        shared: dict[tuple, tuple[int, ResolvedTensor]] = {}
         for i in sorted(self.staged):
             t = self.live(i)
+            key = _memory_key(self.handles[i], t.storage)
+            if key in shared:
+                first, st = shared[key]
+                self.staging_handles[i] = replace(self.staging_handles[first], name=t.name)
+                self._staging[i] = replace(st, name=t.name)
+                continue
             parts = {
                 k: v.clone()
                 for k, v in (("data", t.data), ("scales", t.scales), ("gs", t.global_scale))
@@ -67,6 +77,7 @@ class MappedResolver:
             self._staging[i] = ResolvedTensor(
                 t.name, parts["data"], parts.get("scales"), t.storage, parts.get("gs")
             )
+            shared[key] = (i, self._staging[i])
 
     def close(self) -> None:
         """Free the staging buffers (a mapping elsewhere keeps its pages until dropped)."""
@@ -75,11 +86,16 @@ class MappedResolver:
             self._arena = None
 
     def apply(self) -> int:
-        """Copy every staging buffer into its live tensor; returns the bytes copied."""
+        """Copy every staging buffer into its live memory, once; returns the bytes copied."""
         self.check(self.staged)
         n = 0
+        done: set[int] = set()
         for i in sorted(self.staged):
-            for live, st in zip(self.live(i).buffers(), self._staging[i].buffers(), strict=True):
+            staging = self._staging[i]
+            if id(staging.data) in done:
+                continue
+            done.add(id(staging.data))
+            for live, st in zip(self.live(i).buffers(), staging.buffers(), strict=True):
                 live.copy_(st)
                 n += st.numel() * st.element_size()
         return n
@@ -111,6 +127,12 @@ class MappedResolver:
             prepared = self._checks[key] = _PreparedCheck(self.mapper, named)
         elif not prepared.all_live():
             check_live_words(self.mapper, prepared.named)
+
+
+def _memory_key(h: MemoryHandle, storage: str) -> tuple:
+    """What makes two registrations the same memory: where the view lies and how."""
+    return (h.kind, h.segment, h.offset, h.device, repr(h.ipc), h.storage_offset, h.shape,
+            h.strides, h.dtype, storage)  # fmt: skip
 
 
 @dataclass

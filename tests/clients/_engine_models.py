@@ -202,7 +202,7 @@ def loaded_buffers(
     then its up rows; RowParallelLinear narrows dim 1; the vocabulary is padded to 64 and
     cut evenly (rows past the real vocabulary hold PAD_FILL: a refit never writes them);
     FusedMoE holds experts [ep_rank * E / ep, ...) with the ffn narrowed by the MoE TP
-    rank."""
+    rank. An MTP draft's shared head is a padded, split vocabulary like lm_head."""
     cfg, tp = eng.cfg, eng.tp
     mt = tp // eng.ep
 
@@ -216,7 +216,7 @@ def loaded_buffers(
     out: dict[str, torch.Tensor] = {}
     for name, held in eng.ranks[rank].items():
         pre = name.rsplit(".", 2)[0] + "."  # the module path of `name`'s parent
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")):
             want = torch.full_like(held, PAD_FILL)
             per = _pad64(cfg.vocab_size) // tp
             real = hf[name][rank * per : (rank + 1) * per]

@@ -499,6 +499,25 @@ def test_subscription_lost_before_commit(tmp_path: Path) -> None:
     assert h.store.committed == []
 
 
+def test_destination_lost_before_apply_leaves_the_staged_pool_untouched(tmp_path: Path) -> None:
+    """An in-place pool's worker (a draft) lost after the transfer: the staged pool (its
+    policy) is never applied and resumes its version; nothing is committed."""
+    h = _harness(tmp_path, staged=True, refit_retries=0)
+
+    def unsubscribe(run: RefitRun, phase: Phase) -> None:
+        if phase is P.APPLY:
+            h.events.unsubscribed.add("infer-0")
+
+    h.lifecycle._on_phase = unsubscribe
+    run = h.run()
+    assert run.state == pb.REFIT_STATE_FAILED
+    assert "['infer-0'] lost their subscription" in run.reason, run.reason
+    assert h.commander.applied == []
+    assert h.events.kinds("staged-0") == ["PAUSE", "ABORT"]
+    assert h.events.kinds("infer-0") == ["PAUSE", "INCOMPLETE"]
+    assert h.store.committed == []
+
+
 @pytest.mark.parametrize("early_pause", [True, False])
 def test_older_versions_are_superseded(tmp_path: Path, early_pause: bool) -> None:
     h = _harness(tmp_path, early_pause=early_pause)

@@ -328,10 +328,21 @@ class RefitLifecycle:
         self._enter(a, Phase.FAILED)
         return False
 
+    def _require_subscribed(self, ms: Membership) -> None:
+        """Every destination worker of the refit still subscribed, or PhaseFailed naming
+        those that are not (a version lands in every pool of the model or in none)."""
+        ids = [w.worker_id for w in ms.dest_workers]
+        gone = set(ids) - self.events.subscribed(ids)
+        if gone:
+            raise PhaseFailed(
+                f"destination workers {sorted(gone)} lost their subscription during the transfer"
+            )
+
     def _apply(self, a: Attempts, ms: Membership) -> None:
         """Pause the staged pools, then apply (staging -> live) on the slots of their
-        workers. A failed apply is sent again (it is idempotent) while within
-        refit_retries and refit_retry_budget_s."""
+        workers, unless a destination worker of another pool was lost meanwhile (the
+        staged pools then keep their live weights). A failed apply is sent again (it is
+        idempotent) while within refit_retries and refit_retry_budget_s."""
         s, run, clock = self.settings, a.run, self.clock
         staged = ms.staged()
         todo = [w for w in staged if w.worker_id not in a.paused]
@@ -339,6 +350,7 @@ class RefitLifecycle:
         if todo:
             self.events.pause(todo, run, s.pause_timeout_s, ms, a.paused)
         run.detail["staged_pause_s"] = clock.monotonic() - t
+        self._require_subscribed(ms)
         slots = {w.slot for w in staged}
         a.written.update((w.worker_id, w) for w in staged)
         until = clock.monotonic() + s.refit_retry_budget_s
@@ -400,12 +412,7 @@ class RefitLifecycle:
         later (off the critical path; Refit calls with WAIT_SERVED wait for them)."""
         run, ms, clock = a.run, a.ms, self.clock
         assert ms is not None
-        ids = [w.worker_id for w in ms.dest_workers]
-        gone = set(ids) - self.events.subscribed(ids)
-        if gone:
-            raise PhaseFailed(
-                f"destination workers {sorted(gone)} lost their subscription during the transfer"
-            )
+        self._require_subscribed(ms)
         run.state = pb.REFIT_STATE_LANDED
         run.seconds = clock.monotonic() - run.started
         self.store.commit(run, ms.epoch, ms.dest_workers)
