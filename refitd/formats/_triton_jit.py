@@ -52,21 +52,66 @@ TWO_A = tl.constexpr(0x3C6EF372FE94F82A)
 
 
 @triton.jit
-def _bits_hash(bits, k, mask, SRC_BF16: tl.constexpr):
-    """This tile's share of the checksum of refitd.executor.checksums over the
-    source's bytes: `bits` as _load_f32_bits returned them, `k` each element's row-major
-    index in the region. A float32 element is word k; a bf16 element is the low (k even,
-    zero-extended) or the high (k odd, sign-extended) half of word k // 2. Products wrap
-    mod 2**64, as the checksum's arithmetic does."""
+def _col_sums16(v, dr):
+    """Per-column sums over axis 0 of int32 values |v| <= 2**16: (sum v, sum dr * v), dr
+    the row index along axis 0. Exact in int32 for up to 256 rows (|sum dr * v| <=
+    256 * 255 / 2 * 2**16 < 2**31); axis 0 lies within a thread in the kernels' layouts,
+    so this costs two integer adds per element and no cross-thread traffic."""
+    tl.static_assert(v.shape[0] <= 256)
+    return tl.sum(v, axis=0), tl.sum(v * dr, axis=0)
+
+
+@triton.jit
+def word_col_sums(x, dr):
+    """(sum x, sum dr * x) per column of a tile of int32 words, as int64: _col_sums16 of the
+    16-bit halves x = hi * 2**16 + lo."""
+    c_lo, r_lo = _col_sums16(x & 0xFFFF, dr)
+    c_hi, r_hi = _col_sums16(x >> 16, dr)
+    return (c_hi.to(tl.int64) << 16) + c_lo, (r_hi.to(tl.int64) << 16) + r_lo
+
+
+@triton.jit
+def word_tile_hash(x, i0, row_words, dr, dc):
+    """sum x * (2A * i + 1) mod 2**64 over a tile of int32 words x (0 where masked) whose
+    element (dr, dc) is word i = i0 + dr * row_words + dc of its region: per column,
+    sum x = S and sum dr * x = R (word_col_sums), so the column adds
+    S * (2A * (i0 + dc) + 1) + R * 2A * row_words. dr: the row index along axis 0; dc:
+    the column index, shaped like x without axis 0. One cross-thread reduction."""
+    s, r = word_col_sums(x, dr)
+    w = (i0.to(tl.int64) * TWO_A + 1) + dc.to(tl.int64) * TWO_A
+    return tl.sum(s * w + r * (row_words.to(tl.int64) * TWO_A))
+
+
+@triton.jit
+def _bits_hash(bits, k0, C, dr, dc, SRC_BF16: tl.constexpr):
+    """This tile's share of the checksum of refitd.executor.checksums over the source's
+    bytes: `bits` as _load_f32_bits returned them (0 where masked); the element at row dr,
+    column dc of the tile has row-major index k = k0 + dr * C + dc in the region (dr along
+    axis 0, dc shaped like bits without it). A float32 element is word k; a bf16 element
+    is the low (k even, zero-extended) or the high (k odd, sign-extended) half of word
+    k // 2. Sums wrap mod 2**64, as the checksum's arithmetic does."""
     if SRC_BF16:
-        half = (bits >> 16).to(tl.int64)
-        v = tl.where((k & 1) == 0, half & 0xFFFF, half << 16)
-        w = k >> 1
+        # k = 2 * (k0 // 2 + dr * (C // 2)) + t with t = k0 % 2 + dr * (C % 2) + dc: a low
+        # half of word k // 2 where t is even, a high half where t is odd
+        b = (k0 & 1).to(tl.int32)
+        c1 = (C & 1).to(tl.int32)
+        odd = (b + dr * c1 + tl.expand_dims(dc, 0)) & 1
+        half = bits >> 16
+        s_l, r_l = _col_sums16(half & 0xFFFF & (odd - 1), dr)
+        s_h, r_h = _col_sums16(half & -odd, dr)
+        # per column, sum v * (t // 2) from sum v * t = b * S + c1 * R + dc * S (each v * t
+        # even for the low halves, each v * (t - 1) for the high ones: exact halving)
+        s_l, r_l, s_h, r_h = s_l.to(tl.int64), r_l.to(tl.int64), s_h.to(tl.int64), r_h.to(tl.int64)
+        q_l = ((b + dc) * s_l + c1 * r_l) >> 1
+        q_h = ((b + dc - 1) * s_h + c1 * r_h) >> 1
+        s = s_l + (s_h << 16)
+        r = r_l + (r_h << 16)
+        t = q_l + (q_h << 16)
+        k_half, c_half = k0.to(tl.int64) >> 1, C.to(tl.int64) >> 1
+        h = s * (k_half * TWO_A + 1) + r * (c_half * TWO_A) + t * TWO_A
+        return tl.sum(h)
     else:
-        v = bits.to(tl.int64)
-        w = k
-    v = tl.where(mask, v, 0)
-    return tl.sum(v * w) * TWO_A + tl.sum(v)
+        return word_tile_hash(bits, k0, C, dr, dc)
 
 
 @triton.jit
@@ -103,7 +148,10 @@ def mxfp8_tile(
     bits = _load_f32_bits(x_ptr + rows * sxm + cols * sxc, mask, SRC_BF16)
     h = tl.zeros((1,), dtype=tl.int64)
     if HASH:
-        h += _bits_hash(bits, rows * C + cols, mask, SRC_BF16)
+        dr = tl.arange(0, BLOCK_M)[:, None, None]
+        dc = tl.arange(0, NBB)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        k0 = (pid_m * BLOCK_M).to(tl.int64) * C + pid_c * BLOCK_C
+        h += _bits_hash(bits, k0, C, dr, dc, SRC_BF16)
     absb = bits & 0x7FFFFFFF
     amax = tl.max(absb, axis=2)
     nonfinite = amax >= 0x7F800000
@@ -202,7 +250,10 @@ def fp8_block_tile(
         bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
         acc = tl.maximum(acc, bits & 0x7FFFFFFF)
         if HASH:
-            h += _bits_hash(bits, k0 + rows[:, None] * C + cols[None, :], m, SRC_BF16)
+            k_sub = k0 + (tr * TILE + i).to(tl.int64) * C + tc * TILE
+            h += _bits_hash(
+                bits, k_sub, C, tl.arange(0, SUB_R)[:, None], tl.arange(0, TILE), SRC_BF16
+            )
     amax = tl.max(tl.max(acc, axis=1), axis=0)
     nonfinite = amax >= 0x7F800000
     tiny = amax < (27 << 23)
