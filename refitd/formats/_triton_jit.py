@@ -83,35 +83,44 @@ def word_tile_hash(x, i0, row_words, dr, dc):
 
 
 @triton.jit
-def _bits_hash(bits, k0, C, dr, dc, SRC_BF16: tl.constexpr):
+def _lane_sums16(v, lane):
+    """(sum v, sum lane * v) over the last axis of int32 values |v| <= 2**16, lane the index
+    along it: exact in int32 for up to 128 lanes (|sum lane * v| <= 128 * 127 / 2 * 2**16)."""
+    tl.static_assert(v.shape[len(v.shape) - 1] <= 128)
+    axis: tl.constexpr = len(v.shape) - 1
+    return tl.sum(v, axis=axis), tl.sum(v * lane, axis=axis)
+
+
+@triton.jit
+def _bits_hash(bits, kg, lane, SRC_BF16: tl.constexpr):
     """This tile's share of the checksum of refitd.executor.checksums over the source's
-    bytes: `bits` as _load_f32_bits returned them (0 where masked); the element at row dr,
-    column dc of the tile has row-major index k = k0 + dr * C + dc in the region (dr along
-    axis 0, dc shaped like bits without it). A float32 element is word k; a bf16 element
-    is the low (k even, zero-extended) or the high (k odd, sign-extended) half of word
-    k // 2. Sums wrap mod 2**64, as the checksum's arithmetic does."""
+    bytes: `bits` as _load_f32_bits returned them (0 where masked), in groups along the last
+    axis: the element at lane l (`lane`, the index along it) of a group has row-major index
+    kg + l in the region (`kg`: int64, one per group). A float32 element is word k; a bf16
+    element is the low (k even, zero-extended) or the high (k odd, sign-extended) half of
+    word k // 2. Each group's sums are int32 (_lane_sums16, of 16-bit values), then weighted
+    in int64, wrapping mod 2**64 as the checksum's arithmetic does."""
     if SRC_BF16:
-        # k = 2 * (k0 // 2 + dr * (C // 2)) + t with t = k0 % 2 + dr * (C % 2) + dc: a low
-        # half of word k // 2 where t is even, a high half where t is odd
-        b = (k0 & 1).to(tl.int32)
-        c1 = (C & 1).to(tl.int32)
-        odd = (b + dr * c1 + tl.expand_dims(dc, 0)) & 1
+        # lane l holds half (b + l) % 2 of word kg // 2 + (b + l) // 2, b = kg % 2
+        b = (kg & 1).to(tl.int32)
+        odd = (tl.expand_dims(b, len(b.shape)) + lane) & 1
         half = bits >> 16
-        s_l, r_l = _col_sums16(half & 0xFFFF & (odd - 1), dr)
-        s_h, r_h = _col_sums16(half & -odd, dr)
-        # per column, sum v * (t // 2) from sum v * t = b * S + c1 * R + dc * S (each v * t
-        # even for the low halves, each v * (t - 1) for the high ones: exact halving)
-        s_l, r_l, s_h, r_h = s_l.to(tl.int64), r_l.to(tl.int64), s_h.to(tl.int64), r_h.to(tl.int64)
-        q_l = ((b + dc) * s_l + c1 * r_l) >> 1
-        q_h = ((b + dc - 1) * s_h + c1 * r_h) >> 1
-        s = s_l + (s_h << 16)
-        r = r_l + (r_h << 16)
-        t = q_l + (q_h << 16)
-        k_half, c_half = k0.to(tl.int64) >> 1, C.to(tl.int64) >> 1
-        h = s * (k_half * TWO_A + 1) + r * (c_half * TWO_A) + t * TWO_A
-        return tl.sum(h)
+        s_lo, u_lo = _lane_sums16(half & 0xFFFF & (odd - 1), lane)
+        s_hi, u_hi = _lane_sums16(half & -odd, lane)
+        # sum v * ((b + l) // 2): each v * (b + l) is even for the low halves, each
+        # v * (b + l - 1) for the high ones, so the halving is exact (and fits in int32)
+        q_lo = (b * s_lo + u_lo) >> 1
+        q_hi = ((b - 1) * s_hi + u_hi) >> 1
+        s = s_lo.to(tl.int64) + (s_hi.to(tl.int64) << 16)
+        q = q_lo.to(tl.int64) + (q_hi.to(tl.int64) << 16)
+        h = s * ((kg >> 1) * TWO_A + 1) + q * TWO_A
     else:
-        return word_tile_hash(bits, k0, C, dr, dc)
+        s_lo, u_lo = _lane_sums16(bits & 0xFFFF, lane)
+        s_hi, u_hi = _lane_sums16(bits >> 16, lane)
+        s = s_lo.to(tl.int64) + (s_hi.to(tl.int64) << 16)
+        u = u_lo.to(tl.int64) + (u_hi.to(tl.int64) << 16)
+        h = s * (kg * TWO_A + 1) + u * TWO_A
+    return tl.sum(h)
 
 
 @triton.jit
@@ -148,10 +157,8 @@ def mxfp8_tile(
     bits = _load_f32_bits(x_ptr + rows * sxm + cols * sxc, mask, SRC_BF16)
     h = tl.zeros((1,), dtype=tl.int64)
     if HASH:
-        dr = tl.arange(0, BLOCK_M)[:, None, None]
-        dc = tl.arange(0, NBB)[:, None] * 32 + tl.arange(0, 32)[None, :]
-        k0 = (pid_m * BLOCK_M).to(tl.int64) * C + pid_c * BLOCK_C
-        h += _bits_hash(bits, k0, C, dr, dc, SRC_BF16)
+        kg = srows * C + blk[None, :] * 32  # each 32-element block's first index
+        h += _bits_hash(bits, kg, tl.arange(0, 32)[None, None, :], SRC_BF16)
     absb = bits & 0x7FFFFFFF
     amax = tl.max(absb, axis=2)
     nonfinite = amax >= 0x7F800000
@@ -250,10 +257,8 @@ def fp8_block_tile(
         bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
         acc = tl.maximum(acc, bits & 0x7FFFFFFF)
         if HASH:
-            k_sub = k0 + (tr * TILE + i).to(tl.int64) * C + tc * TILE
-            h += _bits_hash(
-                bits, k_sub, C, tl.arange(0, SUB_R)[:, None], tl.arange(0, TILE), SRC_BF16
-            )
+            kg = k0 + rows * C + tc * TILE  # each row's first index
+            h += _bits_hash(bits, kg, tl.arange(0, TILE)[None, :], SRC_BF16)
     amax = tl.max(tl.max(acc, axis=1), axis=0)
     nonfinite = amax >= 0x7F800000
     tiny = amax < (27 << 23)
