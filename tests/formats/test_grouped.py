@@ -60,7 +60,8 @@ def test_checksums_fall_back_without_cuda() -> None:
 
 
 def _copies(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(source view, destination view) pairs: contiguous, strided rows, 1-row, 3-d."""
+    """(source view, destination view) pairs: contiguous, strided rows, 1-row, 3-d, rows
+    of several tiles."""
     src = _bits((40, 300), torch.bfloat16, 1).to(device)
 
     def zeros(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -75,6 +76,11 @@ def _copies(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         (
             _bits((3, 5, 64), torch.float32, 4).to(device)[:, :, 8:40],
             zeros(3, 5, 32, dtype=torch.float32),
+        ),
+        # strided rows longer than a tile: column tiles past the first, the last one masked
+        (
+            _bits((6, 1200), torch.int32, 5).to(device)[:, 100:1180],
+            zeros(6, 1080, dtype=torch.int32),
         ),
     ]
 
