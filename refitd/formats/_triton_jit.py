@@ -55,29 +55,25 @@ TWO_A = tl.constexpr(0x3C6EF372FE94F82A)
 def _col_sums16(v, dr):
     """Per-column sums over axis 0 of int32 values |v| <= 2**16: (sum v, sum dr * v), dr
     the row index along axis 0. Exact in int32 for up to 256 rows (|sum dr * v| <=
-    256 * 255 / 2 * 2**16 < 2**31); axis 0 lies within a thread in the kernels' layouts,
-    so this costs two integer adds per element and no cross-thread traffic."""
+    256 * 255 / 2 * 2**16 < 2**31). In the copy kernel's default tile a thread holds whole
+    columns, so these sums cost an add and a multiply-add per element, no cross-thread
+    traffic."""
     tl.static_assert(v.shape[0] <= 256)
     return tl.sum(v, axis=0), tl.sum(v * dr, axis=0)
 
 
 @triton.jit
-def word_col_sums(x, dr):
-    """(sum x, sum dr * x) per column of a tile of int32 words, as int64: _col_sums16 of the
-    16-bit halves x = hi * 2**16 + lo."""
-    c_lo, r_lo = _col_sums16(x & 0xFFFF, dr)
-    c_hi, r_hi = _col_sums16(x >> 16, dr)
-    return (c_hi.to(tl.int64) << 16) + c_lo, (r_hi.to(tl.int64) << 16) + r_lo
-
-
-@triton.jit
 def word_tile_hash(x, i0, row_words, dr, dc):
     """sum x * (2A * i + 1) mod 2**64 over a tile of int32 words x (0 where masked) whose
-    element (dr, dc) is word i = i0 + dr * row_words + dc of its region: per column,
-    sum x = S and sum dr * x = R (word_col_sums), so the column adds
-    S * (2A * (i0 + dc) + 1) + R * 2A * row_words. dr: the row index along axis 0; dc:
-    the column index, shaped like x without axis 0. One cross-thread reduction."""
-    s, r = word_col_sums(x, dr)
+    element (dr, dc) is word i = i0 + dr * row_words + dc of its region. Per column, S =
+    sum x and R = sum dr * x (from the 16-bit halves x = hi * 2**16 + lo, _col_sums16), so
+    the column adds S * (2A * (i0 + dc) + 1) + R * 2A * row_words: int64 work per column,
+    not per element, and one cross-thread reduction. dr: the row index along axis 0; dc:
+    the column index, shaped like x without axis 0."""
+    c_lo, r_lo = _col_sums16(x & 0xFFFF, dr)
+    c_hi, r_hi = _col_sums16(x >> 16, dr)
+    s = (c_hi.to(tl.int64) << 16) + c_lo
+    r = (r_hi.to(tl.int64) << 16) + r_lo
     w = (i0.to(tl.int64) * TWO_A + 1) + dc.to(tl.int64) * TWO_A
     return tl.sum(s * w + r * (row_words.to(tl.int64) * TWO_A))
 

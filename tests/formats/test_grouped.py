@@ -197,3 +197,18 @@ def test_gpu_checksum_equals_cpu_checksum() -> None:
                 assert Checksummer()(v) == checksum(v.cpu()), (dtype, tuple(v.shape))
     big = _bits((1 << 22,), torch.int32, 9).cuda()  # crosses the torch path's block size
     assert Checksummer()(big) == Checksummer(block_words=1 << 20)(big) == checksum(big.cpu())
+
+
+@pytest.mark.gpu
+@gpu
+def test_checksummer_reuses_kernel_tables_per_view() -> None:
+    """One Checksummer over views it has seen before (the kernel tables it keeps per view):
+    new bytes in a view, and views that share a start address but not a shape or stride,
+    still give the CPU checksum."""
+    summer = Checksummer()
+    x = _bits((64, 96), torch.int32, 11).cuda()
+    views = [x, x[:, :40], x[:40], x[:, :40].t()]
+    for rnd in range(2):
+        x.copy_(_bits((64, 96), torch.int32, 12 + rnd).cuda())
+        for v in views:
+            assert summer(v) == checksum(v.cpu()), (rnd, tuple(v.shape), v.stride())
