@@ -19,14 +19,19 @@ against torn, misplaced or stale data, not against an adversary.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from refitd.formats.grouped import GroupedLanding
 
 MASK = (1 << 64) - 1
 A = 0x9E3779B97F4A7C15
 COMBINE = 0x100000001B3  # FNV-64 prime: combines a message's copy checksums in order
 CPU_BLOCK_WORDS = 1 << 16  # 512 KiB of int64 temporaries: stays in cache
 CUDA_BLOCK_WORDS = 1 << 24  # fewer kernel launches
+FUSED_VIEWS = 4096  # views whose checksum kernel tables a Checksummer keeps
 
 
 def _signed(v: int) -> int:
@@ -35,11 +40,14 @@ def _signed(v: int) -> int:
 
 
 class Checksummer:
-    """Computes region checksums; keeps one block of position weights per device."""
+    """Computes region checksums; keeps one block of position weights per device and, on
+    CUDA, the checksum kernel's tables per view (a program checksums the same views every
+    refit: building the tables costs blocking host-to-device copies)."""
 
     def __init__(self, block_words: int | None = None) -> None:
         self.block_words = block_words
         self._weights: dict[torch.device, torch.Tensor] = {}
+        self._fused: dict[tuple, GroupedLanding | None] = {}
 
     def _block(self, device: torch.device) -> int:
         if self.block_words is not None:
@@ -58,11 +66,9 @@ class Checksummer:
         """H of `region` (any strides, any dtype) as a 0-d int64 tensor on its device; the
         computation is queued on the current stream (no host sync)."""
         if region.is_cuda and self.block_words is None:
-            from refitd.formats import grouped
-
-            fused = grouped.checksums([region])
+            fused = self._fused_sum(region)
             if fused is not None:
-                return fused[0]
+                return fused
         flat = region.contiguous().reshape(-1).view(torch.uint8)
         if flat.storage_offset() % 4:
             flat = flat.clone()
@@ -82,6 +88,19 @@ class Checksummer:
                 total += x.sum() * _signed(2 * A * b0)
             total += x.mul_(self._weights_for(x.device, x.numel())).sum()
         return total
+
+    def _fused_sum(self, region: torch.Tensor) -> torch.Tensor | None:
+        """H by the grouped checksum kernel (tables built once per view), or None where it
+        does not take the view."""
+        from refitd.formats import grouped
+
+        key = (region.device, region.data_ptr(), region.dtype, region.shape, region.stride())
+        if key not in self._fused:
+            if len(self._fused) >= FUSED_VIEWS:
+                self._fused.clear()
+            self._fused[key] = grouped.hash_landing([region])
+        landing = self._fused[key]
+        return None if landing is None else landing.hash_only()[0]
 
     def __call__(self, region: torch.Tensor) -> int:
         """H of `region` as an unsigned 64-bit Python int."""

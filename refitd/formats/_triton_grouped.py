@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from refitd.formats._triton_jit import TWO_A, fp8_block_tile, mxfp8_tile
+from refitd.formats._triton_jit import fp8_block_tile, mxfp8_tile, word_tile_hash
 
 # int64 fields of one region's row in the segment table, per kernel
 MX_FIELDS = ("x_off", "q_off", "s_off", "M", "C", "n_c", "sxm", "sqm", "ssm")
@@ -119,19 +119,6 @@ def fp8_block_grouped_kernel(
 
 
 @triton.jit
-def _tile_hash(x, i0, row_words, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """sum_i x_i * (2A * i + 1) mod 2**64 over a tile whose element (dr, dc) has position
-    i0 + dr * row_words + dc: = 2A * (i0 * S + row_words * T_r + T_c) + S, with S the sum,
-    T_r / T_c the row- / column-weighted sums (small weights: widening 32-bit products)."""
-    x64 = x.to(tl.int64)
-    rows = tl.sum(x64, axis=1)
-    total = tl.sum(rows, axis=0)
-    t_r = tl.sum(rows * tl.arange(0, BLOCK_R).to(tl.int64), axis=0)
-    t_c = tl.sum(tl.sum(x64 * tl.arange(0, BLOCK_W).to(tl.int64)[None, :], axis=1), axis=0)
-    return (i0 * total + row_words * t_r + t_c) * TWO_A + total
-
-
-@triton.jit
 def copy_hash_kernel(
     src_base,
     dst_base,
@@ -165,15 +152,17 @@ def copy_hash_kernel(
     c = c0 + tl.arange(0, BLOCK_W).to(tl.int64)[None, :]
     mask = (r < n_rows) & (c < row_words) & (r * row_words + c < total)
     i0 = r0 * row_words + c0
+    dr = tl.arange(0, BLOCK_R)[:, None]
+    dc = tl.arange(0, BLOCK_W)
     if HASH_SRC or COPY:
         x = tl.load(src_base + s_off + r * s_stride + c, mask=mask, other=0)
         if HASH_SRC:
-            tl.store(out_ptr + 2 * pid, _tile_hash(x, i0, row_words, BLOCK_R, BLOCK_W))
+            tl.store(out_ptr + 2 * pid, word_tile_hash(x, i0, row_words, dr, dc))
         if COPY:
             tl.store(dst_base + d_off + r * d_stride + c, x, mask=mask)
     if HASH_DST:
         y = tl.load(dst_base + d_off + r * d_stride + c, mask=mask, other=0, volatile=True)
-        tl.store(out_ptr + 2 * pid + 1, _tile_hash(y, i0, row_words, BLOCK_R, BLOCK_W))
+        tl.store(out_ptr + 2 * pid + 1, word_tile_hash(y, i0, row_words, dr, dc))
 
 
 def launch(kernel: triton.JITFunction, n_programs: int, *args, **meta) -> None:

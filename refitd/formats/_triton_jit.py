@@ -52,21 +52,71 @@ TWO_A = tl.constexpr(0x3C6EF372FE94F82A)
 
 
 @triton.jit
-def _bits_hash(bits, k, mask, SRC_BF16: tl.constexpr):
-    """This tile's share of the checksum of refitd.executor.checksums over the
-    source's bytes: `bits` as _load_f32_bits returned them, `k` each element's row-major
-    index in the region. A float32 element is word k; a bf16 element is the low (k even,
-    zero-extended) or the high (k odd, sign-extended) half of word k // 2. Products wrap
-    mod 2**64, as the checksum's arithmetic does."""
+def _col_sums16(v, dr):
+    """Per-column sums over axis 0 of int32 values |v| <= 2**16: (sum v, sum dr * v), dr
+    the row index along axis 0. Exact in int32 for up to 256 rows (|sum dr * v| <=
+    256 * 255 / 2 * 2**16 < 2**31). In the copy kernel's default tile a thread holds whole
+    columns, so these sums cost an add and a multiply-add per element, no cross-thread
+    traffic."""
+    tl.static_assert(v.shape[0] <= 256)
+    return tl.sum(v, axis=0), tl.sum(v * dr, axis=0)
+
+
+@triton.jit
+def word_tile_hash(x, i0, row_words, dr, dc):
+    """sum x * (2A * i + 1) mod 2**64 over a tile of int32 words x (0 where masked) whose
+    element (dr, dc) is word i = i0 + dr * row_words + dc of its region. Per column, S =
+    sum x and R = sum dr * x (from the 16-bit halves x = hi * 2**16 + lo, _col_sums16), so
+    the column adds S * (2A * (i0 + dc) + 1) + R * 2A * row_words: int64 work per column,
+    not per element, and one cross-thread reduction. dr: the row index along axis 0; dc:
+    the column index, shaped like x without axis 0."""
+    c_lo, r_lo = _col_sums16(x & 0xFFFF, dr)
+    c_hi, r_hi = _col_sums16(x >> 16, dr)
+    s = (c_hi.to(tl.int64) << 16) + c_lo
+    r = (r_hi.to(tl.int64) << 16) + r_lo
+    w = (i0.to(tl.int64) * TWO_A + 1) + dc.to(tl.int64) * TWO_A
+    return tl.sum(s * w + r * (row_words.to(tl.int64) * TWO_A))
+
+
+@triton.jit
+def _lane_sums16(v, lane):
+    """(sum v, sum lane * v) over the last axis of int32 values |v| <= 2**16, lane the index
+    along it: exact in int32 for up to 128 lanes (|sum lane * v| <= 128 * 127 / 2 * 2**16)."""
+    tl.static_assert(v.shape[len(v.shape) - 1] <= 128)
+    axis: tl.constexpr = len(v.shape) - 1
+    return tl.sum(v, axis=axis), tl.sum(v * lane, axis=axis)
+
+
+@triton.jit
+def _bits_hash(bits, kg, lane, SRC_BF16: tl.constexpr):
+    """This tile's share of the checksum of refitd.executor.checksums over the source's
+    bytes: `bits` as _load_f32_bits returned them (0 where masked), in groups along the last
+    axis: the element at lane l (`lane`, the index along it) of a group has row-major index
+    kg + l in the region (`kg`: int64, one per group). A float32 element is word k; a bf16
+    element is the low (k even, zero-extended) or the high (k odd, sign-extended) half of
+    word k // 2. Each group's sums are int32 (_lane_sums16, of 16-bit values), then weighted
+    in int64, wrapping mod 2**64 as the checksum's arithmetic does."""
     if SRC_BF16:
-        half = (bits >> 16).to(tl.int64)
-        v = tl.where((k & 1) == 0, half & 0xFFFF, half << 16)
-        w = k >> 1
+        # lane l holds half (b + l) % 2 of word kg // 2 + (b + l) // 2, b = kg % 2
+        b = (kg & 1).to(tl.int32)
+        odd = (tl.expand_dims(b, len(b.shape)) + lane) & 1
+        half = bits >> 16
+        s_lo, u_lo = _lane_sums16(half & 0xFFFF & (odd - 1), lane)
+        s_hi, u_hi = _lane_sums16(half & -odd, lane)
+        # sum v * ((b + l) // 2): each v * (b + l) is even for the low halves, each
+        # v * (b + l - 1) for the high ones, so the halving is exact (and fits in int32)
+        q_lo = (b * s_lo + u_lo) >> 1
+        q_hi = ((b - 1) * s_hi + u_hi) >> 1
+        s = s_lo.to(tl.int64) + (s_hi.to(tl.int64) << 16)
+        q = q_lo.to(tl.int64) + (q_hi.to(tl.int64) << 16)
+        h = s * ((kg >> 1) * TWO_A + 1) + q * TWO_A
     else:
-        v = bits.to(tl.int64)
-        w = k
-    v = tl.where(mask, v, 0)
-    return tl.sum(v * w) * TWO_A + tl.sum(v)
+        s_lo, u_lo = _lane_sums16(bits & 0xFFFF, lane)
+        s_hi, u_hi = _lane_sums16(bits >> 16, lane)
+        s = s_lo.to(tl.int64) + (s_hi.to(tl.int64) << 16)
+        u = u_lo.to(tl.int64) + (u_hi.to(tl.int64) << 16)
+        h = s * (kg * TWO_A + 1) + u * TWO_A
+    return tl.sum(h)
 
 
 @triton.jit
@@ -103,7 +153,8 @@ def mxfp8_tile(
     bits = _load_f32_bits(x_ptr + rows * sxm + cols * sxc, mask, SRC_BF16)
     h = tl.zeros((1,), dtype=tl.int64)
     if HASH:
-        h += _bits_hash(bits, rows * C + cols, mask, SRC_BF16)
+        kg = srows * C + blk[None, :] * 32  # each 32-element block's first index
+        h += _bits_hash(bits, kg, tl.arange(0, 32)[None, None, :], SRC_BF16)
     absb = bits & 0x7FFFFFFF
     amax = tl.max(absb, axis=2)
     nonfinite = amax >= 0x7F800000
@@ -202,7 +253,8 @@ def fp8_block_tile(
         bits = _load_f32_bits(xb + rows[:, None] * sxr + cols[None, :] * sxc, m, SRC_BF16)
         acc = tl.maximum(acc, bits & 0x7FFFFFFF)
         if HASH:
-            h += _bits_hash(bits, k0 + rows[:, None] * C + cols[None, :], m, SRC_BF16)
+            kg = k0 + rows * C + tc * TILE  # each row's first index
+            h += _bits_hash(bits, kg, tl.arange(0, TILE)[None, :], SRC_BF16)
     amax = tl.max(tl.max(acc, axis=1), axis=0)
     nonfinite = amax >= 0x7F800000
     tiny = amax < (27 << 23)

@@ -431,14 +431,23 @@ def word_rows(
     return tuple(addrs), rows, row * itemsize // 4, tuple(strides)
 
 
-def checksums(regions: list[torch.Tensor]) -> torch.Tensor | None:
-    """Checksums (refitd.executor.checksums) of CUDA regions in one launch, as an int64 tensor
-    on their device (queued, no sync); None when triton is missing or a region is not rows
-    of whole 32-bit words (the caller then uses the torch path)."""
+def hash_landing(regions: list[torch.Tensor]) -> GroupedLanding | None:
+    """A built landing whose `hash_only()` gives the checksums (refitd.executor.checksums)
+    of CUDA regions in one launch; None when triton is missing or a region is not rows of
+    whole 32-bit words. Its tables fix the regions' addresses and layouts: reuse it for
+    the same views only (building costs blocking host-to-device copies)."""
     if not regions or not available(regions[0].device):
         return None
     g = GroupedLanding(regions[0].device)
     for r in regions:
         if not g.add_copy(r, r):
             return None
-    return g.build().hash_only()
+    return g.build()
+
+
+def checksums(regions: list[torch.Tensor]) -> torch.Tensor | None:
+    """Checksums of CUDA regions in one launch (hash_landing), as an int64 tensor on their
+    device (queued, no sync); None where hash_landing gives None (the caller then uses the
+    torch path)."""
+    g = hash_landing(regions)
+    return None if g is None else g.hash_only()

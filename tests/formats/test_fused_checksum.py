@@ -41,6 +41,7 @@ CASES = [
     ("mxfp8", (7, 70), None),
     ("mxfp8", (3, 5, 64), None),
     ("mxfp8", (9, 96), (slice(1, 8), slice(32, 96))),
+    ("mxfp8", (11, 601), None),  # two column tiles, odd rows: bf16 blocks start mid-word
     ("fp8_block", (301,), None),
     ("fp8_block", (130, 129), None),
     ("fp8_block", (2, 5, 7), None),

@@ -65,7 +65,8 @@ def test_checksums_fall_back_without_cuda() -> None:
 
 
 def _copies(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(source view, destination view) pairs: contiguous, strided rows, 1-row, 3-d."""
+    """(source view, destination view) pairs: contiguous, strided rows, 1-row, 3-d, rows
+    of several tiles."""
     src = _bits((40, 300), torch.bfloat16, 1).to(device)
 
     def zeros(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -80,6 +81,11 @@ def _copies(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         (
             _bits((3, 5, 64), torch.float32, 4).to(device)[:, :, 8:40],
             zeros(3, 5, 32, dtype=torch.float32),
+        ),
+        # strided rows longer than a tile: column tiles past the first, the last one masked
+        (
+            _bits((6, 1200), torch.int32, 5).to(device)[:, 100:1180],
+            zeros(6, 1080, dtype=torch.int32),
         ),
     ]
 
@@ -194,3 +200,18 @@ def test_gpu_checksum_equals_cpu_checksum() -> None:
                 assert Checksummer()(v) == checksum(v.cpu()), (dtype, tuple(v.shape))
     big = _bits((1 << 22,), torch.int32, 9).cuda()  # crosses the torch path's block size
     assert Checksummer()(big) == Checksummer(block_words=1 << 20)(big) == checksum(big.cpu())
+
+
+@pytest.mark.gpu
+@gpu
+def test_checksummer_reuses_kernel_tables_per_view() -> None:
+    """One Checksummer over views it has seen before (the kernel tables it keeps per view):
+    new bytes in a view, and views that share a start address but not a shape or stride,
+    still give the CPU checksum."""
+    summer = Checksummer()
+    x = _bits((64, 96), torch.int32, 11).cuda()
+    views = [x, x[:, :40], x[:40], x[:, :40].t()]
+    for rnd in range(2):
+        x.copy_(_bits((64, 96), torch.int32, 12 + rnd).cuda())
+        for v in views:
+            assert summer(v) == checksum(v.cpu()), (rnd, tuple(v.shape), v.stride())
