@@ -443,11 +443,3 @@ def hash_landing(regions: list[torch.Tensor]) -> GroupedLanding | None:
         if not g.add_copy(r, r):
             return None
     return g.build()
-
-
-def checksums(regions: list[torch.Tensor]) -> torch.Tensor | None:
-    """Checksums of CUDA regions in one launch (hash_landing), as an int64 tensor on their
-    device (queued, no sync); None where hash_landing gives None (the caller then uses the
-    torch path)."""
-    g = hash_landing(regions)
-    return None if g is None else g.hash_only()

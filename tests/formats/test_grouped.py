@@ -60,7 +60,7 @@ def test_word_rows_splits_views_into_rows_of_words() -> None:
 
 def test_checksums_fall_back_without_cuda() -> None:
     x = torch.arange(100, dtype=torch.int32)
-    assert grouped.checksums([x]) is None  # CPU tensors: the torch path
+    assert grouped.hash_landing([x]) is None  # CPU tensors: the torch path
     assert Checksummer()(x) == checksum(x)
 
 
