@@ -17,8 +17,9 @@ vLLM's draft model names and lays them out as follows, per TP rank:
 - `model.layers.{k}.eh_proj.weight`: a plain linear layer, whole on every rank;
 - `model.layers.{k}.shared_head.head.weight`: ParallelLMHead, padded and split over TP;
 - `model.layers.{k}.mtp_block.<name>`: the decoder block, laid out as the policy's layer
-  k would be (MLA with `fused_qkv_a_proj`, experts in FusedMoE `w13_weight` / `w2_weight`)
-  under the block's HF name with `mtp_block.` after the layer number.
+  k would be (MLA with `fused_qkv_a_proj`, routed experts in FusedMoE's
+  `mlp.experts.routed_experts.w13_weight` / `w2_weight`) under the block's HF name with
+  `mtp_block.` after the layer number.
 
 Register the draft as a destination pool of the policy's model (`register_engine`): every
 version then lands in the policy and its draft together, or in neither.

@@ -10,7 +10,10 @@ model runners allocate the same shapes; their weight loaders fill them):
 - routed experts (FusedMoE): `w13_weight` [local experts, 2 * ffn / moe_tp, hidden] (gate
   rows then up rows) and `w2_weight` [local experts, hidden, ffn / moe_tp], experts split
   contiguously by EP (rank e of EP holds experts e*E/ep ...), the ffn split by the MoE TP
-  (tp / ep);
+  (tp / ep). vLLM holds them in FusedMoE's `routed_experts` submodule
+  (`mlp.experts.routed_experts.w13_weight`), SGLang on FusedMoE itself
+  (`mlp.experts.w13_weight`); the router (`mlp.gate`) and shared experts
+  (`mlp.shared_experts`) keep their HF names in both;
 - `embed_tokens` / `lm_head` (VocabParallelEmbedding / ParallelLMHead): the vocabulary padded
   to a multiple of `padding` (64) and split evenly over TP; rows past the real vocabulary
   exist only in the engine (declared padding in the name map, never written);
@@ -201,14 +204,28 @@ def _mlp(prefix: str, hidden: int, ffn: int, p: EngineParallel) -> list[EngineTe
     ]
 
 
+def routed_experts_module(engine: str) -> str:
+    """Where FusedMoE holds `w13_weight` / `w2_weight` under a MoE block: vLLM in its
+    `routed_experts` submodule, SGLang on FusedMoE itself."""
+    return {"vllm": "experts.routed_experts", "sglang": "experts"}[_engine(engine)]
+
+
 def routed_experts(
-    prefix: str, experts: int, hidden: int, ffn: int, p: EngineParallel, fused: bool = False
+    prefix: str,
+    experts: int,
+    hidden: int,
+    ffn: int,
+    p: EngineParallel,
+    fused: bool = False,
+    engine: str = "vllm",
 ) -> list[EngineTensor]:
-    """FusedMoE `w13_weight` / `w2_weight`, one EngineTensor per local expert slice.
-    fused: the pieces read transformers' stacked `experts.gate_up_proj` / `down_proj`."""
+    """FusedMoE `w13_weight` / `w2_weight` of `engine`, one EngineTensor per local expert
+    slice. fused: the pieces read transformers' stacked `experts.gate_up_proj` /
+    `down_proj`."""
     if experts % p.ep_size:
         raise PlanError(f"{prefix}: {experts} experts do not split over EP {p.ep_size}")
     local = experts // p.ep_size
+    held = f"{prefix}.{routed_experts_module(engine)}"
     out: list[EngineTensor] = []
     for k in range(local):
         e = p.ep_rank * local + k
@@ -218,8 +235,8 @@ def routed_experts(
         if fused:
             w13 = _stacked(w13, f"{prefix}.experts", experts, e)
             w2 = _stacked(w2, f"{prefix}.experts", experts, e)
-        out.append(EngineTensor(f"{prefix}.experts.w13_weight", w13.local_shape, w13.pieces, k))
-        out.append(EngineTensor(f"{prefix}.experts.w2_weight", w2.local_shape, w2.pieces, k))
+        out.append(EngineTensor(f"{held}.w13_weight", w13.local_shape, w13.pieces, k))
+        out.append(EngineTensor(f"{held}.w2_weight", w2.local_shape, w2.pieces, k))
     return out
 
 
@@ -305,7 +322,9 @@ def llama_engine_layout(
             ]
         if d.experts and i not in d.dense_layers:
             tensors.append(_whole(f"{hf}.mlp.gate.weight", (d.experts, d.hidden)))
-            tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p, fused)
+            tensors += routed_experts(
+                f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p, fused, engine
+            )
         else:
             tensors += _mlp(f"{hf}.mlp", d.hidden, d.ffn, p)
     return EngineLayout(tuple(tensors), name_map, source_naming)
@@ -361,7 +380,7 @@ def deepseek_v3_layer(
     if d.shared_experts:
         tensors += _mlp(f"{hf}.mlp.shared_experts", d.hidden,
                         d.expert_ffn * d.shared_experts, p)  # fmt: skip
-    tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p, fused)
+    tensors += routed_experts(f"{hf}.mlp", d.experts, d.hidden, d.expert_ffn, p, fused, engine)
     return tensors
 
 

@@ -2,12 +2,13 @@
 it from those tensors.
 
 `EngineModel` keeps one dict of engine tensors per TP rank (fused qkv_proj, gate_up_proj,
-stacked FusedMoE w13/w2, padded vocabulary, MLA fused_qkv_a_proj); its forward splits them
-back into the transformers model's parameters with the engines' own semantics, written
-here independently of clients.engine_layouts (q heads then k then v per rank, KV head
-r // (tp / kv) on rank r, gate rows then up rows, vocabulary cut evenly after padding to
-64, experts contiguous per EP rank), and calls the transformers model on them. Replicated
-copies must agree and padding rows must still hold their fill value, or it raises.
+stacked FusedMoE w13/w2 where each engine's FusedMoE holds them, padded vocabulary, MLA
+fused_qkv_a_proj); its forward splits them back into the transformers model's parameters
+with the engines' own semantics, written here independently of clients.engine_layouts (q
+heads then k then v per rank, KV head r // (tp / kv) on rank r, gate rows then up rows,
+vocabulary cut evenly after padding to 64, experts contiguous per EP rank), and calls the
+transformers model on them. Replicated copies must agree and padding rows must still hold
+their fill value, or it raises.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from refitd.formats.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from refitd.plan.wire import mxfp8_scale_shape
 
 PAD_FILL = 7.0  # what the engine's padding rows hold; a refit must never write them
+# where each engine's FusedMoE holds w13_weight / w2_weight under `mlp.`: vLLM 0.33 in
+# its `routed_experts` submodule, SGLang 0.5.23 on FusedMoE itself
+EXPERTS_HELD = {"vllm": "experts.routed_experts.", "sglang": "experts."}
 
 
 def _pad64(n: int) -> int:
@@ -100,14 +104,15 @@ class EngineModel:
     def _experts(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
         """HF fused experts [E, 2I, H] / [E, H, I] from per-rank w13 / w2."""
         mt = self.tp // self.ep
+        held = f"{prefix}.{EXPERTS_HELD[self.engine]}"
         gate_up, down = [], []
         for e in range(self.ep):
             group = self._read[e * mt : (e + 1) * mt]
-            w13 = [t[f"{prefix}.experts.w13_weight"].chunk(2, dim=1) for t in group]
+            w13 = [t[f"{held}w13_weight"].chunk(2, dim=1) for t in group]
             gate = torch.cat([g for g, _ in w13], dim=1)
             up = torch.cat([u for _, u in w13], dim=1)
             gate_up.append(torch.cat([gate, up], dim=1))
-            down.append(torch.cat([t[f"{prefix}.experts.w2_weight"] for t in group], dim=2))
+            down.append(torch.cat([t[f"{held}w2_weight"] for t in group], dim=2))
         return torch.cat(gate_up), torch.cat(down)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
@@ -241,7 +246,7 @@ def loaded_buffers(
         elif name.endswith((".w13_weight", ".w2_weight")):
             local = held.shape[0]
             experts = range(rank // mt * local, (rank // mt + 1) * local)
-            pre = name.rsplit(".", 1)[0] + "."  # ...mlp.experts.
+            pre = name[: name.index(".mlp.") + 5] + "experts."  # the HF fused experts
             if name.endswith(".w13_weight"):
                 gu = hf[pre + "gate_up_proj"]
                 ffn = gu.shape[1] // 2

@@ -1,7 +1,8 @@
 """The MTP draft layout against vLLM 0.33's own draft model code: every draft tensor's name
 is what vLLM's `DeepSeekMTP` loader makes of the HF names of its pieces (its spec-layer
-rewrite, then its stacked-parameter fusions), and the vocabulary tensors have the shapes
-vLLM's own VocabParallelEmbedding / SharedHead allocate on each TP rank."""
+rewrite, then its stacked-parameter fusions or its FusedMoE expert-params mapping), and the
+vocabulary tensors have the shapes vLLM's own VocabParallelEmbedding / SharedHead allocate
+on each TP rank."""
 
 from __future__ import annotations
 
@@ -28,12 +29,21 @@ STACKED = (
 )
 
 
-def vllm_name(hf: str, layer: int) -> str:
-    """The draft parameter vLLM's loader puts the HF checkpoint tensor `hf` in."""
+def vllm_name(hf: str, layer: int, experts: int) -> str:
+    """The draft parameter vLLM's loader puts the HF checkpoint tensor `hf` in: its
+    stacked-parameter fusions, else its FusedMoE expert-params mapping."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.layer import fused_moe_make_expert_params_mapping
     from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
 
     name = DeepSeekMTP._rewrite_spec_layer_name(None, layer, hf)  # uses no instance state
     for param, weight in STACKED:
+        if weight in name and ".mlp.experts." not in name:
+            return name.replace(weight, param)
+    mapping = fused_moe_make_expert_params_mapping(
+        torch.nn.Module(), "gate_proj", "down_proj", "up_proj", experts
+    )
+    for param, weight, _, _ in mapping:
         if weight in name:
             return name.replace(weight, param)
     return name
@@ -49,14 +59,11 @@ def test_draft_names_are_what_vllm_loads_them_as(tp: int) -> None:
     for t in checkpoint.tensors:
         for p in t.pieces:
             hf = p.canonical
-            if ".mlp.experts." in hf and ".shared_experts." not in hf:
-                continue  # routed experts: FusedMoE's parameters, named as in the policy layout
             if hf == "model.embed_tokens.weight":  # the model's embedding, shared
-                assert t.name == vllm_name(f"model.layers.{d.layers}.embed_tokens.weight", d.layers)
-            else:
-                assert t.name == vllm_name(hf, d.layers), hf
+                hf = f"model.layers.{d.layers}.embed_tokens.weight"
+            assert t.name == vllm_name(hf, d.layers, d.experts), hf
             seen += 1
-    assert seen >= 20
+    assert seen >= 20 + 3 * d.experts  # and gate, up, down of every routed expert
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
