@@ -5,9 +5,11 @@ their sends to one peer go through one connection, first posted first sent. `Lin
 decides the order in which the lanes post their send chunks to each peer: weighted fair
 queueing by bytes. Each lane's bytes admitted so far, divided by its weight, is its served
 count; while another lane waits for the same peer, the lane with the smallest count posts
-next, and at most `window` bytes are posted and not yet completed per peer. A lane alone
-on a link posts without waiting, as a refit of one model does. A lane that starts while
-others run begins at their smallest count, so idle time earns no credit.
+next. At most `window` bytes are posted and not yet sent per peer, a lane alone included
+(a chunk larger than the window goes alone): bytes posted are queued first in, first out
+on the connection, so a lane that posted a whole refit ahead would hold a later lane
+behind all of it. A lane that starts while others run begins at their smallest count, so
+idle time earns no credit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from refitd.executor.errors import ExecutionError
 from refitd.plan.lanes import lane_tag
 
-SHARE_WINDOW = 8 << 20  # bytes posted and not yet sent, per peer, while lanes share it
+SHARE_WINDOW = 16 << 20  # bytes posted and not yet sent, per peer
 
 
 @dataclass(frozen=True)
@@ -120,12 +122,10 @@ class LinkShares:
             self._cv.notify_all()
 
     def _may_post(self, link: _Link, lane: int, nbytes: int) -> bool:
-        others = link.active() - {lane}
-        if not others:
-            return True
         if link.inflight and link.inflight + nbytes > self.window:
             return False
         mine = link.served[lane]
+        others = link.active() - {lane}
         return all(mine <= link.served.get(k, 0.0) for k in others if link.waiting.get(k))
 
     def release(self, peer: int, lane: int, nbytes: int) -> None:

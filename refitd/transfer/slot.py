@@ -100,6 +100,7 @@ class TransferSlot:
         self.idle = threading.Event()  # none is: what close waits for
         self.idle.set()
         self.shares = LinkShares()  # the links' shares between refits of several models
+        self.transport_kind = ""
         self._runs = threading.Lock()
         self.probe_bufs: dict[tuple[str, int], torch.Tensor] = {}
         self.closed = False
@@ -122,6 +123,11 @@ class TransferSlot:
             self.running.pop(lane, None)
             if not self.running:
                 self.idle.set()
+
+    def shares_of_links(self) -> LinkShares | None:
+        """The links' gates where sends queue on shared connections (Gloo over TCP); NCCL
+        sends go in the groups the executor posts them in, never split by a gate."""
+        return self.shares if self.transport_kind == "gloo" else None
 
     def ping(self, cmd: Ping) -> Pong:
         return Pong(self.slot)
@@ -147,6 +153,7 @@ class TransferSlot:
             local_interface=cmd.data_plane_interface,
         )
         transport = create_transport(cmd.transport)
+        self.transport_kind = cmd.transport
         transport.connect(info)
         self.transport = transport
         if cmd.store_port:  # a communicator with a rendezvous store: one-sided paths too

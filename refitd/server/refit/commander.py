@@ -120,11 +120,13 @@ class AgentCommander:
         under the setup lock, so no rebuild of the communicator comes in between."""
         with self._setup:
             self._prepare(ms)
+            # an NCCL communicator serves one thread: its transfers take turns
+            lanes = 1 if self.settings.transport == "nccl" else LANES
             with self._lanes:
                 if not self._lanes.wait_for(
-                    lambda: len(self._lane_of) < LANES, self.settings.transfer_timeout_s
+                    lambda: len(self._lane_of) < lanes, self.settings.transfer_timeout_s
                 ):
-                    raise PhaseFailed(f"no free lane: {LANES} models are transferring")
+                    raise PhaseFailed(f"no free lane: {lanes} models are transferring")
                 lane = min(set(range(LANES)) - set(self._lane_of))
                 self._lane_of[lane] = ms.model
                 return lane
