@@ -42,11 +42,7 @@ class _Posted:
     chunk: Chunk
     work: Work
     buf: torch.Tensor
-    ring: int  # staging ring slot, -1 for a zero-copy chunk, ONE_SIDED
-
-    @property
-    def staged(self) -> bool:
-        return self.ring >= 0
+    ring: int  # staging ring slot (>= 0: staged), -1 for a zero-copy chunk, ONE_SIDED
 
 
 class RefitExecution:
@@ -82,7 +78,7 @@ class RefitExecution:
         self.skip = skip
         self.one_sided = one_sided
         self.attempt = attempt
-        self.share = share or Share()
+        self.share, self.shared = share or Share(), False  # shared: the last send's link
         self.is_cuda = prep.device.type == "cuda"
         self.report = ExecReport(slot=self.slot)
         self.send_sums: _Sums | None = {} if verify else None
@@ -186,6 +182,8 @@ class RefitExecution:
                 for ch in sends:
                     if ch.mid not in self.skip:
                         posted.append(self._post_send(ch, ops, posted))
+                        if self.shared:  # other lanes on the link: post in admission order
+                            self._flush(ops, posted)
                 if self.abort.is_set():
                     return
                 self._submit(ops, posted)
@@ -250,7 +248,8 @@ class RefitExecution:
         else:
             buf = zc
         flush = lambda: self._flush(ops, posted)  # noqa: E731
-        self.share.admit(self.peer(ch.dst_slot), ch.nbytes, self.deadline, self.abort, flush)
+        dst = self.peer(ch.dst_slot)
+        self.shared = self.share.admit(dst, ch.nbytes, self.deadline, self.abort, flush)
         ops.append(P2POp(True, buf[: ch.nbytes], self.peer(ch.dst_slot), self.share.tag(ch.tag)))
         return (ch, buf, ring, True, None)
 
@@ -282,7 +281,7 @@ class RefitExecution:
                 self._finished("send", item.chunk.mid)
                 if item.ring != ONE_SIDED:
                     self.share.sent(self.peer(item.chunk.dst_slot), item.chunk.nbytes)
-                if item.staged:
+                if item.ring >= 0:
                     self.pool.release("send", item.ring)
                 elif item.ring != ONE_SIDED:  # a one-sided write did this when it ran
                     if self.send_sums is not None:  # zero-copy: overlaps the next sends
@@ -311,7 +310,7 @@ class RefitExecution:
                     raise ExecutionError(f"{self.describe(item.chunk, 'recv')}: {e}") from e
                 tu = time.monotonic()
                 self.recv_wait_s += tu - tw
-                if item.staged:
+                if item.ring >= 0:
                     try:
                         self.data.unpack(item.chunk, item.buf, partial, self.recv_sums)
                         self.unpack_s += time.monotonic() - tu

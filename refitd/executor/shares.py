@@ -4,8 +4,8 @@ A transfer process runs one refit per lane (one lane per model refitting at that
 their sends to one peer go through one connection, first posted first sent. `LinkShares`
 decides the order in which the lanes post their send chunks to each peer: weighted fair
 queueing by bytes. Each lane's bytes admitted so far, divided by its weight, is its served
-count; while another lane waits for the same peer, the lane with the smallest count posts
-next. At most `window` bytes are posted and not yet sent per peer, a lane alone included
+count; while other lanes have bytes waiting or in flight to the same peer, the lane with
+the smallest count posts next (a lane whose bytes all went out stops counting). At most `window` bytes are posted and not yet sent per peer, a lane alone included
 (a chunk larger than the window goes alone): bytes posted are queued first in, first out
 on the connection, so a lane that posted a whole refit ahead would hold a later lane
 behind all of it. A lane that starts while others run begins at their smallest count, so
@@ -40,11 +40,13 @@ class Share:
     def admit(
         self, peer: int, nbytes: int, deadline: float, abort: threading.Event,
         flush: Callable[[], None],
-    ) -> None:  # fmt: skip
-        """Wait for this lane's share of the link to `peer` (LinkShares.acquire)."""
-        if self.shares is not None:
-            weight = self.weight if self.weight > 0 else 1.0
-            self.shares.acquire(peer, self.lane, weight, nbytes, deadline, abort, flush)
+    ) -> bool:  # fmt: skip
+        """Wait for this lane's share of the link to `peer` (LinkShares.acquire); True when
+        other lanes share the link (the caller posts at once, in the order admitted)."""
+        if self.shares is None:
+            return False
+        weight = self.weight if self.weight > 0 else 1.0
+        return self.shares.acquire(peer, self.lane, weight, nbytes, deadline, abort, flush)
 
     def sent(self, peer: int, nbytes: int) -> None:
         if self.shares is not None:
@@ -83,9 +85,10 @@ class LinkShares:
         deadline: float,
         abort: threading.Event,
         before_wait: Callable[[], None],
-    ) -> None:
+    ) -> bool:
         """Admit `nbytes` of `lane` to `peer`; `before_wait` runs once before blocking (the
-        caller posts what it holds back, so a wait never stands on its own unposted bytes)."""
+        caller posts what it holds back, so a wait never stands on its own unposted bytes).
+        Returns whether other lanes had bytes waiting or in flight to `peer`."""
         flushed = False
         with self._cv:
             link = self._links.setdefault(peer, _Link())
@@ -120,13 +123,13 @@ class LinkShares:
             link.by_lane[lane] = link.by_lane.get(lane, 0) + nbytes
             link.served[lane] = link.served.get(lane, 0.0) + nbytes / max(weight, 1e-9)
             self._cv.notify_all()
+            return bool(link.active() - {lane})
 
     def _may_post(self, link: _Link, lane: int, nbytes: int) -> bool:
         if link.inflight and link.inflight + nbytes > self.window:
             return False
         mine = link.served[lane]
-        others = link.active() - {lane}
-        return all(mine <= link.served.get(k, 0.0) for k in others if link.waiting.get(k))
+        return all(mine <= link.served.get(k, 0.0) for k in link.active() - {lane})
 
     def release(self, peer: int, lane: int, nbytes: int) -> None:
         """`nbytes` of `lane` to `peer` were sent."""

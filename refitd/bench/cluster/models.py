@@ -7,12 +7,11 @@ the trainer host and the inference host, shaped to --rate-mbit. The controller's
 model_weights gives the two models --weights. Each measured round, both trainers refit at
 once (plans and communicator warm), and every version is checked bit for bit.
 
-The share is read off the two transfers' starts and ends: the link is busy from the first
-start to the last end, so its rate is both models' bytes over that time; the model that
-ends first sent its bytes (less those it sent alone before the other started) while both
-ran, so its share is those bytes over the link's bytes from the later start to its end,
-and the other's share is the rest. The target share is weight / sum of weights; the
-error is |share / target - 1|. One JSON line.
+The second model is --ratio times the first's size, so it transfers during the whole of the
+first's transfer. The first model's share is its rate while both run (its bytes over the
+seconds its slots took, measured in the transfer processes) over the link's rate (the same
+with the first model refitting alone on the shaped link); the second's is the rest. The
+target share is weight / sum of weights; the error is |share / target - 1|. One JSON line.
 """
 
 from __future__ import annotations
@@ -34,11 +33,14 @@ SERVE_ARGS = ["--log-level", "warning", "--transfer-timeout-s", "120", "--pause-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf rate of the link")
-    parser.add_argument("--mb", type=float, default=64.0, help="each model's size (MB of BF16)")
+    parser.add_argument("--mb", type=float, default=32.0, help="the first model's size (MB of BF16)")
     parser.add_argument(
         "--weights", default="1:1", help="the two models' weights (model_weights), as A:B"
     )
     parser.add_argument("--refits", type=int, default=3, help="measured rounds")
+    parser.add_argument(
+        "--ratio", type=float, default=8.0, help="the second model's size over the first's"
+    )
     parser.add_argument(
         "--bucket-mb", type=float, default=4.0, help="largest message (bucket_bytes) in MiB"
     )
@@ -59,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
         "--bucket-bytes", str(int(args.bucket_mb * (1 << 20))),
         "--model-weights", ",".join(f"{m}={w:g}" for m, w in zip(MODELS, weights, strict=True)),
     ]  # fmt: skip
-    model_bytes = GptConfig.for_megabytes(args.mb, layers=2).nbytes
+    nbytes = {
+        m: GptConfig.for_megabytes(args.mb * f, layers=2).nbytes
+        for m, f in zip(MODELS, (1.0, args.ratio), strict=True)
+    }
     workers = {
         "trainer": [RankSpec("trainer", 0, 1, "cpu:0")],
         "infer": [RankSpec("infer", 0, 1, "cpu:0")],
@@ -73,19 +78,23 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         try:
             cluster.start(timeout_s=300)
-            _second_model(cluster, workers)
+            _second_model(cluster, workers, args.mb * args.ratio)
             for m in MODELS:  # plans, programs and the communicator in place
                 _round(cluster, 1, [m])
             net.shape(int(args.rate_mbit * 1e6))
-            for v in range(2, 2 + args.refits):
-                rounds.append(_shares(_round(cluster, v, list(MODELS)), model_bytes, weights))
+            alone = _seconds(_round(cluster, 2, [MODELS[0]])[MODELS[0]])
+            link_rate = nbytes[MODELS[0]] / alone
+            for v in range(3, 3 + args.refits):
+                records = _round(cluster, v, [MODELS[1], MODELS[0]])  # the larger first
+                rounds.append(_shares(records, nbytes[MODELS[0]], link_rate, weights))
         finally:
             cluster.close()
     worst = max(max(r["error"].values()) for r in rounds)
     doc = {
         "bench": "models",
         "rate_mbit": args.rate_mbit,
-        "model_bytes": model_bytes,
+        "model_bytes": nbytes,
+        "link_rate_mbit": link_rate * 8 / 1e6,
         "bucket_bytes": int(args.bucket_mb * (1 << 20)),
         "weights": dict(zip(MODELS, weights, strict=True)),
         "target_share": {m: w / sum(weights) for m, w in zip(MODELS, weights, strict=True)},
@@ -104,11 +113,12 @@ def _child(model: str, host: str) -> str:
     return f"workers-{host}" if model == MODELS[0] else f"workers-{model}-{host}"
 
 
-def _second_model(cluster: MultiHostCluster, workers: dict[str, list[RankSpec]]) -> None:
-    """The second model's worker processes, beside the first's on the same hosts."""
+def _second_model(cluster: MultiHostCluster, workers: dict[str, list[RankSpec]], mb: float) -> None:
+    """The second model's worker processes (`mb` each), beside the first's on the same hosts."""
     deadline = time.monotonic() + 120
     for host in workers:
         argv = cluster.worker_argv(host, MODELS[1])
+        argv[argv.index("--mb") + 1] = str(mb)
         child = cluster.spawn(_child(MODELS[1], host), host, argv)
         if child.expect("ready", max(0.0, deadline - time.monotonic())) is None:
             raise ClusterError(f"{child.name}: not ready:\n{cluster.log_tail(child.name)}")
@@ -125,10 +135,15 @@ def _second_model(cluster: MultiHostCluster, workers: dict[str, list[RankSpec]])
 
 
 def _round(cluster: MultiHostCluster, version: int, models: list[str]) -> dict[str, dict]:
-    """Every model in `models` refits `version` at once; returns each one's refit record."""
-    for m in models:
-        cluster.children[_child(m, "trainer")].send(f"step {version} 300")
+    """Every model in `models` refits `version`, the others once the first transfers;
+    returns each one's refit record."""
     deadline = time.monotonic() + 320
+    for i, m in enumerate(models):
+        cluster.children[_child(m, "trainer")].send(f"step {version} 300")
+        if i == 0 and len(models) > 1:
+            cluster.wait_for(
+                f"{m} v{version} transferring", lambda m=m: _transferring(cluster, m), deadline
+            )
     for m in models:
         refit, commit = f"refit trainer 0 {version} ", f"commit infer 0 {version} "
         while True:
@@ -150,22 +165,31 @@ def _round(cluster: MultiHostCluster, version: int, models: list[str]) -> dict[s
     return records
 
 
-def _shares(records: dict[str, dict], nbytes: int, weights: list[float]) -> dict:
+def _transferring(cluster: MultiHostCluster, model: str) -> bool:
+    doc = cluster.status()
+    m = next((m for m in doc.get("models", []) if m["name"] == model), {})
+    return (m.get("running") or {}).get("state") == "transferring"
+
+
+def _seconds(record: dict) -> float:
+    """The data-plane seconds of a refit: its slowest slot's execute."""
+    return max(float(v["seconds"]) for v in record["slots"].values())
+
+
+def _shares(
+    records: dict[str, dict], first_bytes: int, link_rate: float, weights: list[float]
+) -> dict:
     """Each model's share of the link while both transferred (module docstring)."""
+    a, b = MODELS
+    secs = {m: _seconds(records[m]) for m in MODELS}
     start = {m: float(records[m]["executes_sent_at"]) for m in MODELS}
     end = {m: float(records[m]["transfer_done_at"]) for m in MODELS}
-    t0, t1 = min(start.values()), max(start.values())  # both run from t1
-    early = min(MODELS, key=lambda m: start[m])
-    first, last = sorted(MODELS, key=lambda m: end[m])
-    rate = 2 * nbytes / (end[last] - t0)  # the link busy from the first start to the last end
-    alone = rate * (t1 - t0) if first == early else 0.0  # sent before the other started
-    share_first = (nbytes - alone) / (rate * (end[first] - t1))
-    share = {first: share_first, last: 1.0 - share_first}
+    share_a = first_bytes / secs[a] / link_rate
+    share = {a: share_a, b: 1.0 - share_a}
     target = {m: w / sum(weights) for m, w in zip(MODELS, weights, strict=True)}
     return {
         "share": share,
         "error": {m: abs(share[m] / target[m] - 1.0) for m in MODELS},
-        "transfer_s": {m: end[m] - start[m] for m in MODELS},
-        "start_skew_s": abs(start[MODELS[0]] - start[MODELS[1]]),
-        "both_s": end[last] - t0,
+        "slot_s": secs,
+        "second_covers_first": start[b] <= start[a] and end[b] >= end[a],
     }
