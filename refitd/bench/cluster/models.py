@@ -33,7 +33,9 @@ SERVE_ARGS = ["--log-level", "warning", "--transfer-timeout-s", "120", "--pause-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf rate of the link")
-    parser.add_argument("--mb", type=float, default=32.0, help="the first model's size (MB of BF16)")
+    parser.add_argument(
+        "--mb", type=float, default=32.0, help="the first model's size (MB of BF16)"
+    )
     parser.add_argument(
         "--weights", default="1:1", help="the two models' weights (model_weights), as A:B"
     )
@@ -82,11 +84,12 @@ def run(args: argparse.Namespace) -> int:
             for m in MODELS:  # plans, programs and the communicator in place
                 _round(cluster, 1, [m])
             net.shape(int(args.rate_mbit * 1e6))
-            alone = _seconds(_round(cluster, 2, [MODELS[0]])[MODELS[0]])
+            sender = _sender(cluster)
+            alone = _seconds(_round(cluster, 2, [MODELS[0]])[MODELS[0]], sender)
             link_rate = nbytes[MODELS[0]] / alone
             for v in range(3, 3 + args.refits):
                 records = _round(cluster, v, [MODELS[1], MODELS[0]])  # the larger first
-                rounds.append(_shares(records, nbytes[MODELS[0]], link_rate, weights))
+                rounds.append(_shares(records, nbytes[MODELS[0]], link_rate, weights, sender))
         finally:
             cluster.close()
     worst = max(max(r["error"].values()) for r in rounds)
@@ -171,17 +174,25 @@ def _transferring(cluster: MultiHostCluster, model: str) -> bool:
     return (m.get("running") or {}).get("state") == "transferring"
 
 
-def _seconds(record: dict) -> float:
-    """The data-plane seconds of a refit: its slowest slot's execute."""
-    return max(float(v["seconds"]) for v in record["slots"].values())
+def _seconds(record: dict, sender: str) -> float:
+    """The data-plane seconds of a refit: its sending slot's execute (it posts from its
+    start; a receiving slot may wait for the sender's execute to arrive)."""
+    return float(record["slots"][sender]["seconds"])
+
+
+def _sender(cluster: MultiHostCluster) -> str:
+    """The slot id of the trainer host's one slot."""
+    hosts = {str(s["slot"]): s["host"] for s in cluster.status().get("slots", [])}
+    return next(k for k, h in hosts.items() if "trainer" in h)
 
 
 def _shares(
-    records: dict[str, dict], first_bytes: int, link_rate: float, weights: list[float]
-) -> dict:
+    records: dict[str, dict], first_bytes: int, link_rate: float, weights: list[float],
+    sender: str,
+) -> dict:  # fmt: skip
     """Each model's share of the link while both transferred (module docstring)."""
     a, b = MODELS
-    secs = {m: _seconds(records[m]) for m in MODELS}
+    secs = {m: _seconds(records[m], sender) for m in MODELS}
     start = {m: float(records[m]["executes_sent_at"]) for m in MODELS}
     end = {m: float(records[m]["transfer_done_at"]) for m in MODELS}
     share_a = first_bytes / secs[a] / link_rate
