@@ -8,9 +8,9 @@ model_weights gives the two models --weights. Each measured round, both trainers
 once (plans and communicator warm), and every version is checked bit for bit.
 
 The second model is --ratio times the first's size, so it transfers during the whole of the
-first's transfer. The first model's share is its rate while both run (its bytes over the
-seconds its slots took, measured in the transfer processes) over the link's rate (the same
-with the first model refitting alone on the shaped link); the second's is the rest. The
+first's transfer. The first model's share is its rate while both run (its bytes over its
+transfer's seconds, from the executes sent to the last DONE) over the link's rate (the
+same with the first model refitting alone on the shaped link); the second's is the rest. The
 target share is weight / sum of weights; the error is |share / target - 1|. One JSON line.
 """
 
@@ -84,12 +84,11 @@ def run(args: argparse.Namespace) -> int:
             for m in MODELS:  # plans, programs and the communicator in place
                 _round(cluster, 1, [m])
             net.shape(int(args.rate_mbit * 1e6))
-            sender = _sender(cluster)
-            alone = _seconds(_round(cluster, 2, [MODELS[0]])[MODELS[0]], sender)
+            alone = _seconds(_round(cluster, 2, [MODELS[0]])[MODELS[0]])
             link_rate = nbytes[MODELS[0]] / alone
             for v in range(3, 3 + args.refits):
                 records = _round(cluster, v, [MODELS[1], MODELS[0]])  # the larger first
-                rounds.append(_shares(records, nbytes[MODELS[0]], link_rate, weights, sender))
+                rounds.append(_shares(records, nbytes[MODELS[0]], link_rate, weights))
         finally:
             cluster.close()
     worst = max(max(r["error"].values()) for r in rounds)
@@ -174,25 +173,19 @@ def _transferring(cluster: MultiHostCluster, model: str) -> bool:
     return (m.get("running") or {}).get("state") == "transferring"
 
 
-def _seconds(record: dict, sender: str) -> float:
-    """The data-plane seconds of a refit: its sending slot's execute (it posts from its
-    start; a receiving slot may wait for the sender's execute to arrive)."""
-    return float(record["slots"][sender]["seconds"])
-
-
-def _sender(cluster: MultiHostCluster) -> str:
-    """The slot id of the trainer host's one slot."""
-    hosts = {str(s["slot"]): s["host"] for s in cluster.status().get("slots", [])}
-    return next(k for k, h in hosts.items() if "trainer" in h)
+def _seconds(record: dict) -> float:
+    """A refit's transfer: from the executes sent to the last slot's DONE (the sender
+    finishes while its last bytes still sit in socket buffers; the receiver's DONE comes
+    once they landed)."""
+    return float(record["transfer_done_at"]) - float(record["executes_sent_at"])
 
 
 def _shares(
-    records: dict[str, dict], first_bytes: int, link_rate: float, weights: list[float],
-    sender: str,
-) -> dict:  # fmt: skip
+    records: dict[str, dict], first_bytes: int, link_rate: float, weights: list[float]
+) -> dict:
     """Each model's share of the link while both transferred (module docstring)."""
     a, b = MODELS
-    secs = {m: _seconds(records[m], sender) for m in MODELS}
+    secs = {m: _seconds(records[m]) for m in MODELS}
     start = {m: float(records[m]["executes_sent_at"]) for m in MODELS}
     end = {m: float(records[m]["transfer_done_at"]) for m in MODELS}
     share_a = first_bytes / secs[a] / link_rate
@@ -201,6 +194,6 @@ def _shares(
     return {
         "share": share,
         "error": {m: abs(share[m] / target[m] - 1.0) for m in MODELS},
-        "slot_s": secs,
+        "transfer_s": secs,
         "second_covers_first": start[b] <= start[a] and end[b] >= end[a],
     }
