@@ -120,8 +120,10 @@ class AgentCommander:
         under the setup lock, so no rebuild of the communicator comes in between."""
         with self._setup:
             self._prepare(ms)
-            # an NCCL communicator serves one thread: its transfers take turns
-            lanes = 1 if self.settings.transport == "nccl" else LANES
+            # an NCCL communicator serves one thread, and the delta path's tags have no
+            # lanes: then transfers take turns
+            one = self.settings.transport == "nccl" or self.settings.delta_refits
+            lanes = 1 if one else LANES
             with self._lanes:
                 if not self._lanes.wait_for(
                     lambda: len(self._lane_of) < lanes, self.settings.transfer_timeout_s
