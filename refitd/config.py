@@ -188,6 +188,11 @@ class Settings(BaseSettings):
         description="verify landed versions: per-message checksums of sources and of what "
         "landed, compared by the controller (a mismatch fails the attempt)",
     )
+    model_weights: str = Field(
+        "",
+        description="each model's share of a link while refits of several models cross it "
+        'at once, as name=weight pairs ("policy=3,critic=1"); unnamed models weigh 1',
+    )
     delta_refits: bool = Field(
         False,
         description="send only the elements that changed since the last committed version "
@@ -286,6 +291,16 @@ class Settings(BaseSettings):
             raise ValueError(f"rdma_protocol must be tcp or rdma, got {v!r}")
         return v
 
+    @field_validator("model_weights")
+    @classmethod
+    def _check_model_weights(cls, v: str) -> str:
+        parse_model_weights(v)
+        return v
+
+    def model_weight(self, model: str) -> float:
+        """The model's weight on shared links (model_weights; 1 when not named)."""
+        return parse_model_weights(self.model_weights).get(model, 1.0)
+
     @field_validator("plan_schedule")
     @classmethod
     def _known_schedule(cls, v: str) -> str:
@@ -350,6 +365,23 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
 
     sourced = _Sourced(**overrides)
     return Settings.model_construct(**sourced.model_dump())
+
+
+def parse_model_weights(text: str) -> dict[str, float]:
+    """ "a=3,b=1" -> {"a": 3.0, "b": 1.0}; a malformed pair or a weight <= 0 is refused."""
+    out: dict[str, float] = {}
+    for pair in (p.strip() for p in text.split(",")):
+        if not pair:
+            continue
+        name, sep, value = pair.rpartition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = 0.0
+        if not sep or not name.strip() or not weight > 0:
+            raise ValueError(f"model_weights: {pair!r} is not name=weight with a weight > 0")
+        out[name.strip()] = weight
+    return out
 
 
 def _flag(name: str) -> str:

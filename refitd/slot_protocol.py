@@ -289,6 +289,8 @@ class Execute(SlotCommand[Executed]):
     timeout_s: float
     verify: bool = False
     delta: DeltaPlan | None = None
+    lane: int = 0  # the refit's tag space on the communicator (refits of models at once)
+    weight: float = 0.0  # the model's weight on links other models' refits share (0: 1)
 
     def wait_s(self, options: SlotOptions) -> float:
         return self.timeout_s + REPLY_MARGIN_S

@@ -42,6 +42,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "refitd.bench.cluster.command",
         "refits across emulated hosts on shaped links (root)",
     ),
+    "models": (
+        "refitd.bench.cluster.models",
+        "two models refitting at once over one shaped link: each one's share (root)",
+    ),
     "simulate": (
         "refitd.bench.simulate.command",
         "replay a plan's messages on a link model (NICs, NVLink, fair sharing)",

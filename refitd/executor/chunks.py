@@ -14,7 +14,7 @@ Per-copy attributes are computed for all copies at once (`CopyInfo`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -243,3 +243,11 @@ def flat_range_pairs(
         x, y = flat_range_pairs(a[i1], b[i1], 0, r1)
         xs, ys = xs + x, ys + y
     return xs, ys
+
+
+def messages_without(m: MessageColumns, skip: frozenset[int]) -> MessageColumns:
+    """The messages not in `skip` (they went through the delta path)."""
+    if not skip:
+        return m
+    keep = ~np.isin(m.id, np.fromiter(skip, dtype=np.int64, count=len(skip)))
+    return MessageColumns(*(getattr(m, f.name)[keep] for f in fields(m)))

@@ -1,32 +1,29 @@
 """One refit of one slot over a prepared program (`RefitExecution`), and its report.
 
-Three threads run beside the caller's: the poster packs and posts every step's chunks, the
-send-waiter completes sends in posting order and releases their buffers and sources, the
-receiver completes receives in posting order and unpacks them. The calling thread runs the
-local copies meanwhile, then the local relay copies once every receive completed, and joins
-the threads. What the threads share (errors, counters, statistics, the report's byte totals)
-is an attribute guarded by `self.lock`; `progress` (on the same lock) wakes a relay send or
-the local relay copies when a receive completes. See executor.py for the rules.
+Three threads run beside the caller's: the poster packs and posts every step's chunks (each
+send once its `Share` of the link admits it), the send-waiter completes sends in posting
+order and releases their buffers and sources, the receiver completes receives in posting
+order and unpacks them. The calling thread runs the local copies, then the local relay
+copies once every receive completed, and joins the threads. What the threads share is
+guarded by `self.lock`; `progress` (on it) wakes a relay send or the local relay copies.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from refitd.executor.chunks import Chunk
+from refitd.executor.chunks import Chunk, messages_without
 from refitd.executor.errors import ExecutionError
 from refitd.executor.onesided import OneSided
 from refitd.executor.prepare import PreparedProgram
+from refitd.executor.shares import Share
 from refitd.executor.views import LocalStep
-from refitd.plan.program import MessageColumns
 from refitd.slot_protocol import ExecReport, MessageStat
 from refitd.transport.base import DoneWork, P2POp, Transport, Work
 
@@ -45,11 +42,7 @@ class _Posted:
     chunk: Chunk
     work: Work
     buf: torch.Tensor
-    ring: int  # staging ring slot, -1 for a zero-copy chunk, ONE_SIDED
-
-    @property
-    def staged(self) -> bool:
-        return self.ring >= 0
+    ring: int  # staging ring slot (>= 0: staged), -1 for a zero-copy chunk, ONE_SIDED
 
 
 class RefitExecution:
@@ -68,6 +61,7 @@ class RefitExecution:
         skip: frozenset[int],
         one_sided: OneSided,
         attempt: int,
+        share: Share | None = None,
     ) -> None:
         self.t0 = t0  # the refit's start (monotonic), before the storage check
         self.prep = prep
@@ -84,6 +78,7 @@ class RefitExecution:
         self.skip = skip
         self.one_sided = one_sided
         self.attempt = attempt
+        self.share, self.shared = share or Share(), False  # shared: the last send's link
         self.is_cuda = prep.device.type == "cuda"
         self.report = ExecReport(slot=self.slot)
         self.send_sums: _Sums | None = {} if verify else None
@@ -186,7 +181,9 @@ class RefitExecution:
                     posted.append(self._post_recv(ch, ops))
                 for ch in sends:
                     if ch.mid not in self.skip:
-                        posted.append(self._post_send(ch, ops))
+                        posted.append(self._post_send(ch, ops, posted))
+                        if self.shared:  # other lanes on the link: post in admission order
+                            self._flush(ops, posted)
                 if self.abort.is_set():
                     return
                 self._submit(ops, posted)
@@ -211,10 +208,15 @@ class RefitExecution:
                 "recv", ring, self.deadline, self.abort, self.describe(ch, "recv")
             )
         )
-        ops.append(P2POp(False, buf[: ch.nbytes], self.peer(ch.src_slot), ch.tag))
+        ops.append(P2POp(False, buf[: ch.nbytes], self.peer(ch.src_slot), self.share.tag(ch.tag)))
         return (ch, buf, ring, False, None)
 
-    def _post_send(self, ch: Chunk, ops: list[P2POp]) -> _Post:
+    def _flush(self, ops: list[P2POp], posted: list[_Post]) -> None:
+        """Post what the step holds back (before waiting for a share of a link)."""
+        self._submit(ops[:], posted[:])
+        del ops[:], posted[:]
+
+    def _post_send(self, ch: Chunk, ops: list[P2POp], posted: list[_Post]) -> _Post:
         need = self.prep.relay_wait.get(id(ch))
         if need is not None:
             self.wait_recvs(need, self.describe(ch, "send"))
@@ -245,7 +247,10 @@ class RefitExecution:
                 self.source_done()
         else:
             buf = zc
-        ops.append(P2POp(True, buf[: ch.nbytes], self.peer(ch.dst_slot), ch.tag))
+        flush = lambda: self._flush(ops, posted)  # noqa: E731
+        dst = self.peer(ch.dst_slot)
+        self.shared = self.share.admit(dst, ch.nbytes, self.deadline, self.abort, flush)
+        ops.append(P2POp(True, buf[: ch.nbytes], self.peer(ch.dst_slot), self.share.tag(ch.tag)))
         return (ch, buf, ring, True, None)
 
     def _submit(self, ops: list[P2POp], posted: list[_Post]) -> None:
@@ -274,7 +279,9 @@ class RefitExecution:
                 except Exception as e:
                     raise ExecutionError(f"{self.describe(item.chunk, 'send')}: {e}") from e
                 self._finished("send", item.chunk.mid)
-                if item.staged:
+                if item.ring != ONE_SIDED:
+                    self.share.sent(self.peer(item.chunk.dst_slot), item.chunk.nbytes)
+                if item.ring >= 0:
                     self.pool.release("send", item.ring)
                 elif item.ring != ONE_SIDED:  # a one-sided write did this when it ran
                     if self.send_sums is not None:  # zero-copy: overlaps the next sends
@@ -303,7 +310,7 @@ class RefitExecution:
                     raise ExecutionError(f"{self.describe(item.chunk, 'recv')}: {e}") from e
                 tu = time.monotonic()
                 self.recv_wait_s += tu - tw
-                if item.staged:
+                if item.ring >= 0:
                     try:
                         self.data.unpack(item.chunk, item.buf, partial, self.recv_sums)
                         self.unpack_s += time.monotonic() - tu
@@ -431,8 +438,8 @@ class RefitExecution:
         if self.send_sums is not None and self.recv_sums is not None:
             p = self.prep.program
             self.report.checksums = {
-                "send": self.data.message_sums(_without(p.send, self.skip), self.send_sums),
-                "recv": self.data.message_sums(_without(p.recv, self.skip), self.recv_sums),
+                "send": self.data.message_sums(messages_without(p.send, self.skip), self.send_sums),
+                "recv": self.data.message_sums(messages_without(p.recv, self.skip), self.recv_sums),
             }
             phases["checksums_s"] = time.monotonic() - t1
             t1 = time.monotonic()
@@ -440,11 +447,3 @@ class RefitExecution:
         self.report.staging_peak_bytes = self.pool.peak_bytes
         self.report.messages = sorted(self.stats.values(), key=lambda s: (s.direction, s.id))
         return self.report
-
-
-def _without(m: MessageColumns, skip: frozenset[int]) -> MessageColumns:
-    """The messages not in `skip` (they went through the delta path)."""
-    if not skip:
-        return m
-    keep = ~np.isin(m.id, np.fromiter(skip, dtype=np.int64, count=len(skip)))
-    return MessageColumns(*(getattr(m, f.name)[keep] for f in dataclasses.fields(m)))

@@ -52,6 +52,7 @@ from refitd.executor.prepare import (
     touched_indices,
 )
 from refitd.executor.segments import ResolvedTensor
+from refitd.executor.shares import Share
 from refitd.executor.views import SlotViews
 from refitd.memory.errors import StorageMovedError
 from refitd.plan.program import SlotProgram
@@ -143,12 +144,14 @@ class Executor:
         verify: bool = False,
         skip: frozenset[int] = frozenset(),
         attempt: int = 0,
+        share: Share | None = None,
     ) -> ExecReport:
         """One refit of this slot; raises ExecutionError (or StorageMovedError) on failure.
         With verify, fills report.checksums and checks local copies (module docstring).
         `skip`: message ids moved elsewhere this refit (delta refits), on both ends.
         `attempt`: the refit attempt's id, which one-sided doorbells carry (unique per
-        attempt: a doorbell rung by another attempt never completes a wait)."""
+        attempt: a doorbell rung by another attempt never completes a wait). `share`: the
+        lane and weight of this refit when refits of several models run at once."""
         t0 = time.monotonic()
         p = self.program
         relayed = [
@@ -180,6 +183,10 @@ class Executor:
             skip,
             self.one_sided,
             attempt,
+            share,
         )
         execution.report.phases["check_s"] = check_s
-        return execution.run()
+        try:
+            return execution.run()
+        finally:
+            execution.share.leave()

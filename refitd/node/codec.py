@@ -164,6 +164,8 @@ def _execute(c: pb.ExecuteCommand, ctx: SlotContext) -> Execute:
         timeout_s=_timeout(c.timeout_s, ctx.options.transfer_timeout_s, what),
         verify=c.verify,
         delta=delta,
+        lane=c.lane,
+        weight=c.share_weight,
     )
 
 
@@ -212,6 +214,8 @@ def _execute_proto(cmd: Execute, slot: int) -> pb.ExecuteCommand:
         refit_id=cmd.refit_id,
         timeout_s=cmd.timeout_s,
         verify=cmd.verify,
+        lane=cmd.lane,
+        share_weight=cmd.weight,
         delta=[]
         if d is None
         else [

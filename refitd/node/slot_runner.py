@@ -1,6 +1,10 @@
 """One device slot of the node agent: its transfer process, the thread that runs the slot's
 commands in order, and the one record of the refits aborted on it.
 
+Executes run on a thread per lane (one lane per model refitting at once), in order within
+a lane, so a model's refit does not wait behind another's; a connect (which replaces the
+communicator) and a restart wait until no execute is queued or running.
+
 A controller command is decoded once (refitd.node.codec), sent to the transfer process, and
 its typed report (or a `Failed` naming the slot, host and device) goes to the agent's
 reporter with the seconds it took. An abort goes to the process at once, ahead of queued
@@ -54,6 +58,9 @@ class SlotRunner:
         self._aborted: dict[int, None] = {}  # refit ids aborted, oldest first
         self._lock = threading.Lock()
         self._queue: queue.Queue[pb.AgentCommand | _Restart | None] = queue.Queue()
+        self._lanes: dict[int, queue.Queue[pb.AgentCommand | None]] = {}
+        self._executing = 0  # executes queued or running in the lanes
+        self._drained = threading.Condition()
         self._thread = threading.Thread(
             target=self._loop, name=f"refitd-slot-{self.slot}", daemon=True
         )
@@ -102,6 +109,8 @@ class SlotRunner:
         self._restarted(self.slot)
 
     def close(self) -> None:
+        for q in self._lanes.values():
+            q.put(None)
         self._queue.put(None)
         try:
             self.process.close()
@@ -112,12 +121,50 @@ class SlotRunner:
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if isinstance(item, _Restart):
+                self._drain_executes()
                 if not self.alive():
                     self._restart_quietly()
                 continue
+            which = item.WhichOneof("command")
+            if which == "execute":
+                self._to_lane(item)
+                continue
+            if which == "connect":
+                self._drain_executes()
             self._serve(item)
             if not self.alive():
+                self._drain_executes()
                 self._restart_quietly()
+
+    def _to_lane(self, cmd: pb.AgentCommand) -> None:
+        """Queue an execute on its lane's thread (made on the lane's first execute)."""
+        lane = cmd.execute.lane
+        with self._drained:
+            self._executing += 1
+        q = self._lanes.get(lane)
+        if q is None:
+            q = self._lanes[lane] = queue.Queue()
+            threading.Thread(
+                target=self._lane_loop, args=(q,), name=f"refitd-slot-{self.slot}-lane-{lane}",
+                daemon=True,
+            ).start()  # fmt: skip
+        q.put(cmd)
+
+    def _lane_loop(self, q: queue.Queue[pb.AgentCommand | None]) -> None:
+        while (cmd := q.get()) is not None:
+            try:
+                self._serve(cmd)
+            finally:
+                with self._drained:
+                    self._executing -= 1
+                    self._drained.notify_all()
+            if not self.alive():
+                self._queue.put(_Restart())
+
+    def _drain_executes(self) -> None:
+        """Wait until no execute is queued or running (each is bounded by its own wait)."""
+        with self._drained:
+            self._drained.wait_for(lambda: self._executing == 0)
 
     def _restart_quietly(self) -> None:
         try:

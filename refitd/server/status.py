@@ -169,6 +169,7 @@ def _models(c: StatusSource, model_filter: str, with_ranks: bool) -> list[dict[s
                 "name": m.name,
                 "epoch": m.epoch,
                 "committed_version": m.committed_version,
+                "weight": c.settings.model_weight(m.name),
                 "running": None
                 if running is None
                 else {"version": running.version, "state": STATE_NAMES[running.state]},

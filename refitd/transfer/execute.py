@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from refitd.executor.errors import ExecutionError
 from refitd.executor.run import Executor
+from refitd.executor.shares import Share
 from refitd.slot_protocol import DeltaPlan, DeltaResult, Execute, Executed
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def execute_refit(state: TransferSlot, cmd: Execute, released: Callable[[], None
         skip = frozenset(cmd.delta.send) | frozenset(cmd.delta.recv)
     report = ex.run(
         cmd.timeout_s, on_released, state.aborting, verify=cmd.verify, skip=skip,
-        attempt=cmd.refit_id,
+        attempt=cmd.refit_id, share=Share(state.shares_of_links(), cmd.lane, cmd.weight),
     )  # fmt: skip
     if entry is not None and not state.aborting.is_set():
         entry.filled = cmd.refit_id

@@ -3,8 +3,8 @@ commands of refitd.slot_protocol from its node agent over a multiprocessing Pipe
 
 Each `(rid, command)` is answered by `(rid, report)`, a `Failed` when it raised (raised
 again in the parent). The protocol's table names the slot method that answers a command; a
-refit (execute) runs on the process's refit thread, so an abort arriving meanwhile is served
-at once, and at most one runs at a time.
+refit (execute) runs on a refit thread of its lane (one lane per model refitting at once),
+so an abort arriving meanwhile is served at once; at most one refit runs per lane.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None, name:
         torch.cuda.set_device(torch.device(device))
     state = TransferSlot(slot)
     replies = _Replies(conn)
-    runner = _RefitThread(device)
+    runner = _RefitThreads(device)
     while not state.closed:
         try:
             message = conn.recv()
@@ -105,7 +105,9 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None, name:
             continue
         handler = getattr(state, verb.handler)
         if verb.refit:
-            _start_refit(state, replies, rid, functools.partial(handler, cmd), runner)
+            lane = getattr(cmd, "lane", 0)
+            run = functools.partial(handler, cmd)
+            _start_refit(state, replies, rid, run, runner.of(lane), (lane, cmd.digest))
             continue
         try:
             report = handler(cmd)
@@ -118,14 +120,15 @@ def transfer_process_main(conn: Connection, slot: int, device: str | None, name:
 
 
 class _RefitThread:
-    """The one thread that runs this process's refits, one after another. Kept for the
-    process's life: a new thread per refit paid torch's (and CUDA's) per-thread setup on
-    every refit's first operations, tens to hundreds of microseconds each time."""
+    """The thread that runs one lane's refits, one after another. Kept for the process's
+    life: a new thread per refit paid torch's (and CUDA's) per-thread setup on every
+    refit's first operations, tens to hundreds of microseconds each time."""
 
-    def __init__(self, device: str | None) -> None:
+    def __init__(self, device: str | None, lane: int = 0) -> None:
         self.device = device
         self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, name="refitd-execute", daemon=True)
+        name = "refitd-execute" if lane == 0 else f"refitd-execute-{lane}"
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
@@ -138,19 +141,38 @@ class _RefitThread:
         self.jobs.put(None)
 
 
+class _RefitThreads:
+    """One refit thread per lane, made when a lane first runs a refit."""
+
+    def __init__(self, device: str | None) -> None:
+        self.device = device
+        self.lanes: dict[int, _RefitThread] = {}
+
+    def of(self, lane: int) -> _RefitThread:
+        if lane not in self.lanes:
+            self.lanes[lane] = _RefitThread(self.device, lane)
+        return self.lanes[lane]
+
+    def stop(self) -> None:
+        for t in self.lanes.values():
+            t.stop()
+
+
 def _start_refit(
     state: TransferSlot,
     replies: _Replies,
     rid: int,
     run: Callable[[Callable[[], None]], Report],
     runner: _RefitThread,
+    where: tuple[int, str],
 ) -> None:
-    """Run a refit on the refit thread (the loop stays free for abort); its SourcesReleased
-    event and its report go back under the command's rid."""
-    if state.busy.is_set():
-        replies.send(rid, failure(ExecutionError("a refit is already running on this slot")))
+    """Run a refit on its lane's refit thread (the loop stays free for abort); its
+    SourcesReleased event and its report go back under the command's rid."""
+    lane, digest = where
+    refused = state.begin_refit(lane, digest)
+    if refused is not None:
+        replies.send(rid, failure(ExecutionError(refused)))
         return
-    state.aborting.clear()
 
     def released() -> None:
         replies.post(rid, SourcesReleased(time.time()))
@@ -161,10 +183,7 @@ def _start_refit(
             report = run(released)
         except BaseException as e:
             report = failure(e)
-        state.busy.clear()
-        state.idle.set()
+        state.end_refit(lane)
         replies.post(rid, report)
 
-    state.idle.clear()
-    state.busy.set()
     runner.jobs.put(body)

@@ -22,6 +22,7 @@ from refitd.executor.chunks import WIRE_CHUNK
 from refitd.executor.errors import ExecutionError
 from refitd.executor.onesided import OneSidedLinks
 from refitd.executor.run import Executor, ExecutorConfig
+from refitd.executor.shares import LinkShares
 from refitd.memory.handles import MemoryHandle
 from refitd.memory.mapping import MemoryMapper
 from refitd.plan.program import STORAGES, ProgramError, SlotProgram, decode_program
@@ -94,12 +95,39 @@ class TransferSlot:
         self.links: Links | None = None  # one-sided paths of the communicator epoch
         self.slot_ranks: dict[int, int] | None = None
         self.loaded: dict[str, LoadedPlan] = {}
-        self.aborting = threading.Event()  # set by abort: the running refit stops
-        self.busy = threading.Event()  # a refit is running
+        self.aborting = threading.Event()  # set by abort: the running refits stop
+        self.running: dict[int, str] = {}  # lane -> plan digest of the refit running there
         self.idle = threading.Event()  # none is: what close waits for
         self.idle.set()
+        self.shares = LinkShares()  # the links' shares between refits of several models
+        self.transport_kind = ""
+        self._runs = threading.Lock()
         self.probe_bufs: dict[tuple[str, int], torch.Tensor] = {}
         self.closed = False
+
+    def begin_refit(self, lane: int, digest: str) -> str | None:
+        """Mark a refit of `digest` running on `lane`; why it cannot start, or None."""
+        with self._runs:
+            if lane in self.running:
+                return f"a refit is already running on this slot in lane {lane}"
+            if digest in self.running.values():
+                return f"a refit of plan {digest!r} is already running on this slot"
+            if not self.running:
+                self.aborting.clear()  # an abort stops every refit running when it came
+            self.running[lane] = digest
+            self.idle.clear()
+            return None
+
+    def end_refit(self, lane: int) -> None:
+        with self._runs:
+            self.running.pop(lane, None)
+            if not self.running:
+                self.idle.set()
+
+    def shares_of_links(self) -> LinkShares | None:
+        """The links' gates where sends queue on shared connections (Gloo over TCP); NCCL
+        sends go in the groups the executor posts them in, never split by a gate."""
+        return self.shares if self.transport_kind == "gloo" else None
 
     def ping(self, cmd: Ping) -> Pong:
         return Pong(self.slot)
@@ -125,6 +153,7 @@ class TransferSlot:
             local_interface=cmd.data_plane_interface,
         )
         transport = create_transport(cmd.transport)
+        self.transport_kind = cmd.transport
         transport.connect(info)
         self.transport = transport
         if cmd.store_port:  # a communicator with a rendezvous store: one-sided paths too
@@ -238,8 +267,8 @@ class TransferSlot:
                 f"plan {cmd.digest!r} is not loaded in this transfer process: its staging "
                 "buffers are gone"
             )
-        if self.busy.is_set():
-            raise ExecutionError("cannot apply while a refit is running on this slot")
+        if cmd.digest in self.running.values():
+            raise ExecutionError("cannot apply while a refit of its plan is running on this slot")
         if entry.filled != cmd.refit_id:
             raise ExecutionError(
                 f"staging buffers hold refit {entry.filled}, not refit {cmd.refit_id}: "
@@ -292,7 +321,7 @@ class TransferSlot:
         A running execute may be blocked in a transfer wait on a dead peer: the communicator
         is closed to unblock it (the controller reconnects every slot after an abort)."""
         self.aborting.set()
-        if self.busy.is_set() and self.transport is not None:
+        if self.running and self.transport is not None:
             transport, self.transport = self.transport, None
             for entry in self.loaded.values():
                 entry.executor = None  # its peers are closed by the next connect

@@ -130,7 +130,7 @@ class ScriptedCommander:
     applied: list[set[int]] = field(default_factory=list)
     aborted: list[tuple[int, str]] = field(default_factory=list)
 
-    def turn(self) -> Turn:
+    def turn(self, model: str) -> Turn:
         assert self.held == 0, "a turn was taken twice"
         return Turn(self)
 

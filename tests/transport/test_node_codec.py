@@ -82,6 +82,8 @@ def _commands() -> list[pb.AgentCommand]:
                 refit_id=70,
                 timeout_s=30.0,
                 verify=True,
+                lane=2,
+                share_weight=3.0,
                 delta=[
                     pb.DeltaCommand(
                         slot=3, send=[1, 2], recv=[9], allowed=[2], promote=6, max_density=0.25

@@ -97,6 +97,11 @@ class MultiHostCluster:
         self.children[name] = child
         return child
 
+    def lines_of(self, name: str) -> list[str]:
+        """The lines child `name` printed so far."""
+        with self._lock:
+            return [line for _, who, line in self.lines if who == name]
+
     def log_tail(self, name: str, n: int = 3000) -> str:
         try:
             return (self.dir / f"{name}.log").read_text(errors="replace")[-n:]
@@ -118,10 +123,11 @@ class MultiHostCluster:
             "--devices", spec.devices, "--log-level", "warning", *spec.args, *(extra or []),
         ]  # fmt: skip
 
-    def worker_argv(self, host: str) -> list[str]:
+    def worker_argv(self, host: str, model: str | None = None) -> list[str]:
         ranks = [f"{r.pool}:{r.rank}:{r.size}:{r.device}" for r in self.worker_specs[host]]
         return [
-            self.python, "-m", "refitd.bench.cluster.host_workers", self.address, self.model,
+            self.python, "-m", "refitd.bench.cluster.host_workers", self.address,
+            model or self.model,
             "--mb", str(self.mb), *[a for r in ranks for a in ("--rank", r)], *self.worker_args,
         ]  # fmt: skip
 

@@ -116,7 +116,7 @@ class CatchUps:
         run.detail["catch_up_plan"] = plan.kind
         paused: set[str] = set()
         wrote = False
-        turn = self.commander.turn()
+        turn = self.commander.turn(m.name)
         try:
             self.commander.prepare(membership)
             self.events.pause(behind, run, self.settings.pause_timeout_s, membership, paused)

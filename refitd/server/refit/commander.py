@@ -1,8 +1,10 @@
 """The agent commander: the only place that builds agent commands (connect, load,
 execute, apply, abort) and gathers the agents' reports.
 
-The refit communicator is one for all models: refits (and catch-ups) of different models
-take turns on it (`turn`) rather than reconnecting it under each other. What each slot's
+The refit communicator is one for all models. Refits of different models run on it at once,
+each in a lane of its own (its own tag space, its model's weight on shared links); a refit
+of one model holds that model's `turn`. Setting the communicator and programs up is one at
+a time, and rebuilding the communicator waits until no transfer runs on it. What each slot's
 transfer process holds (agent incarnation, communicator epoch, loaded programs) is tracked
 here, so a refit whose plan is connected and loaded everywhere starts with a dict compare.
 A program goes to a slot only when the slot lacks it or loaded it with other workers'
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
+from refitd.plan.lanes import LANES
 from refitd.server.delta.refits import DeltaRefits
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanCache, SlotInputs, stale_slots
@@ -47,8 +50,8 @@ class SlotLoadState:
 
 
 class CommunicatorTurn:
-    """This driver's turn on the shared refit communicator (acquired at construction);
-    release() is idempotent so every exit path can call it."""
+    """This driver's turn for its model (acquired at construction); release() is
+    idempotent so every exit path can call it."""
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
@@ -86,23 +89,65 @@ class AgentCommander:
         self._slots: dict[int, SlotLoadState] = {}
         self._comm_key: tuple | None = None
         self._comm_epoch = 0
-        # (model, digest, epoch) connected and loaded on every slot of its plan: the same
-        # digest in a later epoch may need some slots loaded again (new memory handles)
-        self._ready: tuple[str, str, int] | None = None
-        self._turns = threading.Lock()
+        # model -> (digest, epoch, comm epoch) connected and loaded on every slot of its
+        # plan: the same digest in a later epoch may need some slots loaded again
+        self._ready: dict[str, tuple[str, int, int]] = {}
+        self._turns: dict[str, threading.Lock] = {}
+        self._setup = threading.Lock()  # connect and load, one model at a time
+        self._lanes = threading.Condition()
+        self._lane_of: dict[int, str] = {}  # lanes of the transfers running -> model
 
-    def turn(self) -> CommunicatorTurn:
-        """Wait for, and take, this driver's turn on the communicator."""
-        return CommunicatorTurn(self._turns)
+    def turn(self, model: str) -> CommunicatorTurn:
+        """Wait for, and take, the turn of `model` (one refit or catch-up per model)."""
+        with self._lanes:
+            lock = self._turns.setdefault(model, threading.Lock())
+        return CommunicatorTurn(lock)
 
     def prepare(self, ms: Membership) -> None:
         """Communicator and programs in place on every slot (a dict compare when they are)."""
-        ready = (ms.model, ms.plan.digest, ms.epoch)
-        if self._ready == ready:
+        with self._setup:
+            self._prepare(ms)
+
+    def _prepare(self, ms: Membership) -> None:
+        if self._ready.get(ms.model) == (ms.plan.digest, ms.epoch, self._comm_epoch):
             return
         self._connect(ms)
         self._load(ms)
-        self._ready = ready
+        self._ready[ms.model] = (ms.plan.digest, ms.epoch, self._comm_epoch)
+
+    def _take_lane(self, ms: Membership) -> int:
+        """A lane for this transfer (the lowest free); its setup is checked again first,
+        under the setup lock, so no rebuild of the communicator comes in between."""
+        with self._setup:
+            self._prepare(ms)
+            # an NCCL communicator serves one thread, and the delta path's tags have no
+            # lanes: then transfers take turns
+            one = self.settings.transport == "nccl" or self.settings.delta_refits
+            lanes = 1 if one else LANES
+            with self._lanes:
+                if not self._lanes.wait_for(
+                    lambda: len(self._lane_of) < lanes, self.settings.transfer_timeout_s
+                ):
+                    raise PhaseFailed(f"no free lane: {lanes} models are transferring")
+                lane = min(set(range(LANES)) - set(self._lane_of))
+                self._lane_of[lane] = ms.model
+                return lane
+
+    def _free_lane(self, lane: int) -> None:
+        with self._lanes:
+            self._lane_of.pop(lane, None)
+            self._lanes.notify_all()
+
+    def _await_no_transfer(self, ms: Membership) -> None:
+        """Before the communicator is rebuilt: wait until no transfer runs on it."""
+        wait_s = self.settings.transfer_timeout_s + self.settings.connect_timeout_s
+        with self._lanes:
+            if not self._lanes.wait_for(lambda: not self._lane_of, wait_s):
+                busy = sorted(set(self._lane_of.values()))
+                raise PhaseFailed(
+                    f"model {ms.model!r}: the communicator must be rebuilt for its plan, and "
+                    f"refits of {busy} kept transferring on it for {wait_s:.0f} s"
+                )
 
     def _gather(self, what: str, ms: Membership) -> tuple[Gather, int]:
         g = Gather(what)
@@ -119,7 +164,7 @@ class AgentCommander:
             st = self._slots.get(slot)
             if st is None or st.incarnation != incarnation:
                 self._slots[slot] = SlotLoadState(incarnation)
-                self._ready = None
+                self._ready.clear()
 
     def _connect(self, ms: Membership) -> None:
         plan = ms.plan
@@ -131,6 +176,7 @@ class AgentCommander:
             return
         if self.store_address is None:
             raise PhaseFailed("the rendezvous store is not running (rendezvous disabled)")
+        self._await_no_transfer(ms)
         self._comm_epoch += 1
         ranks = {slot: i for i, slot in enumerate(plan.slots)}
         g, gid = self._gather("connect", ms)
@@ -220,6 +266,8 @@ class AgentCommander:
         timeout = self.settings.transfer_timeout_s
         verify = self.settings.verify_checksums
         deltas = self._delta_commands(ms, run, exec_id)
+        lane = self._take_lane(ms)
+        weight = self.settings.model_weight(run.model)
         g, gid = self._gather(f"transfer of version {run.version}", ms)
         try:
             for agent_id, slots in ms.by_agent.items():
@@ -236,6 +284,8 @@ class AgentCommander:
                             timeout_s=timeout,
                             verify=verify,
                             delta=[deltas[s] for s in batch if s in deltas],
+                            lane=lane,
+                            share_weight=weight,
                         )
                     )
                     keys = [
@@ -250,6 +300,7 @@ class AgentCommander:
             run.detail["executes_sent_at"] = sent
             g.wait(timeout)
         finally:
+            self._free_lane(lane)
             self._end_gather(g, gid)
             self.delta.finish_attempt(exec_id, run.detail)
         if verify:
@@ -312,8 +363,9 @@ class AgentCommander:
                 self.agents.send(agent_id, cmd, None)
             except PhaseFailed:
                 pass
-        self._comm_key = None
-        self._ready = None
+        with self._setup:
+            self._comm_key = None
+            self._ready.clear()
 
 
 class _TransferTally:

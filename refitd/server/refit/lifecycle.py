@@ -68,7 +68,7 @@ class Turn(Protocol):
 class CommanderPort(Protocol):
     """The agents' side (commander.AgentCommander)."""
 
-    def turn(self) -> Turn: ...
+    def turn(self, model: str) -> Turn: ...
     def prepare(self, ms: Membership) -> None: ...
     def transfer(self, ms: Membership, run: RefitRun, cond: threading.Condition) -> float: ...
     def apply(self, ms: Membership, run: RefitRun, slots: set[int]) -> None: ...
@@ -228,9 +228,9 @@ class RefitLifecycle:
         run.started = self.clock.monotonic()
         self.metrics.refits_started.labels(run.model).inc()
         self.acks.settle()
-        a = Attempts(run, m, self.commander.turn())
+        a = Attempts(run, m, self.commander.turn(run.model))
         while self._attempt(a):
-            a.turn = self.commander.turn()
+            a.turn = self.commander.turn(run.model)
 
     def _attempt(self, a: Attempts) -> bool:
         """One attempt; True when the refit goes again (the turn is released either way)."""
@@ -288,7 +288,7 @@ class RefitLifecycle:
         self._enter(a, Phase.BARRIER)
         a.turn.release()
         self.barrier.await_barrier(a.m, a.run)
-        a.turn = self.commander.turn()
+        a.turn = self.commander.turn(a.run.model)
 
     def _write(self, a: Attempts) -> float:
         """Transfer (and apply staged pools); returns the time of the last DONE."""
