@@ -147,6 +147,20 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
     )
 
 
+def _range_max(flat: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """Maximum of every range of `flat` (ranges back to back from 0 to the end, range i
+    starting at lo[i]); an empty range gives the element at its start (0 at the end), as
+    reduceat does. One reduceat over the non-empty ranges' starts (each ends where the
+    next non-empty one starts), without a padded copy of `flat`."""
+    top = np.zeros(lo.size, flat.dtype)
+    full = np.diff(np.r_[lo, flat.size]) > 0
+    if full.any():
+        top[full] = np.maximum.reduceat(flat, lo[full])
+    empty = np.flatnonzero(~full & (lo < flat.size))
+    top[empty] = flat[lo[empty]]
+    return top
+
+
 def _within(counts: np.ndarray) -> np.ndarray:
     """Position of every element inside its group, for groups of `counts` in order."""
     total = int(counts.sum())
@@ -206,9 +220,7 @@ class ProgramIndex:
         self.narrow: dict[str, list[str]] = {}
         for name, (a, lo) in cols.items():
             flat = row_max(a) if a.ndim == 2 and a.shape[1] else a.reshape(-1)
-            padded = np.r_[flat, 0]  # an empty slot's range starts at the end
-            top = np.maximum.reduceat(padded, np.minimum(lo, flat.size)) if lo.size else lo
-            self.narrow[name] = narrow_dtypes(top).tolist()
+            self.narrow[name] = narrow_dtypes(_range_max(flat, lo)).tolist()
 
     def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
         """Messages of one direction grouped by this end's slot, ids ascending."""
