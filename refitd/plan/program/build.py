@@ -133,11 +133,12 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
         ndim,
     )
     src, dst = src[rows], dst[rows]
+    program_rows = copies.subset(rows)
     return CopyColumns(
         src=src,
         dst=dst,
-        src_off=_pad(copies.column("src_loc", rows), d, 0),
-        dst_off=_pad(copies.column("dst_loc", rows), d, 0),
+        src_off=_pad(program_rows.column("src_loc"), d, 0),
+        dst_off=_pad(program_rows.column("dst_loc"), d, 0),
         shape=np.take(shape, rows, axis=0),
         ndim=ndim[rows],
         wire=wire.astype(np.uint8)[rows],
