@@ -139,7 +139,7 @@ class ControllerPlan:
         whose memory handles its LoadProgramCommand carries. Computed once per plan."""
         with self._lock:
             if self._holders is None:
-                self._holders = _slot_holders(self.tensors)
+                self._holders = self.plan.holders()
             return self._holders.get(slot, ())
 
     def traffic(self) -> tuple[dict[int, int], dict[int, int]]:
@@ -189,15 +189,6 @@ class ControllerPlan:
     def built_programs(self) -> int:
         with self._lock:
             return len(self._payloads)
-
-
-def _slot_holders(tensors: Sequence[TensorSpec]) -> dict[int, tuple[WorkerKey, ...]]:
-    """slot -> sorted (pool, rank) of the workers registering tensors on it, in one pass
-    over the tensor list."""
-    out: dict[int, set[WorkerKey]] = {}
-    for t in tensors:
-        out.setdefault(t.slot, set()).add((t.pool, t.rank))
-    return {slot: tuple(sorted(keys)) for slot, keys in out.items()}
 
 
 def slot_inputs(

@@ -77,15 +77,10 @@ class PlanTensors:
             g_storage[i] = st_id[g.storage]
             g_ndim[i] = len(g.local_shape)
             g_shape[i, : len(g.local_shape)] = g.local_shape
-        parts, ranks, base = [], [], 0
-        for t, n_rows in zip(tables, counts, strict=True):  # tables may have grown since
-            parts.append(t.columns()[1][:n_rows] + base)
-            ranks.append(t.ranks()[:n_rows])
-            base += len(t.geos)
-        gid = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        gid, rank = _geo_and_rank(tables, counts)
         return cls(
             slot=slot,
-            rank=np.concatenate(ranks) if ranks else np.zeros(0, np.int64),
+            rank=rank,
             pool=g_pool[gid],
             dtype=g_dtype[gid],
             storage=g_storage[gid],
@@ -93,6 +88,35 @@ class PlanTensors:
             local_shape=np.take(g_shape, gid, axis=0),
             pools=tuple(pools),
         )
+
+
+def _geo_and_rank(
+    tables: Sequence[SpecTable], counts: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(geometry id into the tables' geos end to end, rank) of the first `counts` rows of
+    each table, in order."""
+    parts, ranks, base = [], [], 0
+    for t, n_rows in zip(tables, counts, strict=True):  # tables may have grown since
+        parts.append(t.columns()[1][:n_rows] + base)
+        ranks.append(t.ranks()[:n_rows])
+        base += len(t.geos)
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(parts), np.concatenate(ranks)
+
+
+def worker_columns(
+    tables: Sequence[SpecTable], counts: Sequence[int]
+) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """(the pools sorted by name, each row's pool index into them, each row's rank) of the
+    first `counts` rows of each table: who registered every plan tensor, as columns, so
+    per-worker facts are found without a pass over the TensorSpec objects."""
+    geos = [g for t in tables for g in t.geos]
+    pools = sorted({g.pool for g in geos})
+    pool_id = {p: i for i, p in enumerate(pools)}
+    g_pool = np.array([pool_id[g.pool] for g in geos] or [0], np.int64)
+    gid, rank = _geo_and_rank(tables, counts)
+    return tuple(pools), g_pool[gid], rank
 
 
 @dataclass(slots=True)
