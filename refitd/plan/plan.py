@@ -63,7 +63,7 @@ class Plan:
         model: str,
         epoch: int,
         digest: str,
-        tensors: list[TensorSpec],
+        tensors: Sequence[TensorSpec],
         table: CopyTable,
         slot_of_tensor: np.ndarray,
         config: PlanConfig,

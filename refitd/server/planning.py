@@ -29,7 +29,7 @@ from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, PlanStats, build_plan_from_table, plan_digest
 from refitd.plan.program import SlotProgram, decode_program, encode_program
-from refitd.plan.table import SpecTable
+from refitd.plan.table import JoinedSpecs, SpecTable
 from refitd.plan.twins import build_twin_plan, pair_twins
 from refitd.server.errors import ControlError, precondition
 from refitd.server.heap import release_free_heap
@@ -288,7 +288,7 @@ def make_plan(
             model, epoch, _prefix(src, n_src), _prefix(dst, n_dst), config, fp.digest
         )
 
-    cp = ControllerPlan.forked(fp, model, src.specs + dst.specs, rebuild, gc_pause)
+    cp = ControllerPlan.forked(fp, model, JoinedSpecs(src, dst), rebuild, gc_pause)
     _say_fallback(cp, what, options)
     return cp
 

@@ -64,9 +64,15 @@ def test_forked_plan_keeps_the_tables_as_they_were() -> None:
     """Tables grown after the plan (a worker registered) leave the plan's inputs intact."""
     src, dst = _tables(1)
     forked = make_plan("m", 1, src, dst, OPTIONS, process=PlanningProcess(timeout_s=120))
-    n = len(forked.tensors)
+    here = make_plan("m", 1, src, dst, OPTIONS)
+    before = list(src.specs) + list(dst.specs)
     dst.extend(_tables(2)[1])  # more destination rows appended to the kept table
-    assert len(forked.tensors) == n
+    for plan in (forked, here):  # plan index -> spec as planned, in both processes' plans
+        assert len(plan.tensors) == len(before) and list(plan.tensors) == before
+        assert plan.tensors[-1] is before[-1] and plan.tensors[len(src)] is dst.specs[0]
+        assert plan.tensors[len(src) - 2 : len(src) + 2] == before[len(src) - 2 : len(src) + 2]
+        with pytest.raises(IndexError):
+            plan.tensors[len(before)]
     assert forked.plan.digest == forked.digest  # rebuilt from the first rows only
 
 
