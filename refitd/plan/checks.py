@@ -4,6 +4,7 @@ whole tensors where a format's scale spans the tensor."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -99,7 +100,7 @@ def _first_missing(
     )
 
 
-def check_blocks(t: CopyTable, tensors: list[TensorSpec], wires: WireRegistry) -> None:
+def check_blocks(t: CopyTable, tensors: Sequence[TensorSpec], wires: WireRegistry) -> None:
     """With a blocked (quantized) wire every copy carries whole blocks of its destination."""
     blocked = np.array([bool(f.block) for f in wires.formats])
     q = np.flatnonzero(blocked[t.wire]) if t.wire.size else t.wire

@@ -56,6 +56,12 @@ class Pieces:
                 out[:, 0] += self.step if idx is None else self.step[idx]
         return out
 
+    def subset(self, idx: np.ndarray) -> Pieces:
+        """Pieces `idx` of these (rows and cuts gathered once, for several columns)."""
+        if self.step is None or self.len0 is None:
+            return Pieces(self.table, self.rows[idx])
+        return Pieces(self.table, self.rows[idx], self.step[idx], self.len0[idx])
+
     def take(self) -> CopyTable:
         """Every column of the pieces, as a table of their own."""
         return CopyTable(*(self.column(f) for f in CopyTable.__slots__))

@@ -83,11 +83,8 @@ class LinkPolicy:
         if self.mode == COLLECTIVE or not n:
             return path, fallback
         # per message the row of each end's site; row len(sites) (unknown) matches nothing
-        row = {s.slot: k for k, s in enumerate(self.sites)}
         unknown = len(self.sites)
-        slots, inverse = np.unique(np.concatenate([src, dst]), return_inverse=True)
-        rows = np.array([row.get(s, unknown) for s in slots.tolist()], np.int64)[inverse]
-        a, b = rows[:n], rows[n:]
+        a, b = self._rows(src), self._rows(dst)
         found = (a < unknown) & (b < unknown)
         host = _codes([s.host for s in self.sites])
         kind = _codes([s.device for s in self.sites])
@@ -109,6 +106,15 @@ class LinkPolicy:
         why[~found] = FALLBACKS.index("a slot of the link is unknown to the policy")
         fallback[~can[want]] = why[~can[want]]
         return path, fallback
+
+    def _rows(self, slots: np.ndarray) -> np.ndarray:
+        """Site row of every slot in `slots`, len(sites) for a slot without a site: one
+        gather from a table indexed by slot (slots are small non-negative integers)."""
+        unknown = len(self.sites)
+        top = max(int(slots.max(initial=0)), self.sites[-1].slot if self.sites else 0)
+        lut = np.full(top + 1, unknown, np.int64)
+        lut[[s.slot for s in self.sites]] = np.arange(unknown)
+        return lut[slots]
 
     def _offered(self, offer: str) -> np.ndarray:
         """Per site row whether its agent offers `offer`, and False last (an unknown slot)."""

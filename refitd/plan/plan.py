@@ -17,7 +17,13 @@ from refitd.plan.copies import CopyTable, Pieces
 from refitd.plan.grouping import dense_index
 from refitd.plan.layout import TensorSpec
 from refitd.plan.links import PATHS, path_summary
-from refitd.plan.program.build import Messages, PlanTensors, ProgramIndex, concat_ranges
+from refitd.plan.program.build import (
+    Messages,
+    PlanTensors,
+    ProgramIndex,
+    concat_ranges,
+    worker_columns,
+)
 from refitd.plan.program.columns import SlotProgram
 from refitd.plan.schedule import BucketScheduler, ScheduledMessages
 from refitd.plan.sides import sort_by
@@ -57,7 +63,7 @@ class Plan:
         model: str,
         epoch: int,
         digest: str,
-        tensors: list[TensorSpec],
+        tensors: Sequence[TensorSpec],
         table: CopyTable,
         slot_of_tensor: np.ndarray,
         config: PlanConfig,
@@ -161,12 +167,43 @@ class Plan:
                 np.concatenate([self._remote.column("src"), self._local.column("src")])
             )
             used = used[used < self._n_src]
-            readers: dict[tuple[str, int], set[int]] = {}
-            for i, slot in zip(used.tolist(), self._slot_of[used].tolist(), strict=True):
-                t = self.tensors[i]
-                readers.setdefault((t.pool, t.rank), set()).add(slot)
-            self._readers = {k: sorted(v) for k, v in readers.items()}
+            pools, pool_of, rank_of = self._workers()
+            readers: dict[tuple[str, int], list[int]] = {}
+            for p, r, slot in _distinct(pool_of[used], rank_of[used], self._slot_of[used]):
+                readers.setdefault((pools[p], r), []).append(slot)
+            self._readers = readers
         return list(self._readers.get((pool, rank), []))
+
+    def source_workers(self) -> set[tuple[str, int]]:
+        """(pool, rank) of every source worker with a tensor in the plan."""
+        pools, pool_of, rank_of = self._workers()
+        n = self._n_src
+        return {(pools[p], r) for p, r in _distinct(pool_of[:n], rank_of[:n])}
+
+    def holders(self) -> dict[int, tuple[tuple[str, int], ...]]:
+        """slot -> (pool, rank) of the workers with tensors of the plan on it, sorted."""
+        pools, pool_of, rank_of = self._workers()
+        out: dict[int, list[tuple[str, int]]] = {}
+        for slot, p, r in _distinct(self._slot_of, pool_of, rank_of):
+            out.setdefault(slot, []).append((pools[p], r))  # pools are sorted by name
+        return {slot: tuple(keys) for slot, keys in out.items()}
+
+    def _workers(self) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+        """(pools, pool index, rank) of every plan tensor (worker_columns)."""
+        if self._index is not None:
+            t = self._index.tensors
+            return t.pools, t.pool, t.rank
+        return worker_columns(*self._sides())
+
+    def _sides(self) -> tuple[Sequence[SpecTable], list[int]]:
+        """The SpecTables whose first rows are the plan's tensors, and those row counts."""
+        if self._tables is not None:
+            return self._tables
+        own = (
+            SpecTable.from_specs(self.tensors[: self._n_src]),
+            SpecTable.from_specs(self.tensors[self._n_src :]),
+        )
+        return own, [self._n_src, len(self.tensors) - self._n_src]
 
     def message_columns(self) -> dict[str, np.ndarray]:
         """Every remote message as columns, row = message id: src and dst slot, round, wire
@@ -239,13 +276,7 @@ class Plan:
     def program_index(self) -> ProgramIndex:
         """Per-slot positions of all messages and copies, built once per plan."""
         if self._index is None:
-            tables, counts = self._tables or (
-                (
-                    SpecTable.from_specs(self.tensors[: self._n_src]),
-                    SpecTable.from_specs(self.tensors[self._n_src :]),
-                ),
-                [self._n_src, len(self.tensors) - self._n_src],
-            )
+            tables, counts = self._sides()
             dims = self._remote.table.shape.shape[1]
             tensors = PlanTensors.of(tables, counts, self._slot_of, dims)
             msgs = Messages(
@@ -276,3 +307,15 @@ class Plan:
         """The programs of `slots` (default: every slot), from one index pass."""
         index = self.program_index()
         return {s: index.program(s) for s in (self.slots() if slots is None else slots)}
+
+
+def _distinct(*cols: np.ndarray) -> list[tuple[int, ...]]:
+    """The distinct rows of non-negative integer columns, sorted (first column most
+    significant), as tuples of ints: a few thousand workers from millions of tensors."""
+    if not cols[0].size:
+        return []
+    order = sort_by(*cols)
+    keep = np.ones(order.size, bool)
+    sorted_cols = [c[order] for c in cols]
+    keep[1:] = np.logical_or.reduce([np.diff(c) != 0 for c in sorted_cols])
+    return list(zip(*(c[keep].tolist() for c in sorted_cols), strict=True))

@@ -44,7 +44,7 @@ from refitd.plan.plan import Plan, PlanStats
 from refitd.plan.relay import RelayCandidates, choose_relays
 from refitd.plan.rowwise import row_prod
 from refitd.plan.sides import group, side_of
-from refitd.plan.table import SpecTable
+from refitd.plan.table import JoinedSpecs, SpecTable
 
 __all__ = [
     "Plan",
@@ -95,7 +95,7 @@ def _build(
 ) -> Plan:
     if digest is None:
         digest = fingerprint(model, sources, destinations, config)
-    tensors = sources.specs + destinations.specs
+    tensors = JoinedSpecs(sources, destinations)
     table, slot_of = _copies(sources, destinations, tensors, config)
     return Plan(
         model,
@@ -113,7 +113,7 @@ def _build(
 def _copies(
     sources: SpecTable,
     destinations: SpecTable,
-    tensors: list[TensorSpec],
+    tensors: Sequence[TensorSpec],
     config: PlanConfig,
 ) -> tuple[CopyTable, np.ndarray]:
     """(every copy of the plan, relays chosen; the slot of every plan tensor); `tensors`:

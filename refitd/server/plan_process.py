@@ -216,12 +216,11 @@ def _write_plan(fd: int, plan: Plan, t_plan: float, t0: float, c0: float) -> Non
         p = index.program(s)
         programs.append(encode_program(p))
         tensors.append(p.table.index.astype(np.int64))
+    # from the tensors' columns: a pass over the TensorSpec objects would write to every
+    # page of the controller's registrations this process shares (copy-on-write)
+    readers = {k: plan.source_slots_of(*k) for k in plan.source_workers()}
+    holders = plan.holders()
     plan.release_index()
-    sources = {(t.pool, t.rank) for t in plan.tensors[: plan.source_count]}
-    readers = {k: plan.source_slots_of(*k) for k in sources}
-    holders: dict[int, set[WorkerKey]] = {}
-    for t in plan.tensors:
-        holders.setdefault(t.slot, set()).add((t.pool, t.rank))
     head = {
         "digest": plan.digest,
         "slots": slots,
@@ -229,7 +228,7 @@ def _write_plan(fd: int, plan: Plan, t_plan: float, t0: float, c0: float) -> Non
         "send_bytes": plan.send_bytes(),
         "recv_bytes": plan.recv_bytes(),
         "readers": readers,
-        "holders": {s: tuple(sorted(k)) for s, k in holders.items()},
+        "holders": holders,
         "links": plan.link_summary(),
         "program_offsets": np.cumsum([0, *map(len, programs)], dtype=np.int64),
         "tensor_offsets": np.cumsum([0, *map(len, tensors)], dtype=np.int64),

@@ -29,7 +29,7 @@ from refitd.plan.gc_pause import GcPause
 from refitd.plan.layout import TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, PlanStats, build_plan_from_table, plan_digest
 from refitd.plan.program import SlotProgram, decode_program, encode_program
-from refitd.plan.table import SpecTable
+from refitd.plan.table import JoinedSpecs, SpecTable
 from refitd.plan.twins import build_twin_plan, pair_twins
 from refitd.server.errors import ControlError, precondition
 from refitd.server.heap import release_free_heap
@@ -139,7 +139,7 @@ class ControllerPlan:
         whose memory handles its LoadProgramCommand carries. Computed once per plan."""
         with self._lock:
             if self._holders is None:
-                self._holders = _slot_holders(self.tensors)
+                self._holders = self.plan.holders()
             return self._holders.get(slot, ())
 
     def traffic(self) -> tuple[dict[int, int], dict[int, int]]:
@@ -189,15 +189,6 @@ class ControllerPlan:
     def built_programs(self) -> int:
         with self._lock:
             return len(self._payloads)
-
-
-def _slot_holders(tensors: Sequence[TensorSpec]) -> dict[int, tuple[WorkerKey, ...]]:
-    """slot -> sorted (pool, rank) of the workers registering tensors on it, in one pass
-    over the tensor list."""
-    out: dict[int, set[WorkerKey]] = {}
-    for t in tensors:
-        out.setdefault(t.slot, set()).add((t.pool, t.rank))
-    return {slot: tuple(sorted(keys)) for slot, keys in out.items()}
 
 
 def slot_inputs(
@@ -297,7 +288,7 @@ def make_plan(
             model, epoch, _prefix(src, n_src), _prefix(dst, n_dst), config, fp.digest
         )
 
-    cp = ControllerPlan.forked(fp, model, src.specs + dst.specs, rebuild, gc_pause)
+    cp = ControllerPlan.forked(fp, model, JoinedSpecs(src, dst), rebuild, gc_pause)
     _say_fallback(cp, what, options)
     return cp
 

@@ -40,7 +40,12 @@ def test_forked_plan_equals_the_plan_built_here() -> None:
     assert forked.digest == here.digest == digest
     assert forked.slots == here.slots and forked.stats == here.stats
     assert forked.built_programs == len(forked.slots)  # every program came back built
+    # the workers on each slot, straight from the registrations
+    on_slot: dict[int, set[tuple[str, int]]] = {}
+    for t in src.specs + dst.specs:
+        on_slot.setdefault(t.slot, set()).add((t.pool, t.rank))
     for slot in here.slots:
+        assert forked.holders(slot) == tuple(sorted(on_slot[slot]))
         assert forked.program_bytes(slot) == here.program_bytes(slot)
         assert np.array_equal(forked.load_payload(slot).tensors, here.load_payload(slot).tensors)
         assert forked.holders(slot) == here.holders(slot)
@@ -49,6 +54,7 @@ def test_forked_plan_equals_the_plan_built_here() -> None:
         ]
     for rank in range(8):
         assert forked.readers("trainer", rank) == here.readers("trainer", rank)
+        assert forked.readers("trainer", rank)  # every trainer rank is read by some slot
     assert forked.traffic() == here.traffic()
     # the planner's Plan, for its rare users, is the same plan built again here
     assert forked.plan.digest == digest and forked.plan.stats == here.stats
@@ -58,9 +64,15 @@ def test_forked_plan_keeps_the_tables_as_they_were() -> None:
     """Tables grown after the plan (a worker registered) leave the plan's inputs intact."""
     src, dst = _tables(1)
     forked = make_plan("m", 1, src, dst, OPTIONS, process=PlanningProcess(timeout_s=120))
-    n = len(forked.tensors)
+    here = make_plan("m", 1, src, dst, OPTIONS)
+    before = list(src.specs) + list(dst.specs)
     dst.extend(_tables(2)[1])  # more destination rows appended to the kept table
-    assert len(forked.tensors) == n
+    for plan in (forked, here):  # plan index -> spec as planned, in both processes' plans
+        assert len(plan.tensors) == len(before) and list(plan.tensors) == before
+        assert plan.tensors[-1] is before[-1] and plan.tensors[len(src)] is dst.specs[0]
+        assert plan.tensors[len(src) - 2 : len(src) + 2] == before[len(src) - 2 : len(src) + 2]
+        with pytest.raises(IndexError):
+            plan.tensors[len(before)]
     assert forked.plan.digest == forked.digest  # rebuilt from the first rows only
 
 

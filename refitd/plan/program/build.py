@@ -77,15 +77,10 @@ class PlanTensors:
             g_storage[i] = st_id[g.storage]
             g_ndim[i] = len(g.local_shape)
             g_shape[i, : len(g.local_shape)] = g.local_shape
-        parts, ranks, base = [], [], 0
-        for t, n_rows in zip(tables, counts, strict=True):  # tables may have grown since
-            parts.append(t.columns()[1][:n_rows] + base)
-            ranks.append(t.ranks()[:n_rows])
-            base += len(t.geos)
-        gid = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        gid, rank = _geo_and_rank(tables, counts)
         return cls(
             slot=slot,
-            rank=np.concatenate(ranks) if ranks else np.zeros(0, np.int64),
+            rank=rank,
             pool=g_pool[gid],
             dtype=g_dtype[gid],
             storage=g_storage[gid],
@@ -93,6 +88,35 @@ class PlanTensors:
             local_shape=np.take(g_shape, gid, axis=0),
             pools=tuple(pools),
         )
+
+
+def _geo_and_rank(
+    tables: Sequence[SpecTable], counts: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(geometry id into the tables' geos end to end, rank) of the first `counts` rows of
+    each table, in order."""
+    parts, ranks, base = [], [], 0
+    for t, n_rows in zip(tables, counts, strict=True):  # tables may have grown since
+        parts.append(t.columns()[1][:n_rows] + base)
+        ranks.append(t.ranks()[:n_rows])
+        base += len(t.geos)
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(parts), np.concatenate(ranks)
+
+
+def worker_columns(
+    tables: Sequence[SpecTable], counts: Sequence[int]
+) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """(the pools sorted by name, each row's pool index into them, each row's rank) of the
+    first `counts` rows of each table: who registered every plan tensor, as columns, so
+    per-worker facts are found without a pass over the TensorSpec objects."""
+    geos = [g for t in tables for g in t.geos]
+    pools = sorted({g.pool for g in geos})
+    pool_id = {p: i for i, p in enumerate(pools)}
+    g_pool = np.array([pool_id[g.pool] for g in geos] or [0], np.int64)
+    gid, rank = _geo_and_rank(tables, counts)
+    return tuple(pools), g_pool[gid], rank
 
 
 @dataclass(slots=True)
@@ -133,11 +157,12 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
         ndim,
     )
     src, dst = src[rows], dst[rows]
+    program_rows = copies.subset(rows)
     return CopyColumns(
         src=src,
         dst=dst,
-        src_off=_pad(copies.column("src_loc", rows), d, 0),
-        dst_off=_pad(copies.column("dst_loc", rows), d, 0),
+        src_off=_pad(program_rows.column("src_loc"), d, 0),
+        dst_off=_pad(program_rows.column("dst_loc"), d, 0),
         shape=np.take(shape, rows, axis=0),
         ndim=ndim[rows],
         wire=wire.astype(np.uint8)[rows],
@@ -145,6 +170,20 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
         dst_dtype=t.dtype[dst],
         flags=flags[rows],
     )
+
+
+def _range_max(flat: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """Maximum of every range of `flat` (ranges back to back from 0 to the end, range i
+    starting at lo[i]); an empty range gives the element at its start (0 at the end), as
+    reduceat does. One reduceat over the non-empty ranges' starts (each ends where the
+    next non-empty one starts), without a padded copy of `flat`."""
+    top = np.zeros(lo.size, flat.dtype)
+    full = np.diff(np.r_[lo, flat.size]) > 0
+    if full.any():
+        top[full] = np.maximum.reduceat(flat, lo[full])
+    empty = np.flatnonzero(~full & (lo < flat.size))
+    top[empty] = flat[lo[empty]]
+    return top
 
 
 def _within(counts: np.ndarray) -> np.ndarray:
@@ -206,9 +245,7 @@ class ProgramIndex:
         self.narrow: dict[str, list[str]] = {}
         for name, (a, lo) in cols.items():
             flat = row_max(a) if a.ndim == 2 and a.shape[1] else a.reshape(-1)
-            padded = np.r_[flat, 0]  # an empty slot's range starts at the end
-            top = np.maximum.reduceat(padded, np.minimum(lo, flat.size)) if lo.size else lo
-            self.narrow[name] = narrow_dtypes(top).tolist()
+            self.narrow[name] = narrow_dtypes(_range_max(flat, lo)).tolist()
 
     def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
         """Messages of one direction grouped by this end's slot, ids ascending."""
