@@ -342,8 +342,12 @@ class RdmaPath(OneSidedPath):
                 del self._held[key]
 
     def close(self) -> None:
+        """Drop the sender's endpoint. Its engines' teardown (unregistering, stopping their
+        threads) takes about a second each on a busy host and runs on a thread of its own,
+        so a reconnect after a failure does not wait for it; the endpoint holds what it
+        registered until it is done."""
         with self._lock:
-            if self._sender is not None:
-                self._sender.close()
-                self._sender = None
+            sender, self._sender = self._sender, None
             self._held.clear()
+        if sender is not None:
+            threading.Thread(target=sender.close, name="mooncake-close", daemon=True).start()
