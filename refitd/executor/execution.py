@@ -222,14 +222,12 @@ class RefitExecution:
             self.wait_recvs(need, self.describe(ch, "send"))
         if id(ch) in self.prep.one_sided:
             try:
-                self.one_sided.write(
+                work = self.one_sided.write(
                     ch, self.data, self.send_sums, self.attempt, self.prep.device, self.deadline
                 )
             except Exception as e:
                 raise ExecutionError(f"{self.describe(ch, 'send')}: {e}") from e
-            if self.prep.reads_source[id(ch)]:
-                self.source_done()
-            return (ch, _SKIPPED, ONE_SIDED, True, DoneWork())
+            return (ch, _SKIPPED, ONE_SIDED, True, work)
         zc = self.prep.zc_send[id(ch)]
         ring = self.prep.ring.get(id(ch), -1)
         if zc is None:
@@ -283,9 +281,9 @@ class RefitExecution:
                     self.share.sent(self.peer(item.chunk.dst_slot), item.chunk.nbytes)
                 if item.ring >= 0:
                     self.pool.release("send", item.ring)
-                elif item.ring != ONE_SIDED:  # a one-sided write did this when it ran
-                    if self.send_sums is not None:  # zero-copy: overlaps the next sends
-                        self.data.source_sums(item.chunk, self.send_sums)
+                else:  # zero-copy or one-sided: the sources were read until now
+                    if self.send_sums is not None and item.ring != ONE_SIDED:
+                        self.data.source_sums(item.chunk, self.send_sums)  # overlaps next sends
                     if self.prep.reads_source[id(item.chunk)]:
                         self.source_done()
                 with self.lock:

@@ -29,6 +29,7 @@ from refitd.plan.links import ONE_SIDED, PATHS
 from refitd.plan.program import DTYPES, SlotProgram
 from refitd.plan.wire import NVFP4, PLAIN
 from refitd.torch_dtypes import torch_dtype
+from refitd.transport.base import Work
 from refitd.transport.doorbell import RETIRED, Doorbell
 from refitd.transport.errors import TransportError
 from refitd.transport.paths import Descriptor, Peer
@@ -85,6 +86,27 @@ class _BellWork:
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + max(timeout_s, 0.0)
         self.bell.wait(self.entry, self.attempt, self.chunks, deadline, self.abort, self.what)
+
+
+class _Landing:
+    """A send chunk's writes in flight: once they landed, the destination is checked to
+    hold the plan still (its doorbell's generation) and the chunk's doorbell word rung."""
+
+    def __init__(
+        self, slot: int, ch: Chunk, posted: Work, peer: Peer, desc: Descriptor, attempt: int
+    ) -> None:
+        self.slot, self.ch, self.posted, self.peer, self.desc = slot, ch, posted, peer, desc
+        self.attempt = attempt
+
+    def wait(self, timeout_s: float) -> None:
+        ch = self.ch
+        self.posted.wait(timeout_s)
+        if self.peer.generation() != self.desc.generation:
+            raise ExecutionError(
+                f"slot {self.slot}: message {ch.mid} to slot {ch.dst_slot}: stale descriptor "
+                "(the destination unloaded or reloaded the plan while it was written)"
+            )
+        self.peer.ring(self.desc.entry[ch.mid], self.attempt, ch.index + 1)
 
 
 class OneSided:
@@ -164,17 +186,18 @@ class OneSided:
         attempt: int,
         device: torch.device,
         deadline: float,
-    ) -> None:
-        """Write one send chunk into its destination (by the monotonic `deadline`), then
-        ring its doorbell. A copy through a codec is encoded and landed by the sender (the
-        destination takes no part), then flushed to the peer."""
+    ) -> _Landing:
+        """Post one send chunk's writes into its destination (by the monotonic `deadline`);
+        the returned Work waits for them and rings the destination's doorbell, so the next
+        chunk is prepared while these are in flight. A copy through a codec is encoded and
+        landed by the sender (the destination takes no part), then flushed to the peer."""
         peer, desc = self.links.peers[ch.dst_slot]
         w = data.direct_views(ch)
         if sums is not None and not ch.seg_start:
             for i in ch.rows:
                 if data.plain_raw_dst(i):
                     sums[(ch.mid, i)] = data.source_sum(i)
-        peer.write(w.dst, w.src, deadline)
+        posted = peer.post(w.dst, w.src, deadline)
         for i, _ in w.slow:
             if ch.seg_start:
                 continue  # a coded copy lands whole with its first chunk
@@ -185,12 +208,7 @@ class OneSided:
         for dev in self.devices | {device}:  # the copies and landings are queued there
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
-        if peer.generation() != desc.generation:
-            raise ExecutionError(
-                f"slot {self.p.slot}: message {ch.mid} to slot {ch.dst_slot}: stale descriptor "
-                "(the destination unloaded or reloaded the plan while it was written)"
-            )
-        peer.ring(desc.entry[ch.mid], attempt, ch.index + 1)
+        return _Landing(self.p.slot, ch, posted, peer, desc, attempt)
 
     def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> _BellWork:
         """The wait of one receive chunk."""

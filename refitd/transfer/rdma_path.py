@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from refitd.torch_dtypes import torch_dtype
+from refitd.transport.base import DoneWork, Work
 from refitd.transport.doorbell import HEADER_WORDS, MAGIC, RETIRED, Doorbell, value
 from refitd.transport.errors import TransportError
 from refitd.transport.mooncake import MooncakeEndpoint, MooncakeOptions, MooncakePeer
@@ -91,6 +92,11 @@ def _runs(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[list[
         step = np.arange(n, dtype=np.int64)
         offs = [(o[:, None] + step * st).ravel() for o, st in zip(offs, sts, strict=True)]
     return offs, run
+
+
+def _left(deadline: float) -> float:
+    """Seconds to a monotonic deadline, at least a moment (a write's last chance)."""
+    return max(deadline - time.monotonic(), 0.05)
 
 
 def _one(local: int, remote: int, nbytes: int) -> Runs:
@@ -160,21 +166,45 @@ class RdmaPeer(Peer):
             self.path.acquire(t)
             self._registered.add(key)
 
+    def post(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> Work:
+        whole: list[tuple[int, int, int]] = []  # contiguous views: one run each
+        parts: list[Runs] = []
+        for d, s in zip(dst, src, strict=True):
+            if not d.numel():
+                continue
+            r = self._runs(d, s)
+            if isinstance(r[2], int):
+                whole.append(r)  # type: ignore[arg-type]
+            else:
+                parts.append(r)  # type: ignore[arg-type]
+        if whole:
+            local, remote, n = np.array(whole, np.int64).reshape(-1, 3).T
+            parts.append((local, remote, n))
+        if not parts:
+            return DoneWork()
+        runs = tuple(np.concatenate(col) for col in zip(*parts, strict=True))
+        return self._post(runs, deadline)  # type: ignore[arg-type]
+
     def write(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> None:
-        runs = [self._runs(d, s) for d, s in zip(dst, src, strict=True) if d.numel()]
-        if runs:
-            self._post(tuple(np.concatenate(col) for col in zip(*runs, strict=True)), deadline)
+        self.post(dst, src, deadline).wait(_left(deadline))
 
     def flush(self, views: list[torch.Tensor], deadline: float) -> None:
         self.write(views, views, deadline)
 
-    def _runs(self, d: torch.Tensor, s: torch.Tensor) -> Runs:
+    def _runs(self, d: torch.Tensor, s: torch.Tensor) -> Runs | tuple[int, int, int]:
         """(local, remote, nbytes) of the contiguous runs that put `s` where `d` is at the
-        destination: read from `s` itself when it can be, else from `d` after a copy."""
+        destination: read from `s` itself when it can be, else from `d` after a copy. Both
+        contiguous (most regions): one run, as plain ints."""
         mirror, remote = self._mirrors[d.untyped_storage().data_ptr()]
         item = d.element_size()
-        (doff,), run = _runs(d.shape, [d.stride()])
         direct = s.device.type == "cpu" and s.dtype == d.dtype and s.shape == d.shape
+        if d.is_contiguous() and (s.is_contiguous() or not direct):
+            if not direct:
+                d.copy_(s)
+                s = d
+            self._register(s)
+            return s.data_ptr(), d.data_ptr() - mirror + remote, d.numel() * item
+        (doff,), run = _runs(d.shape, [d.stride()])
         if direct:
             (doff, soff), joint = _runs(d.shape, [d.stride(), s.stride()])
             direct = joint == run
@@ -185,10 +215,10 @@ class RdmaPeer(Peer):
         local = s.data_ptr() + soff * item
         return local, d.data_ptr() - mirror + remote + doff * item, np.full_like(doff, run * item)
 
-    def _post(self, runs: Runs, deadline: float, read: bool = False) -> None:
+    def _post(self, runs: Runs, deadline: float, read: bool = False) -> Work:
         local, remote, n = runs
         if not n.size:
-            return
+            return DoneWork()
         self._deadline = deadline
         # runs adjacent on both sides (e.g. tensors side by side in an arena): one request
         joined = np.ones(n.size, bool)
@@ -198,8 +228,7 @@ class RdmaPeer(Peer):
         if joined.any():
             first = np.flatnonzero(~joined)
             local, remote, n = local[first], remote[first], np.add.reduceat(n, first)
-        timeout = max(deadline - time.monotonic(), 0.05)
-        self.peer.post((local, remote, n), timeout, read=read).wait(timeout)
+        return self.peer.post((local, remote, n), _left(deadline), read=read)
 
     def _control_deadline(self) -> float:
         return max(self._deadline, time.monotonic() + CONTROL_TIMEOUT_S)
@@ -208,13 +237,15 @@ class RdmaPeer(Peer):
         with self._lock:
             self._scratch[0] = value(attempt, chunks)
             at = self.bell + 8 * (HEADER_WORDS + entry)
-            self._post(_one(self._scratch.data_ptr(), at, 8), self._control_deadline())
+            deadline = self._control_deadline()
+            self._post(_one(self._scratch.data_ptr(), at, 8), deadline).wait(_left(deadline))
 
     def generation(self) -> int:
         with self._lock:
             self._scratch[1:3] = 0
             op = _one(self._scratch.data_ptr() + 8, self.bell, 16)
-            self._post(op, self._control_deadline(), read=True)
+            deadline = self._control_deadline()
+            self._post(op, deadline, read=True).wait(_left(deadline))
             magic, gen = (int(x) for x in self._scratch[1:3].tolist())
         return gen if magic == MAGIC else RETIRED
 
@@ -311,8 +342,12 @@ class RdmaPath(OneSidedPath):
                 del self._held[key]
 
     def close(self) -> None:
+        """Drop the sender's endpoint. Its engines' teardown (unregistering, stopping their
+        threads) takes about a second each on a busy host and runs on a thread of its own,
+        so a reconnect after a failure does not wait for it; the endpoint holds what it
+        registered until it is done."""
         with self._lock:
-            if self._sender is not None:
-                self._sender.close()
-                self._sender = None
+            sender, self._sender = self._sender, None
             self._held.clear()
+        if sender is not None:
+            threading.Thread(target=sender.close, name="mooncake-close", daemon=True).start()

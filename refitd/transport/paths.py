@@ -12,8 +12,8 @@ transfer process names them in refitd.transfer.links.PATH_KINDS):
   rendezvous store under the epoch's prefix;
 - on a sender, once per loaded plan, `Links.fetch` reads the descriptor back (checked
   against what the sender expects) and `attach` turns its body into a `Peer`: the
-  destination's tensors as views the sender slices (`tensor`), `write` (copy source views
-  into destination views), `ring` (a message's chunks landed) and `generation` (the
+  destination's tensors as views the sender slices (`tensor`), `write` and `post` (copy
+  source views into destination views, waiting or not), `ring` (a message's chunks landed) and `generation` (the
   doorbell's current generation: a destination that reloaded or unloaded the plan shows
   another one, so a stale descriptor is never written through).
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
-from refitd.transport.base import ConnectInfo
+from refitd.transport.base import ConnectInfo, DoneWork, Work
 from refitd.transport.doorbell import Doorbell
 from refitd.transport.errors import TransportError
 
@@ -101,6 +101,14 @@ class Peer(abc.ABC):
     def write(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> None:
         """Copy each source view into its destination view (views of `tensor()`s), done by
         the monotonic `deadline` (TransportError otherwise)."""
+
+    def post(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> Work:
+        """Start `write`; the Work completes once every byte landed. A path whose copies
+        complete as they are made (mapped memory) writes here and returns a done Work; a
+        remote path returns while its writes are in flight, so the sender prepares the
+        next chunk meanwhile."""
+        self.write(dst, src, deadline)
+        return DoneWork()
 
     def flush(self, views: list[torch.Tensor], deadline: float) -> None:  # noqa: B027
         """Views of `tensor()`s the sender wrote in place (a codec's landing) reach the
