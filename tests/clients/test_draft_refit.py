@@ -18,11 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +28,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from _child_lines import ChildLines
 from _draft_models import digest, dims, engine, expected, mismatches, trainer_tensors
 
 from clients.engine_layouts import register_engine
@@ -84,47 +81,21 @@ def subscribed(address: str, pool: str) -> int:
     return 0 if p is None else sum(r["subscribed"] for r in p["ranks"])
 
 
-class DraftProcess:
+class DraftProcess(ChildLines):
     """The draft pool's ranks in a child process, and the lines it prints."""
 
     def __init__(self, address: str) -> None:
         d = json.dumps(dataclasses.asdict(dims()))
-        self.proc = subprocess.Popen(
+        super().__init__(
             [sys.executable, WORKER, address, MODEL, "--tp", str(TP), "--dims", d],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+            "draft process",
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
 
     def go(self) -> None:
         """Register the ranks (the process waits for this line once started)."""
         self.expect("started")
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-
-    def expect(self, prefix: str, timeout_s: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line.startswith(prefix):
-                return line
-        raise AssertionError(f"draft process never printed {prefix!r}")
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.send("go")
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import grpc
 import psutil
 import pytest
 import torch
+from _child_lines import ChildLines
 
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
@@ -46,39 +47,14 @@ FAST = [
 ]  # fmt: skip
 
 
-class Worker:
+class Worker(ChildLines):
     """An inference worker process and the lines it prints."""
 
     def __init__(
         self, address: str, model: str, gate: Path, pool: str = "infer", device: str = "cpu:1"
     ) -> None:
         args = [address, model, "--gate", str(gate), "--pool", pool, "--device", device]
-        self.proc = subprocess.Popen(
-            [sys.executable, WORKER, *args],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-
-    def expect(self, prefix: str, timeout_s: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"worker never printed {prefix!r}")
-            line = self.lines.get(timeout=left)
-            if line.startswith(prefix):
-                return line
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
+        super().__init__([sys.executable, WORKER, *args], "worker")
 
 
 def status(address: str) -> dict:
