@@ -28,19 +28,19 @@ pytestmark = pytest.mark.slow
 TINY = GptConfig(layers=2, hidden=64, ffn=256, vocab=512)
 
 
+# settings of a daemon whose tests check the delta path itself: on loopback the speed rule
+# would (rightly) send later versions dense once a delta refit measured slower, and links
+# between slots of one host would be mapped (written in place: dense)
+DELTA_PATH_ARGS = (
+    *("--delta-refits", "--verify-checksums", "--pause-timeout-s", "20"),
+    *("--heartbeat-timeout-s", "30", "--no-relay"),
+    *("--no-delta-speed-rule", "--links", "collective"),
+)
+
+
 @pytest.fixture(scope="module")
 def delta_daemon() -> Iterator[Daemon]:
-    d = Daemon(
-        cpu_slots=3,
-        extra_args=[
-            *("--delta-refits", "--verify-checksums", "--pause-timeout-s", "20"),
-            *("--heartbeat-timeout-s", "30", "--no-relay"),
-            # these tests check the delta path itself: on loopback the speed rule would
-            # (rightly) send later versions dense once a delta refit measured slower, and
-            # links between slots of one host would be mapped (written in place: dense)
-            *("--no-delta-speed-rule", "--links", "collective"),
-        ],
-    )
+    d = Daemon(cpu_slots=3, extra_args=list(DELTA_PATH_ARGS))
     d.start()
     try:
         yield d

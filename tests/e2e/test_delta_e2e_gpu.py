@@ -14,7 +14,7 @@ import torch
 
 from refitd.demo.run import Daemon
 
-from .test_delta_e2e import Trainer, _infer, _records, _same
+from .test_delta_e2e import DELTA_PATH_ARGS, Trainer, _infer, _records, _same
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,15 +27,7 @@ GPU, CPU = "cuda:0", "cpu:1"
 
 @pytest.fixture(scope="module")
 def gpu_delta_daemon() -> Iterator[Daemon]:
-    d = Daemon(
-        cpu_slots=1,
-        extra_args=[
-            *("--devices", f"{GPU},{CPU}", "--delta-refits", "--verify-checksums"),
-            *("--pause-timeout-s", "20", "--heartbeat-timeout-s", "30", "--no-relay"),
-            # the delta path itself: no speed rule, no mapped links between the two slots
-            *("--no-delta-speed-rule", "--links", "collective"),
-        ],
-    )
+    d = Daemon(cpu_slots=1, extra_args=["--devices", f"{GPU},{CPU}", *DELTA_PATH_ARGS])
     d.start()
     try:
         yield d
