@@ -248,7 +248,7 @@ class RefitExecution:
         flush = lambda: self._flush(ops, posted)  # noqa: E731
         dst = self.peer(ch.dst_slot)
         self.shared = self.share.admit(dst, ch.nbytes, self.deadline, self.abort, flush)
-        ops.append(P2POp(True, buf[: ch.nbytes], self.peer(ch.dst_slot), self.share.tag(ch.tag)))
+        ops.append(P2POp(True, buf[: ch.nbytes], dst, self.share.tag(ch.tag)))
         return (ch, buf, ring, True, None)
 
     def _submit(self, ops: list[P2POp], posted: list[_Post]) -> None:

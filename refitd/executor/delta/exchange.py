@@ -32,6 +32,7 @@ destination), so a delta applied onto a wrong base fails the checksum comparison
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -306,11 +307,10 @@ def _land(m: DeltaMessage, kind: int, payload: torch.Tensor, access: CopyAccess)
     pos = 8 + 8 * count
     for r, size in zip(rows, sizes, strict=True):
         t, off = access.dst(r)
-        delta, name = buf[pos : pos + size], t.name
-
-        def apply(streams: list[torch.Tensor], d: np.ndarray = delta, n: str = name) -> DeltaStats:
-            return apply_parts(d, streams, name=n, threads=torch.get_num_threads())
-
+        name = t.name
+        apply = functools.partial(
+            apply_parts, buf[pos : pos + size], name=name, threads=torch.get_num_threads()
+        )
         streams = region_streams(dest_region(t, off, access.shape(r)))
         if on_device_memory(streams[0].device):
             stats = stats + through_host(streams, apply, f"delta for {name}")
