@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -193,6 +193,12 @@ class Settings(BaseSettings):
         description="each model's share of a link while refits of several models cross it "
         'at once, as name=weight pairs ("policy=3,critic=1"); unnamed models weigh 1',
     )
+    pool_every: str = Field(
+        "",
+        description="destination pools refit on their own cadence, as model/pool=k pairs "
+        '("dsv3/draft=4"): such a pool takes part in a version only when it holds none yet '
+        "or k versions passed since the one it holds; it keeps serving that one otherwise",
+    )
     delta_refits: bool = Field(
         False,
         description="send only the elements that changed since the last committed version "
@@ -291,15 +297,19 @@ class Settings(BaseSettings):
             raise ValueError(f"rdma_protocol must be tcp or rdma, got {v!r}")
         return v
 
-    @field_validator("model_weights")
+    @field_validator("model_weights", "pool_every")
     @classmethod
-    def _check_model_weights(cls, v: str) -> str:
-        parse_model_weights(v)
+    def _check_pairs(cls, v: str, info: ValidationInfo) -> str:
+        (parse_model_weights if info.field_name == "model_weights" else parse_pool_every)(v)
         return v
 
     def model_weight(self, model: str) -> float:
         """The model's weight on shared links (model_weights; 1 when not named)."""
         return parse_model_weights(self.model_weights).get(model, 1.0)
+
+    def pool_cadence(self, model: str, pool: str) -> int:
+        """Every how many versions the model's pool takes part (pool_every; 1 when not named)."""
+        return parse_pool_every(self.pool_every).get((model, pool), 1)
 
     @field_validator("plan_schedule")
     @classmethod
@@ -381,6 +391,18 @@ def parse_model_weights(text: str) -> dict[str, float]:
         if not sep or not name.strip() or not weight > 0:
             raise ValueError(f"model_weights: {pair!r} is not name=weight with a weight > 0")
         out[name.strip()] = weight
+    return out
+
+
+def parse_pool_every(text: str) -> dict[tuple[str, str], int]:
+    """ "m/draft=4" -> {("m", "draft"): 4}; a malformed pair or k < 1 is refused."""
+    out: dict[tuple[str, str], int] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        where, _, value = pair.rpartition("=")
+        model, _, pool = where.strip().rpartition("/")
+        if not (model and pool and value.strip().isdigit() and int(value) >= 1):
+            raise ValueError(f"pool_every: {pair!r} is not model/pool=k with a whole k >= 1")
+        out[(model, pool)] = int(value)
     return out
 
 

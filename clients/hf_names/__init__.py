@@ -15,6 +15,7 @@ from clients.hf_names.destination import (
 from clients.hf_names.maps import (
     DeepseekV3Dims,
     LlamaDims,
+    deepseek_mtp_name_map,
     deepseek_v3_name_map,
     llama_name_map,
     name_map_for,
@@ -24,6 +25,7 @@ __all__ = [
     "DeepseekV3Dims",
     "LlamaDims",
     "apply_name_map",
+    "deepseek_mtp_name_map",
     "deepseek_v3_name_map",
     "hf_checkpoint_tensors",
     "llama_name_map",

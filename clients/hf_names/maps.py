@@ -169,48 +169,75 @@ def deepseek_v3_name_map(d: DeepseekV3Dims) -> NameMap:
     """Megatron MLA + MoE (per-expert `weight{E}`) to HF DeepSeek-V3 / Kimi-K2 names, experts
     as `mlp.experts.{e}.{gate,up,down}_proj.weight`."""
     rules = _ends(d.hidden, d.vocab, d.tie_embeddings)
-    qk = d.heads * (d.nope + d.rope)
     for i in range(d.layers):
-        hf, mg = f"model.layers.{i}", f"decoder.layers.{i}"
-        attn, sa = f"{hf}.self_attn", f"{mg}.self_attention"
-        rules += [
-            rename(f"{hf}.input_layernorm.weight", f"{mg}.input_layernorm.weight", d.hidden),
-            rename(f"{attn}.kv_a_proj_with_mqa.weight", f"{sa}.linear_kv_down_proj.weight",
-                   d.kv_lora + d.rope),
-            rename(f"{attn}.kv_a_layernorm.weight", f"{sa}.linear_kv_up_proj.layer_norm_weight",
-                   d.kv_lora),
-            rename(f"{attn}.kv_b_proj.weight", f"{sa}.linear_kv_up_proj.weight",
-                   d.heads * (d.nope + d.v_head)),
-            rename(f"{attn}.o_proj.weight", f"{sa}.linear_proj.weight", d.hidden),
-        ]  # fmt: skip
-        if d.q_lora:
-            rules += [
-                rename(f"{attn}.q_a_proj.weight", f"{sa}.linear_q_down_proj.weight", d.q_lora),
-                rename(f"{attn}.q_a_layernorm.weight", f"{sa}.linear_q_up_proj.layer_norm_weight",
-                       d.q_lora),
-                rename(f"{attn}.q_b_proj.weight", f"{sa}.linear_q_up_proj.weight", qk),
-            ]  # fmt: skip
-        else:
-            rules.append(rename(f"{attn}.q_proj.weight", f"{sa}.linear_q_proj.weight", qk))
-        if i < d.first_dense:
-            rules += [
-                rename(f"{hf}.post_attention_layernorm.weight",
-                       f"{mg}.mlp.linear_fc1.layer_norm_weight", d.hidden),
-                *_gated_mlp(f"{hf}.mlp", f"{mg}.mlp", d.hidden, d.ffn),
-            ]  # fmt: skip
-            continue
-        rules += [
-            rename(f"{hf}.post_attention_layernorm.weight", f"{mg}.pre_mlp_layernorm.weight",
-                   d.hidden),
-            rename(f"{hf}.mlp.gate.weight", f"{mg}.mlp.router.weight", d.experts),
-            rename(f"{hf}.mlp.gate.e_score_correction_bias", f"{mg}.mlp.router.expert_bias",
-                   d.experts),
-        ]  # fmt: skip
-        if d.shared_experts:
-            rules += _gated_mlp(f"{hf}.mlp.shared_experts", f"{mg}.mlp.shared_experts",
-                                d.hidden, d.expert_ffn * d.shared_experts)  # fmt: skip
-        rules += _routed_experts(hf, mg, d.experts, d.hidden, d.expert_ffn)
+        rules += _deepseek_v3_layer(f"model.layers.{i}", f"decoder.layers.{i}", i, d)
     return NameMap(tuple(rules))
+
+
+def deepseek_mtp_name_map(d: DeepseekV3Dims) -> NameMap:
+    """Megatron-Core's MTP block to the HF names of DeepSeek-V3 / Kimi-K2 MTP layers.
+
+    Megatron holds MTP layer i as `mtp.layers.{i}`: `enorm`, `hnorm`, `eh_proj` (its input
+    the normed embedding then the normed hidden state, as HF's), `final_layernorm` (HF's
+    `shared_head.norm`) and a decoder layer `transformer_layer` named like the decoder's.
+    It has no head of its own: HF's `shared_head.head` reads the model's output layer."""
+    head = "embedding.word_embeddings.weight" if d.tie_embeddings else "output_layer.weight"
+    rules: list[NameRule] = []
+    for i in range(d.mtp_layers):
+        k = d.layers + i
+        hf, mg = f"model.layers.{k}", f"mtp.layers.{i}"
+        rules += [
+            rename(f"{hf}.enorm.weight", f"{mg}.enorm.weight", d.hidden),
+            rename(f"{hf}.hnorm.weight", f"{mg}.hnorm.weight", d.hidden),
+            rename(f"{hf}.eh_proj.weight", f"{mg}.eh_proj.weight", d.hidden),
+            rename(f"{hf}.shared_head.norm.weight", f"{mg}.final_layernorm.weight", d.hidden),
+            rename(f"{hf}.shared_head.head.weight", head, d.vocab),
+            *_deepseek_v3_layer(hf, f"{mg}.transformer_layer", k, d),
+        ]
+    return NameMap(tuple(rules))
+
+
+def _deepseek_v3_layer(hf: str, mg: str, i: int, d: DeepseekV3Dims) -> list[NameRule]:
+    """Decoder layer i (dense below `first_dense`) from Megatron's layer at `mg`."""
+    attn, sa = f"{hf}.self_attn", f"{mg}.self_attention"
+    qk = d.heads * (d.nope + d.rope)
+    rules = [
+        rename(f"{hf}.input_layernorm.weight", f"{mg}.input_layernorm.weight", d.hidden),
+        rename(f"{attn}.kv_a_proj_with_mqa.weight", f"{sa}.linear_kv_down_proj.weight",
+               d.kv_lora + d.rope),
+        rename(f"{attn}.kv_a_layernorm.weight", f"{sa}.linear_kv_up_proj.layer_norm_weight",
+               d.kv_lora),
+        rename(f"{attn}.kv_b_proj.weight", f"{sa}.linear_kv_up_proj.weight",
+               d.heads * (d.nope + d.v_head)),
+        rename(f"{attn}.o_proj.weight", f"{sa}.linear_proj.weight", d.hidden),
+    ]  # fmt: skip
+    if d.q_lora:
+        rules += [
+            rename(f"{attn}.q_a_proj.weight", f"{sa}.linear_q_down_proj.weight", d.q_lora),
+            rename(f"{attn}.q_a_layernorm.weight", f"{sa}.linear_q_up_proj.layer_norm_weight",
+                   d.q_lora),
+            rename(f"{attn}.q_b_proj.weight", f"{sa}.linear_q_up_proj.weight", qk),
+        ]  # fmt: skip
+    else:
+        rules.append(rename(f"{attn}.q_proj.weight", f"{sa}.linear_q_proj.weight", qk))
+    if i < d.first_dense:
+        return [
+            *rules,
+            rename(f"{hf}.post_attention_layernorm.weight",
+                   f"{mg}.mlp.linear_fc1.layer_norm_weight", d.hidden),
+            *_gated_mlp(f"{hf}.mlp", f"{mg}.mlp", d.hidden, d.ffn),
+        ]  # fmt: skip
+    rules += [
+        rename(f"{hf}.post_attention_layernorm.weight", f"{mg}.pre_mlp_layernorm.weight",
+               d.hidden),
+        rename(f"{hf}.mlp.gate.weight", f"{mg}.mlp.router.weight", d.experts),
+        rename(f"{hf}.mlp.gate.e_score_correction_bias", f"{mg}.mlp.router.expert_bias",
+               d.experts),
+    ]  # fmt: skip
+    if d.shared_experts:
+        rules += _gated_mlp(f"{hf}.mlp.shared_experts", f"{mg}.mlp.shared_experts",
+                            d.hidden, d.expert_ffn * d.shared_experts)  # fmt: skip
+    return rules + _routed_experts(hf, mg, d.experts, d.hidden, d.expert_ffn)
 
 
 def _routed_experts(hf: str, mg: str, experts: int, hidden: int, ffn: int) -> list[NameRule]:

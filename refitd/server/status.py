@@ -153,14 +153,21 @@ def _models(c: StatusSource, model_filter: str, with_ranks: bool) -> list[dict[s
                 for rank, wid in sorted(p.ranks.items())
                 if (row := _rank_row(c, reg, rank, wid)) is not None
             ]
+            # a pool on its own cadence lags only behind the version its ranks last took
+            every = c.settings.pool_cadence(m.name, p.name) if p.role == "destination" else 1
+            held = [r["holds"] for r in rows if r["live"]]
+            due = m.committed_version if every == 1 else max(held, default=0)
             pool: dict[str, Any] = {
                 "name": p.name,
                 "role": p.role,
                 "mode": "staged" if p.staged else "adapter" if p.adapter else "in_place",
                 "size": p.size,
                 "registered": len(p.ranks),
-                "summary": _pool_summary(p, rows, m.committed_version),
+                "summary": _pool_summary(p, rows, due),
             }
+            if p.role == "destination":
+                pool["version"] = min(held, default=0)  # what every live rank serves
+                pool["every"] = every
             if with_ranks:
                 pool["ranks"] = rows
             pools.append(pool)

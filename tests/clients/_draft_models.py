@@ -11,6 +11,7 @@ only each rank's allocation (names and shapes)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 from _engine_models import EngineModel, loaded_buffers
-from _hf_models import DSV3, config, model
+from _hf_models import DSV3, config, megatron_weights, model
 
 from clients.engine_layouts import EngineLayout, EngineParallel, deepseek_v3_engine_layout
 from clients.engine_layouts.draft import deepseek_mtp_engine_layout
@@ -73,22 +74,67 @@ def trainer_tensors(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in _shapes().items()}
 
 
-def draft_names(tensors: dict[str, torch.Tensor], d: DeepseekV3Dims) -> dict[str, torch.Tensor]:
-    """The trainer's tensors under the names vLLM's draft loads them as."""
+def draft_names(
+    tensors: dict[str, torch.Tensor], d: DeepseekV3Dims, engine: str = "vllm"
+) -> dict[str, torch.Tensor]:
+    """The trainer's tensors under the names the engine's draft loads them as. vLLM
+    (DeepSeekMTP._rewrite_spec_layer_name): an MTP layer's own tensors keep their names, its
+    decoder block goes under `mtp_block.`, the embedding is the model's. SGLang (its NextN
+    loader): own tensors under `model.`, the block under `model.decoder.`, and the layer's
+    embedding and shared head skipped (the draft serves the policy's)."""
     out = {"model.embed_tokens.weight": tensors["model.embed_tokens.weight"]}
+    if engine == "sglang":
+        out = {}
     for k in range(d.layers, d.layers + d.mtp_layers):
         pre = f"model.layers.{k}."
         for n, t in tensors.items():
-            if n.startswith(pre):
-                rest = n[len(pre) :]
+            if not n.startswith(pre):
+                continue
+            rest = n[len(pre) :]
+            if engine == "vllm":
                 out[n if rest.startswith(OWN) else f"{pre}mtp_block.{rest}"] = t
+            elif not rest.startswith(("shared_head.head", "embed_tokens")):
+                out[f"model.{rest}" if rest.startswith(OWN) else f"model.decoder.{rest}"] = t
     return out
 
 
-def layouts(tp: int, draft: bool, d: DeepseekV3Dims | None = None) -> list[EngineLayout]:
+def megatron_trainer(seed: int) -> dict[str, torch.Tensor]:
+    """Version `seed` as a Megatron-Core trainer holds it: the policy's GPT tensors and its
+    MTP block `mtp.layers.0` (enorm, hnorm, eh_proj, final_layernorm = HF's
+    shared_head.norm, and the decoder layer as `transformer_layer`); Megatron's MTP has no
+    head of its own, it reads the model's output layer."""
+    hf = trainer_tensors(seed)
+    cfg = copy.deepcopy(config(DSV3))
+    k = cfg.num_hidden_layers
+    cfg.num_hidden_layers = k + 1  # convert the MTP block as one more decoder layer
+    held = megatron_weights(DSV3, SimpleNamespace(config=cfg, state_dict=lambda: hf))
+    out, block = {}, f"decoder.layers.{k}."
+    for n, t in held.items():
+        out[n.replace(block, "mtp.layers.0.transformer_layer.") if n.startswith(block) else n] = t
+    for mg, name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                     ("final_layernorm", "shared_head.norm")):  # fmt: skip
+        out[f"mtp.layers.0.{mg}.weight"] = hf[f"model.layers.{k}.{name}.weight"]
+    return out
+
+
+def as_megatron_serves(seed: int) -> dict[str, torch.Tensor]:
+    """Version `seed` under HF names as a draft reading a Megatron trainer serves it: the
+    MTP layer's shared head is the model's output layer."""
+    hf = dict(trainer_tensors(seed))
+    hf[f"model.layers.{dims().layers}.shared_head.head.weight"] = hf["lm_head.weight"]
+    return hf
+
+
+def layouts(
+    tp: int,
+    draft: bool,
+    d: DeepseekV3Dims | None = None,
+    engine_name: str = "vllm",
+    naming: str = "hf",
+) -> list[EngineLayout]:
     make = deepseek_mtp_engine_layout if draft else deepseek_v3_engine_layout
     d = d or dims()
-    return [make(d, EngineParallel(tp, r), "vllm", source_naming="hf") for r in range(tp)]
+    return [make(d, EngineParallel(tp, r), engine_name, source_naming=naming) for r in range(tp)]
 
 
 def shapes_of(lays: list[EngineLayout]) -> Callable[[int], dict[str, tuple[int, ...]]]:
@@ -103,11 +149,13 @@ def shapes_of(lays: list[EngineLayout]) -> Callable[[int], dict[str, tuple[int, 
     return shapes
 
 
-def engine(tp: int, draft: bool) -> tuple[EngineModel, list[EngineLayout]]:
+def engine(
+    tp: int, draft: bool, engine_name: str = "vllm", naming: str = "hf"
+) -> tuple[EngineModel, list[EngineLayout]]:
     """What `tp` policy or draft ranks allocate (padding rows hold PAD_FILL)."""
-    lays = layouts(tp, draft)
+    lays = layouts(tp, draft, engine_name=engine_name, naming=naming)
     cfg = SimpleNamespace(config=config(DSV3))  # the loaders' reference reads only the config
-    return EngineModel(cfg, tp, 1, "vllm", shapes_of(lays)), lays
+    return EngineModel(cfg, tp, 1, engine_name, shapes_of(lays)), lays
 
 
 def expected(eng: EngineModel, draft: bool, seed: int) -> list[dict[str, torch.Tensor]]:

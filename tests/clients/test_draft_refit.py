@@ -34,16 +34,20 @@ from _draft_models import digest, dims, engine, expected, mismatches, trainer_te
 from clients.engine_layouts import register_engine
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
+from refitd.cli.main import build_parser
 from refitd.client import InferenceClient, RefitError, TrainerClient
+from refitd.config import settings_from_args
 from refitd.demo.run import Daemon
 
 MODEL = "dsv3-mtp"
+CADENCE = "dsv3-mtp-every2"  # its draft pool refits every 2 versions (pool_every)
 TP = 2
 WORKER = str(Path(__file__).with_name("_draft_worker.py"))
 SERVE_ARGS = [
     "--heartbeat-interval-s", "0.3",
     "--pause-timeout-s", "20",
     "--refit-retry-budget-s", "1",  # a lost draft rank is not back within it: FAILED
+    "--pool-every", f"{CADENCE}/draft=2",
     "--log-level", "info",
 ]  # fmt: skip
 
@@ -58,12 +62,15 @@ def mtp_daemon() -> Iterator[Daemon]:
         d.stop()
 
 
-def pools(address: str) -> dict[str, dict]:
-    """The model's pools in the controller's status, by name."""
+def status(address: str) -> dict:
     with grpc.insecure_channel(address) as ch:
-        doc = json.loads(pbg.RefitStub(ch).GetStatus(pb.StatusRequest(), timeout=5).json)
-    for m in doc["models"]:
-        if m["name"] == MODEL:
+        return json.loads(pbg.RefitStub(ch).GetStatus(pb.StatusRequest(), timeout=5).json)
+
+
+def pools(address: str, model: str = MODEL) -> dict[str, dict]:
+    """The model's pools in the controller's status, by name."""
+    for m in status(address)["models"]:
+        if m["name"] == model:
             return {p["name"]: p | {"committed": m["committed_version"]} for p in m["pools"]}
     return {}
 
@@ -75,9 +82,9 @@ def wait_until(what: str, cond: Callable[[], bool], timeout_s: float = 30.0) -> 
         time.sleep(0.02)
 
 
-def subscribed(address: str, pool: str) -> int:
+def subscribed(address: str, pool: str, model: str = MODEL) -> int:
     """How many ranks of `pool` hold a subscription (0 once the pool is gone)."""
-    p = pools(address).get(pool)
+    p = pools(address, model).get(pool)
     return 0 if p is None else sum(r["subscribed"] for r in p["ranks"])
 
 
@@ -174,3 +181,61 @@ def test_policy_and_draft_land_together_or_not_at_all(mtp_daemon: Daemon) -> Non
         for c in clients:
             c.close()
         trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_draft_on_its_own_cadence_keeps_its_version_between_turns(mtp_daemon: Daemon) -> None:
+    """pool_every CADENCE/draft=2, one rank per pool: version 1 lands in the policy and the
+    draft, version 2 in the policy alone (the draft is neither paused nor written, keeps
+    serving 1 bit for bit, and the status and the refit's record say so), version 3 in
+    both again."""
+    address = mtp_daemon.address
+    engines = {"policy": engine(1, False), "draft": engine(1, True)}
+    events: dict[str, list[tuple[str, int]]] = {"policy": [], "draft": []}
+    clients: dict[str, InferenceClient] = {}
+    trainer = TrainerClient(address, CADENCE, rank=0, pool_size=1, device="cpu:0")
+    try:
+        src = {n: t.clone() for n, t in trainer_tensors(1).items()}
+        trainer.register(src)
+        for pool, (eng, lays) in engines.items():
+            c = InferenceClient(address, CADENCE, pool, 0, 1, "cpu:1")
+            register_engine(c, eng.ranks[0], lays[0])
+            c.on_update(lambda e, pool=pool: events[pool].append((e.kind, e.version)))
+            clients[pool] = c
+        for pool in engines:
+            wait_until(f"{pool} subscribed", lambda p=pool: subscribed(address, p, CADENCE) == 1)
+        for v in (1, 2, 3):
+            for name, t in trainer_tensors(v).items():
+                src[name].copy_(t)
+            assert trainer.refit(v, wait="served", timeout=60).state == "committed"
+            serves = {"policy": v, "draft": 1 if v == 2 else v}
+            now = pools(address, CADENCE)
+            for pool, (eng, _) in engines.items():
+                want = expected(eng, pool == "draft", serves[pool])[0]
+                assert mismatches(eng.ranks[0], want) == [], (v, pool)
+                assert now[pool]["version"] == serves[pool], (v, pool, now[pool])
+                assert now[pool]["summary"]["lagging_count"] == 0, (v, pool)
+            assert now["draft"]["every"] == 2 and now["policy"]["every"] == 1
+        assert clients["draft"].served_version == 3
+        assert [e for e in events["draft"] if e[0] != "hello"] == [
+            ("pause", 1), ("commit", 1), ("pause", 3), ("commit", 3)
+        ]  # fmt: skip
+        kept = {r["version"]: r.get("kept") for r in status(address)["refits"]
+                if r["model"] == CADENCE}  # fmt: skip
+        assert kept == {1: None, 2: {"draft": 1}, 3: None}
+    finally:
+        for c in clients.values():
+            c.close()
+        trainer.close()
+
+
+@pytest.mark.parametrize("bad", ["draft=2", "dsv3/draft=0", "dsv3/draft=x", "dsv3/=2"])
+def test_pool_every_refuses_what_is_not_model_pool_k(bad: str) -> None:
+    argv = ["serve", "--pool-every", bad]
+    with pytest.raises(ValueError, match=r"pool_every: .* is not model/pool=k"):
+        settings_from_args(build_parser(argv).parse_args(argv))
+    argv = ["serve", "--pool-every", "dsv3/draft=4"]
+    assert (
+        settings_from_args(build_parser(argv).parse_args(argv)).pool_cadence("dsv3", "draft") == 4
+    )

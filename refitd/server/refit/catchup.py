@@ -50,15 +50,18 @@ class CatchUps:
 
     def behind(self, model: str) -> tuple[int, list[Worker], list[Worker]]:
         """(committed version, subscribed destination ranks that lack it and were not tried
-        yet, live destination ranks that hold it)."""
+        yet, live destination ranks that hold it). A rank of a pool on its own cadence
+        (pool_every) that holds a version keeps it until the pool's next turn."""
         v, dests = self.registry.live_destinations(model)
         if not dests:
             return v, [], []
         subscribed = self.events.subscribed(w.worker_id for w in dests)
+        cadence = self.settings.pool_cadence
         behind = [
             w
             for w in dests
             if w.holds != v
+            and (w.holds == 0 or cadence(model, w.pool) == 1)  # a pool on its cadence keeps one
             and w.worker_id in subscribed
             and (w.worker_id, w.registered_at, v) not in self._tried
         ]

@@ -93,7 +93,7 @@ class RefitCoordinator:
         self.planner = self._planner(settings)
         self.memberships = Memberships(
             registry, agents, events, self.plans, self.plan_options, self.gc_pause, metrics,
-            self.planner, settings.commit_timeout_s,
+            self.planner, settings.commit_timeout_s, settings.pool_cadence,
         )  # fmt: skip
         self.commander = AgentCommander(
             settings, registry, agents, board, self.delta, store_address, metrics, self.plans

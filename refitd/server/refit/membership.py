@@ -57,6 +57,8 @@ class Membership:
     snapshot_pools: frozenset[str] = frozenset()  # sources copied to a snapshot, then released
     source_pool: str = ""  # the pool whose ranks `readers` counts
     adapter_pools: frozenset[str] = frozenset()  # written into a spare adapter slot: no pause
+    # destination pools on their own cadence left out of this refit: pool -> version it keeps
+    kept: tuple[tuple[str, int], ...] = ()
 
     @property
     def by_agent(self) -> dict[str, list[int]]:
@@ -114,8 +116,10 @@ class Memberships:
         metrics: ControllerMetrics,
         process: PlanningProcess | None = None,
         flip_timeout_s: float = 30.0,
+        cadence: Callable[[str, str], int] | None = None,
     ) -> None:
         self.registry = registry
+        self.cadence = cadence  # (model, pool) -> every how many versions it takes part
         self.flip_timeout_s = flip_timeout_s  # adapter pools: the wait for their flips
         self.process = process  # builds refit plans off this process's interpreter lock
         self.metrics = metrics
@@ -145,9 +149,15 @@ class Memberships:
                 "engine still reads its previous slot); nothing was written"
             )
         model = self.registry.model(run.model)
+        kept = self.kept(run.model, run.version)
         ms = self._cache.get(run.model)
-        if ms is None or ms.epoch != model.epoch or ms.source_pool != run.source_pool:
-            ms = self._build(run.model, run.source_pool, run.pool_size, "refit")
+        if (
+            ms is None
+            or ms.epoch != model.epoch
+            or ms.source_pool != run.source_pool
+            or ms.kept != kept
+        ):
+            ms = self._build(run.model, run.source_pool, run.pool_size, "refit", kept)
             self._cache[run.model] = ms
         for agent_id in ms.by_agent:
             if not self.agents.connected(agent_id):
@@ -164,12 +174,33 @@ class Memberships:
                 )
         run.detail["digest"] = ms.plan.digest
         run.detail["links"] = ms.links
+        if ms.kept:
+            run.detail["kept"] = dict(ms.kept)
         return ms
+
+    def kept(self, model: str, version: int) -> tuple[tuple[str, int], ...]:
+        """The destination pools on a cadence that a refit of `version` leaves out, with the
+        version each keeps serving: a pool takes part when a rank holds nothing, or once
+        `cadence` versions passed since the version its ranks hold."""
+        if self.cadence is None:
+            return ()
+        reg = self.registry
+        out = []
+        with reg.lock:
+            m = reg.model(model)
+            for p in m.destination_pools():
+                every = self.cadence(model, p.name)
+                held = [reg.workers[w].holds for w in p.ranks.values() if w in reg.workers]
+                holds = min(held, default=0)
+                if every > 1 and holds > 0 and version - holds < every:
+                    out.append((p.name, holds))
+        return tuple(sorted(out))
 
     def ahead(self, model: str, source_pool: str, pool_size: int) -> Membership:
         """Build (and cache) the Membership of the model's current epoch before any refit
         asks for it: its plan counts as built "ahead" (refit/ahead.py)."""
-        ms = self._build(model, source_pool, pool_size, "ahead")
+        kept = self.kept(model, self.registry.committed_version(model) + 1)
+        ms = self._build(model, source_pool, pool_size, "ahead", kept)
         self._cache[model] = ms
         return ms
 
@@ -216,9 +247,17 @@ class Memberships:
         self.metrics.plans_built.labels(model, kind).inc()
         self.plans.built += 1
 
-    def _build(self, name: str, source_pool: str, pool_size: int, kind: str) -> Membership:
+    def _build(
+        self,
+        name: str,
+        source_pool: str,
+        pool_size: int,
+        kind: str,
+        kept: tuple[tuple[str, int], ...] = (),
+    ) -> Membership:
         """Preconditions, then the plan (cached by digest) and what a refit from
-        `source_pool` (of `pool_size` ranks) needs."""
+        `source_pool` (of `pool_size` ranks) into every destination pool but the `kept`
+        ones needs."""
         reg = self.registry
         with reg.lock:
             model = reg.model(name)
@@ -229,7 +268,8 @@ class Memberships:
                     f"source pool {source_pool!r} of model {name!r} has ranks {have} "
                     f"of {pool_size} registered"
                 )
-            dests = model.destination_pools()
+            left_out = {pool for pool, _ in kept}
+            dests = [p for p in model.destination_pools() if p.name not in left_out]
             if not dests:
                 raise precondition(f"model {name!r} has no destination pool registered")
             for p in [src, *dests]:
@@ -249,17 +289,24 @@ class Memberships:
             dest_workers = [reg.workers[w] for p in dests for _, w in sorted(p.ranks.items())]
             epoch = model.epoch
             tables = model.tables
-            sources, destinations = tables.snapshot(
-                lambda: (
+            if kept:  # the model's tables hold every pool: this refit's specs, listed
+                specs: tuple[Sequence[TensorSpec], Sequence[TensorSpec]] = (
                     [t for w in src_workers for t in w.specs],
                     [t for w in dest_workers for t in w.specs],
                 )
-            )
+            else:
+                specs = tables.snapshot(
+                    lambda: (
+                        [t for w in src_workers for t in w.specs],
+                        [t for w in dest_workers for t in w.specs],
+                    )
+                )
         try:
-            plan = self.plan(name, epoch, sources, destinations, kind)
+            plan = self.plan(name, epoch, *specs, kind)
         finally:
-            with reg.lock:
-                tables.release()
+            if not kept:
+                with reg.lock:
+                    tables.release()
         owners = slot_owners(reg, plan.slots, self.agents.connected)
         readers = {rank: plan.readers(source_pool, rank) for rank in range(pool_size)}
         members = frozenset([*(w.worker_id for w in dest_workers), *owners.by_agent])
@@ -275,6 +322,7 @@ class Memberships:
             frozenset([src.name] if src.snapshot else []),
             source_pool,
             frozenset(p.name for p in dests if p.adapter),
+            kept,
         )
 
     def for_catch_up(
