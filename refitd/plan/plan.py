@@ -316,6 +316,11 @@ def _distinct(*cols: np.ndarray) -> list[tuple[int, ...]]:
     significant), as tuples of ints: a few thousand workers from millions of tensors."""
     if not cols[0].size:
         return []
+    # a worker's tensors are registered together: runs of equal rows shrink millions of
+    # rows to a few thousand before the sort
+    run = np.ones(cols[0].size, bool)
+    run[1:] = np.logical_or.reduce([c[1:] != c[:-1] for c in cols])
+    cols = tuple(c[run] for c in cols)
     order = sort_by(*cols)
     keep = np.ones(order.size, bool)
     sorted_cols = [c[order] for c in cols]
