@@ -215,9 +215,10 @@ def _pools_with_an_empty_shard(by_slot: bool, empty: bool):
 @pytest.mark.parametrize(("by_slot", "empty"), [(True, False), (False, False), (True, True)])
 def test_program_tables_and_readers_match_the_registrations(by_slot, empty):
     """Each slot's program holds exactly its slot's non-empty tensors in plan order (with
-    their worker), and source_slots_of names exactly the slots whose programs send or copy
+    their worker), source_slots_of names exactly the slots whose programs send or copy
     locally from that worker's tensors (relays, which read destination tensors, aside),
-    whatever the order the tensors were registered in."""
+    and holders/source_workers name the registered workers, whatever the order the
+    tensors were registered in."""
     src, dst = _pools_with_an_empty_shard(by_slot, empty)
     plan = run_and_check(src, dst, PlanConfig(bucket_bytes=256, relay=True))
     n_src = plan.source_count
@@ -233,5 +234,10 @@ def test_program_tables_and_readers_match_the_registrations(by_slot, empty):
             if i < n_src:
                 readers.setdefault((plan.tensors[i].pool, plan.tensors[i].rank), set()).add(slot)
     assert readers and plan.source_workers() >= set(readers)
+    assert plan.source_workers() == {(s.pool, s.rank) for s in src}
+    held: dict[int, set[tuple[str, int]]] = {}
+    for s in plan.tensors:
+        held.setdefault(s.slot, set()).add((s.pool, s.rank))
+    assert plan.holders() == {slot: tuple(sorted(w)) for slot, w in held.items()}
     for worker in plan.source_workers():
         assert plan.source_slots_of(*worker) == sorted(readers.get(worker, ()))
