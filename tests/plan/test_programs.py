@@ -178,3 +178,66 @@ def test_slot_with_an_empty_shard_and_no_copies():
     (empty,) = [t for t in plan.tensors if t.slot == 13]
     assert empty.local_shape == (0, 8)
     assert len(p.tensors) == 0
+
+
+def _pools_with_an_empty_shard(by_slot: bool, empty: bool):
+    """Trainer tp=2 x dp=2 (slots 0-3) into two inference pools tp=3 (slots 20-22, 30-32);
+    with `empty`, a (2, 8) tensor chunked over pool A's 3 ranks leaves rank 2 an empty
+    shard. by_slot: each side's specs registered slot by slot (as workers register), else
+    tensor by tensor (slots interleaved)."""
+    src = tp_side("train", 2, 2, 1, (48, 8), 0, 0) + tp_side("train", 2, 2, 1, (48,), 0, 0, "b")
+    dst = []
+    for pool, base in (("infA", 20), ("infB", 30)):
+        dst += tp_side(pool, 3, 1, 1, (48, 8), 0, base) + tp_side(
+            pool, 3, 1, 1, (48,), 0, base, "b"
+        )
+    if empty:
+        shape = (2, 8)
+        whole = dtensor_layout(shape, (1,), (0,), [Shard(0)])
+        one = {"model": "m", "name": "e", "global_shape": shape, "dtype": "float32"}
+        src.append(make_spec(pool="train", rank=0, slot=0, layout=whole, **one))
+        dst += [
+            make_spec(
+                pool="infA",
+                rank=r,
+                slot=20 + r,
+                layout=dtensor_layout(shape, (3,), (r,), [Shard(0)]),
+                **one,
+            )
+            for r in range(3)
+        ]
+    if by_slot:
+        src.sort(key=lambda s: s.slot)
+        dst.sort(key=lambda s: s.slot)
+    return src, dst
+
+
+@pytest.mark.parametrize(("by_slot", "empty"), [(True, False), (False, False), (True, True)])
+def test_program_tables_and_readers_match_the_registrations(by_slot, empty):
+    """Each slot's program holds exactly its slot's non-empty tensors in plan order (with
+    their worker), source_slots_of names exactly the slots whose programs send or copy
+    locally from that worker's tensors (relays, which read destination tensors, aside),
+    and holders/source_workers name the registered workers, whatever the order the
+    tensors were registered in."""
+    src, dst = _pools_with_an_empty_shard(by_slot, empty)
+    plan = run_and_check(src, dst, PlanConfig(bucket_bytes=256, relay=True))
+    n_src = plan.source_count
+    readers: dict[tuple[str, int], set[int]] = {}
+    for slot, p in plan.programs().items():
+        want = [i for i, s in enumerate(plan.tensors) if s.slot == slot and all(s.local_shape)]
+        assert p.table.index.tolist() == want
+        for i, t in p.tensors.items():
+            assert (t.pool, t.rank) == (plan.tensors[i].pool, plan.tensors[i].rank)
+        own = [r for a, b in zip(p.send.start, p.send.end, strict=True) for r in range(a, b)]
+        own += range(p.local_start, len(p.copies))
+        for i in p.copies.src[own].tolist():
+            if i < n_src:
+                readers.setdefault((plan.tensors[i].pool, plan.tensors[i].rank), set()).add(slot)
+    assert readers and plan.source_workers() >= set(readers)
+    assert plan.source_workers() == {(s.pool, s.rank) for s in src}
+    held: dict[int, set[tuple[str, int]]] = {}
+    for s in plan.tensors:
+        held.setdefault(s.slot, set()).add((s.pool, s.rank))
+    assert plan.holders() == {slot: tuple(sorted(w)) for slot, w in held.items()}
+    for worker in plan.source_workers():
+        assert plan.source_slots_of(*worker) == sorted(readers.get(worker, ()))

@@ -288,20 +288,28 @@ class ProgramIndex:
         their slot maps no memory for them."""
         t = self.tensors
         k = self._dense
-        held = np.flatnonzero(row_prod(t.local_shape) > 0)
-        idx = held[np.argsort(k[held], kind="stable")]
-        k = k[held]
-        counts = np.bincount(k, minlength=n_slots)
-        self.table_cols = {
-            "index": idx,
-            "slot": t.slot[idx],
-            "rank": t.rank[idx],
-            "pool": t.pool[idx],
-            "dtype": t.dtype[idx],
-            "storage": t.storage[idx],
-            "ndim": t.ndim[idx],
-            "local_shape": np.take(t.local_shape, idx, axis=0),
+        cols = {
+            "slot": t.slot,
+            "rank": t.rank,
+            "pool": t.pool,
+            "dtype": t.dtype,
+            "storage": t.storage,
+            "ndim": t.ndim,
+            "local_shape": t.local_shape,
         }
+        held = row_prod(t.local_shape) > 0
+        if held.all() and not (np.diff(k) < 0).any():
+            # registered slot by slot with no empty shard (the usual case): the columns
+            # are already in program order, and millions of rows need no gathering
+            idx = np.arange(k.size)
+            self.table_cols = {"index": idx, **cols}
+        else:
+            held_at = np.flatnonzero(held)
+            idx = held_at[np.argsort(k[held_at], kind="stable")]
+            k = k[held_at]
+            self.table_cols = {"index": idx}
+            self.table_cols |= {n: np.take(c, idx, axis=0) for n, c in cols.items()}
+        counts = np.bincount(k, minlength=n_slots)
         self.table_hi = np.cumsum(counts)
         self.table_lo = self.table_hi - counts
 
