@@ -232,6 +232,13 @@ def _check_kernel(device: str, shapes, dtypes, **config) -> None:
 )
 def test_kernel_in_interpreter_matches_reference() -> None:
     _check_kernel("cpu", [(40,), (6, 100), (3, 2, 48)], [torch.bfloat16, torch.float32])
+    _check_kernel("cpu", [(6, 100)], [torch.float16], block_m=2, block_c=32, num_warps=1)
+    # a source that is no row-major view of pairs (a copy in the kernel's word layout)
+    x = data((12, 40), torch.bfloat16)[:, 3:37]
+    got = [torch.zeros_like(b) for b in nvfp4_quantize(x.contiguous())]
+    triton_kernels.nvfp4_quantize_into(x, *got)
+    for g, w in zip(got, nvfp4_quantize(x.contiguous()), strict=True):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
     # more tiles than amax programs (each program folds several), the amax mid-tensor
     x = torch.linspace(-1, 1, 40 * 64).reshape(40, 64).to(torch.bfloat16)
     x[20, 3] = 9.0
