@@ -13,6 +13,7 @@ import importlib.util
 import torch
 
 from refitd.formats.fp8 import check_buffer, check_float, check_nvfp4_buffers
+from refitd.formats.tuning import CANDIDATES
 from refitd.plan.wire import (
     FP8_TILE,
     MXFP8_BLOCK,
@@ -21,13 +22,13 @@ from refitd.plan.wire import (
     mxfp8_scale_shape,
 )
 
-# Defaults from refitd.bench.gpu.quantizers on an H100 80GB HBM3 (both variants bit-identical
-# to the reference there; fast=True reached 0.77 / 0.76 of copy_ bandwidth).
-MXFP8_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4, "fast": True}
-FP8_BLOCK_CONFIG = {"sub_r": 32, "num_warps": 8, "fast": True}
-# NVFP4: the MXFP8 tile shape; the amax pass folds tiles into at most this many programs
-# (one atomic each), a few per SM on an H100 / H200.
-NVFP4_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4, "amax_programs": 1056}
+# Defaults: the first of the tuner's candidates (refitd.formats.tuning), the best measured
+# by refitd.bench.gpu.quantizers on an H100 80GB HBM3 (fast=True: bit-identical there, 0.77
+# / 0.76 of copy_ bandwidth). NVFP4's amax pass folds tiles into at most amax_programs
+# programs (one atomic each), a few per SM on an H100 / H200.
+MXFP8_CONFIG = CANDIDATES["mxfp8"][0] | {"fast": True}
+FP8_BLOCK_CONFIG = CANDIDATES["fp8_block"][0] | {"fast": True}
+NVFP4_CONFIG = CANDIDATES["nvfp4"][0] | {"amax_programs": 1056}
 
 
 def available() -> bool:
@@ -177,7 +178,13 @@ def nvfp4_quantize_into(
 ) -> None:
     """NVFP4 of x (even last dim) into data (uint8, nvfp4_data_shape), scales (uint8,
     nvfp4_scale_shape) and global_scale (float32, one element). block_c counts elements."""
-    from refitd.formats._triton_nvfp4 import nvfp4_amax_kernel, nvfp4_kernel
+    from refitd.formats._triton_nvfp4 import (
+        SRC_BF16,
+        SRC_F16,
+        SRC_F32,
+        nvfp4_amax_kernel,
+        nvfp4_kernel,
+    )
 
     check_float(x, "nvfp4 quantize")
     shape = tuple(x.shape)
@@ -195,7 +202,7 @@ def nvfp4_quantize_into(
     block_w = max(NVFP4_BLOCK, min(block_c, triton_next_pow2(cols))) // 2
     n_c = -(-width // block_w)
     n_tiles = -(-rows // block_m) * n_c
-    src = {torch.bfloat16: 0, torch.float16: 1}.get(x.dtype, 2)
+    src = {torch.bfloat16: SRC_BF16, torch.float16: SRC_F16}.get(x.dtype, SRC_F32)
     nvfp4_amax_kernel[(min(n_tiles, amax_programs),)](
         words, amax, rows, width, n_c, n_tiles, words.stride(0),
         BLOCK_M=block_m, BLOCK_W=block_w, SRC=src, num_warps=num_warps,
