@@ -154,12 +154,16 @@ class Executor:
         lane and weight of this refit when refits of several models run at once."""
         t0 = time.monotonic()
         p = self.program
-        relayed = [
-            int(p.send.id[k])
-            for k in range(len(p.send))
-            if int(p.send.id[k]) in skip
-            and self.info.relay[int(p.send.start[k]) : int(p.send.end[k])].any()
-        ]
+        relayed = (
+            [
+                int(p.send.id[k])
+                for k in range(len(p.send))
+                if int(p.send.id[k]) in skip
+                and self.info.relay[int(p.send.start[k]) : int(p.send.end[k])].any()
+            ]
+            if skip
+            else []
+        )
         if relayed:  # a relay forwards what this refit delivered: it cannot go first
             raise ExecutionError(f"slot {p.slot}: relay messages {relayed[:4]} cannot be skipped")
         if skip & self.one_sided.mids:

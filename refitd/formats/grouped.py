@@ -9,7 +9,8 @@ each refit then runs one launch per (kernel, source dtype, alignment) group:
     the checksums of refitd.executor.checksums, fused into the copy),
   - MXFP8 and block-FP8 quantization into persistent buffers (the per-tensor kernels'
     tiles, so the bytes are the same); a region large enough to fill the GPU alone gets
-    the per-tensor kernel's own launch instead, as every NVFP4 region does.
+    the per-tensor kernel's own launch instead, as every NVFP4 region does; the first run
+    times a few tile configs on those regions and keeps the fastest (refitd.formats.tuning).
 On CUDA the launches of a run are captured once into a CUDA graph and replayed.
 Regions it cannot take (other strides, dtypes, a CPU device, no triton) are refused by
 `add_*` returning False; the caller lands those one by one as before. Importable without
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from refitd.formats.region import DestRegion
+from refitd.formats.tuning import DirectLaunches, TileTuner
 from refitd.plan.wire import FP8_BLOCK, FP8_TILE, MXFP8, MXFP8_BLOCK, NVFP4
 
 COPY_BLOCK_R = 8
@@ -111,7 +113,7 @@ class GroupedLanding:
     """Regions of one refit step; `build` once, then `run` every refit (see the module doc)."""
 
     def __init__(
-        self, device: torch.device, fast: bool = True, tiles: dict[str, tuple] | None = None
+        self, device: torch.device, fast: bool = True, tiles: dict | None = None, tune: bool = True
     ) -> None:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -128,7 +130,8 @@ class GroupedLanding:
         self._groups: dict[tuple, _Group] = {}
         self.copies = 0  # copy regions added, in order (rows of run(hash=True))
         self._copy_keys: list[tuple] = []
-        self._direct: list[functools.partial] = []  # regions with a launch of their own
+        self._direct = DirectLaunches()  # regions with a launch of their own
+        self.tuner = TileTuner() if tune else None  # their configs, timed at the first run
         self.own_launch_elements = OWN_LAUNCH_ELEMENTS
         self.graphs = device.type == "cuda"  # replay a captured graph after the first run
         self.graph_error: str | None = None
@@ -200,16 +203,15 @@ class GroupedLanding:
         if src.numel() == 0:
             return False
         if dst.storage == NVFP4 and dst.global_scale is not None:
-            kernel = triton_kernels.nvfp4_quantize_into
-            self._direct.append(functools.partial(kernel, src, *dst.parts()))
+            call = functools.partial(triton_kernels.nvfp4_quantize_into, src, *dst.parts())
+            self._direct.add(NVFP4, src, call)
             ok = True
         elif tuple(src.shape) != tuple(dst.values.shape):
             return False
         elif dst.storage in (MXFP8, FP8_BLOCK) and src.numel() >= self.own_launch_elements:
             kernel = getattr(triton_kernels, f"{dst.storage}_quantize_into")
-            self._direct.append(
-                functools.partial(kernel, src, dst.values, dst.scales, fast=self.fast)
-            )
+            call = functools.partial(kernel, src, dst.values, dst.scales, fast=self.fast)
+            self._direct.add(dst.storage, src, call)
             ok = True
         elif dst.storage == MXFP8:
             ok = self._add_mxfp8(src, dst.values, dst.scales)
@@ -324,6 +326,7 @@ class GroupedLanding:
             with torch.cuda.device(self.device):
                 graph.replay()
             return sums
+        self._direct.tune(self.tuner)
         sums = self._launch(hash)
         if self.graphs and hash not in self._graphs:
             self._capture(hash)
@@ -343,11 +346,9 @@ class GroupedLanding:
     def _launch(self, hash: bool) -> torch.Tensor | None:
         from refitd.formats import _triton_grouped as k
 
-        sums = (
-            torch.zeros((self.copies, 2), dtype=torch.int64, device=self.device) if hash else None
-        )
-        for call in self._direct:
-            call()
+        sums = torch.zeros((self.copies, 2), dtype=torch.int64, device=self.device)
+        sums = sums if hash else None
+        self._direct.run()
         for g in self._groups.values():
             if g.n_programs == 0:
                 continue

@@ -13,6 +13,7 @@ import importlib.util
 import torch
 
 from refitd.formats.fp8 import check_buffer, check_float, check_nvfp4_buffers
+from refitd.formats.tuning import CANDIDATES
 from refitd.plan.wire import (
     FP8_TILE,
     MXFP8_BLOCK,
@@ -21,13 +22,13 @@ from refitd.plan.wire import (
     mxfp8_scale_shape,
 )
 
-# Defaults from refitd.bench.gpu.quantizers on an H100 80GB HBM3 (both variants bit-identical
-# to the reference there; fast=True reached 0.77 / 0.76 of copy_ bandwidth).
-MXFP8_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4, "fast": True}
-FP8_BLOCK_CONFIG = {"sub_r": 32, "num_warps": 8, "fast": True}
-# NVFP4: the MXFP8 tile shape; the amax pass folds tiles into at most this many programs
-# (one atomic each), a few per SM on an H100 / H200.
-NVFP4_CONFIG = {"block_m": 8, "block_c": 512, "num_warps": 4, "amax_programs": 1056}
+# Defaults: the first of the tuner's candidates (refitd.formats.tuning), the best measured
+# by refitd.bench.gpu.quantizers on an H100 80GB HBM3 (fast=True: bit-identical there, 0.77
+# / 0.76 of copy_ bandwidth). NVFP4's amax pass folds tiles into at most amax_programs
+# programs (one atomic each), a few per SM on an H100 / H200.
+MXFP8_CONFIG = CANDIDATES["mxfp8"][0] | {"fast": True}
+FP8_BLOCK_CONFIG = CANDIDATES["fp8_block"][0] | {"fast": True}
+NVFP4_CONFIG = CANDIDATES["nvfp4"][0] | {"amax_programs": 1056}
 
 
 def available() -> bool:
@@ -176,8 +177,14 @@ def nvfp4_quantize_into(
     amax_programs: int = NVFP4_CONFIG["amax_programs"],
 ) -> None:
     """NVFP4 of x (even last dim) into data (uint8, nvfp4_data_shape), scales (uint8,
-    nvfp4_scale_shape) and global_scale (float32, one element)."""
-    from refitd.formats._triton_jit import nvfp4_amax_kernel, nvfp4_kernel
+    nvfp4_scale_shape) and global_scale (float32, one element). block_c counts elements."""
+    from refitd.formats._triton_nvfp4 import (
+        SRC_BF16,
+        SRC_F16,
+        SRC_F32,
+        nvfp4_amax_kernel,
+        nvfp4_kernel,
+    )
 
     check_float(x, "nvfp4 quantize")
     shape = tuple(x.shape)
@@ -186,34 +193,56 @@ def nvfp4_quantize_into(
         return
     cols = shape[-1]
     nb = -(-cols // NVFP4_BLOCK)
-    xk = _as_kernel_input(x)
-    x2 = _view(xk, (-1, cols))
-    if x2 is None:
-        x2 = xk.reshape(-1, cols)
-    rows = x2.shape[0]
-    q2, s2 = _view(data, (-1, cols // 2)), _view(scales, (-1, nb))
-    q_out = (
-        q2 if q2 is not None else torch.empty((rows, cols // 2), dtype=torch.uint8, device=x.device)
-    )
+    words = _pair_words(x)
+    rows, width = words.shape
+    q2, s2 = _row_major(data, (-1, width)), _row_major(scales, (-1, nb))
+    q_out = q2 if q2 is not None else torch.empty(words.shape, dtype=torch.uint8, device=x.device)
     s_out = s2 if s2 is not None else torch.empty((rows, nb), dtype=torch.uint8, device=x.device)
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    block_c = max(NVFP4_BLOCK, min(block_c, triton_next_pow2(cols)))
-    n_c = -(-cols // block_c)
-    grid = (-(-rows // block_m) * n_c,)
-    bf16 = x.dtype == torch.bfloat16
-    nvfp4_amax_kernel[(min(grid[0], amax_programs),)](
-        x2, amax, rows, cols, n_c, grid[0], x2.stride(0), x2.stride(1),
-        BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=bf16, num_warps=num_warps,
+    block_w = max(NVFP4_BLOCK, min(block_c, triton_next_pow2(cols))) // 2
+    n_c = -(-width // block_w)
+    n_tiles = -(-rows // block_m) * n_c
+    src = {torch.bfloat16: SRC_BF16, torch.float16: SRC_F16}.get(x.dtype, SRC_F32)
+    nvfp4_amax_kernel[(min(n_tiles, amax_programs),)](
+        words, amax, rows, width, n_c, n_tiles, words.stride(0),
+        BLOCK_M=block_m, BLOCK_W=block_w, SRC=src, num_warps=num_warps,
     )  # fmt: skip
-    nvfp4_kernel[grid](
-        x2, q_out, s_out, global_scale.view(-1), amax, rows, cols, nb, n_c,
-        x2.stride(0), x2.stride(1), q_out.stride(0), q_out.stride(1), s_out.stride(0), s_out.stride(1),
-        BLOCK_M=block_m, BLOCK_C=block_c, SRC_BF16=bf16, num_warps=num_warps,
+    nvfp4_kernel[(n_tiles,)](
+        words, q_out, s_out, global_scale.view(-1), amax, rows, width, nb, n_c, n_tiles,
+        words.stride(0), q_out.stride(0), s_out.stride(0),
+        BLOCK_M=block_m, BLOCK_W=block_w, SRC=src, num_warps=num_warps,
     )  # fmt: skip
     if q2 is None:
         data.copy_(q_out.view(data.shape))
     if s2 is None:
         scales.copy_(s_out.view(scales.shape))
+
+
+def _pair_words(x: torch.Tensor) -> torch.Tensor:
+    """x (even last dim) as rows of words of two elements, the row-major view when there
+    is one (else a copy): int32 words of bf16/fp16, int64 words of float32 (float64 is
+    rounded to float32 first)."""
+    x = x.to(torch.float32) if x.dtype == torch.float64 else x
+    word = torch.int32 if x.element_size() == 2 else torch.int64
+    x2 = _view(x, (-1, x.shape[-1]))
+    if x2 is not None and x2.stride(1) == 1:
+        w = _view_dtype(x2, word)
+        if w is not None:
+            return w
+    return x.reshape(-1, x.shape[-1]).contiguous().view(word)
+
+
+def _view_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
+
+
+def _row_major(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """t viewed as rows of `shape` whose last dim is contiguous, else None."""
+    v = _view(t, shape)
+    return v if v is not None and (v.shape[1] <= 1 or v.stride(1) == 1) else None
 
 
 def triton_next_pow2(n: int) -> int:

@@ -151,4 +151,5 @@ class _PreparedCheck:
         ]
 
     def all_live(self) -> bool:
-        return all(bool((w[idx] == STATE_LIVE).all()) for w, idx in self.words)
+        # take: a fancy index costs ten times as much for a handful of words
+        return all(bool((w.take(idx) == STATE_LIVE).all()) for w, idx in self.words)

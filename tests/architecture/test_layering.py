@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("_blocked_imports.py")
 OPTIONAL = ["triton"]  # optional third-party packages (GPU kernels)
 # the Triton kernel modules: left unchecked where triton is not installed
-TRITON_MODULES = {"refitd.formats._triton_jit", "refitd.formats._triton_grouped"}
+TRITON_MODULES = {
+    "refitd.formats._triton_jit",
+    "refitd.formats._triton_grouped",
+    "refitd.formats._triton_nvfp4",
+}
 # they assemble the layers: no layer imports them (refitd.bench: only the CLI, by name)
 ENTRY_POINTS = ("refitd.cli", "refitd.demo", "refitd.bench")
 BENCH = "refitd.bench"

@@ -22,6 +22,8 @@ from refitd.formats import (
     mxfp8_quantize,
     nvfp4_quantize,
 )
+from refitd.formats.tuning import CANDIDATES, TileTuner
+from refitd.plan.wire import FP8_BLOCK, NVFP4
 
 HAS_CUDA = torch.cuda.is_available() and grouped.available(torch.device("cuda"))
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
@@ -134,9 +136,10 @@ def _check_quantize(
     device: str, fast: bool, dtypes: tuple[torch.dtype, ...], own_launch: int | None = None
 ) -> None:
     dev = torch.device(device)
-    g = grouped.GroupedLanding(dev, fast=fast)
-    if own_launch is not None:  # regions from this size take the per-tensor kernel
-        g.own_launch_elements = own_launch
+    g = grouped.GroupedLanding(dev, fast=fast, tune=own_launch is not None)
+    if own_launch is not None:  # regions from this size take the per-tensor kernel, and
+        g.own_launch_elements = own_launch  # the first run times two tiles for each
+        g.tuner = TileTuner(candidates={k: v[:2] for k, v in CANDIDATES.items()})
     landed = []
     for n, (fmt, shape, off, size) in enumerate(QUANT_CASES):
         for dtype in dtypes:
@@ -155,6 +158,11 @@ def _check_quantize(
         for _, _, region in landed:
             region.values.fill_(0xAB)
         g.run()
+    if dev.type == "cuda" and g.tuner is not None:  # the per-tensor launches were timed
+        assert {(NVFP4, torch.bfloat16), (FP8_BLOCK, torch.bfloat16)} <= {
+            k[:2] for k in g.tuner.picks
+        }
+        assert all(len(r) == 2 for r in g.tuner.timings.values())
     for fmt, src, region in landed:
         for got, want in zip(region.parts(), QUANTIZERS[fmt](src.cpu()), strict=True):
             assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), (

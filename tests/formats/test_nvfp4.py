@@ -226,19 +226,33 @@ def _check_kernel(device: str, shapes, dtypes, **config) -> None:
                 )
 
 
+def _check_tensor(x: torch.Tensor, **config) -> None:
+    got = [torch.zeros_like(b) for b in nvfp4_quantize(x)]
+    triton_kernels.nvfp4_quantize_into(x, *got, **config)
+    for g, w in zip(got, nvfp4_quantize(x), strict=True):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+
+
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or not triton_kernels.available(),
     reason="set TRITON_INTERPRET=1 with triton installed to run the kernels on CPU",
 )
 def test_kernel_in_interpreter_matches_reference() -> None:
     _check_kernel("cpu", [(40,), (6, 100), (3, 2, 48)], [torch.bfloat16, torch.float32])
+    _check_kernel("cpu", [(6, 100)], [torch.float16], block_m=2, block_c=32, num_warps=1)
+    # every E2M1 midpoint and its float32 neighbours, unscaled (amax 2688: global scale 1;
+    # each block's max 6: block scale 1), signed
+    points = torch.tensor([0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6])
+    near = torch.cat([points, points.nextafter(torch.zeros(1)), points.nextafter(points + 1)])
+    near = torch.cat([near, -near, torch.zeros(15 - (2 * len(near)) % 15)]).reshape(-1, 15)
+    blocks = torch.cat([near, torch.full((len(near), 1), 6.0)], 1).reshape(1, -1)
+    _check_tensor(torch.cat([blocks, torch.full((1, 16), 2688.0)], 1))
+    # a source that is no row-major view of pairs (a copy in the kernel's word layout)
+    _check_tensor(data((12, 40), torch.bfloat16)[:, 3:37])
     # more tiles than amax programs (each program folds several), the amax mid-tensor
     x = torch.linspace(-1, 1, 40 * 64).reshape(40, 64).to(torch.bfloat16)
     x[20, 3] = 9.0
-    got = [torch.zeros_like(b) for b in nvfp4_quantize(x)]
-    triton_kernels.nvfp4_quantize_into(x, *got, amax_programs=2)
-    for g, w in zip(got, nvfp4_quantize(x), strict=True):
-        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    _check_tensor(x, amax_programs=2)
 
 
 @pytest.mark.gpu

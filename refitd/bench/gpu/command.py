@@ -168,6 +168,7 @@ def _nvfp4_kernel() -> dict:
     rows = quantizers.bench_nvfp4()
     best = max((r for r in rows if r["bit_identical"]), key=lambda r: r["gbps"], default=None)
     return {
+        "tuner": quantizers.tuner_picks(),
         "copy_gbps": round(rows[0]["copy_gbps"], 1),
         "bit_identical": all(r["bit_identical"] for r in rows),
         "best": best and {k: best[k] for k in ("name", "gbps", "ratio")},

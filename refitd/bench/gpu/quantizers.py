@@ -18,23 +18,19 @@ from collections.abc import Callable
 import torch
 
 from refitd.formats import fp8_block, mxfp8, nvfp4, triton_kernels
-from refitd.plan.wire import fp8_block_scale_shape, mxfp8_scale_shape
+from refitd.formats.tuning import CANDIDATES, TileTuner
+from refitd.plan.wire import (
+    fp8_block_scale_shape,
+    mxfp8_scale_shape,
+    nvfp4_data_shape,
+    nvfp4_scale_shape,
+)
 
 LARGE_SHAPE = (16384, 32768)  # 1 GiB of bf16
-MXFP8_CONFIGS = [
-    {"block_m": bm, "block_c": bc, "num_warps": w, "fast": fast}
-    for fast in (False, True)
-    for bm, bc, w in [(16, 256, 8), (8, 512, 4), (32, 256, 8), (16, 128, 4)]
-]
-FP8_BLOCK_CONFIGS = [
-    {"sub_r": r, "num_warps": w, "fast": fast}
-    for fast in (False, True)
-    for r, w in [(32, 8), (16, 4), (32, 4)]
-]
-NVFP4_CONFIGS = [
-    {"block_m": bm, "block_c": bc, "num_warps": w}
-    for bm, bc, w in [(8, 512, 4), (16, 256, 8), (4, 1024, 4), (16, 512, 8)]
-]
+# every candidate the landing's tile tuner times (refitd.formats.tuning), each variant
+MXFP8_CONFIGS = [c | {"fast": fast} for fast in (False, True) for c in CANDIDATES["mxfp8"]]
+FP8_BLOCK_CONFIGS = [c | {"fast": fast} for fast in (False, True) for c in CANDIDATES["fp8_block"]]
+NVFP4_CONFIGS = list(CANDIDATES["nvfp4"])
 CHECK_SHAPES = {
     "mxfp8": [(1,), (7,), (33,), (31, 33), (3, 5, 100), (129, 257), (256, 4096)],
     "fp8_block": [(1,), (300,), (5, 7), (129, 257), (2, 300, 130), (512, 1024)],
@@ -168,6 +164,27 @@ def bench_nvfp4(device: str = "cuda") -> list[dict]:
     copy_dst = torch.empty_like(x)
     copy_gbps = 2 * x.nbytes / _median_seconds(lambda: copy_dst.copy_(x)) / 1e9
     return _nvfp4_rows(x, copy_gbps)
+
+
+def tuner_picks(device: str = "cuda") -> dict:
+    """What a landing's TileTuner picks on this device for a LARGE_SHAPE bf16 source of
+    each quantizer, with every candidate's timing (as the transfer process times them)."""
+    x = torch.randn(LARGE_SHAPE, dtype=torch.bfloat16, device=device)
+    data = torch.empty(LARGE_SHAPE, dtype=torch.uint8, device=device)
+    tuner = TileTuner()
+    mx_s = torch.empty(mxfp8_scale_shape(LARGE_SHAPE), dtype=torch.uint8, device=device)
+    tuner.choose("mxfp8", x, lambda c: triton_kernels.mxfp8_quantize_into(x, data, mx_s, **c))
+    fb_s = torch.empty(fp8_block_scale_shape(LARGE_SHAPE), dtype=torch.float32, device=device)
+    tuner.choose(
+        "fp8_block", x, lambda c: triton_kernels.fp8_block_quantize_into(x, data, fb_s, **c)
+    )
+    out = [
+        torch.empty(nvfp4_data_shape(LARGE_SHAPE), dtype=torch.uint8, device=device),
+        torch.empty(nvfp4_scale_shape(LARGE_SHAPE), dtype=torch.uint8, device=device),
+        torch.empty(1, dtype=torch.float32, device=device),
+    ]
+    tuner.choose("nvfp4", x, lambda c: triton_kernels.nvfp4_quantize_into(x, *out, **c))
+    return {"picks": {k[0]: v for k, v in tuner.picks.items()}, "rows": tuner.report()}
 
 
 def bench_quantizers(device: str = "cuda") -> list[dict]:
