@@ -218,7 +218,11 @@ class RefitLifecycle:
         self._on_phase = on_phase
 
     def _enter(self, a: Attempts, phase: Phase) -> None:
+        """`a` enters `phase`; the refit's record keeps when (seconds since the refit
+        started) each phase was last entered, for the status page and benchmarks."""
         a.phase = phase
+        at = a.run.detail.setdefault("phase_at_s", {})
+        at[phase.value] = round(self.clock.monotonic() - a.run.started, 4)
         if self._on_phase is not None:
             self._on_phase(a.run, phase)
 
