@@ -82,10 +82,36 @@ def test_tables_follow_registrations(controller: Controller, cluster: Cluster) -
     register(cluster.stub, cluster.model, "extra", pb.ROLE_DESTINATION, 0, 1, cluster.host, "cpu:0")
     assert not tables.stale
     assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+    # a rank that left keeps its rows until the next snapshot, which rebuilds without it
+    rebuilds = tables.rebuilds
     cluster.stub.UnregisterWorker(
         pb.UnregisterWorkerRequest(worker_id=_extra_id(controller, cluster.model)), timeout=10
     )
-    assert tables.stale
+    assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+    assert tables.rebuilds == rebuilds + 1
+
+
+def test_a_rank_back_with_its_layout_after_leaving_keeps_the_tables(
+    controller: Controller, cluster: Cluster
+) -> None:
+    """A rank that left (unregistered, as when its lease ran out) and registers the same
+    layout again finds its rows in place: no rebuild (a second at 786k tensors), the same
+    plan."""
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(1))
+    tables = controller.registry.model(cluster.model).tables
+    plan = controller.refits.memberships.cached(cluster.model).plan
+    rebuilds, built = tables.rebuilds, controller.refits.plans.built
+    cluster.stub.UnregisterWorker(
+        pb.UnregisterWorkerRequest(worker_id=cluster.trainers[1]), timeout=10
+    )
+    resp = register(
+        cluster.stub, cluster.model, "trainer", pb.ROLE_SOURCE, 1, 2, cluster.host, "cpu:1"
+    )
+    cluster.trainers[1] = resp.worker_id
+    assert not tables.stale
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(2))
+    assert tables.rebuilds == rebuilds and controller.refits.plans.built == built
+    assert controller.refits.memberships.cached(cluster.model).plan is plan
     assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
 
 

@@ -64,8 +64,10 @@ def run_faults(ctl: Any, peers: Peers, roles: list[PeerRole], workers: int, me: 
     # the victims come back: the same ranks and slots
     t_back = time.monotonic()
     peers.start_all(roles[1:], timeout_s=REFIT_TIMEOUT_S)
-    peers.registered([r.name for r in roles[1:]], timeout_s=REFIT_TIMEOUT_S)
+    back = peers.registered([r.name for r in roles[1:]], timeout_s=REFIT_TIMEOUT_S)
     out["faults_reregistered_s"] = time.monotonic() - t_back
+    # of it, the victims' RegisterWorker calls (the rest: process start, agents)
+    out["faults_reregister_calls_s"] = max(r.seconds for r in back.values())
     after = _refit(ctl, peers, roles, 3)
     out["faults_refit_after"] = after["state"]
     out["faults_refit_after_s"] = after.get("seconds")

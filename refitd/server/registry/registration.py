@@ -265,7 +265,7 @@ class Registrar(Queries):
             pool.shapes = None
             if not pool.ranks:
                 del model.pools[w.pool]
-            model.tables.invalidate()
+            model.tables.remove((w.pool, w.rank), w.specs)
             self.db.delete_worker(worker_id)
             self._bump(model)
             return w
