@@ -284,8 +284,10 @@ class RefitLifecycle:
             self._enter(a, Phase.PAUSE)
             t = self.clock.monotonic()
             self.events.pause(todo, a.run, self.settings.pause_timeout_s, ms, a.paused)
+            # the last PAUSE ack (monotonic): a start that waited for it waited on the ranks
+            a.run.detail["paused_at"] = done = self.clock.monotonic()
             if timed:
-                a.run.detail[timed] = self.clock.monotonic() - t
+                a.run.detail[timed] = done - t
 
     def _await_barrier(self, a: Attempts) -> None:
         """Wait for the barrier without holding the communicator."""
