@@ -158,7 +158,11 @@ class RefitService:
 
     def _register(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
         claims = self.c.refits.claims  # a live holder of the rank refuses a second process
-        w = self.c.registry.register_worker(request, lambda h: claims.replaced(h, request))
+        w = self.c.registry.register_worker(
+            request,
+            lambda h: claims.replaced(h, request),
+            lambda h: claims.must_name(h, request),
+        )
         model = self.c.registry.model(w.model)
         self.c.refresh_gauges()
         self.c.refits.settle_paused([w.worker_id])  # when its stream is open already

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from refitd.plan.layout import TensorSpec
 from refitd.plan.table import SpecTable
@@ -13,9 +13,11 @@ WorkerKey = tuple[str, int]  # (pool, rank)
 class ModelTables:
     """One model's registrations as SpecTables, one per side, kept in step with the registry.
 
-    Registrations are appended as workers register (`add`); a removal or a replaced rank
-    marks the tables stale, and the next `snapshot` rebuilds them from the registry's
-    workers. A rebuild keeps each (pool, rank) where it was first added, so a rank that
+    Registrations are appended as workers register (`add`); a replaced rank with another
+    layout marks the tables stale, and the next `snapshot` rebuilds them from the registry's
+    workers. A removed rank (`remove`) keeps its rows: when it registers the same layout
+    again before the next snapshot (a restart after its lease ran out), the tables stand as
+    they are; a snapshot while it is away rebuilds them. A rebuild keeps each (pool, rank) where it was first added, so a rank that
     leaves and registers the same layout again gives the same tables (and plan digest) as
     before. A table handed to a plan build is not appended to while the build runs: an
     add then waits, and the next snapshot appends it if no build uses the tables any more
@@ -32,12 +34,20 @@ class ModelTables:
         self.rebuilds = 0
         self._position: dict[WorkerKey, int] = {}  # (pool, rank) -> order of first add
         self._waiting: list[tuple[str, SpecTable]] = []  # (role, worker) added while in use
+        self._gone: dict[WorkerKey, Sequence[TensorSpec]] = {}  # removed, rows still in place
 
     def add(self, role: str, worker: SpecTable) -> None:
-        """Append one worker's registrations (its own table)."""
+        """Append one worker's registrations (its own table); a removed rank back with the
+        same layout finds its rows in place."""
         if worker.specs:
             first = worker.specs[0]
-            self._position.setdefault((first.pool, first.rank), len(self._position))
+            key = (first.pool, first.rank)
+            self._position.setdefault(key, len(self._position))
+            gone = self._gone.pop(key, None)
+            if gone is not None:
+                if list(gone) != list(worker.specs):
+                    self.invalidate()
+                return
         if self.stale:
             return
         if self.in_use:
@@ -45,14 +55,22 @@ class ModelTables:
             return
         (self.sources if role == "source" else self.destinations).extend(worker)
 
+    def remove(self, key: WorkerKey, specs: Sequence[TensorSpec]) -> None:
+        """Rank `key` (registered with `specs`) left; its rows stay until a snapshot."""
+        if not self.stale and specs:
+            self._gone[key] = specs
+
     def invalidate(self) -> None:
         self.stale = True
         self._waiting.clear()  # the rebuild reads every registered worker
+        self._gone.clear()
 
     def snapshot(
         self, current: Callable[[], tuple[list[TensorSpec], list[TensorSpec]]]
     ) -> tuple[SpecTable, SpecTable]:
         """The tables (rebuilt from `current()` when stale), marked in use until `release`."""
+        if self._gone:  # their rows are still in the tables
+            self.invalidate()
         if self._waiting:
             if self.in_use:  # a build still reads the tables: they cannot grow
                 self.invalidate()

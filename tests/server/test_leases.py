@@ -337,6 +337,14 @@ def test_a_restart_on_the_holders_host_takes_the_rank_at_once_once_the_holder_is
         assert f"held by live worker {first}" in e.value.details(), e.value.details()
         assert "once it is gone there" in e.value.details(), e.value.details()
         assert time.monotonic() - t0 < silence_s / 2
+        # refused for the holder before its tensors are validated (a restart registers
+        # again naming the holder: its tensors are checked once)
+        bad = request()
+        bad.tensors[0].dtype = "no-such-dtype"
+        bad.process.CopyFrom(_identity(os.getpid()))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterWorker(bad, timeout=30)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
 
         holder.kill()
         holder.wait(10)

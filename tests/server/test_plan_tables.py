@@ -9,10 +9,11 @@ import sys
 import pytest
 
 from refitd._proto import refitd_pb2 as pb
+from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.plan.program import encode_program
 from refitd.server.controller import Controller
 
-from .conftest import Cluster, register
+from .conftest import Cluster, make_cluster, register
 
 pytestmark = pytest.mark.slow
 
@@ -81,11 +82,69 @@ def test_tables_follow_registrations(controller: Controller, cluster: Cluster) -
     register(cluster.stub, cluster.model, "extra", pb.ROLE_DESTINATION, 0, 1, cluster.host, "cpu:0")
     assert not tables.stale
     assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+    # a rank that left keeps its rows until the next snapshot, which rebuilds without it
+    rebuilds = tables.rebuilds
     cluster.stub.UnregisterWorker(
         pb.UnregisterWorkerRequest(worker_id=_extra_id(controller, cluster.model)), timeout=10
     )
-    assert tables.stale
     assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+    assert tables.rebuilds == rebuilds + 1
+
+
+def test_a_rank_back_with_its_layout_after_leaving_keeps_the_tables(
+    controller: Controller, cluster: Cluster
+) -> None:
+    """A rank that left (unregistered, as when its lease ran out) and registers the same
+    layout again finds its rows in place: no rebuild (a second at 786k tensors), the same
+    plan."""
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(1))
+    tables = controller.registry.model(cluster.model).tables
+    plan = controller.refits.memberships.cached(cluster.model).plan
+    rebuilds, built = tables.rebuilds, controller.refits.plans.built
+    cluster.stub.UnregisterWorker(
+        pb.UnregisterWorkerRequest(worker_id=cluster.trainers[1]), timeout=10
+    )
+    resp = register(
+        cluster.stub, cluster.model, "trainer", pb.ROLE_SOURCE, 1, 2, cluster.host, "cpu:1"
+    )
+    cluster.trainers[1] = resp.worker_id
+    assert not tables.stale
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(2))
+    assert tables.rebuilds == rebuilds and controller.refits.plans.built == built
+    assert controller.refits.memberships.cached(cluster.model).plan is plan
+    assert _kept(controller, cluster.model) == _registered(controller, cluster.model)
+
+
+def _loads(cl: Cluster) -> dict[int, list[tuple[int, bytes]]]:
+    """Per slot, the (index, memory) handles of the last program its agent was sent."""
+    return {
+        c.load.slot: [(h.index, h.memory) for h in c.load.handles]
+        for c in cl.agent.commands
+        if c.WhichOneof("command") == "load"
+    }
+
+
+def test_a_reconnect_sends_every_program_with_the_handles_kept(
+    controller: Controller, cluster: Cluster, stub: pbg.RefitStub
+) -> None:
+    """Another model's refit rebuilds the communicator for its own slots, so this model's
+    next refit connects again and sends every program again: with the memory handles of
+    their last load, kept rather than built again (seconds at 1,024 ranks)."""
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(1))
+    first = _loads(cluster)
+    assert len(first) == 3 and all(first.values())
+    other = make_cluster(controller, stub)
+    try:
+        assert all(r.state == pb.REFIT_STATE_COMMITTED for r in other.refit(1))
+    finally:
+        other.stop()
+    commander = controller.refits.commander
+    built, sent = commander.handles_built, controller.refits.plans.programs_sent
+    cluster.agent.commands.clear()
+    assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(2))
+    assert controller.refits.plans.programs_sent == sent + 3
+    assert commander.handles_built == built
+    assert _loads(cluster) == first
 
 
 def _extra_id(c: Controller, model: str) -> str:

@@ -335,6 +335,10 @@ def test_commit(tmp_path: Path) -> None:
     assert h.acks.opened == [7] and h.acks.settled == 1 and run.commit_acks is not None
     assert all(run.rank_event(r).is_set() for r in (0, 1)) and run.finished.is_set()
     assert h.commander.aborted == [] and run.attempt == 0
+    # the record says when each phase began and when the last PAUSE ack came
+    at = run.detail["phase_at_s"]
+    assert list(at) == [p.value for p in h.phases] and list(at.values()) == sorted(at.values())
+    assert run.started <= run.detail["paused_at"] <= run.started + at["transfer"]
 
 
 def test_barrier_timeout_aborts_the_paused(tmp_path: Path) -> None:

@@ -64,10 +64,15 @@ def run_faults(ctl: Any, peers: Peers, roles: list[PeerRole], workers: int, me: 
     # the victims come back: the same ranks and slots
     t_back = time.monotonic()
     peers.start_all(roles[1:], timeout_s=REFIT_TIMEOUT_S)
-    peers.registered([r.name for r in roles[1:]], timeout_s=REFIT_TIMEOUT_S)
+    back = peers.registered([r.name for r in roles[1:]], timeout_s=REFIT_TIMEOUT_S)
     out["faults_reregistered_s"] = time.monotonic() - t_back
+    # of it, the victims' RegisterWorker calls (the rest: process start, agents)
+    out["faults_reregister_calls_s"] = max(r.seconds for r in back.values())
     after = _refit(ctl, peers, roles, 3)
     out["faults_refit_after"] = after["state"]
+    out["faults_refit_after_s"] = after.get("seconds")
+    # when (seconds from its start) the refit after entered each phase; its pause
+    out["faults_refit_after_phase_at_s"] = after.get("phase_at_s")
     out["faults_recovery_s"] = after["ended_at_monotonic"] - t_back if after else None
     told = _told(peers, roles)  # the restarted victims' ranks know nothing of refit 2
     out |= {

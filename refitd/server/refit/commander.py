@@ -87,6 +87,10 @@ class AgentCommander:
         self.delta = delta
         self.store_address = store_address
         self._slots: dict[int, SlotLoadState] = {}
+        # (model, slot) -> (digest, inputs, its last load's handles serialized): a program
+        # sent again with the same plan and holders (after a reconnect) reuses them
+        self._handles: dict[tuple[str, int], tuple[str, SlotInputs, bytes]] = {}
+        self.handles_built = 0  # slots whose handles were built (not reused)
         self._comm_key: tuple | None = None
         self._comm_epoch = 0
         # model -> (digest, epoch, comm epoch) connected and loaded on every slot of its
@@ -218,35 +222,21 @@ class AgentCommander:
         )
         if not todo:
             return
+        handles = self._load_handles(ms, todo)
         g, gid = self._gather("load program", ms)
         try:
-            memory = self.registry.memory_index(
-                ms.model, {k for inputs in todo.values() for k, _ in inputs[0]}
-            )
-            none: dict[str, bytes] = {}
             for agent_id, slots in ms.by_agent.items():
                 for slot in slots:
                     if slot not in todo:
                         continue
-                    payload = plan.load_payload(slot)
-                    handles = [
-                        pb.TensorHandle(
-                            index=i,
-                            memory=memory.get((t.pool, t.rank), none).get(t.name, b""),
-                            staged=t.pool in ms.staged_pools,
-                            snapshot=t.pool in ms.snapshot_pools,
-                        )
-                        for i, t in plan.held(payload)
-                    ]
-                    cmd = pb.AgentCommand(
-                        load=pb.LoadProgramCommand(
-                            model=ms.model,
-                            digest=plan.digest,
-                            slot=slot,
-                            program=bytes(payload.program),
-                            handles=handles,
-                        )
+                    load = pb.LoadProgramCommand(
+                        model=ms.model,
+                        digest=plan.digest,
+                        slot=slot,
+                        program=bytes(plan.load_payload(slot).program),
                     )
+                    load.MergeFromString(handles[slot])
+                    cmd = pb.AgentCommand(load=load)
                     self.agents.send(agent_id, cmd, g, [(slot, pb.REPORT_KIND_LOADED)])
             g.wait(self.settings.load_timeout_s)
         finally:
@@ -255,6 +245,38 @@ class AgentCommander:
             self._slots[s].loaded[ms.model] = (plan.digest, inputs)
         self.metrics.programs_sent.labels(ms.model).inc(len(todo))
         self.plans.programs_sent += len(todo)
+
+    def _load_handles(self, ms: Membership, todo: dict[int, SlotInputs]) -> dict[int, bytes]:
+        """Per slot of `todo`, its load's memory handles as a serialized LoadProgramCommand
+        holding only them (merged into the command): kept from the slot's last load when
+        the plan and the workers it holds are the same, as after a reconnect, which sends
+        every program again (at 1,024 ranks building them all takes seconds), else built."""
+        plan, out = ms.plan, {}
+        for slot, inputs in todo.items():
+            kept = self._handles.get((ms.model, slot))
+            if kept is not None and kept[0] == plan.digest and kept[1] == inputs:
+                out[slot] = kept[2]
+        build = [slot for slot in todo if slot not in out]
+        if not build:
+            return out
+        memory = self.registry.memory_index(
+            ms.model, {k for slot in build for k, _ in todo[slot][0]}
+        )
+        none: dict[str, bytes] = {}
+        for slot in build:
+            handles = [
+                pb.TensorHandle(
+                    index=i,
+                    memory=memory.get((t.pool, t.rank), none).get(t.name, b""),
+                    staged=t.pool in ms.staged_pools,
+                    snapshot=t.pool in ms.snapshot_pools,
+                )
+                for i, t in plan.held(plan.load_payload(slot))
+            ]
+            out[slot] = pb.LoadProgramCommand(handles=handles).SerializeToString()
+            self._handles[(ms.model, slot)] = (plan.digest, todo[slot], out[slot])
+        self.handles_built += len(build)
+        return out
 
     # ------------------------------------------------------------------ transfer
     def transfer(self, ms: Membership, run: RefitRun, cond: threading.Condition) -> float:

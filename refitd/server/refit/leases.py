@@ -110,6 +110,13 @@ class RankClaims:
         heard = time.monotonic() - holder.last_seen
         raise rank_taken(holder, req, f"it renewed its lease {heard:.1f}s ago")
 
+    def must_name(self, holder: Worker, req: pb.RegisterWorkerRequest) -> None:
+        """Refuse at once, naming `holder`, a registrant that names no predecessor but could
+        look the holder up on its own host: checked before the tensors are validated, as
+        the registrant registers again (naming it) once it found it gone."""
+        if not req.HasField("predecessor"):
+            self._proven_gone(holder, req)
+
     @staticmethod
     def _proven_gone(holder: Worker, req: pb.RegisterWorkerRequest) -> bool:
         """True when the registrant, on the holder's boot and pid namespace, names the

@@ -218,7 +218,11 @@ class RefitLifecycle:
         self._on_phase = on_phase
 
     def _enter(self, a: Attempts, phase: Phase) -> None:
+        """`a` enters `phase`; the refit's record keeps when (seconds since the refit
+        started) each phase was last entered, for the status page and benchmarks."""
         a.phase = phase
+        at = a.run.detail.setdefault("phase_at_s", {})
+        at[phase.value] = round(self.clock.monotonic() - a.run.started, 4)
         if self._on_phase is not None:
             self._on_phase(a.run, phase)
 
@@ -280,8 +284,10 @@ class RefitLifecycle:
             self._enter(a, Phase.PAUSE)
             t = self.clock.monotonic()
             self.events.pause(todo, a.run, self.settings.pause_timeout_s, ms, a.paused)
+            # the last PAUSE ack (monotonic): a start that waited for it waited on the ranks
+            a.run.detail["paused_at"] = done = self.clock.monotonic()
             if timed:
-                a.run.detail[timed] = self.clock.monotonic() - t
+                a.run.detail[timed] = done - t
 
     def _await_barrier(self, a: Attempts) -> None:
         """Wait for the barrier without holding the communicator."""

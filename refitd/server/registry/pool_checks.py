@@ -93,24 +93,32 @@ def check_against_pool(
     workers: dict[str, Worker],
 ) -> None:
     """A canonical tensor has one global shape within a pool (its ranks among `workers`);
-    the pool's shapes are cached in `Pool.shapes` for the next rank that joins it."""
+    the pool's shapes are cached in `Pool.shapes` for the next rank that joins it. A
+    replaced rank's own earlier shapes don't count: where the cache disagrees with it on
+    the rank's own entry, the other ranks are asked (a restart with the same layout walks
+    no pool; at 768 ranks a walk is a few hundred ms under the registry lock)."""
     pool = model.pools.get(req.pool)
     if pool is None:
         return
-    if req.rank in pool.ranks:  # a replaced rank: its own shapes don't count
-        known = pool_shapes(pool, workers, skip=req.rank)
-    else:
-        if pool.shapes is None:
-            pool.shapes = pool_shapes(pool, workers)
-        known = pool.shapes
+    if pool.shapes is None:
+        pool.shapes = pool_shapes(pool, workers)
+    known, others = pool.shapes, None
     for s in specs:
-        if s.canonical in known and known[s.canonical][0] != s.global_shape:
-            shape, rank = known[s.canonical]
-            raise invalid(
-                f"tensor {s.name!r} of rank {req.rank} in pool {req.pool!r}: global_shape "
-                f"{list(s.global_shape)} disagrees with {list(shape)} registered by rank "
-                f"{rank} for {s.canonical!r}"
-            )
+        hit = known.get(s.canonical)
+        if hit is None or hit[0] == s.global_shape:
+            continue
+        if hit[1] == req.rank and req.rank in pool.ranks:
+            if others is None:
+                others = pool_shapes(pool, workers, skip=req.rank)
+            hit = others.get(s.canonical)
+            if hit is None or hit[0] == s.global_shape:
+                continue
+        shape, rank = hit
+        raise invalid(
+            f"tensor {s.name!r} of rank {req.rank} in pool {req.pool!r}: global_shape "
+            f"{list(s.global_shape)} disagrees with {list(shape)} registered by rank "
+            f"{rank} for {s.canonical!r}"
+        )
 
 
 def pool_shapes(pool: Pool, workers: dict[str, Worker], skip: int | None = None) -> Shapes:

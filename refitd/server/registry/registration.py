@@ -114,15 +114,25 @@ class Registrar(Queries):
             return agent
 
     def register_worker(
-        self, req: pb.RegisterWorkerRequest, judge: Callable[[Worker], str] | None = None
+        self,
+        req: pb.RegisterWorkerRequest,
+        judge: Callable[[Worker], str] | None = None,
+        named: Callable[[Worker], object] | None = None,
     ) -> Worker:
         """Validate and register a worker. Re-registering (model, pool, rank) replaces its
         holder when that is the same worker (its worker_id) or a restored one; a live
         holder of another identity is passed to `judge` (outside the locks, once the
         registration is otherwise valid), which returns its id when it is gone (replaced)
-        or raises when it is alive. Without `judge` such a holder is refused."""
+        or raises when it is alive. Without `judge` such a holder is refused. `named`
+        sees such a holder first, before the costly validation of the tensors, and raises
+        when the registrant must look the holder up and name it (it registers again)."""
         check_worker_header(req)
         slot = self.slot_for(req.host, req.device)
+        if named is not None:
+            with self.lock:
+                first = self._other_live_holder(req)
+            if first is not None:
+                named(first)
         with self._validating:  # the costly part, outside the lock, one at a time
             specs = specs_from_request(req, slot.slot_id, self._intern)
             table = SpecTable.of_worker(specs)
@@ -265,7 +275,7 @@ class Registrar(Queries):
             pool.shapes = None
             if not pool.ranks:
                 del model.pools[w.pool]
-            model.tables.invalidate()
+            model.tables.remove((w.pool, w.rank), w.specs)
             self.db.delete_worker(worker_id)
             self._bump(model)
             return w
