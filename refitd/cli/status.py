@@ -73,8 +73,9 @@ def render(doc: dict[str, Any]) -> str:
         for p in m["pools"]:
             s = p["summary"]
             served = ", ".join(f"v{v}: {n}" for v, n in s["versions"].items())
+            cadence = f", every {p['every']} versions" if p.get("every", 1) > 1 else ""
             lines.append(
-                f"  pool {p['name']} ({p['role']}, {p['mode']}): {s['live']}/{s['size']} "
+                f"  pool {p['name']} ({p['role']}, {p['mode']}{cadence}): {s['live']}/{s['size']} "
                 f"ranks live on {s['hosts']} hosts / {s['slots']} slots, "
                 f"{_size(s['bytes'])}" + (f"; serving {served}" if served else "")
             )

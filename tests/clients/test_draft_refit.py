@@ -35,6 +35,7 @@ from clients.engine_layouts import register_engine
 from refitd._proto import refitd_pb2 as pb
 from refitd._proto import refitd_pb2_grpc as pbg
 from refitd.cli.main import build_parser
+from refitd.cli.status import render
 from refitd.client import InferenceClient, RefitError, TrainerClient
 from refitd.config import settings_from_args
 from refitd.demo.run import Daemon
@@ -217,6 +218,9 @@ def test_draft_on_its_own_cadence_keeps_its_version_between_turns(mtp_daemon: Da
                 assert now[pool]["version"] == serves[pool], (v, pool, now[pool])
                 assert now[pool]["summary"]["lagging_count"] == 0, (v, pool)
             assert now["draft"]["every"] == 2 and now["policy"]["every"] == 1
+            text = render(status(address))
+            assert "pool draft (destination, in_place, every 2 versions)" in text, text
+            assert f"serving v{serves['draft']}: 1" in text.split("pool draft")[1], text
         assert clients["draft"].served_version == 3
         assert [e for e in events["draft"] if e[0] != "hello"] == [
             ("pause", 1), ("commit", 1), ("pause", 3), ("commit", 3)
