@@ -342,10 +342,10 @@ class RdmaPath(OneSidedPath):
                 del self._held[key]
 
     def close(self) -> None:
-        """Drop the sender's endpoint. Its engines' teardown (unregistering, stopping their
-        threads) takes about a second each on a busy host and runs on a thread of its own,
-        so a reconnect after a failure does not wait for it; the endpoint holds what it
-        registered until it is done."""
+        """Drop the sender's endpoint (when the transfer process closes: a reconnect keeps
+        the path). Its engines' teardown (unregistering, stopping their threads) takes about
+        a second each on a busy host and runs on a thread of its own; the endpoint holds
+        what it registered until it is done."""
         with self._lock:
             sender, self._sender = self._sender, None
             self._held.clear()
