@@ -49,3 +49,28 @@ def test_a_reload_reuses_the_exposure_engines_and_refuses_the_old_descriptor() -
     finally:
         sender.close()
         dest.close()
+
+
+def test_a_strided_write_has_landed_in_full_when_it_returns() -> None:
+    """The rows of a strided region are many small requests: every one of them has landed
+    when the write returns (the doorbell is rung right after)."""
+    from refitd.transfer.rdma_path import RdmaPath
+
+    dest, sender = RdmaPath(PathSettings(slot=1)), RdmaPath(PathSettings(slot=0))
+    try:
+        memory = torch.zeros(256, 1024, dtype=torch.bfloat16)
+        exposure = dest.expose({0: Exposed(memory, None, "plain", b"h")}, 1, 7)
+        peer = sender.attach(exposure.body, "message 0 to slot 1")
+        view = peer.tensor(0).data
+        src = torch.randn(256, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
+        want = torch.zeros_like(memory)
+        for k in range(4):  # each time the engine may report a batch done early
+            rows = slice(64 * k, 64 * k + 60)
+            peer.write([view[rows, 8:1000]], [src[rows, 8:1000]], time.monotonic() + 30)
+            want[rows, 8:1000] = src[rows, 8:1000]
+            assert torch.equal(memory, want), f"write {k}: rows missing when it returned"
+        peer.close()
+        exposure.close()
+    finally:
+        sender.close()
+        dest.close()
