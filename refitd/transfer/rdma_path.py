@@ -104,12 +104,17 @@ def _one(local: int, remote: int, nbytes: int) -> Runs:
 
 
 class RdmaExposure(Exposure):
-    def __init__(self, body: bytes, doorbell: Doorbell, endpoint: MooncakeEndpoint, held):
+    def __init__(
+        self, body: bytes, doorbell: Doorbell, endpoint: MooncakeEndpoint, held, path: RdmaPath
+    ) -> None:
         self.body, self.doorbell, self.endpoint, self._held = body, doorbell, endpoint, held
+        self._path: RdmaPath | None = path
 
     def close(self) -> None:
         self.doorbell.retire()
-        self.endpoint.close()
+        if self._path is not None:
+            self._path.recycle(self.endpoint)
+            self._path = None
         self._held = []
 
 
@@ -271,6 +276,8 @@ class RdmaPath(OneSidedPath):
         super().__init__(settings)
         self._sender: MooncakeEndpoint | None = None
         self._held: dict[int, list[Any]] = {}  # storage address -> [count, registered tensor]
+        self._spare: list[MooncakeEndpoint] = []  # of closed exposures, registering nothing
+        self._closed = False
         self._lock = threading.Lock()
 
     def options(self) -> MooncakeOptions:
@@ -283,7 +290,9 @@ class RdmaPath(OneSidedPath):
         bell.init(generation, entries)
         parts = [p for t in tensors.values() for p in (t.data, t.scales, t.global_scale)]
         held = _outermost([words, *(p for p in parts if p is not None)])
-        endpoint = MooncakeEndpoint(self.settings.slot, self.options())
+        with self._lock:
+            spare = self._spare.pop() if self._spare else None
+        endpoint = spare or MooncakeEndpoint(self.settings.slot, self.options())
         try:
             endpoint.register(held, f"{generation:x}")
             specs = {
@@ -295,9 +304,21 @@ class RdmaPath(OneSidedPath):
                 use_bin_type=True,
             )
         except BaseException:
-            endpoint.close()
+            self.recycle(endpoint)
             raise
-        return RdmaExposure(body, bell, endpoint, held)
+        return RdmaExposure(body, bell, endpoint, held, self)
+
+    def recycle(self, endpoint: MooncakeEndpoint) -> None:
+        """A closed exposure's endpoint: its registration dropped (descriptors of it are
+        refused from now on: their stamp no longer matches), its engines kept for the next
+        exposure. A new program load then neither tears engines down (which holds the
+        interpreter for a large part of a second each on a busy host) nor starts new ones."""
+        endpoint.unregister()
+        with self._lock:
+            if not self._closed:
+                self._spare.append(endpoint)
+                return
+        endpoint.close()
 
     def attach(self, body: bytes, what: str) -> Peer:
         try:
@@ -342,12 +363,13 @@ class RdmaPath(OneSidedPath):
                 del self._held[key]
 
     def close(self) -> None:
-        """Drop the sender's endpoint. Its engines' teardown (unregistering, stopping their
-        threads) takes about a second each on a busy host and runs on a thread of its own,
-        so a reconnect after a failure does not wait for it; the endpoint holds what it
-        registered until it is done."""
+        """Drop the sender's endpoint and the spare ones (when the transfer process closes:
+        a reconnect keeps the path). Engine teardown (unregistering, stopping threads) takes
+        about a second each on a busy host and runs on a thread of its own; an endpoint
+        holds what it registered until it is done."""
         with self._lock:
             sender, self._sender = self._sender, None
+            spare, self._spare, self._closed = self._spare, [], True
             self._held.clear()
-        if sender is not None:
-            threading.Thread(target=sender.close, name="mooncake-close", daemon=True).start()
+        for endpoint in [*spare, *([sender] if sender is not None else [])]:
+            threading.Thread(target=endpoint.close, name="mooncake-close", daemon=True).start()

@@ -53,7 +53,7 @@ from refitd.transfer.snapshot import Snapshot, SnapshotResolver, prepare_snapsho
 from refitd.transport.base import ConnectInfo, Transport
 from refitd.transport.factory import create_transport
 from refitd.transport.gloo import open_store
-from refitd.transport.paths import Links, PathSettings
+from refitd.transport.paths import Links, OneSidedPath, PathSettings
 
 
 @dataclass
@@ -103,6 +103,8 @@ class TransferSlot:
         self.transport_kind = ""
         self._runs = threading.Lock()
         self.probe_bufs: dict[tuple[str, int], torch.Tensor] = {}
+        # one-sided paths by (kind, settings), kept across communicator epochs (path())
+        self.paths: dict[tuple[str, PathSettings], OneSidedPath] = {}
         self.closed = False
 
     def begin_refit(self, lane: int, digest: str) -> str | None:
@@ -163,9 +165,22 @@ class TransferSlot:
                 rdma_protocol=cmd.rdma_protocol,
                 rdma_devices=tuple(cmd.rdma_devices),
             )
-            self.links = Links(info, open_store, functools.partial(make_path, settings=settings))
+            for key in [k for k in self.paths if k[1] != settings]:
+                self.paths.pop(key).close()  # the agent's data plane or protocol changed
+            self.links = Links(info, open_store, functools.partial(self.path, settings=settings))
         self.slot_ranks = cmd.slot_ranks
         return Connected()
+
+    def path(self, kind: str, settings: PathSettings) -> OneSidedPath:
+        """This process's one-sided path of `kind`, kept across communicator epochs: a
+        reconnect (after any failed refit) keeps the rdma path's engines, their connections
+        to live peers and their registrations. Tearing engines down holds the interpreter
+        for a second or more on a busy host, and new ones shake hands with every peer again."""
+        key = (kind, settings)
+        p = self.paths.get(key)
+        if p is None:
+            p = self.paths[key] = make_path(kind, settings)
+        return p
 
     def load(self, cmd: Load) -> Loaded:
         try:
@@ -340,6 +355,9 @@ class TransferSlot:
         self.loaded.clear()
         if self.links is not None:
             self.links.close()
+        for p in self.paths.values():
+            p.close()
+        self.paths.clear()
         self.mapper.close()
         self.closed = True
         return Ack()

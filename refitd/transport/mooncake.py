@@ -51,7 +51,9 @@ class MooncakeOptions:
     lanes: int = 4  # TCP: connections per peer and engine
     split_bytes: int = 16 << 20  # writes above this are posted as several requests
     window: int = 256  # batches in flight per Work
-    batch: int = 64  # requests per batch (small runs, e.g. the rows of a strided region)
+    # requests per batch. 1: the engine's status of a batch is that of its first request
+    # (a batch of several reads "done" while the others are still on the wire)
+    batch: int = 1
 
 
 @dataclass(frozen=True, slots=True)

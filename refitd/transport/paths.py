@@ -199,7 +199,8 @@ class Links:
         open_store: Callable[[ConnectInfo], object],
         make_path: Callable[[str], OneSidedPath],
     ) -> None:
-        """`make_path(kind)`: a new path of that kind (TransportError when unknown)."""
+        """`make_path(kind)`: the path of that kind, owned by the caller (TransportError when
+        unknown)."""
         self.info = info
         self._open_store = open_store
         self._make_path = make_path
@@ -287,9 +288,9 @@ class Links:
         return d
 
     def close(self) -> None:
-        """Drop the paths and the store client (the destinations' exposures are theirs)."""
+        """Drop the store client and the paths looked up (`make_path` owns them: the
+        transfer process keeps them across epochs and closes them; the destinations'
+        exposures are the plans')."""
         with self._lock:
-            for p in self._paths.values():
-                p.close()
             self._paths.clear()
             self._store = None

@@ -14,6 +14,7 @@ import re
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,6 +33,13 @@ pytestmark = pytest.mark.slow
 RDMA_REASON = mooncake_unavailable_reason()
 needs_rdma = pytest.mark.skipif(RDMA_REASON is not None, reason=f"rdma path: {RDMA_REASON}")
 ROWS, COLS, TENSORS = 2048, 4096, 8  # 8 x 16 MiB: the sender writes for a while
+ENGINE_PORTS = range(15000, 17001)  # where Mooncake's engines listen by default
+
+
+def _engine_ports(pid: int) -> set[int]:
+    """The ports the Mooncake engines of a process listen on."""
+    listening = psutil.Process(pid).net_connections(kind="tcp")
+    return {c.laddr.port for c in listening if c.status == psutil.CONN_LISTEN} & set(ENGINE_PORTS)
 
 
 class _Link:
@@ -182,7 +190,11 @@ def test_rdma_destination_killed_mid_write_fails_its_sender_naming_peer_and_mess
         assert time.monotonic() - t0 < 20, msg
         with pytest.raises(TransferProcessError):
             receiver.result(timeout_s=5)
+        engines = _engine_ports(link.procs[0].process.pid)
+        assert engines
         _again(link, 2, (1,))
+        # the survivor kept its engines (and their registrations) across the reconnect
+        assert engines <= _engine_ports(link.procs[0].process.pid)
     finally:
         link.close()
 
