@@ -9,9 +9,10 @@ the smallest count posts next (a lane whose bytes all went out stops counting). 
 posted are queued first in, first out on the connection, so a lane that posted far ahead
 would hold a later lane behind all of it: per peer, at most a window of bytes is posted and
 not yet sent, a lane alone included (a chunk larger than the window goes alone). The window
-is time, not bytes: `window_s` of the link's drain rate, measured from the sends' completions
-(`window` bytes until a rate is known, never under `min_window`), so a lane that starts
-waits about `window_s` behind the others on a slow link while a fast link keeps enough
+is time, not bytes: `window_s` of the link's drain rate, measured from the sends'
+completions over spans of RATE_SPAN_S (START_WINDOW until a rate is known; never under
+`min_window` nor over `window` bytes), so a lane that starts waits about `window_s` (one
+chunk, at least) behind the others on a slow link, while a fast link keeps up to `window`
 posted to stay busy. A lane counts as sending to a peer while it has bytes waiting or in
 flight there, and also, for up to `hold_s` after its last admission or completion there,
 while bytes it expects to send there (`expect`) are not yet admitted: with a window of one
@@ -30,11 +31,13 @@ from dataclasses import dataclass, field
 from refitd.executor.errors import ExecutionError
 from refitd.plan.lanes import lane_tag
 
-SHARE_WINDOW = 16 << 20  # bytes posted and not yet sent per peer, until the rate is known
+SHARE_WINDOW = 16 << 20  # the window's ceiling in bytes
 SHARE_WINDOW_S = 0.01  # seconds of the link's drain rate posted and not yet sent, per peer
 MIN_WINDOW = 1 << 20  # the window's floor in bytes
 SHARE_HOLD_S = 0.05  # how long expected bytes keep a lane's turn with nothing in flight
-_RATE_GAIN = 0.25  # weight of each completion in the rate's moving average
+START_WINDOW = 4 << 20  # the window until the link's rate is known
+RATE_SPAN_S = 0.05  # the rate is measured over spans at least this long
+_RATE_GAIN = 0.5  # weight of each span in the rate's moving average
 
 
 @dataclass(frozen=True)
@@ -83,14 +86,22 @@ class _Link:
     left: dict[int, int] = field(default_factory=dict)  # lane -> expected, not yet admitted
     touched: dict[int, float] = field(default_factory=dict)  # lane -> last admit/completion
     rate: float = 0.0  # bytes per second the link drains (0: not measured yet)
-    mark: float = 0.0  # the last completion, or when the link went busy
+    mark: float = 0.0  # the last completion
+    span: float = 0.0  # when the current measuring span began (0: at the next completion)
+    span_bytes: int = 0  # bytes completed in it
 
     def drained(self, nbytes: int, now: float) -> None:
-        """`nbytes` completed now: the drain rate's moving average takes them in."""
-        dt, self.mark = now - self.mark, now
-        if dt > 0 and nbytes:
-            seen = nbytes / dt
+        """`nbytes` completed now. The rate is taken over spans of RATE_SPAN_S: single
+        completions come in bursts while the socket's buffer fills."""
+        self.mark = now
+        if not self.span:
+            self.span, self.span_bytes = now, 0
+            return
+        self.span_bytes += nbytes
+        if now - self.span >= RATE_SPAN_S:
+            seen = self.span_bytes / (now - self.span)
             self.rate = seen if not self.rate else self.rate + _RATE_GAIN * (seen - self.rate)
+            self.span, self.span_bytes = now, 0
 
     def active(self, hold_s: float, now: float) -> set[int]:
         """Lanes sending to the peer (module docstring)."""
@@ -166,8 +177,8 @@ class LinkShares:
             finally:
                 link.waiting[lane] -= 1
             now = time.monotonic()
-            if not link.inflight:
-                link.mark = now  # the link goes busy: the drain is timed from now
+            if not link.inflight and now - link.mark > self.hold_s:
+                link.span = 0.0  # busy again after a pause: a new span at its first completion
             if lane in link.left:
                 link.left[lane] = max(0, link.left[lane] - nbytes)
                 link.touched[lane] = now
@@ -180,8 +191,8 @@ class LinkShares:
     def window_of(self, link: _Link) -> float:
         """Bytes that may be posted and not yet sent to the link's peer (module docstring)."""
         if not link.rate:
-            return self.window
-        return max(self.min_window, link.rate * self.window_s)
+            return min(START_WINDOW, self.window)
+        return min(self.window, max(self.min_window, link.rate * self.window_s))
 
     def _may_post(self, link: _Link, lane: int, nbytes: int) -> bool:
         if link.inflight and link.inflight + nbytes > self.window_of(link):
