@@ -2,8 +2,8 @@
 
 Three emulated hosts (refitd.bench.cluster.netns; needs root): the controller, a trainer
 host holding one trainer rank of each model, an inference host holding one inference rank
-of each. Both models have the same size; every byte of both crosses the one link between
-the trainer host and the inference host, shaped to --rate-mbit. The controller's
+of each. Every byte of both models crosses the one link between the trainer host and the
+inference host, shaped to --rate-mbit. The controller's
 model_weights gives the two models --weights. Each measured round, both trainers refit at
 once (plans and communicator warm), and every version is checked bit for bit.
 
