@@ -174,6 +174,8 @@ class RefitExecution:
     def poster(self) -> None:
         """Post every step's receives and sends (packing staged sends) as one batch each."""
         try:
+            if self.share.shares is not None:
+                self.share.expect(self._gated_bytes())
             for sends, recvs in self.prep.steps:
                 ops: list[P2POp] = []
                 posted: list[_Post] = []
@@ -192,6 +194,15 @@ class RefitExecution:
         finally:
             self.send_q.put(None)
             self.recv_q.put(None)
+
+    def _gated_bytes(self) -> dict[int, int]:
+        """Bytes this refit sends through the link gates (two-sided sends), per peer rank."""
+        out: dict[int, int] = {}
+        for ch in self.prep.send_chunks:
+            if ch.mid not in self.skip and id(ch) not in self.prep.one_sided:
+                dst = self.peer(ch.dst_slot)
+                out[dst] = out.get(dst, 0) + ch.nbytes
+        return out
 
     def _post_recv(self, ch: Chunk, ops: list[P2POp]) -> _Post:
         if ch.mid in self.skip:  # landed before the executor ran

@@ -115,7 +115,9 @@ class TransferProcessHandle:
         self.process.start()
         child.close()
         self._rid = 0
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # commands go down the pipe whole, one at a time
+        self._cv = threading.Condition()  # guards _reports and _reading
+        self._reading = False  # a waiter is reading the pipe; the others wait on _cv
         self._reports: dict[int, list[Report]] = {}
         self.send(Ping()).result(timeout_s=START_TIMEOUT_S)
 
@@ -124,7 +126,7 @@ class TransferProcessHandle:
 
     def send(self, command: SlotCommand[R]) -> Pending[R]:
         """Send a command now; read its report later with .result()."""
-        with self._lock:
+        with self._send_lock:
             self._rid += 1
             rid = self._rid
             try:
@@ -136,29 +138,40 @@ class TransferProcessHandle:
         return Pending(self, rid, command)
 
     def _next(self, rid: int, op: str, deadline: float, timeout_s: float) -> Report | None:
-        """The next report of `rid` (queued, or read from the pipe), None if none came yet."""
-        with self._lock:
-            queued = self._reports.get(rid)
-            if queued:
-                return queued.pop(0)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferProcessError(
-                    f"slot {self.slot}: no answer to {op!r} within {timeout_s:.1f}s"
-                )
-            try:
-                if not self._conn.poll(min(left, 0.2)):
-                    return None
+        """The next report of `rid` (queued, or read from the pipe), None if none came yet.
+        One waiter reads the pipe at a time, holding no lock while it polls: a command sent
+        meanwhile goes at once, and a report read for another command wakes its waiter."""
+        with self._cv:
+            while True:
+                queued = self._reports.get(rid)
+                if queued:
+                    return queued.pop(0)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferProcessError(
+                        f"slot {self.slot}: no answer to {op!r} within {timeout_s:.1f}s"
+                    )
+                if not self._reading:
+                    self._reading = True
+                    break
+                self._cv.wait(min(left, 0.2))
+        got: int | None = None
+        report: Report | None = None
+        try:
+            if self._conn.poll(min(left, 0.2)):
                 got, report = self._conn.recv()
-            except (EOFError, OSError) as e:
-                raise TransferProcessError(
-                    f"slot {self.slot}: transfer process died during {op!r} "
-                    f"(exit code {self.process.exitcode})"
-                ) from e
-            if got != rid:
-                self._reports.setdefault(got, []).append(report)
-                return None
-            return report
+        except (EOFError, OSError) as e:
+            raise TransferProcessError(
+                f"slot {self.slot}: transfer process died during {op!r} "
+                f"(exit code {self.process.exitcode})"
+            ) from e
+        finally:
+            with self._cv:
+                self._reading = False
+                if got is not None and got != rid:
+                    self._reports.setdefault(got, []).append(report)  # type: ignore[arg-type]
+                self._cv.notify_all()
+        return report if got == rid else None
 
     def _wait(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 import pytest
@@ -23,7 +24,7 @@ from refitd.memory.errors import StorageMovedError
 from refitd.node.process_handle import TransferProcessError, TransferProcessHandle
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import encode_program
-from refitd.slot_protocol import Connect, ExecReport, Execute, Load
+from refitd.slot_protocol import Connect, ExecReport, Execute, Load, Ping
 
 pytestmark = pytest.mark.slow
 SLOTS = 3
@@ -181,5 +182,46 @@ def test_relay_plans_bit_for_bit(procs, case) -> None:
                 assert torch.equal(got, local_from_global(d, g[d.name])), (d.pool, d.rank, d.name)
         staged = sum(m.staged_chunks for r in reports for m in r.messages)
         assert staged > 0 and all(r.staging_peak_bytes <= 1024 for r in reports)
+    finally:
+        arena.close()
+
+
+def test_a_command_goes_while_another_waits_for_its_report(procs) -> None:
+    """While a thread waits for a running refit's report, a command to the same transfer
+    process goes and its answer comes back at once: the waiter's poll of the pipe holds
+    nothing the sender needs (a second model's refit starts without waiting on the first's)."""
+    handles, store = procs
+    assert _connect(handles, store, epoch=30, world=SLOTS) == []
+    src, dst = make_model(2, 3, [0, 1], [2, 0, 1], {"col": "float32"})
+    arena = SharedTensorArena(prefix="refitd-test")
+    try:
+        g = globals_for(31)
+        tensors = fill_sources(src, g)
+        tensors += [torch.zeros(d.local_shape, dtype=getattr(torch, d.dtype)) for d in dst]
+        mem = arena.register({f"t{i}": t for i, t in enumerate(tensors)})
+        plan = build_plan("m", 1, src, dst, PlanConfig(allow_dtype_cast=True))
+        for h in handles:
+            p = plan.program(h.slot)
+            h.send(
+                Load(
+                    plan.digest, encode_program(p), {i: mem[f"t{i}"].to_bytes() for i in p.tensors}
+                )
+            ).result()
+        first = handles[0].send(Execute(plan.digest, 1, 1, 30.0))  # blocks: its peers wait
+        got: list[object] = []
+        waiter = threading.Thread(target=lambda: got.append(first.result()), daemon=True)
+        waiter.start()
+        seconds = []
+        for _ in range(20):
+            t0 = time.monotonic()
+            handles[0].send(Ping()).result(timeout_s=10.0)
+            seconds.append(time.monotonic() - t0)
+        rest = [h.send(Execute(plan.digest, 1, 1, 30.0)) for h in handles[1:]]
+        assert all(isinstance(p.result().report, ExecReport) for p in rest)
+        waiter.join(30.0)
+        assert got and isinstance(got[0].report, ExecReport)  # type: ignore[attr-defined]
+        for i, d in enumerate(dst):
+            assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
+        assert sum(seconds) < 0.3, seconds  # 20 pings
     finally:
         arena.close()

@@ -2,16 +2,18 @@
 
 Three emulated hosts (refitd.bench.cluster.netns; needs root): the controller, a trainer
 host holding one trainer rank of each model, an inference host holding one inference rank
-of each. Both models have the same size; every byte of both crosses the one link between
-the trainer host and the inference host, shaped to --rate-mbit. The controller's
+of each. Every byte of both models crosses the one link between the trainer host and the
+inference host, shaped to --rate-mbit. The controller's
 model_weights gives the two models --weights. Each measured round, both trainers refit at
 once (plans and communicator warm), and every version is checked bit for bit.
 
-The second model is --ratio times the first's size, so it transfers during the whole of the
-first's transfer. The first model's share is its rate while both run (its bytes over its
-transfer's seconds, from the executes sent to the last DONE) over the link's rate (the
-same with the first model refitting alone on the shaped link); the second's is the rest. The
-target share is weight / sum of weights; the error is |share / target - 1|. One JSON line.
+The second model is --ratio times the first's size and starts first, so it transfers during
+the whole of the first's transfer. The first model's share is the part of the link's bytes
+that are its own while both move: its bytes over the bytes the trainer host sent on its
+link from the first's executes sent to its last DONE (sampled every 2 ms,
+netns.LinkSampler; headers counted as in a round of the first model alone on the shaped
+link). The second's share is the rest. The target share is weight / sum of weights; the
+error is |share / target - 1|. One JSON line.
 """
 
 from __future__ import annotations
@@ -84,11 +86,16 @@ def run(args: argparse.Namespace) -> int:
             for m in MODELS:  # plans, programs and the communicator in place
                 _round(cluster, 1, [m])
             net.shape(int(args.rate_mbit * 1e6))
-            alone = _seconds(_round(cluster, 2, [MODELS[0]])[MODELS[0]])
-            link_rate = nbytes[MODELS[0]] / alone
-            for v in range(3, 3 + args.refits):
-                records = _round(cluster, v, [MODELS[1], MODELS[0]])  # the larger first
-                rounds.append(_shares(records, nbytes[MODELS[0]], link_rate, weights))
+            with netns.LinkSampler(net, "trainer") as link:
+                alone = _round(cluster, 2, [MODELS[0]])[MODELS[0]]
+                link_rate = nbytes[MODELS[0]] / _seconds(alone)
+                wire = _wire_bytes(link, alone) / nbytes[MODELS[0]]  # bytes on the link per byte
+                for v in range(3, 3 + args.refits):
+                    records = _round(cluster, v, [MODELS[1], MODELS[0]])  # the larger first
+                    first_wire = nbytes[MODELS[0]] * wire
+                    rounds.append(
+                        _shares(records, first_wire, _wire_bytes(link, records[MODELS[0]]), weights)
+                    )
         finally:
             cluster.close()
     worst = max(max(r["error"].values()) for r in rounds)
@@ -97,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_mbit": args.rate_mbit,
         "model_bytes": nbytes,
         "link_rate_mbit": link_rate * 8 / 1e6,
+        "wire_over_payload": wire,
         "bucket_bytes": int(args.bucket_mb * (1 << 20)),
         "weights": dict(zip(MODELS, weights, strict=True)),
         "target_share": {m: w / sum(weights) for m, w in zip(MODELS, weights, strict=True)},
@@ -180,20 +188,27 @@ def _seconds(record: dict) -> float:
     return float(record["transfer_done_at"]) - float(record["executes_sent_at"])
 
 
+def _wire_bytes(link: netns.LinkSampler, record: dict) -> float:
+    """Bytes the trainer host sent on its link during a refit's transfer (_seconds)."""
+    return link.between(float(record["executes_sent_at"]), float(record["transfer_done_at"]))
+
+
 def _shares(
-    records: dict[str, dict], first_bytes: int, link_rate: float, weights: list[float]
+    records: dict[str, dict], first_wire: float, link_bytes: float, weights: list[float]
 ) -> dict:
-    """Each model's share of the link while both transferred (module docstring)."""
+    """Each model's share of the link while both transferred (module docstring): the first
+    model's bytes on the wire over all the link carried during its transfer."""
     a, b = MODELS
     secs = {m: _seconds(records[m]) for m in MODELS}
     start = {m: float(records[m]["executes_sent_at"]) for m in MODELS}
     end = {m: float(records[m]["transfer_done_at"]) for m in MODELS}
-    share_a = first_bytes / secs[a] / link_rate
+    share_a = first_wire / link_bytes
     share = {a: share_a, b: 1.0 - share_a}
     target = {m: w / sum(weights) for m, w in zip(MODELS, weights, strict=True)}
     return {
         "share": share,
         "error": {m: abs(share[m] / target[m] - 1.0) for m in MODELS},
         "transfer_s": secs,
+        "link_mbit_during_first": link_bytes * 8 / 1e6 / secs[a],
         "second_covers_first": start[b] <= start[a] and end[b] >= end[a],
     }

@@ -13,12 +13,16 @@ down (partitions) and shaped (`tc tbf` on both ends of each host's veth).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import random
 import shutil
 import signal
 import subprocess
+import threading
+import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +31,7 @@ import psutil
 PREFIX = "rfm"  # every namespace and veth of these networks starts with it
 OWNERS = Path("/run/refitd-netns")  # run id -> pid of the process that made it
 ETC_NETNS = Path("/etc/netns")
+CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
 
 
 def unavailable() -> str | None:
@@ -212,3 +217,74 @@ class Network:
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
+
+
+def _join_netns(path: str) -> None:
+    """Move the calling thread into the network namespace at `path` (setns(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class LinkSampler:
+    """A host's bytes sent on its link (the switch side's received bytes), sampled every
+    `every_s` by a thread that joins the switch namespace (setns acts on the calling thread
+    only) and reads its /proc/thread-self/net/dev: cheap enough to sample every few
+    milliseconds. `between(t0, t1)`: the bytes sent in a monotonic interval, interpolated."""
+
+    def __init__(self, net: Network, host: str, every_s: float = 0.002) -> None:
+        self.ns_path = f"/run/netns/{net.switch}"
+        self.port = net.hosts[host].port
+        self.every_s = every_s
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.error: OSError | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="link-sampler", daemon=True)
+
+    def __enter__(self) -> LinkSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        try:
+            _join_netns(self.ns_path)
+        except OSError as e:
+            self.error = e
+            return
+        while not self._stop.is_set():
+            t, n = time.monotonic(), self._read()
+            self.counts.append(n)  # counts first: a reader sees len(times) <= len(counts)
+            self.times.append(t)
+            self._stop.wait(self.every_s)
+
+    def _read(self) -> int:
+        with open("/proc/thread-self/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == self.port:
+                    return int(rest.split()[0])
+        raise RuntimeError(f"no counters for {self.port} in {self.ns_path}")
+
+    def at(self, t: float) -> float:
+        """The counter at monotonic time t, linear between the samples around it."""
+        if self.error is not None:
+            raise RuntimeError(f"link sampler: {self.error}")
+        times = self.times[:]
+        i = bisect_left(times, t)
+        if i == 0 or i == len(times):
+            raise RuntimeError(f"link sampled over {times[:1]}..{times[-1:]}, not at {t}")
+        t0, t1, c0, c1 = times[i - 1], times[i], self.counts[i - 1], self.counts[i]
+        return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
+
+    def between(self, t0: float, t1: float) -> float:
+        return self.at(t1) - self.at(t0)
