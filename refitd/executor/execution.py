@@ -22,7 +22,7 @@ from refitd.executor.chunks import Chunk, messages_without
 from refitd.executor.errors import ExecutionError
 from refitd.executor.onesided import OneSided
 from refitd.executor.prepare import PreparedProgram
-from refitd.executor.shares import Share
+from refitd.executor.shares import Share, gated_bytes
 from refitd.executor.views import LocalStep
 from refitd.slot_protocol import ExecReport, MessageStat
 from refitd.transport.base import DoneWork, P2POp, Transport, Work
@@ -175,7 +175,8 @@ class RefitExecution:
         """Post every step's receives and sends (packing staged sends) as one batch each."""
         try:
             if self.share.shares is not None:
-                self.share.expect(self._gated_bytes())
+                p = self.prep
+                self.share.expect(gated_bytes(p.send_chunks, self.skip, p.one_sided, self.peer))
             for sends, recvs in self.prep.steps:
                 ops: list[P2POp] = []
                 posted: list[_Post] = []
@@ -194,15 +195,6 @@ class RefitExecution:
         finally:
             self.send_q.put(None)
             self.recv_q.put(None)
-
-    def _gated_bytes(self) -> dict[int, int]:
-        """Bytes this refit sends through the link gates (two-sided sends), per peer rank."""
-        out: dict[int, int] = {}
-        for ch in self.prep.send_chunks:
-            if ch.mid not in self.skip and id(ch) not in self.prep.one_sided:
-                dst = self.peer(ch.dst_slot)
-                out[dst] = out.get(dst, 0) + ch.nbytes
-        return out
 
     def _post_recv(self, ch: Chunk, ops: list[P2POp]) -> _Post:
         if ch.mid in self.skip:  # landed before the executor ran

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
+from refitd.executor.chunks import Chunk
 from refitd.executor.errors import ExecutionError
 from refitd.plan.lanes import lane_tag
 
@@ -38,6 +39,20 @@ SHARE_HOLD_S = 0.05  # how long expected bytes keep a lane's turn with nothing i
 START_WINDOW = 4 << 20  # the window until the link's rate is known
 RATE_SPAN_S = 0.05  # the rate is measured over spans at least this long
 _RATE_GAIN = 0.5  # weight of each span in the rate's moving average
+
+
+def gated_bytes(
+    chunks: Iterable[Chunk], skip: Container[int], one_sided: Container[int],
+    peer: Callable[[int], int],
+) -> dict[int, int]:  # fmt: skip
+    """Bytes a refit sends through the link gates (two-sided sends of messages not skipped),
+    per peer rank: what its Share expects."""
+    out: dict[int, int] = {}
+    for ch in chunks:
+        if ch.mid not in skip and id(ch) not in one_sided:
+            dst = peer(ch.dst_slot)
+            out[dst] = out.get(dst, 0) + ch.nbytes
+    return out
 
 
 @dataclass(frozen=True)
