@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from clients.engine_layouts import EngineLayout, engine_placements
 from refitd.formats.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from refitd.plan.wire import mxfp8_scale_shape
 
@@ -259,3 +260,16 @@ def loaded_buffers(
             want = hf[name]
         out[name] = want
     return out
+
+
+def fill_from(src: dict[str, torch.Tensor], eng: EngineModel, lays: list[EngineLayout]) -> None:
+    """Write every engine registration from its boxes in the trainer's global tensors; each
+    box must name a trainer tensor of the registration's global shape."""
+    for r, lay in enumerate(lays):
+        for key, p in engine_placements(eng.ranks[r], lay).items():
+            assert p.canonical in src, (r, key, p.canonical)
+            assert tuple(p.global_shape) == tuple(src[p.canonical].shape), (r, key)
+            for b in p.boxes:
+                glob = tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape, strict=True))
+                loc = tuple(slice(o, o + n) for o, n in zip(b.local_offset, b.shape, strict=True))
+                p.tensor[loc] = src[p.canonical][glob]

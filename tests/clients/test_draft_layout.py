@@ -28,11 +28,11 @@ from _draft_models import (
     mismatches,
     trainer_tensors,
 )
-from _engine_models import loaded_buffers
+from _engine_models import fill_from, loaded_buffers
 from _hf_models import DSV3, config
 from _lora_models import _tp
 
-from clients.engine_layouts import EngineParallel, engine_placements
+from clients.engine_layouts import EngineParallel
 from clients.engine_layouts.draft import deepseek_mtp_engine_layout
 from refitd.plan.errors import PlanError
 
@@ -181,15 +181,7 @@ def test_draft_holds_what_the_loaders_make(engine_name: str, naming: str) -> Non
     eng, lays = engine(2, True, engine_name, naming)
     d = dims()
     sources = megatron_trainer(1) if naming == "megatron" else trainer_tensors(1)
-    for r, lay in enumerate(lays):
-        for p in engine_placements(eng.ranks[r], lay).values():
-            for b in p.boxes:
-                src = sources[p.canonical][
-                    tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape, strict=True))
-                ]
-                p.tensor[
-                    tuple(slice(o, o + n) for o, n in zip(b.local_offset, b.shape, strict=True))
-                ] = src
+    fill_from(sources, eng, lays)
     served = as_megatron_serves(1) if naming == "megatron" else trainer_tensors(1)
     for r in range(eng.tp):
         want = loaded_buffers(eng, r, draft_names(served, d, engine_name))

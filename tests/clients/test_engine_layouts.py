@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp
-from _engine_models import PAD_FILL, EngineModel, loaded_buffers, mxfp8_reference
+from _engine_models import PAD_FILL, EngineModel, fill_from, loaded_buffers, mxfp8_reference
 from _hf_models import (
     DSV3,
     LLAMA,
@@ -271,19 +271,6 @@ def test_quantized_registrations_need_scales_and_the_source_dtype() -> None:
         collect({"w": Placed(data, storage="mxfp8", dtype="bfloat16")})
     with pytest.raises(PlanError, match=r"'w'.*needs dtype="):
         collect({"w": Placed(data, storage="mxfp8", scales=scales)})
-
-
-def fill_from(src: dict[str, torch.Tensor], eng: EngineModel, lays: list[EngineLayout]) -> None:
-    """Write every engine registration from its boxes in the trainer's global tensors; each
-    box must name a trainer tensor of the registration's global shape."""
-    for r, lay in enumerate(lays):
-        for key, p in engine_placements(eng.ranks[r], lay).items():
-            assert p.canonical in src, (r, key, p.canonical)
-            assert tuple(p.global_shape) == tuple(src[p.canonical].shape), (r, key)
-            for b in p.boxes:
-                glob = tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape, strict=True))
-                loc = tuple(slice(o, o + n) for o, n in zip(b.local_offset, b.shape, strict=True))
-                p.tensor[loc] = src[p.canonical][glob]
 
 
 def assert_loaded(eng: EngineModel, hf: dict[str, torch.Tensor]) -> None:

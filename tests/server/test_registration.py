@@ -129,35 +129,23 @@ def test_bad_registration_is_refused_with_its_reason(
 
 
 def test_global_shape_must_agree_within_pool(cluster: Cluster) -> None:
-    err = refused(
-        cluster.stub,
-        request(
-            cluster,
-            pool="trainer",
-            role=pb.ROLE_SOURCE,
-            rank=1,
-            pool_size=2,
-            device="cpu:1",
-            tensors=[tensor("w", [6, 8], [3, 0], [3, 8])],
-        ),
-    )
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "global_shape [6, 8] disagrees with [4, 8] registered by rank 0" in err.details()
     # rank 0 registered "w" first: its own shape doesn't count, rank 1's does
-    err = refused(
-        cluster.stub,
-        request(
-            cluster,
-            pool="trainer",
-            role=pb.ROLE_SOURCE,
-            rank=0,
-            pool_size=2,
-            device="cpu:0",
-            tensors=[tensor("w", [6, 8], [0, 0], [3, 8])],
-        ),
-    )
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "global_shape [6, 8] disagrees with [4, 8] registered by rank 1" in err.details()
+    for rank, start, other in ((1, 3, 0), (0, 0, 1)):
+        err = refused(
+            cluster.stub,
+            request(
+                cluster,
+                pool="trainer",
+                role=pb.ROLE_SOURCE,
+                rank=rank,
+                pool_size=2,
+                device=f"cpu:{rank}",
+                tensors=[tensor("w", [6, 8], [start, 0], [3, 8])],
+            ),
+        )
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        want = f"global_shape [6, 8] disagrees with [4, 8] registered by rank {other}"
+        assert want in err.details()
 
 
 def test_epochs_bump_and_a_live_rank_is_not_registered_twice(cluster: Cluster) -> None:
