@@ -203,9 +203,11 @@ def nvfp4_quantize_into(
     n_c = -(-width // block_w)
     n_tiles = -(-rows // block_m) * n_c
     src = {torch.bfloat16: SRC_BF16, torch.float16: SRC_F16}.get(x.dtype, SRC_F32)
-    nvfp4_amax_kernel[(min(n_tiles, amax_programs),)](
-        words, amax, rows, width, n_c, n_tiles, words.stride(0),
-        BLOCK_M=block_m, BLOCK_W=block_w, SRC=src, num_warps=num_warps,
+    flat = words.stride(0) == width  # rows back to back: the amax pass reads flat tiles
+    a_tiles = -(-rows * width // (block_m * block_w)) if flat else n_tiles
+    nvfp4_amax_kernel[(min(a_tiles, amax_programs),)](
+        words, amax, rows, width, n_c, a_tiles, words.stride(0),
+        BLOCK_M=block_m, BLOCK_W=block_w, SRC=src, FLAT=flat, num_warps=num_warps,
     )  # fmt: skip
     nvfp4_kernel[(n_tiles,)](
         words, q_out, s_out, global_scale.view(-1), amax, rows, width, nb, n_c, n_tiles,

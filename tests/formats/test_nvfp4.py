@@ -253,6 +253,9 @@ def test_kernel_in_interpreter_matches_reference() -> None:
     x = torch.linspace(-1, 1, 40 * 64).reshape(40, 64).to(torch.bfloat16)
     x[20, 3] = 9.0
     _check_tensor(x, amax_programs=2)
+    # rows apart in memory: the amax pass's tiles are rows x words, several a program
+    for dtype in (torch.bfloat16, torch.float32):
+        _check_tensor(data((20, 80), dtype)[:, 8:72], block_m=4, block_c=32, amax_programs=3)
 
 
 @pytest.mark.gpu
