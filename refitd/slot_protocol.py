@@ -14,6 +14,7 @@ the transfer process and the executor import this module and must not need pydan
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -93,6 +94,20 @@ class ExecReport:
     phases: dict[str, float] = field(default_factory=dict)
     # with verify: {"send": {message id: checksum}, "recv": {...}} (unsigned 64-bit)
     checksums: dict[str, dict[int, int]] | None = None
+    # the first received chunk: when it completed (monotonic; 0: none) and its bytes; when
+    # the last one completed
+    first_landed_at: float = 0.0
+    first_landed_bytes: int = 0
+    last_landed_at: float = 0.0
+
+    def landed(self, nbytes: int) -> None:
+        """`nbytes` more were received (the first and last chunks' times bound the bytes'
+        arrival: a refit sharing the links with others measures its share between them)."""
+        self.recv_bytes += nbytes
+        if nbytes:
+            self.last_landed_at = time.monotonic()
+            if not self.first_landed_at:
+                self.first_landed_at, self.first_landed_bytes = self.last_landed_at, nbytes
 
 
 # `reported_as`: the pb.ReportKind (REPORT_KIND_<name>) of a report the controller receives

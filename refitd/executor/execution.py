@@ -124,7 +124,7 @@ class RefitExecution:
 
     def _recv_completed(self, nbytes: int) -> None:
         with self.progress:
-            self.report.recv_bytes += nbytes
+            self.report.landed(nbytes)
             self.recvs_done += 1
             self.progress.notify_all()
 

@@ -9,6 +9,7 @@ refused with a `CommandError` naming the field. `target_slots` says which slots 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -303,6 +304,11 @@ def _executed_fields(out: pb.AgentReport, executed: Executed) -> None:
         out.snapshot_fallback = executed.snapshot.fallback
     out.bytes_sent, out.bytes_received, out.bytes_local = r.sent_bytes, r.recv_bytes, r.local_bytes
     out.seconds = r.seconds
+    if r.first_landed_at:  # intervals, not times: the controller's clock may differ
+        now = time.monotonic()
+        out.first_landed_ago_s = max(0.0, now - r.first_landed_at)
+        out.last_landed_ago_s = max(0.0, now - r.last_landed_at)
+        out.first_landed_bytes = r.first_landed_bytes
     out.checksums.extend(
         pb.MessageChecksum(message_id=int(mid), sent=side == "send", checksum=h)
         for side in ("send", "recv")

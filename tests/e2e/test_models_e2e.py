@@ -98,6 +98,11 @@ def test_two_models_refit_at_once_bit_for_bit(daemon: Daemon) -> None:
             )
         overlapped = [v for v, ((s0, e0), (s1, e1)) in windows.items() if max(s0, s1) < min(e0, e1)]
         assert overlapped, f"the two models' transfers never ran at once: {windows}"
+        for r in doc["refits"]:  # where each one's bytes began to arrive: inside its transfer
+            where = (r["model"], r["version"])
+            landed = (r["first_landed_at"], r["last_landed_at"])
+            assert r["executes_sent_at"] < landed[0] <= landed[1] <= r["transfer_done_at"], where
+            assert 0 < r["first_landed_bytes"] <= r["bytes"], where
     finally:
         for c in clients:
             c.close()

@@ -425,3 +425,15 @@ class _TransferTally:
                     "fallback": r.snapshot_fallback,
                 }
             self.last_done = time.monotonic()
+            if r.first_landed_ago_s:
+                _landed(run.detail, self.last_done, r)
+
+
+def _landed(detail: dict, now: float, r: pb.AgentReport) -> None:
+    """The refit's first and last received chunks over its slots (monotonic, like
+    executes_sent_at; the first one's bytes): between them its bytes arrived, the interval
+    of its share of a link shared with others."""
+    first, last = now - r.first_landed_ago_s, now - r.last_landed_ago_s
+    if "first_landed_at" not in detail or first < detail["first_landed_at"]:
+        detail["first_landed_at"], detail["first_landed_bytes"] = first, r.first_landed_bytes
+    detail["last_landed_at"] = max(last, detail.get("last_landed_at", last))
