@@ -82,15 +82,33 @@ def _combined(keys: tuple[np.ndarray, ...]) -> list[tuple[np.ndarray, int]] | No
 
 
 def _argsort(combined: np.ndarray, span: int, unique: bool, shuffled: bool) -> np.ndarray:
-    """Stable argsort of one combined key of `span` values (see sort_by)."""
+    """Stable argsort of one combined key of `span` values (see sort_by). Keys in no
+    useful order go by 16-bit digits, least significant first (a stable radix pass
+    each): up to four passes cost less than one comparison sort of int64 keys."""
     n = combined.size
     if span <= 1 << 16:
         return np.argsort(combined.astype(np.uint16), kind="stable")
+    if (shuffled or unique) and n >= _RADIX_MIN:
+        return _radix_argsort(combined, span)
     if shuffled and not unique and span * n < 2**62:
         combined *= n
         combined += np.arange(n)
         unique = True
     return np.argsort(combined, kind="quicksort" if unique else "stable")
+
+
+_RADIX_MIN = 1 << 12  # below this many keys one comparison sort is as fast
+
+
+def _radix_argsort(combined: np.ndarray, span: int) -> np.ndarray:
+    """Stable argsort of non-negative int64 keys below `span` (< 2**64), 16 bits a pass."""
+    order = np.argsort((combined & 0xFFFF).astype(np.uint16), kind="stable")
+    shift = 16
+    while span > 1 << shift:
+        digit = ((combined[order] >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(digit, kind="stable")]
+        shift += 16
+    return order
 
 
 def side_of(table: SpecTable, base: int) -> Side:

@@ -57,3 +57,16 @@ def test_sort_by_keys_too_wide_for_one_int64(rows: list, shuffled: bool, dedupe:
     keys = [np.array(c, np.int64) for c in zip(*rows, strict=True)] or [np.zeros(0, np.int64)] * 3
     want = np.lexsort(keys[::-1]) if rows else np.zeros(0, np.int64)
     assert np.array_equal(sort_by(*keys, unique=dedupe, shuffled=shuffled), want)
+
+
+def test_sort_by_of_many_keys_by_digits_is_the_stable_order() -> None:
+    # enough keys for the radix passes: one to four 16-bit digits, with ties, and keys
+    # that never repeat (unique) over the whole width of an int64
+    rng = np.random.default_rng(7)
+    n = 20_000
+    for top in (2**20, 2**40, 2**60):
+        keys = [rng.integers(0, 50, n), rng.integers(0, top // 64, n)]
+        want = np.lexsort(keys[::-1])
+        assert np.array_equal(sort_by(*keys, shuffled=True), want)
+    wide = rng.choice(2**62, size=n, replace=False)
+    assert np.array_equal(sort_by(wide, unique=True), np.argsort(wide, kind="stable"))
