@@ -243,13 +243,13 @@ class OneSided:
         peer, desc = self.links.peers[ch.dst_slot]
         attempt, device, deadline = refit.attempt, refit.prep.device, refit.deadline
         window = self.window if peer.in_flight else None
-        if window is not None:
-            window.take(ch, refit, flush)
         w = data.direct_views(ch)
         if sums is not None and not ch.seg_start:
             for i in ch.rows:
                 if data.plain_raw_dst(i):
                     sums[(ch.mid, i)] = data.source_sum(i)
+        if window is not None:  # the chunk is prepared while earlier ones are in flight
+            window.take(ch, refit, flush)
         posted = peer.post(w.dst, w.src, deadline)
         for i, _ in w.slow:
             if ch.seg_start:
