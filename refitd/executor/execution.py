@@ -225,9 +225,8 @@ class RefitExecution:
             self.wait_recvs(need, self.describe(ch, "send"))
         if id(ch) in self.prep.one_sided:
             try:
-                work = self.one_sided.write(
-                    ch, self.data, self.send_sums, self.attempt, self.prep.device, self.deadline
-                )
+                flush = lambda: self._flush(ops, posted)  # noqa: E731
+                work = self.one_sided.write(ch, self.data, self.send_sums, self, flush)
             except Exception as e:
                 raise ExecutionError(f"{self.describe(ch, 'send')}: {e}") from e
             return (ch, _SKIPPED, ONE_SIDED, True, work)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,6 +37,52 @@ from refitd.transport.errors import TransportError
 from refitd.transport.paths import Descriptor, Peer
 
 _Sums = dict[tuple[int, int], torch.Tensor]
+# one-sided bytes posted to one remote destination and not yet landed (one chunk at least):
+# the engine sends everything posted at once, so a chunk posted far ahead shares the link
+# with all the others and lands late, which holds up the destination's relays
+WINDOW = 8 << 20
+
+
+class _Refit(Protocol):
+    """What a write needs of the running refit."""
+
+    attempt: int
+    deadline: float  # monotonic
+    abort: threading.Event
+    prep: Any  # its device
+
+
+class _Window:
+    """Per destination, the one-sided bytes of one refit posted and not yet landed."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, int] = {}
+        self._cond = threading.Condition()
+
+    def _full(self, dst: int, nbytes: int) -> bool:
+        held = self._held.get(dst, 0)
+        return held > 0 and held + nbytes > WINDOW
+
+    def take(self, ch: Chunk, refit: _Refit, flush: Callable[[], None]) -> None:
+        """Wait until the chunk fits (after `flush`: the writes the caller holds back must
+        reach the send-waiter, whose landings make room), then count it in."""
+        with self._cond:
+            full = self._full(ch.dst_slot, ch.nbytes)
+        if full:
+            flush()
+        with self._cond:
+            while self._full(ch.dst_slot, ch.nbytes):
+                left = refit.deadline - time.monotonic()
+                if refit.abort.is_set() or left <= 0:
+                    why = "aborted" if left > 0 else "timed out waiting for earlier writes"
+                    raise ExecutionError(f"{why} (to slot {ch.dst_slot})")
+                self._cond.wait(min(left, 0.1))
+            self._held[ch.dst_slot] = self._held.get(ch.dst_slot, 0) + ch.nbytes
+
+    def landed(self, ch: Chunk) -> None:
+        with self._cond:
+            self._held[ch.dst_slot] -= ch.nbytes
+            self._cond.notify_all()
 
 
 @dataclass
@@ -93,14 +141,17 @@ class _Landing:
     hold the plan still (its doorbell's generation) and the chunk's doorbell word rung."""
 
     def __init__(
-        self, slot: int, ch: Chunk, posted: Work, peer: Peer, desc: Descriptor, attempt: int
-    ) -> None:
+        self, slot: int, ch: Chunk, posted: Work, peer: Peer, desc: Descriptor, attempt: int,
+        window: _Window | None,
+    ) -> None:  # fmt: skip
         self.slot, self.ch, self.posted, self.peer, self.desc = slot, ch, posted, peer, desc
-        self.attempt = attempt
+        self.attempt, self.window = attempt, window
 
     def wait(self, timeout_s: float) -> None:
         ch = self.ch
         self.posted.wait(timeout_s)
+        if self.window is not None:
+            self.window.landed(ch)
         if self.peer.generation() != self.desc.generation:
             raise ExecutionError(
                 f"slot {self.slot}: message {ch.mid} to slot {ch.dst_slot}: stale descriptor "
@@ -118,6 +169,7 @@ class OneSided:
         self.links = links or OneSidedLinks()
         self.devices: set[torch.device] = set()  # of the destinations the sends write
         self.send, self.recv = one_sided_messages(program)
+        self.window = _Window()
         missing = sorted({int(s) for s, m in zip(program.send.dst_slot, program.send.id,
                                                    strict=True)
                           if int(m) in self.send and int(s) not in self.links.peers})  # fmt: skip
@@ -166,6 +218,7 @@ class OneSided:
 
     def check(self, attempt: int) -> None:
         """Before a refit: every peer's descriptor is current and its memory live."""
+        self.window = _Window()  # what a failed refit left counted is not in flight now
         stale = self.links.stale()
         if stale:
             raise ExecutionError(
@@ -179,24 +232,24 @@ class OneSided:
                 raise ExecutionError(f"slot {self.p.slot}: destination slot {slot}: {e}") from e
 
     def write(
-        self,
-        ch: Chunk,
-        data: SlotViews,
-        sums: _Sums | None,
-        attempt: int,
-        device: torch.device,
-        deadline: float,
-    ) -> _Landing:
-        """Post one send chunk's writes into its destination (by the monotonic `deadline`);
+        self, ch: Chunk, data: SlotViews, sums: _Sums | None, refit: _Refit,
+        flush: Callable[[], None],
+    ) -> _Landing:  # fmt: skip
+        """Post one send chunk's writes into its destination (by the refit's deadline);
         the returned Work waits for them and rings the destination's doorbell, so the next
-        chunk is prepared while these are in flight. A copy through a codec is encoded and
-        landed by the sender (the destination takes no part), then flushed to the peer."""
+        chunk is prepared while these are in flight (up to WINDOW bytes per destination).
+        A copy through a codec is encoded and landed by the sender (the destination takes
+        no part), then flushed to the peer."""
         peer, desc = self.links.peers[ch.dst_slot]
+        attempt, device, deadline = refit.attempt, refit.prep.device, refit.deadline
+        window = self.window if peer.in_flight else None
         w = data.direct_views(ch)
         if sums is not None and not ch.seg_start:
             for i in ch.rows:
                 if data.plain_raw_dst(i):
                     sums[(ch.mid, i)] = data.source_sum(i)
+        if window is not None:  # the chunk is prepared while earlier ones are in flight
+            window.take(ch, refit, flush)
         posted = peer.post(w.dst, w.src, deadline)
         for i, _ in w.slow:
             if ch.seg_start:
@@ -208,7 +261,7 @@ class OneSided:
         for dev in self.devices | {device}:  # the copies and landings are queued there
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
-        return _Landing(self.p.slot, ch, posted, peer, desc, attempt)
+        return _Landing(self.p.slot, ch, posted, peer, desc, attempt, window)
 
     def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> _BellWork:
         """The wait of one receive chunk."""

@@ -121,6 +121,8 @@ class RdmaExposure(Exposure):
 class RdmaPeer(Peer):
     """A destination slot as one sender writes it (see the module docstring)."""
 
+    in_flight = True
+
     def __init__(
         self, path: RdmaPath, peer: MooncakePeer, bell: int, tensors: dict[int, Any], what: str
     ) -> None:
@@ -220,7 +222,7 @@ class RdmaPeer(Peer):
         local = s.data_ptr() + soff * item
         return local, d.data_ptr() - mirror + remote + doff * item, np.full_like(doff, run * item)
 
-    def _post(self, runs: Runs, deadline: float, read: bool = False) -> Work:
+    def _post(self, runs: Runs, deadline: float, read: bool = False, control: bool = False) -> Work:
         local, remote, n = runs
         if not n.size:
             return DoneWork()
@@ -233,7 +235,7 @@ class RdmaPeer(Peer):
         if joined.any():
             first = np.flatnonzero(~joined)
             local, remote, n = local[first], remote[first], np.add.reduceat(n, first)
-        return self.peer.post((local, remote, n), _left(deadline), read=read)
+        return self.peer.post((local, remote, n), _left(deadline), read=read, control=control)
 
     def _control_deadline(self) -> float:
         return max(self._deadline, time.monotonic() + CONTROL_TIMEOUT_S)
@@ -243,14 +245,15 @@ class RdmaPeer(Peer):
             self._scratch[0] = value(attempt, chunks)
             at = self.bell + 8 * (HEADER_WORDS + entry)
             deadline = self._control_deadline()
-            self._post(_one(self._scratch.data_ptr(), at, 8), deadline).wait(_left(deadline))
+            ring = _one(self._scratch.data_ptr(), at, 8)
+            self._post(ring, deadline, control=True).wait(_left(deadline))
 
     def generation(self) -> int:
         with self._lock:
             self._scratch[1:3] = 0
             op = _one(self._scratch.data_ptr() + 8, self.bell, 16)
             deadline = self._control_deadline()
-            self._post(op, deadline, read=True).wait(_left(deadline))
+            self._post(op, deadline, read=True, control=True).wait(_left(deadline))
             magic, gen = (int(x) for x in self._scratch[1:3].tolist())
         return gen if magic == MAGIC else RETIRED
 

@@ -213,8 +213,10 @@ class MooncakeEndpoint:
             raise TransportError(f"{desc.where} {why}: its engine did not answer a probe")
         k, m = len(self._engines), len(desc.sessions)
         routes = [(self._engines[i % k], desc.sessions[i % m]) for i in range(max(k, m))]
+        spare = [(e, s) for e in self._engines for s in desc.sessions if (e, s) not in routes]
+        control = spare[0] if spare else routes[0]
         with self._lock:  # the stamp through every route: each has shaken hands once
-            for route in routes:
+            for route in [*routes, *spare[:1]]:
                 self._stamp[STAMP_BYTES:] = 0
                 scratch = self._stamp.data_ptr() + STAMP_BYTES
                 work = MooncakeWork([route], f"stamp read of {desc.where}", timeout_s, 1, True)
@@ -230,7 +232,7 @@ class MooncakeEndpoint:
                         f"stale segment descriptor of {desc.where}: the peer's registration "
                         "changed since it was published (a new program load or a restarted peer)"
                     )
-        return MooncakePeer(self, desc, routes)
+        return MooncakePeer(self, desc, routes, control)
 
     def check_local(self, local: np.ndarray, nbytes: np.ndarray) -> None:
         """Refuse runs of this process's memory outside what this endpoint registered."""
@@ -267,10 +269,18 @@ class MooncakePeer:
     """A checked descriptor of one destination slot: posts one-sided writes into it."""
 
     def __init__(
-        self, endpoint: MooncakeEndpoint, desc: SegmentDescriptor, routes: list[Route]
+        self,
+        endpoint: MooncakeEndpoint,
+        desc: SegmentDescriptor,
+        routes: list[Route],
+        control: Route,
     ) -> None:
         self.endpoint, self.desc, self.slot = endpoint, desc, desc.slot
         self._routes, self._remote = routes, Ranges(desc.buffers)
+        # small control writes and reads (a doorbell) go on a route of their own where the
+        # engines allow one: the engine queues a route's requests first in, first out, so
+        # on a data route they would wait behind every write posted before them
+        self._control = control
 
     def covers(self, addr: int, nbytes: int) -> bool:
         """Whether [addr, addr + nbytes) lies in one buffer the peer registered."""
@@ -286,10 +296,16 @@ class MooncakePeer:
         return self.post(_arrays(ops), timeout_s, message, True)
 
     def post(
-        self, runs: Runs, timeout_s: float, message: str = "", read: bool = False
+        self,
+        runs: Runs,
+        timeout_s: float,
+        message: str = "",
+        read: bool = False,
+        control: bool = False,
     ) -> MooncakeWork:
         """Post writes (or reads) of runs given as arrays (local, remote, nbytes), each
-        checked against both registrations first: many small runs cost no Python objects."""
+        checked against both registrations first: many small runs cost no Python objects.
+        `control`: on the control route, ahead of the data writes in flight."""
         what = f"message {message}" if message else ("read" if read else "write")
         if not self._remote.ranges:
             raise TransportError(f"{what} to {self.desc.where}: the peer registered no memory")
@@ -314,10 +330,11 @@ class MooncakePeer:
             local, remote, total = (np.repeat(a, parts) for a in (local, remote, nbytes))
             local, remote, nbytes = local + off, remote + off, np.minimum(split, total - off)
         label = f"mooncake {what} {'from' if read else 'to'} {self.desc.where}"
-        work = MooncakeWork(self._routes, label, timeout_s, options.window, read)
+        routes = [self._control] if control else self._routes
+        work = MooncakeWork(routes, label, timeout_s, options.window, read)
         # only small runs share a batch: a batch goes to one route, large runs use them all
         cap = min(split, BATCH_BYTES)
-        work.post(batches((local, remote, nbytes), options.batch, cap, len(self._routes)))
+        work.post(batches((local, remote, nbytes), options.batch, cap, len(routes)))
         return work
 
 

@@ -14,6 +14,8 @@ from refitd.transport.errors import TransportError
 PROTOCOLS = ("tcp", "rdma")
 RDMA_SYSFS = Path("/sys/class/infiniband")
 # Debian packages that provide the shared libraries the engine links.
+ADMISSION_WAIT_MS = 600_000  # the engine's largest admission wait
+PENDING_ADMISSIONS = 65_535  # the engine's largest number of requests waiting for admission
 DEBIAN = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1", "libcurl.so.4": "libcurl4"}
 
 
@@ -73,3 +75,8 @@ def _configure_environment(protocol: str, lanes: int) -> None:
         env.pop("MC_FORCE_TCP", None)
     env.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1")
     env.setdefault("MC_TCP_LANES_PER_PEER", str(lanes))
+    # requests beyond the engine's per-peer queue wait for admission and fail after this
+    # long (1 s by default): behind a slow link they wait longer than that without anything
+    # being wrong, and refitd bounds every write by its own timeout
+    env.setdefault("MC_TCP_ADMISSION_TIMEOUT_MS", str(ADMISSION_WAIT_MS))
+    env.setdefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(PENDING_ADMISSIONS))

@@ -93,6 +93,8 @@ class Exposure(abc.ABC):
 class Peer(abc.ABC):
     """A destination slot's exposed memory as one sender reaches it."""
 
+    in_flight = False  # `post` returns while the writes are on the wire (a remote path)
+
     @abc.abstractmethod
     def tensor(self, index: int) -> RemoteTensor:
         """Plan tensor `index` of the destination (TransportError when not exposed)."""

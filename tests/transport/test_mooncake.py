@@ -212,6 +212,34 @@ def test_stalled_peer_times_out_and_killed_peer_fails_fast(store, dest, writer) 
         endpoint.open(store.get("desc/load-1"))
 
 
+@pytest.mark.slow
+@needs_mooncake
+def test_requests_queued_behind_a_slow_link_wait_for_it(store, dest, monkeypatch) -> None:
+    """More requests than the engine queues per peer, to a peer that stops reading for
+    longer than the engine's admission wait (a link shaped slower than the writes): the
+    requests wait their turn and land, none fails while the writer's own timeout lasts."""
+    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "4")
+    monkeypatch.setenv("MC_TCP_LANES_PER_PEER", "1")
+    endpoint = MooncakeEndpoint(0, MooncakeOptions(engines=1, lanes=1))
+    try:
+        source = _source_bytes(DEST_BYTES)
+        endpoint.register([source], "writer")
+        base = dest.ask(("register", ("load-1", DEST_BYTES)))
+        peer = endpoint.open(store.get("desc/load-1"))
+        step = 256 << 10
+        regions = [(off, off, step) for off in range(0, DEST_BYTES, step)]
+        os.kill(dest.proc.pid, signal.SIGSTOP)  # the link stops draining
+        work = peer.write(
+            [WriteOp(source.data_ptr() + s, base + d, n) for s, d, n in regions], TIMEOUT, "m1"
+        )
+        time.sleep(1.6)  # the stall under test: longer than the engine's 1 s admission wait
+        os.kill(dest.proc.pid, signal.SIGCONT)
+        work.wait(TIMEOUT)
+        assert dest.ask(("verify", regions)) == -1
+    finally:
+        endpoint.close()
+
+
 @needs_mooncake
 def test_absent_fabric_and_unknown_protocol_are_refused() -> None:
     with pytest.raises(TransportError, match="must be tcp or rdma"):
