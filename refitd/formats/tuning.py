@@ -27,10 +27,12 @@ CANDIDATES: dict[str, tuple[dict, ...]] = {
 }
 
 
-def _median_seconds(launch: Callable[[], object], iters: int) -> float:
-    """Median GPU time of `iters` launches on the current stream (after one warm launch,
-    which compiles the config)."""
-    launch()
+def median_gpu_seconds(launch: Callable[[], object], iters: int = 10, warmup: int = 1) -> float:
+    """Median GPU time of `iters` launches on the current stream, timed with CUDA events,
+    after `warmup` launches (the first compiles a Triton config)."""
+    for _ in range(warmup):
+        launch()
+    torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -63,7 +65,7 @@ class TileTuner:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return candidates[0]
         with torch.cuda.device(x.device):
-            rows = [(c, _median_seconds(lambda c=c: launch(c), self.iters)) for c in candidates]
+            rows = [(c, median_gpu_seconds(lambda c=c: launch(c), self.iters)) for c in candidates]
         self.timings[key] = rows
         self.picks[key] = min(rows, key=lambda r: r[1])[0]
         return self.picks[key]

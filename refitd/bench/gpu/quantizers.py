@@ -12,13 +12,12 @@ reference run on the device.
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Callable
 
 import torch
 
 from refitd.formats import fp8_block, mxfp8, nvfp4, triton_kernels
-from refitd.formats.tuning import CANDIDATES, TileTuner
+from refitd.formats.tuning import CANDIDATES, TileTuner, median_gpu_seconds
 from refitd.plan.wire import (
     fp8_block_scale_shape,
     mxfp8_scale_shape,
@@ -38,19 +37,8 @@ CHECK_SHAPES = {
 NVFP4_CHECK_SHAPES = [(2,), (40,), (31, 34), (3, 5, 100), (129, 258), (256, 4096)]
 
 
-def _median_seconds(fn: Callable[[], None], iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def _median_seconds(fn: Callable[[], object], iters: int = 10, warmup: int = 3) -> float:
+    return median_gpu_seconds(fn, iters, warmup)
 
 
 def _hard_data(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
