@@ -273,17 +273,18 @@ class AgentCommander:
             ms.model, {k for slot in build for k, _ in todo[slot][0]}
         )
         none: dict[str, bytes] = {}
+        flagged = ms.staged_pools | ms.snapshot_pools
         for slot in build:
-            handles = [
-                pb.TensorHandle(
-                    index=i,
-                    memory=memory.get((t.pool, t.rank), none).get(t.name, b""),
-                    staged=t.pool in ms.staged_pools,
-                    snapshot=t.pool in ms.snapshot_pools,
-                )
-                for i, t in plan.held(plan.load_payload(slot))
-            ]
-            out[slot] = pb.LoadProgramCommand(handles=handles).SerializeToString()
+            msg = pb.LoadProgramCommand()
+            add = msg.handles.add  # in place: a third of building each message first
+            for i, t in plan.held(plan.load_payload(slot)):
+                mem = memory.get((t.pool, t.rank), none).get(t.name, b"")
+                if t.pool in flagged:
+                    staged, snap = t.pool in ms.staged_pools, t.pool in ms.snapshot_pools
+                    add(index=i, memory=mem, staged=staged, snapshot=snap)
+                else:
+                    add(index=i, memory=mem)
+            out[slot] = msg.SerializeToString()
             self._handles[(ms.model, slot)] = (plan.digest, todo[slot], out[slot])
         self.handles_built += len(build)
         return out
