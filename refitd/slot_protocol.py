@@ -118,7 +118,11 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Connected:
+    """Connected; `loaded`: digests of the plans the transfer process holds (a fresh
+    process holds none: the controller loads its programs again)."""
+
     reported_as: ClassVar[str] = "connected"
+    loaded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

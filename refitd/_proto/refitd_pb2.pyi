@@ -491,7 +491,7 @@ class AgentCommand(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., connect: _Optional[_Union[ConnectCommand, _Mapping]] = ..., load: _Optional[_Union[LoadProgramCommand, _Mapping]] = ..., execute: _Optional[_Union[ExecuteCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ..., apply: _Optional[_Union[ApplyCommand, _Mapping]] = ...) -> None: ...
 
 class AgentReport(_message.Message):
-    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more", "checksums", "snapshot_bytes", "snapshot_fallback", "delta", "first_landed_ago_s", "first_landed_bytes", "last_landed_ago_s")
+    __slots__ = ("agent_id", "slot", "command_id", "kind", "refit_id", "bytes_sent", "bytes_received", "bytes_local", "seconds", "message", "more", "checksums", "snapshot_bytes", "snapshot_fallback", "delta", "first_landed_ago_s", "first_landed_bytes", "last_landed_ago_s", "loaded_plans")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -510,6 +510,7 @@ class AgentReport(_message.Message):
     FIRST_LANDED_AGO_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_LANDED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_LANDED_AGO_S_FIELD_NUMBER: _ClassVar[int]
+    LOADED_PLANS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     slot: int
     command_id: int
@@ -528,7 +529,8 @@ class AgentReport(_message.Message):
     first_landed_ago_s: float
     first_landed_bytes: int
     last_landed_ago_s: float
-    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[MessageChecksum, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_fallback: _Optional[str] = ..., delta: _Optional[_Union[DeltaOutcome, _Mapping]] = ..., first_landed_ago_s: _Optional[float] = ..., first_landed_bytes: _Optional[int] = ..., last_landed_ago_s: _Optional[float] = ...) -> None: ...
+    loaded_plans: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_id: _Optional[str] = ..., slot: _Optional[int] = ..., command_id: _Optional[int] = ..., kind: _Optional[_Union[ReportKind, str]] = ..., refit_id: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AgentReport, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[MessageChecksum, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_fallback: _Optional[str] = ..., delta: _Optional[_Union[DeltaOutcome, _Mapping]] = ..., first_landed_ago_s: _Optional[float] = ..., first_landed_bytes: _Optional[int] = ..., last_landed_ago_s: _Optional[float] = ..., loaded_plans: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeltaMessageStat(_message.Message):
     __slots__ = ("message_id", "delta", "changed", "elements", "nbytes", "dense_nbytes")

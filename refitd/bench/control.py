@@ -187,10 +187,11 @@ def _answer(
     to `out`."""
     import grpc
 
+    held: dict[int, list[str]] = {}
     try:
         while (item := todo.get()) is not None:
             cmd, got = item
-            if answer_setup(agents, agent_id, cmd, slot_ids) != "execute":
+            if answer_setup(agents, agent_id, cmd, slot_ids, held) != "execute":
                 continue
             done = answer_execute(agents, agent_id, cmd)
             slots = list(cmd.execute.slots) or [cmd.execute.slot]

@@ -12,9 +12,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
-def answer_setup(agents: Any, agent_id: str, cmd: Any, slots: list[int]) -> str:
+def answer_setup(
+    agents: Any, agent_id: str, cmd: Any, slots: list[int], held: dict[int, list[str]]
+) -> str:
     """Report a connect (for every slot of the agent) or a load (its slot) as done at once,
-    as a light agent that moves no bytes; returns the command's kind."""
+    as a light agent that moves no bytes; returns the command's kind. `held` (the caller's,
+    one per agent): slot -> the plans it loaded, which a connect reports as a real slot's
+    transfer process does."""
     from refitd._proto import refitd_pb2 as pb
 
     which = cmd.WhichOneof("command")
@@ -22,8 +26,10 @@ def answer_setup(agents: Any, agent_id: str, cmd: Any, slots: list[int]) -> str:
     if which == "connect":
         for slot in slots:
             rep.slot, rep.kind = slot, pb.REPORT_KIND_CONNECTED
+            rep.loaded_plans[:] = held.get(slot, [])
             agents.Report(rep, timeout=30)
     elif which == "load":
+        held.setdefault(cmd.load.slot, []).append(cmd.load.digest)
         rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
         agents.Report(rep, timeout=30)
     return which

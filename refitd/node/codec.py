@@ -22,6 +22,7 @@ from refitd.slot_protocol import (
     Applied,
     Apply,
     Connect,
+    Connected,
     DeltaPlan,
     DeltaResult,
     Execute,
@@ -293,6 +294,8 @@ def report_proto(
         out.bytes_local, out.seconds = report.bytes, report.seconds
     elif isinstance(report, Executed):
         _executed_fields(out, report)
+    elif isinstance(report, Connected):
+        out.loaded_plans.extend(report.loaded)
     return out
 
 

@@ -168,8 +168,10 @@ class TransferSlot:
             for key in [k for k in self.paths if k[1] != settings]:
                 self.paths.pop(key).close()  # the agent's data plane or protocol changed
             self.links = Links(info, open_store, functools.partial(self.path, settings=settings))
+            for entry in self.loaded.values():  # the loaded plans stay: no load follows
+                republish(self.links, entry.exposures)
         self.slot_ranks = cmd.slot_ranks
-        return Connected()
+        return Connected(tuple(self.loaded))
 
     def path(self, kind: str, settings: PathSettings) -> OneSidedPath:
         """This process's one-sided path of `kind`, kept across communicator epochs: a
@@ -202,8 +204,9 @@ class TransferSlot:
             and old.resolver.staged == staged
             and old.snapshot_request == (wanted, cap)
         ):
-            # Reloaded after a reconnect: keep the mappings and the staging buffers (a
-            # filled staging is what a retried apply copies); exposures under the new epoch.
+            # Loaded again as it is (its agent registered again, or a new controller): keep
+            # the mappings and the staging buffers (a filled staging is what a retried apply
+            # copies); exposures under the current epoch.
             old.reset()
             if self.links is not None:
                 republish(self.links, old.exposures)

@@ -242,8 +242,9 @@ def test_typed_reports_become_the_report_proto() -> None:
     assert got == want
     applied = report_proto("a", 3, 34, 0, Applied(bytes=512, seconds=0.25), 9.0)
     assert (applied.kind, applied.bytes_local, applied.seconds) == (pb.REPORT_KIND_DONE, 512, 0.25)
-    connected = report_proto("a", 3, 35, 0, Connected(), 1.5)
+    connected = report_proto("a", 3, 35, 0, Connected(("d1", "d2")), 1.5)
     assert (connected.kind, connected.seconds) == (pb.REPORT_KIND_CONNECTED, 1.5)
+    assert list(connected.loaded_plans) == ["d1", "d2"]
     loaded = report_proto("a", 3, 36, 0, Loaded(SnapshotInfo(64, "")), 2.5)
     assert (loaded.kind, loaded.seconds, loaded.snapshot_bytes) == (pb.REPORT_KIND_LOADED, 2.5, 0)
     released = report_proto("a", 3, 33, 70, SourcesReleased(t=1.0), 0.0)

@@ -137,9 +137,10 @@ def _light_agents(
     from refitd._proto import refitd_pb2 as pb
 
     def drain(agent_id: str, stream: Any, slots: list[int]) -> None:
+        held: dict[int, list[str]] = {}
         with contextlib.suppress(grpc.RpcError):
             for cmd in stream:
-                kind = answer_setup(agents, agent_id, cmd, slots)
+                kind = answer_setup(agents, agent_id, cmd, slots, held)
                 if kind == "execute" and hold_s is not None:
                     args = (agents, agent_id, cmd, hold_s)
                     threading.Thread(target=_executed, args=args, daemon=True).start()

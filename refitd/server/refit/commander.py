@@ -8,8 +8,9 @@ a time, and rebuilding the communicator waits until no transfer runs on it. What
 transfer process holds (agent incarnation, communicator epoch, loaded programs) is tracked
 here, so a refit whose plan is connected and loaded everywhere starts with a dict compare.
 A program goes to a slot only when the slot lacks it or loaded it with other workers'
-memory handles (a worker on the slot registered again): after a restart that keeps every
-layout, only the restarted rank's slots get theirs (`planning.stale_slots`).
+memory handles (a worker on the slot registered again), or its transfer process does not
+hold it (a connect reports what each holds: a restarted one holds none). After a restart
+that keeps every layout, only the restarted rank's slots get theirs (`stale_slots`).
 One ExecuteCommand goes to each agent for all its slots, reports batched per agent.
 """
 
@@ -47,6 +48,10 @@ class SlotLoadState:
         """The inputs the slot loaded `digest` with, if it is the model's loaded plan."""
         last = self.loaded.get(model)
         return last[1] if last is not None and last[0] == digest else None
+
+    def held(self, digests: frozenset[str]) -> None:
+        """Keep only the loads its transfer process says it holds (a new one: none)."""
+        self.loaded = {m: v for m, v in self.loaded.items() if v[0] in digests}
 
 
 class CommunicatorTurn:
@@ -88,7 +93,7 @@ class AgentCommander:
         self.store_address = store_address
         self._slots: dict[int, SlotLoadState] = {}
         # (model, slot) -> (digest, inputs, its last load's handles serialized): a program
-        # sent again with the same plan and holders (after a reconnect) reuses them
+        # sent again with the same plan and holders (to a restarted agent) reuses them
         self._handles: dict[tuple[str, int], tuple[str, SlotInputs, bytes]] = {}
         self.handles_built = 0  # slots whose handles were built (not reused)
         self._comm_key: tuple | None = None
@@ -183,6 +188,11 @@ class AgentCommander:
         self._await_no_transfer(ms)
         self._comm_epoch += 1
         ranks = {slot: i for i, slot in enumerate(plan.slots)}
+        held: dict[int, frozenset[str]] = {}  # slot -> the plans its transfer process holds
+
+        def connected(r: pb.AgentReport) -> None:
+            held[r.slot] = frozenset(r.loaded_plans)
+
         g, gid = self._gather("connect", ms)
         try:
             for agent_id, slots in ms.by_agent.items():
@@ -199,13 +209,13 @@ class AgentCommander:
                     )
                 )
                 keys = [(s, pb.REPORT_KIND_CONNECTED) for s in slots]
-                self.agents.send(agent_id, cmd, g, keys)
+                self.agents.send(agent_id, cmd, g, keys, on_report=connected)
             g.wait(self.settings.connect_timeout_s)
         finally:
             self._end_gather(g, gid)
         for s in plan.slots:
             self._slots[s].comm_epoch = self._comm_epoch
-            self._slots[s].loaded.clear()
+            self._slots[s].held(held.get(s, frozenset()))
         self._comm_key = key
 
     def _load(self, ms: Membership) -> None:
@@ -249,8 +259,8 @@ class AgentCommander:
     def _load_handles(self, ms: Membership, todo: dict[int, SlotInputs]) -> dict[int, bytes]:
         """Per slot of `todo`, its load's memory handles as a serialized LoadProgramCommand
         holding only them (merged into the command): kept from the slot's last load when
-        the plan and the workers it holds are the same, as after a reconnect, which sends
-        every program again (at 1,024 ranks building them all takes seconds), else built."""
+        the plan and the workers it holds are the same, as after its agent registered again
+        (at 1,024 ranks building every slot's takes seconds), else built."""
         plan, out = ms.plan, {}
         for slot, inputs in todo.items():
             kept = self._handles.get((ms.model, slot))
@@ -263,17 +273,18 @@ class AgentCommander:
             ms.model, {k for slot in build for k, _ in todo[slot][0]}
         )
         none: dict[str, bytes] = {}
+        flagged = ms.staged_pools | ms.snapshot_pools
         for slot in build:
-            handles = [
-                pb.TensorHandle(
-                    index=i,
-                    memory=memory.get((t.pool, t.rank), none).get(t.name, b""),
-                    staged=t.pool in ms.staged_pools,
-                    snapshot=t.pool in ms.snapshot_pools,
-                )
-                for i, t in plan.held(plan.load_payload(slot))
-            ]
-            out[slot] = pb.LoadProgramCommand(handles=handles).SerializeToString()
+            msg = pb.LoadProgramCommand()
+            add = msg.handles.add  # in place: a third of building each message first
+            for i, t in plan.held(plan.load_payload(slot)):
+                mem = memory.get((t.pool, t.rank), none).get(t.name, b"")
+                if t.pool in flagged:
+                    staged, snap = t.pool in ms.staged_pools, t.pool in ms.snapshot_pools
+                    add(index=i, memory=mem, staged=staged, snapshot=snap)
+                else:
+                    add(index=i, memory=mem)
+            out[slot] = msg.SerializeToString()
             self._handles[(ms.model, slot)] = (plan.digest, todo[slot], out[slot])
         self.handles_built += len(build)
         return out
