@@ -99,6 +99,9 @@ class ExecReport:
     first_landed_at: float = 0.0
     first_landed_bytes: int = 0
     last_landed_at: float = 0.0
+    # a GPU landing's kernel configs: the grouped kernels' tiles and, per tensor launched
+    # on its own, the config its tuner picked (`timed`) or the default
+    tiles: dict[str, object] = field(default_factory=dict)
 
     def landed(self, nbytes: int) -> None:
         """`nbytes` more were received (the first and last chunks' times bound the bytes'

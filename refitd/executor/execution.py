@@ -352,6 +352,7 @@ class RefitExecution:
             if step.grouped is not None:
                 fused = step.grouped.run(hash=self.verify)
                 self.report.local_bytes += step.grouped.nbytes
+                self.report.tiles = {"grouped": step.grouped.tiles, "direct": step.grouped.chosen}
             if step.dst:
                 torch._foreach_copy_(step.dst, step.src)
             for call, a, b in step.slow:

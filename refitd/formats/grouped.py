@@ -131,6 +131,7 @@ class GroupedLanding:
         self.copies = 0  # copy regions added, in order (rows of run(hash=True))
         self._copy_keys: list[tuple] = []
         self._direct = DirectLaunches()  # regions with a launch of their own
+        self.chosen = self._direct.chosen  # their configs once tuned (reports show them)
         self.tuner = TileTuner() if tune else None  # their configs, timed at the first run
         self.own_launch_elements = OWN_LAUNCH_ELEMENTS
         self.graphs = device.type == "cuda"  # replay a captured graph after the first run

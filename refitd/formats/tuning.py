@@ -106,6 +106,9 @@ class DirectLaunches:
 
     launches: list[_Launch] = field(default_factory=list)
     tuned: bool = False
+    # per distinct (kernel, dtype, shape): the config its launches run with, and whether a
+    # tuner timed it on this device (else the default); filled by `tune`
+    chosen: list[dict] = field(default_factory=list)
 
     def add(self, kernel: str, src: torch.Tensor, call: Callable[..., object]) -> None:
         self.launches.append(_Launch(kernel, src, call, CANDIDATES[kernel][0]))
@@ -118,6 +121,20 @@ class DirectLaunches:
         for ln in self.launches:
             ln.config = tuner.choose(ln.kernel, ln.src, lambda c, ln=ln: ln.call(**c))
         self.tuned = True
+        seen: set[tuple] = set()
+        for ln in self.launches:
+            key = (ln.kernel, ln.src.dtype, tuple(ln.src.shape))
+            if key not in seen:
+                seen.add(key)
+                self.chosen.append(
+                    {
+                        "kernel": ln.kernel,
+                        "dtype": str(ln.src.dtype).removeprefix("torch."),
+                        "shape": key[2],
+                        "config": ln.config,
+                        "timed": key in tuner.timings,
+                    }
+                )
 
     def run(self) -> None:
         for ln in self.launches:

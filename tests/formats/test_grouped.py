@@ -22,7 +22,7 @@ from refitd.formats import (
     mxfp8_quantize,
     nvfp4_quantize,
 )
-from refitd.formats.tuning import CANDIDATES, TileTuner
+from refitd.formats.tuning import CANDIDATES, DirectLaunches, TileTuner
 from refitd.plan.wire import FP8_BLOCK, NVFP4
 
 HAS_CUDA = torch.cuda.is_available() and grouped.available(torch.device("cuda"))
@@ -163,6 +163,10 @@ def _check_quantize(
             k[:2] for k in g.tuner.picks
         }
         assert all(len(r) == 2 for r in g.tuner.timings.values())
+    for row in g.chosen:  # what a refit's report shows: the config each shape ran with
+        key = (row["kernel"], getattr(torch, row["dtype"]), row["shape"])
+        assert row["timed"] == (dev.type == "cuda")
+        assert row["config"] == (g.tuner.picks[key] if row["timed"] else CANDIDATES[key[0]][0])
     for fmt, src, region in landed:
         for got, want in zip(region.parts(), QUANTIZERS[fmt](src.cpu()), strict=True):
             assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), (
@@ -170,6 +174,26 @@ def _check_quantize(
                 tuple(src.shape),
                 src.dtype,
             )
+
+
+def test_direct_launches_report_the_config_each_shape_runs_with() -> None:
+    """Per distinct (kernel, dtype, shape) one row: off CUDA the tuner times nothing and
+    every launch runs the default config."""
+    d, ran = DirectLaunches(), []
+    a, b = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
+    for x in (a, a.clone(), b):
+        d.add("mxfp8", x, lambda **config: ran.append(config))
+    d.tune(None)
+    assert d.chosen == [] and not d.tuned  # no tuner: nothing chosen, defaults run
+    d.tune(TileTuner())
+    default = CANDIDATES["mxfp8"][0]
+    rows = [(r["kernel"], r["dtype"], r["shape"], r["config"], r["timed"]) for r in d.chosen]
+    assert rows == [
+        ("mxfp8", "bfloat16", (4, 32), default, False),
+        ("mxfp8", "bfloat16", (8, 32), default, False),
+    ]
+    d.run()
+    assert ran == [default] * 3
 
 
 @interpreter

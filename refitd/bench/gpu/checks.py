@@ -432,6 +432,7 @@ class _Runs:
                 for k in reports[-1].phases
             },
             "host_us": _host_split(reports, walls, work),
+            "landing_tiles": reports[-1].tiles,  # what the landing's own tuner picked
         }
         if self.staged:
             out["execute_s"] = round(statistics.median(execs), 6)
