@@ -167,6 +167,7 @@ def _execute(c: pb.ExecuteCommand, ctx: SlotContext) -> Execute:
         delta=delta,
         lane=c.lane,
         weight=c.share_weight,
+        piece=c.share_piece,
     )
 
 
@@ -217,6 +218,7 @@ def _execute_proto(cmd: Execute, slot: int) -> pb.ExecuteCommand:
         verify=cmd.verify,
         lane=cmd.lane,
         share_weight=cmd.weight,
+        share_piece=cmd.piece,
         delta=[]
         if d is None
         else [

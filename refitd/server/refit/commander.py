@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
-from refitd.plan.lanes import LANES
+from refitd.plan.lanes import LANE_PIECE, LANES
 from refitd.server.delta.refits import DeltaRefits
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanCache, SlotInputs, stale_slots
@@ -119,9 +119,12 @@ class AgentCommander:
         self._load(ms)
         self._ready[ms.model] = (ms.plan.digest, ms.epoch, self._comm_epoch)
 
-    def _take_lane(self, ms: Membership) -> int:
-        """A lane for this transfer (the lowest free); its setup is checked again first,
-        under the setup lock, so no rebuild of the communicator comes in between."""
+    def _take_lane(self, ms: Membership) -> tuple[int, int]:
+        """A lane for this transfer (the lowest free) and the piece size of its chunks on
+        shared links: LANE_PIECE while programs of several models are in place on the
+        communicator (their refits may run at once), else 0 (whole chunks). Its setup is
+        checked again first, under the setup lock, so no rebuild of the communicator comes
+        in between."""
         with self._setup:
             self._prepare(ms)
             # an NCCL communicator serves one thread, and the delta path's tags have no
@@ -135,7 +138,8 @@ class AgentCommander:
                     raise PhaseFailed(f"no free lane: {lanes} models are transferring")
                 lane = min(set(range(LANES)) - set(self._lane_of))
                 self._lane_of[lane] = ms.model
-                return lane
+            models = sum(1 for r in self._ready.values() if r[2] == self._comm_epoch)
+            return lane, LANE_PIECE if lanes > 1 and models > 1 else 0
 
     def _free_lane(self, lane: int) -> None:
         with self._lanes:
@@ -288,7 +292,7 @@ class AgentCommander:
         timeout = self.settings.transfer_timeout_s
         verify = self.settings.verify_checksums
         deltas = self._delta_commands(ms, run, exec_id)
-        lane = self._take_lane(ms)
+        lane, piece = self._take_lane(ms)
         weight = self.settings.model_weight(run.model)
         g, gid = self._gather(f"transfer of version {run.version}", ms)
         try:
@@ -308,6 +312,7 @@ class AgentCommander:
                             delta=[deltas[s] for s in batch if s in deltas],
                             lane=lane,
                             share_weight=weight,
+                            share_piece=piece,
                         )
                     )
                     keys = [
