@@ -313,6 +313,7 @@ class Execute(SlotCommand[Executed]):
     delta: DeltaPlan | None = None
     lane: int = 0  # the refit's tag space on the communicator (refits of models at once)
     weight: float = 0.0  # the model's weight on links other models' refits share (0: 1)
+    piece: int = 0  # bytes of the pieces its gated chunks go in (0: whole; Share.pieces)
 
     def wait_s(self, options: SlotOptions) -> float:
         return self.timeout_s + REPLY_MARGIN_S

@@ -409,7 +409,7 @@ class LoadProgramCommand(_message.Message):
     def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., program: _Optional[bytes] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
 
 class ExecuteCommand(_message.Message):
-    __slots__ = ("model", "digest", "slot", "version", "refit_id", "timeout_s", "slots", "verify", "delta", "lane", "share_weight")
+    __slots__ = ("model", "digest", "slot", "version", "refit_id", "timeout_s", "slots", "verify", "delta", "lane", "share_weight", "share_piece")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +421,7 @@ class ExecuteCommand(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     SHARE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_PIECE_FIELD_NUMBER: _ClassVar[int]
     model: str
     digest: str
     slot: int
@@ -432,7 +433,8 @@ class ExecuteCommand(_message.Message):
     delta: _containers.RepeatedCompositeFieldContainer[DeltaCommand]
     lane: int
     share_weight: float
-    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., slots: _Optional[_Iterable[int]] = ..., verify: _Optional[bool] = ..., delta: _Optional[_Iterable[_Union[DeltaCommand, _Mapping]]] = ..., lane: _Optional[int] = ..., share_weight: _Optional[float] = ...) -> None: ...
+    share_piece: int
+    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ..., version: _Optional[int] = ..., refit_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., slots: _Optional[_Iterable[int]] = ..., verify: _Optional[bool] = ..., delta: _Optional[_Iterable[_Union[DeltaCommand, _Mapping]]] = ..., lane: _Optional[int] = ..., share_weight: _Optional[float] = ..., share_piece: _Optional[int] = ...) -> None: ...
 
 class DeltaCommand(_message.Message):
     __slots__ = ("slot", "send", "recv", "allowed", "promote", "max_density")

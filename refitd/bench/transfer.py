@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tensor-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
     parser.add_argument("--ref-chunk", type=parse_bytes, default=parse_bytes("512MiB"))
+    parser.add_argument(
+        "--piece", type=parse_bytes, default=0,
+        help="send chunks in pieces of this size, as on a link several models share",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
         "--repeat", type=int, default=5, help="timed refits, each followed by a reference run"
@@ -319,7 +323,10 @@ def _refit(
     was held (until the last slot reading it released it: the event's wall time)."""
     t0, wall0 = time.monotonic(), time.time()
     released: dict[int, float] = {}
-    pend = [h.send(Execute(plan.digest, refit_id, refit_id, args.timeout, verify)) for h in handles]
+    pend = [
+        h.send(Execute(plan.digest, refit_id, refit_id, args.timeout, verify, piece=args.piece))
+        for h in handles
+    ]
     reports = [
         p.result(lambda m, s=h.slot: released.setdefault(s, m.t)).report
         for h, p in zip(handles, pend, strict=True)
@@ -417,6 +424,7 @@ def _summary(
             k: round(max(r.phases.get(k, 0.0) for r in reports), 4) for k in reports[0].phases
         },
         "slots": slots,
+        "piece": args.piece,
         "verified": ok,
     }
     if args.verify:

@@ -20,18 +20,20 @@ import torch
 
 from refitd.executor.chunks import Chunk, messages_without
 from refitd.executor.errors import ExecutionError
+from refitd.executor.message_stats import MessageStats
 from refitd.executor.onesided import OneSided
 from refitd.executor.prepare import PreparedProgram
 from refitd.executor.shares import Share, gated_bytes
 from refitd.executor.views import LocalStep
-from refitd.slot_protocol import ExecReport, MessageStat
+from refitd.slot_protocol import ExecReport
 from refitd.transport.base import DoneWork, P2POp, Transport, Work
 
 _SKIPPED = torch.empty(0, dtype=torch.uint8)  # no buffer: a skipped or one-sided chunk
 
 _Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int64 checksum
-# a posted chunk: (chunk, buffer, ring, is a send, its work when not from the batch)
-_Post = tuple[Chunk, torch.Tensor, int, bool, Work | None]
+# a posted op: (chunk, buffer, ring, is a send, its work when not from the batch, the
+# offset and bytes of the piece of the chunk it carries)
+_Post = tuple[Chunk, torch.Tensor, int, bool, Work | None, int, int]
 
 
 ONE_SIDED = -2  # the ring of a one-sided chunk (onesided.py): written by the sender
@@ -43,6 +45,13 @@ class _Posted:
     work: Work
     buf: torch.Tensor
     ring: int  # staging ring slot (>= 0: staged), -1 for a zero-copy chunk, ONE_SIDED
+    at: int  # the piece of the chunk this op carries (Share.pieces): its offset, its bytes
+    nbytes: int
+
+    @property
+    def last(self) -> bool:
+        """The chunk's last piece (or the whole chunk): its completion completes the chunk."""
+        return self.at + self.nbytes >= self.chunk.nbytes
 
 
 class RefitExecution:
@@ -85,6 +94,7 @@ class RefitExecution:
         self.recv_sums: _Sums | None = {} if verify else None
         self.send_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
         self.recv_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
+        self.stats = MessageStats()  # under a lock of its own
         # shared between the threads, under `lock`
         self.lock = threading.Lock()
         self.progress = threading.Condition(self.lock)
@@ -93,8 +103,6 @@ class RefitExecution:
         self.recvs_done = 0  # receive chunks completed (waited and unpacked), in posting order
         skipped_sources = sum(prep.reads_source[id(c)] for c in prep.send_chunks if c.mid in skip)
         self.sources_left = prep.source_chunks - skipped_sources
-        self.stats: dict[tuple[str, int], MessageStat] = {}
-        self.started: dict[tuple[str, int], float] = {}
         # each written by one thread only: the poster, resp. the receiver
         self.pack_s = 0.0
         self.unpack_s = 0.0
@@ -127,25 +135,6 @@ class RefitExecution:
             self.report.landed(nbytes)
             self.recvs_done += 1
             self.progress.notify_all()
-
-    def _stat(self, direction: str, ch: Chunk, zc: bool) -> None:
-        key = (direction, ch.mid)
-        with self.lock:
-            s = self.stats.get(key)
-            if s is None:
-                peer = ch.dst_slot if direction == "send" else ch.src_slot
-                s = self.stats[key] = MessageStat(ch.mid, direction, peer, ch.msg_nbytes, 0.0)
-                self.started[key] = time.monotonic()
-            if zc:
-                s.zero_copy_chunks += 1
-            else:
-                s.staged_chunks += 1
-
-    def _finished(self, direction: str, mid: int) -> None:
-        """A chunk of the message completed: its seconds run until now."""
-        key = (direction, mid)
-        with self.lock:
-            self.stats[key].seconds = time.monotonic() - self.started[key]
 
     def source_done(self, n: int = 1) -> None:
         """n chunks reading sources completed; once none is left and the local copies are
@@ -181,12 +170,10 @@ class RefitExecution:
                 ops: list[P2POp] = []
                 posted: list[_Post] = []
                 for ch in recvs:
-                    posted.append(self._post_recv(ch, ops))
+                    self._post_recv(ch, ops, posted)
                 for ch in sends:
                     if ch.mid not in self.skip:
-                        posted.append(self._post_send(ch, ops, posted))
-                        if self.shared:  # other lanes on the link: post in admission order
-                            self._flush(ops, posted)
+                        self._post_send(ch, ops, posted)
                 if self.abort.is_set():
                     return
                 self._submit(ops, posted)
@@ -196,12 +183,14 @@ class RefitExecution:
             self.send_q.put(None)
             self.recv_q.put(None)
 
-    def _post_recv(self, ch: Chunk, ops: list[P2POp]) -> _Post:
+    def _post_recv(self, ch: Chunk, ops: list[P2POp], posted: list[_Post]) -> None:
         if ch.mid in self.skip:  # landed before the executor ran
-            return (ch, _SKIPPED, -1, False, DoneWork())
+            posted.append((ch, _SKIPPED, -1, False, DoneWork(), 0, ch.nbytes))
+            return
         if id(ch) in self.prep.one_sided:
             work = self.one_sided.work(ch, self.attempt, self.abort, self.describe(ch, "recv"))
-            return (ch, _SKIPPED, ONE_SIDED, False, work)
+            posted.append((ch, _SKIPPED, ONE_SIDED, False, work, 0, ch.nbytes))
+            return
         zc = self.prep.zc_recv[id(ch)]
         ring = self.prep.ring.get(id(ch), -1)
         buf = (
@@ -211,15 +200,17 @@ class RefitExecution:
                 "recv", ring, self.deadline, self.abort, self.describe(ch, "recv")
             )
         )
-        ops.append(P2POp(False, buf[: ch.nbytes], self.peer(ch.src_slot), self.share.tag(ch.tag)))
-        return (ch, buf, ring, False, None)
+        src, tag = self.peer(ch.src_slot), self.share.tag(ch.tag)
+        for at, n in self.share.pieces(ch.nbytes):
+            ops.append(P2POp(False, buf[at : at + n], src, tag))
+            posted.append((ch, buf, ring, False, None, at, n))
 
     def _flush(self, ops: list[P2POp], posted: list[_Post]) -> None:
         """Post what the step holds back (before waiting for a share of a link)."""
         self._submit(ops[:], posted[:])
         del ops[:], posted[:]
 
-    def _post_send(self, ch: Chunk, ops: list[P2POp], posted: list[_Post]) -> _Post:
+    def _post_send(self, ch: Chunk, ops: list[P2POp], posted: list[_Post]) -> None:
         need = self.prep.relay_wait.get(id(ch))
         if need is not None:
             self.wait_recvs(need, self.describe(ch, "send"))
@@ -229,7 +220,8 @@ class RefitExecution:
                 work = self.one_sided.write(ch, self.data, self.send_sums, self, flush)
             except Exception as e:
                 raise ExecutionError(f"{self.describe(ch, 'send')}: {e}") from e
-            return (ch, _SKIPPED, ONE_SIDED, True, work)
+            posted.append((ch, _SKIPPED, ONE_SIDED, True, work, 0, ch.nbytes))
+            return
         zc = self.prep.zc_send[id(ch)]
         ring = self.prep.ring.get(id(ch), -1)
         if zc is None:
@@ -248,10 +240,13 @@ class RefitExecution:
         else:
             buf = zc
         flush = lambda: self._flush(ops, posted)  # noqa: E731
-        dst = self.peer(ch.dst_slot)
-        self.shared = self.share.admit(dst, ch.nbytes, self.deadline, self.abort, flush)
-        ops.append(P2POp(True, buf[: ch.nbytes], dst, self.share.tag(ch.tag)))
-        return (ch, buf, ring, True, None)
+        dst, tag = self.peer(ch.dst_slot), self.share.tag(ch.tag)
+        for at, n in self.share.pieces(ch.nbytes):  # each piece takes its own turn
+            self.shared = self.share.admit(dst, n, self.deadline, self.abort, flush)
+            ops.append(P2POp(True, buf[at : at + n], dst, tag))
+            posted.append((ch, buf, ring, True, None, at, n))
+            if self.shared:  # other lanes on the link: post in admission order
+                self._flush(ops, posted)
 
     def _submit(self, ops: list[P2POp], posted: list[_Post]) -> None:
         """One batch of the step's operations; their works go to the waiters in order."""
@@ -262,13 +257,14 @@ class RefitExecution:
             raise ExecutionError(
                 f"{self.describe(ch0, 'send' if posted[0][3] else 'recv')}: {e}"
             ) from e
-        for ch, buf, ring, is_send, work in posted:
+        for ch, buf, ring, is_send, work, at, n in posted:
             if buf is _SKIPPED and ring != ONE_SIDED:  # counted in order by the receiver
-                self.recv_q.put(_Posted(ch, DoneWork(), buf, -1))
+                self.recv_q.put(_Posted(ch, DoneWork(), buf, -1, at, n))
                 continue
-            self._stat("send" if is_send else "recv", ch, ring < 0)
+            if at == 0:
+                self.stats.posted("send" if is_send else "recv", ch, ring < 0)
             work = next(works) if work is None else work
-            (self.send_q if is_send else self.recv_q).put(_Posted(ch, work, buf, ring))
+            (self.send_q if is_send else self.recv_q).put(_Posted(ch, work, buf, ring, at, n))
 
     def send_waiter(self) -> None:
         """Complete sends in posting order; free their buffers, count their sources."""
@@ -278,9 +274,11 @@ class RefitExecution:
                     item.work.wait(self.deadline - time.monotonic())
                 except Exception as e:
                     raise ExecutionError(f"{self.describe(item.chunk, 'send')}: {e}") from e
-                self._finished("send", item.chunk.mid)
                 if item.ring != ONE_SIDED:
-                    self.share.sent(self.peer(item.chunk.dst_slot), item.chunk.nbytes)
+                    self.share.sent(self.peer(item.chunk.dst_slot), item.nbytes)
+                if not item.last:
+                    continue
+                self.stats.finished("send", item.chunk.mid)
                 if item.ring >= 0:
                     self.pool.release("send", item.ring)
                 else:  # zero-copy or one-sided: the sources were read until now
@@ -310,6 +308,8 @@ class RefitExecution:
                     raise ExecutionError(f"{self.describe(item.chunk, 'recv')}: {e}") from e
                 tu = time.monotonic()
                 self.recv_wait_s += tu - tw
+                if not item.last:
+                    continue
                 if item.ring >= 0:
                     try:
                         self.data.unpack(item.chunk, item.buf, partial, self.recv_sums)
@@ -323,7 +323,7 @@ class RefitExecution:
                     self.data.landed_direct(item.chunk, self.recv_sums)
                 elif self.recv_sums is not None:
                     self.data.landed(item.chunk, self.recv_sums)
-                self._finished("recv", item.chunk.mid)
+                self.stats.finished("recv", item.chunk.mid)
                 self._recv_completed(item.chunk.nbytes)
         except BaseException as e:
             self.fail(e)
@@ -446,5 +446,5 @@ class RefitExecution:
             t1 = time.monotonic()
         self.report.seconds = t1 - self.t0
         self.report.staging_peak_bytes = self.pool.peak_bytes
-        self.report.messages = sorted(self.stats.values(), key=lambda s: (s.direction, s.id))
+        self.report.messages = self.stats.sorted()
         return self.report

@@ -2,7 +2,7 @@
 
 A transfer process runs one refit per lane (one lane per model refitting at that moment);
 their sends to one peer go through one connection, first posted first sent. `LinkShares`
-decides the order in which the lanes post their send chunks to each peer: weighted fair
+decides the order in which the lanes post their sends to each peer: weighted fair
 queueing by bytes. Each lane's bytes admitted so far, divided by its weight, is its served
 count; while other lanes have bytes waiting or in flight to the same peer, the lane with
 the smallest count posts next (a lane whose bytes all went out stops counting). Bytes
@@ -13,11 +13,15 @@ is time, not bytes: `window_s` of the link's drain rate, measured from the sends
 completions over spans of RATE_SPAN_S (START_WINDOW until a rate is known; never under
 `min_window` nor over `window` bytes), so a lane that starts waits about `window_s` (one
 chunk, at least) behind the others on a slow link, while a fast link keeps up to `window`
-posted to stay busy. A lane counts as sending to a peer while it has bytes waiting or in
-flight there, and also, for up to `hold_s` after its last admission or completion there,
-while bytes it expects to send there (`expect`) are not yet admitted: with a window of one
-chunk, a lane is otherwise idle for a moment after each completion, and a lane that always
-waits would take every turn. A lane that starts while others run begins at their smallest
+posted to stay busy. A lane's turn is one send: a refit with a `piece` size (the controller
+sets one while several models can refit at once) sends each larger chunk as several matched
+sends of about that size (`pieces`: both ends cut a chunk alike from its size alone), each
+admitted on its own, so the lanes alternate at that grain whatever the plan's chunk sizes.
+A lane counts as sending to a peer while it has bytes waiting or in flight there, and also,
+for up to `hold_s` after its last admission or completion there, while bytes it expects to
+send there (`expect`) are not yet admitted: with a window of one send, a lane is otherwise
+idle for a moment after each completion, and a lane that always waits would take every
+turn. A lane that starts while others run begins at their smallest
 count, so idle time earns no credit.
 """
 
@@ -37,6 +41,7 @@ SHARE_WINDOW_S = 0.01  # seconds of the link's drain rate posted and not yet sen
 MIN_WINDOW = 1 << 20  # the window's floor in bytes
 SHARE_HOLD_S = 0.05  # how long expected bytes keep a lane's turn with nothing in flight
 START_WINDOW = 4 << 20  # the window until the link's rate is known
+_PIECE_ALIGN = 64  # pieces start at multiples of this
 RATE_SPAN_S = 0.05  # the rate is measured over spans at least this long
 _RATE_GAIN = 0.5  # weight of each span in the rate's moving average
 
@@ -55,14 +60,31 @@ def gated_bytes(
     return out
 
 
+def pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of the sends a chunk of `nbytes` goes in: equal cuts of at most about
+    `piece` bytes at multiples of 64 (one when `piece` is 0 or the chunk no larger). Sender
+    and receiver derive the same cuts from the chunk's size."""
+    if piece <= 0 or nbytes <= piece:
+        return [(0, nbytes)]
+    n = -(-nbytes // piece)
+    size = -(-nbytes // n // _PIECE_ALIGN) * _PIECE_ALIGN
+    return [(at, min(size, nbytes - at)) for at in range(0, nbytes, size)]
+
+
 @dataclass(frozen=True)
 class Share:
     """One refit's place on the links: its lane, its model's weight, the process's gates
-    (none: the refit posts as it goes, in lane 0)."""
+    (none: the refit posts as it goes, in lane 0), and the piece size its two-sided chunks
+    go in (0: whole; both ends of every chunk of a refit have the same)."""
 
     shares: LinkShares | None = None
     lane: int = 0
     weight: float = 0.0  # 0: 1
+    piece: int = 0
+
+    def pieces(self, nbytes: int) -> list[tuple[int, int]]:
+        """The sends (offset, bytes) of a two-sided chunk of `nbytes` (module `pieces`)."""
+        return pieces(nbytes, self.piece)
 
     def tag(self, tag: int) -> int:
         return lane_tag(tag, self.lane) if self.lane else tag

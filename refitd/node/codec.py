@@ -168,6 +168,7 @@ def _execute(c: pb.ExecuteCommand, ctx: SlotContext) -> Execute:
         delta=delta,
         lane=c.lane,
         weight=c.share_weight,
+        piece=c.share_piece,
     )
 
 
@@ -218,6 +219,7 @@ def _execute_proto(cmd: Execute, slot: int) -> pb.ExecuteCommand:
         verify=cmd.verify,
         lane=cmd.lane,
         share_weight=cmd.weight,
+        share_piece=cmd.piece,
         delta=[]
         if d is None
         else [

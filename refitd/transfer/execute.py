@@ -46,7 +46,7 @@ def execute_refit(state: TransferSlot, cmd: Execute, released: Callable[[], None
         skip = frozenset(cmd.delta.send) | frozenset(cmd.delta.recv)
     report = ex.run(
         cmd.timeout_s, on_released, state.aborting, verify=cmd.verify, skip=skip,
-        attempt=cmd.refit_id, share=Share(state.shares_of_links(), cmd.lane, cmd.weight),
+        attempt=cmd.refit_id, share=_share(state, cmd),
     )  # fmt: skip
     if entry is not None and not state.aborting.is_set():
         entry.filled = cmd.refit_id
@@ -67,6 +67,13 @@ def execute_refit(state: TransferSlot, cmd: Execute, released: Callable[[], None
         delta=delta,
         snapshot=None if snap is None else snap.info(),
     )
+
+
+def _share(state: TransferSlot, cmd: Execute) -> Share:
+    """The refit's place on the links; its chunks go in pieces only through gates (every rank
+    of the communicator has the same transport, so both ends of a chunk cut it alike)."""
+    shares = state.shares_of_links()
+    return Share(shares, cmd.lane, cmd.weight, cmd.piece if shares is not None else 0)
 
 
 def _delta_path(

@@ -140,13 +140,13 @@ def test_a_reconnect_sends_no_program(
     finally:
         other.stop()
     commander = controller.refits.commander
-    built, sent = commander.handles_built, controller.refits.plans.programs_sent
+    built, sent = commander.handles.built, controller.refits.plans.programs_sent
     cluster.agent.commands.clear()
     assert all(r.state == pb.REFIT_STATE_COMMITTED for r in cluster.refit(2))
     verbs = [c.WhichOneof("command") for c in cluster.agent.commands]
     assert "connect" in verbs and "load" not in verbs
     assert controller.refits.plans.programs_sent == sent
-    assert commander.handles_built == built
+    assert commander.handles.built == built
 
 
 def _extra_id(c: Controller, model: str) -> str:

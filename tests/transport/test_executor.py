@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from refitd.executor.chunks import CopyInfo, chunk_messages, flat_range_views
 from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
+from refitd.executor.shares import LinkShares, Share
 from refitd.memory.errors import StorageMovedError
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.program import Copy, Message, ProgramError, ProgramTensor, program_from_objects
@@ -114,7 +115,7 @@ def test_local_copies_cast_and_release_sources() -> None:
         assert torch.equal(tensors[len(src) + i], expected(d, g)), d.name
 
 
-def _run_ranks(programs, resolvers, config, world, timeout=30.0):
+def _run_ranks(programs, resolvers, config, world, timeout=30.0, piece=0):
     store = dist.TCPStore(
         "127.0.0.1",
         0,
@@ -129,8 +130,9 @@ def _run_ranks(programs, resolvers, config, world, timeout=30.0):
         try:
             t.connect(ConnectInfo(0, "127.0.0.1", store.port, r, world, 20.0))
             ex = Executor(programs[r], resolvers[r], t, config=config)
-            results[r] = ex.run(timeout)
-            results[r] = ex.run(timeout)  # a replay of the cached program
+            share = Share(LinkShares(), 0, 1.0, piece)
+            results[r] = ex.run(timeout, share=share)
+            results[r] = ex.run(timeout, share=share)  # a replay of the cached program
         except BaseException as e:
             results[r] = e
         finally:
@@ -161,6 +163,32 @@ def test_gloo_refit_zero_copy_and_staged_within_staging_cap() -> None:
     assert sum(m.staged_chunks for m in msgs) > 0
     total = sum(res.sent_bytes for res in results.values())
     assert total > config.staging_bytes  # the cap was smaller than what moved
+
+
+def test_gloo_refit_in_pieces_lands_bit_for_bit() -> None:
+    """Chunks cut in pieces (as on a link several models share): each piece a matched send
+    and receive, zero-copy and staged chunks alike; every byte lands where it belongs."""
+    src, dst = make_model(2, 3, [0, 1], [1, 0, 1], {"qkv": "float32"})
+    g = globals_for(4)
+    tensors = _tensors(src, dst, g)
+    programs = _programs(src, dst, bucket_bytes=1024)
+    config = ExecutorConfig(staging_bytes=4 * 256, wire_chunk=256)
+    sizes = [
+        c.nbytes
+        for p in programs.values()
+        for c in chunk_messages(p.send, CopyInfo.of(p, config.direct_min), config.wire_chunk)
+    ]
+    assert max(sizes) >= 3 * 64  # chunks of several pieces
+    results = _run_ranks(programs, _resolvers(programs, tensors), config, 2, piece=64)
+    for r, res in results.items():
+        assert isinstance(res, ExecReport), f"rank {r}: {res!r}"
+    for i, d in enumerate(dst):
+        assert torch.equal(tensors[len(src) + i], expected(d, g)), (d.name, d.rank)
+    msgs = [m for res in results.values() for m in res.messages]
+    assert sum(m.zero_copy_chunks for m in msgs) > 0 and sum(m.staged_chunks for m in msgs) > 0
+    assert sum(res.sent_bytes for res in results.values()) == sum(
+        res.recv_bytes for res in results.values()
+    )
 
 
 def test_moved_storage_is_refused_before_any_byte_moves() -> None:

@@ -84,6 +84,7 @@ def _commands() -> list[pb.AgentCommand]:
                 verify=True,
                 lane=2,
                 share_weight=3.0,
+                share_piece=1 << 20,
                 delta=[
                     pb.DeltaCommand(
                         slot=3, send=[1, 2], recv=[9], allowed=[2], promote=6, max_density=0.25

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 from refitd._proto import refitd_pb2 as pb
 from refitd.config import Settings
-from refitd.plan.lanes import LANES
+from refitd.plan.lanes import LANE_PIECE, LANES
 from refitd.server.delta.refits import DeltaRefits
 from refitd.server.metrics import ControllerMetrics
 from refitd.server.planning import PlanCache, SlotInputs, stale_slots
 from refitd.server.refit.checksums import compare_checksums
+from refitd.server.refit.load_handles import LoadHandles
 from refitd.server.refit.membership import Membership
 from refitd.server.refit.run import RefitRun, attempt_id
 from refitd.server.registry import Registry
@@ -92,10 +93,7 @@ class AgentCommander:
         self.delta = delta
         self.store_address = store_address
         self._slots: dict[int, SlotLoadState] = {}
-        # (model, slot) -> (digest, inputs, its last load's handles serialized): a program
-        # sent again with the same plan and holders (to a restarted agent) reuses them
-        self._handles: dict[tuple[str, int], tuple[str, SlotInputs, bytes]] = {}
-        self.handles_built = 0  # slots whose handles were built (not reused)
+        self.handles = LoadHandles(registry)
         self._comm_key: tuple | None = None
         self._comm_epoch = 0
         # model -> (digest, epoch, comm epoch) connected and loaded on every slot of its
@@ -124,9 +122,12 @@ class AgentCommander:
         self._load(ms)
         self._ready[ms.model] = (ms.plan.digest, ms.epoch, self._comm_epoch)
 
-    def _take_lane(self, ms: Membership) -> int:
-        """A lane for this transfer (the lowest free); its setup is checked again first,
-        under the setup lock, so no rebuild of the communicator comes in between."""
+    def _take_lane(self, ms: Membership) -> tuple[int, int]:
+        """A lane for this transfer (the lowest free) and the piece size of its chunks on
+        shared links: LANE_PIECE while programs of several models are in place on the
+        communicator (their refits may run at once), else 0 (whole chunks). Its setup is
+        checked again first, under the setup lock, so no rebuild of the communicator comes
+        in between."""
         with self._setup:
             self._prepare(ms)
             # an NCCL communicator serves one thread, and the delta path's tags have no
@@ -140,7 +141,8 @@ class AgentCommander:
                     raise PhaseFailed(f"no free lane: {lanes} models are transferring")
                 lane = min(set(range(LANES)) - set(self._lane_of))
                 self._lane_of[lane] = ms.model
-                return lane
+            models = sum(1 for r in self._ready.values() if r[2] == self._comm_epoch)
+            return lane, LANE_PIECE if lanes > 1 and models > 1 else 0
 
     def _free_lane(self, lane: int) -> None:
         with self._lanes:
@@ -232,7 +234,7 @@ class AgentCommander:
         )
         if not todo:
             return
-        handles = self._load_handles(ms, todo)
+        handles = self.handles.of(ms, todo)
         g, gid = self._gather("load program", ms)
         try:
             for agent_id, slots in ms.by_agent.items():
@@ -256,39 +258,6 @@ class AgentCommander:
         self.metrics.programs_sent.labels(ms.model).inc(len(todo))
         self.plans.programs_sent += len(todo)
 
-    def _load_handles(self, ms: Membership, todo: dict[int, SlotInputs]) -> dict[int, bytes]:
-        """Per slot of `todo`, its load's memory handles as a serialized LoadProgramCommand
-        holding only them (merged into the command): kept from the slot's last load when
-        the plan and the workers it holds are the same, as after its agent registered again
-        (at 1,024 ranks building every slot's takes seconds), else built."""
-        plan, out = ms.plan, {}
-        for slot, inputs in todo.items():
-            kept = self._handles.get((ms.model, slot))
-            if kept is not None and kept[0] == plan.digest and kept[1] == inputs:
-                out[slot] = kept[2]
-        build = [slot for slot in todo if slot not in out]
-        if not build:
-            return out
-        memory = self.registry.memory_index(
-            ms.model, {k for slot in build for k, _ in todo[slot][0]}
-        )
-        none: dict[str, bytes] = {}
-        flagged = ms.staged_pools | ms.snapshot_pools
-        for slot in build:
-            msg = pb.LoadProgramCommand()
-            add = msg.handles.add  # in place: a third of building each message first
-            for i, t in plan.held(plan.load_payload(slot)):
-                mem = memory.get((t.pool, t.rank), none).get(t.name, b"")
-                if t.pool in flagged:
-                    staged, snap = t.pool in ms.staged_pools, t.pool in ms.snapshot_pools
-                    add(index=i, memory=mem, staged=staged, snapshot=snap)
-                else:
-                    add(index=i, memory=mem)
-            out[slot] = msg.SerializeToString()
-            self._handles[(ms.model, slot)] = (plan.digest, todo[slot], out[slot])
-        self.handles_built += len(build)
-        return out
-
     # ------------------------------------------------------------------ transfer
     def transfer(self, ms: Membership, run: RefitRun, cond: threading.Condition) -> float:
         """ExecuteCommand to every slot (one per agent); returns when all are DONE (the
@@ -299,7 +268,7 @@ class AgentCommander:
         timeout = self.settings.transfer_timeout_s
         verify = self.settings.verify_checksums
         deltas = self._delta_commands(ms, run, exec_id)
-        lane = self._take_lane(ms)
+        lane, piece = self._take_lane(ms)
         weight = self.settings.model_weight(run.model)
         g, gid = self._gather(f"transfer of version {run.version}", ms)
         try:
@@ -319,6 +288,7 @@ class AgentCommander:
                             delta=[deltas[s] for s in batch if s in deltas],
                             lane=lane,
                             share_weight=weight,
+                            share_piece=piece,
                         )
                     )
                     keys = [
