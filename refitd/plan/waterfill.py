@@ -72,6 +72,21 @@ def _waves(classes: np.ndarray, run_class: np.ndarray, n_slots: int) -> np.ndarr
 
 def _waterfill_rows(loads: np.ndarray, sizes: np.ndarray, m: np.ndarray) -> np.ndarray:
     """_waterfill of every row at once: loads [k, r] float64, sizes and m [k] int64."""
+    one = m == 1  # the least loaded (the first of equals) takes it
+    if one.all():
+        counts = np.zeros(loads.shape, np.int64)
+        counts[np.arange(m.size), np.argmin(loads, axis=1)] = 1
+        return counts
+    if not one.any():
+        return _waterfill_many(loads, sizes, m)
+    counts = np.zeros(loads.shape, np.int64)
+    counts[one] = _waterfill_rows(loads[one], sizes[one], m[one])
+    counts[~one] = _waterfill_many(loads[~one], sizes[~one], m[~one])
+    return counts
+
+
+def _waterfill_many(loads: np.ndarray, sizes: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """_waterfill of rows of more than one item each."""
     k, r = loads.shape
     rows = np.arange(k)[:, None]
     j = np.arange(r)
@@ -97,10 +112,6 @@ def _waterfill_rows(loads: np.ndarray, sizes: np.ndarray, m: np.ndarray) -> np.n
         take = np.where(weightless[:, None], even, take)
     counts = np.empty_like(take)
     counts[rows, o] = take
-    one = np.flatnonzero(m == 1)  # the least loaded (the first of equals) takes it
-    if one.size:
-        counts[one] = 0
-        counts[one, np.argmin(loads[one], axis=1)] = 1
     return counts
 
 
