@@ -9,7 +9,6 @@ class topping up its least loaded candidates.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from refitd.plan.grouping import unique_groups
 from refitd.plan.rowwise import row_sum
 from refitd.plan.sides import sort_by
+from refitd.plan.waterfill import fill_runs
 
 
 @dataclass(slots=True)
@@ -129,23 +129,9 @@ def _fill(
     change = np.flatnonzero((np.diff(c_sorted) != 0) | (np.diff(b_sorted) != 0)) + 1
     starts = np.r_[0, change]
     ends = np.r_[change, order.size]
-    load_l = load.tolist()  # per-run work on Python lists: runs are many and small
-    classes_l = classes.tolist()
-    c_first = c_sorted[starts].tolist()
-    b_first = b_sorted[starts].tolist()
-    pick_slot: list[int] = []  # the sorted copies' slots, as (slot, how many) runs
-    pick_count: list[int] = []
-    for n, cl, size in zip((ends - starts).tolist(), c_first, b_first, strict=True):
-        slots = classes_l[cl]
-        counts = _waterfill([load_l[x] for x in slots], float(size), n)
-        for x, k in zip(slots, counts, strict=True):
-            if k:
-                load_l[x] += k * size
-                pick_slot.append(x)
-                pick_count.append(k)
+    runs = fill_runs(classes, c_sorted[starts], b_sorted[starts], ends - starts, load)
     chosen = np.empty(order.size, dtype=np.int64)
-    chosen[order] = np.repeat(np.array(pick_slot, np.int64), np.array(pick_count, np.int64))
-    load[:] = load_l
+    chosen[order] = np.repeat(classes[c_sorted[starts]].reshape(-1), runs.reshape(-1))
     at = 0
     for b, i in parts:
         got = columns[b].of(batches[b].cls[i], chosen[at : at + i.size])  # type: ignore[union-attr]
@@ -193,43 +179,3 @@ def _hash_groups(h1: np.ndarray, h2: np.ndarray) -> tuple[np.ndarray, np.ndarray
     independent hash h2 agrees within every group; None on a collision."""
     _, first, inv = unique_groups(h1)
     return (first, inv) if (h2 == h2[first][inv]).all() else None
-
-
-def _waterfill(loads: list[float], size: float, m: int) -> list[int]:
-    """How many of m equal items of `size` each candidate takes so the largest resulting
-    load is as small as possible (the items go to the least loaded first)."""
-    r = len(loads)
-    if m == 1:  # most runs: the least loaded (the first of equals) takes it
-        counts = [0] * r
-        counts[loads.index(min(loads))] = 1
-        return counts
-    order = sorted(range(r), key=loads.__getitem__)
-    ls = [loads[i] for i in order]
-    take = [0] * r
-    if size <= 0:  # weightless items: dealt evenly, least loaded first
-        for j in range(r):
-            take[j] = m // r + (j < m % r)
-    else:
-        cum, level, k = 0.0, 0.0, r
-        for j in range(r):
-            cum += ls[j]
-            level = (m * size + cum) / (j + 1)
-            if j + 1 == r or level <= ls[j + 1]:
-                k = j + 1
-                break
-        for j in range(k):
-            take[j] = max(math.floor((level - ls[j]) / size + 1e-9), 0)
-        over = sum(take) - m
-        if over > 0:  # float rounding: take back from the highest resulting loads
-            after = [-(x + t * size) for x, t in zip(ls, take, strict=True)]
-            for j in sorted(range(r), key=after.__getitem__)[:over]:
-                take[j] -= 1
-        rest = m - sum(take)
-        if rest > 0:
-            after = [x + t * size for x, t in zip(ls, take, strict=True)]
-            for j in sorted(range(r), key=after.__getitem__)[:rest]:
-                take[j] += 1
-    counts = [0] * r
-    for j, i in enumerate(order):
-        counts[i] = take[j]
-    return counts

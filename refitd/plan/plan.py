@@ -119,7 +119,7 @@ class Plan:
         m_src = np.concatenate([direct.src, relays.src])
         m_dst = np.concatenate([direct.dst, relays.dst])
         m_bytes = np.concatenate([direct.nbytes, relays.nbytes])
-        m_order = sort_by(m_round, m_src, m_dst)
+        m_order = _by_round(m_round, m_src, m_dst, n_direct=direct.src.size)
         self._m_start, self._m_end = ms[m_order], me[m_order]
         self._m_round = m_round[m_order]
         self._m_src, self._m_dst = m_src[m_order], m_dst[m_order]
@@ -326,3 +326,18 @@ def _distinct(*cols: np.ndarray) -> list[tuple[int, ...]]:
     sorted_cols = [c[order] for c in cols]
     keep[1:] = np.logical_or.reduce([np.diff(c) != 0 for c in sorted_cols])
     return list(zip(*(c[keep].tolist() for c in sorted_cols), strict=True))
+
+
+def _by_round(m_round: np.ndarray, src: np.ndarray, dst: np.ndarray, n_direct: int) -> np.ndarray:
+    """sort_by(m_round, src, dst) of the direct messages followed by the relays, each in
+    (src, dst) order as bucketed: the two merged by (src, dst), then one stable pass by
+    round (rounds are few), instead of a sort of the three keys together."""
+    big = int(max(src.max(initial=0), dst.max(initial=0))) + 1
+    key = src * big + dst
+    dk, rk = key[:n_direct], key[n_direct:]
+    if m_round.size < 2 or (np.diff(dk) < 0).any() or (np.diff(rk) < 0).any():
+        return sort_by(m_round, src, dst)
+    merged = np.empty(key.size, np.int64)  # stable: on equal pairs the direct ones first
+    merged[np.arange(dk.size) + np.searchsorted(rk, dk, "left")] = np.arange(dk.size)
+    merged[np.arange(rk.size) + np.searchsorted(dk, rk, "right")] = np.arange(n_direct, key.size)
+    return merged[sort_by(m_round[merged])]

@@ -160,45 +160,41 @@ def _copy_table(
     batches: list[Batch], cols: list[np.ndarray], n_src: int
 ) -> tuple[CopyTable, np.ndarray, np.ndarray]:
     """The chosen copies of every batch as one table: (the table, each copy's replica
-    group (the same block into replica tensors), whether it may be relayed)."""
+    group (the same block into replica tensors), whether it may be relayed). Each batch
+    is written into the table's columns where it goes (no per-batch column copied again:
+    at 4,096 ranks the table is millions of rows)."""
     d = max([b.dst_loc.shape[1] for b in batches], default=1)
-
-    def padc(a: np.ndarray, fill: int) -> np.ndarray:
-        if a.shape[1] == d:
-            return a
-        return np.concatenate([a, np.full((a.shape[0], d - a.shape[1]), fill, np.int64)], 1)
-
-    parts = []
-    group_base = 0
+    n_copies = sum(b.piece.size for b in batches)
+    src, dst, group_of = (np.empty(n_copies, np.int64) for _ in range(3))
+    src_loc, dst_loc = np.zeros((n_copies, d), np.int64), np.zeros((n_copies, d), np.int64)
+    shape = np.ones((n_copies, d), np.int64)
+    ndim, wire, esize = (np.empty(n_copies, np.int8) for _ in range(3))
+    relayable = np.empty(n_copies, bool)
+    at = group_base = 0
     for b, col in zip(batches, cols, strict=True):
         n = b.piece.size
+        rows, w = slice(at, at + n), b.dst_loc.shape[1]
         n_links = n // max(b.klass.size, 1)
         link = np.repeat(np.arange(n_links), b.klass.size)
-        parts.append(
-            (
-                b.chosen_src(col),
-                b.dst_spec + n_src,
-                padc(b.rep_loc[b.piece, col], 0),
-                padc(np.take(b.dst_loc, b.piece, axis=0), 0),
-                padc(np.take(b.shape, b.piece, axis=0), 1),
-                np.full(n, b.ndim, np.int8),
-                b.wire[b.piece].astype(np.int8),
-                np.full(n, b.esize, np.int8),
-                group_base + link * b.nklass + b.klass[b.piece],
-                b.relayable[b.piece],
-            )
-        )
+        src[rows] = b.chosen_src(col)
+        np.add(b.dst_spec, n_src, out=dst[rows])
+        src_loc[rows, :w] = b.rep_loc[b.piece, col]
+        for out, column in ((dst_loc, b.dst_loc), (shape, b.shape)):
+            if w == d:  # contiguous rows: gathered in place
+                np.take(column, b.piece, axis=0, out=out[rows], mode="clip")
+            else:
+                out[rows, :w] = np.take(column, b.piece, axis=0)
+        ndim[rows], esize[rows] = b.ndim, b.esize
+        wire[rows] = b.wire[b.piece]
+        group_of[rows] = group_base + link * b.nklass + b.klass[b.piece]
+        relayable[rows] = b.relayable[b.piece]
         group_base += n_links * b.nklass
-    if parts:
-        cols_all = [np.concatenate(c) for c in zip(*parts, strict=True)]
-    else:
-        z = np.zeros(0, np.int64)
-        b8 = np.zeros(0, np.int8)
-        cols_all = [z, z, z.reshape(0, d), z.reshape(0, d), z.reshape(0, d), b8, b8, b8, z]
-        cols_all.append(np.zeros(0, bool))
-    n_copies = cols_all[0].size
-    table = CopyTable(*cols_all[:8], feed=np.full(n_copies, -1, np.int64), cid=np.arange(n_copies))
-    return table, cols_all[8], cols_all[9]
+        at += n
+    feed = np.full(n_copies, -1, np.int64)
+    table = CopyTable(
+        src, dst, src_loc, dst_loc, shape, ndim, wire, esize, feed, np.arange(n_copies)
+    )
+    return table, group_of, relayable
 
 
 def _add_relays(

@@ -139,19 +139,46 @@ def _shed_copies(
     kpos[gid[keeper]] = pos[keeper]
     rank = pos - (pos > kpos[gid])
     nth[g.cand] = (rank + gid) % np.maximum(g.gcount[gid] - 1, 1)  # rotated: no replica first
-    mix = (c.group[conv].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
-    o = sort_by(c.src[conv], nth[conv], mix.astype(np.int64), conv, unique=True)
-    conv_sorted = conv[o]
-    s_sorted = c.src[conv_sorted]
-    nb = c.nbytes[conv_sorted]
-    cum = np.cumsum(nb)
-    seg_first = np.r_[True, s_sorted[1:] != s_sorted[:-1]]
-    seg_base = np.maximum.accumulate(np.where(seg_first, cum - nb, 0))
-    before = cum - nb - seg_base
-    take = before < shed[s_sorted] - 0.5
+    src, nth_c, nb = c.src[conv], nth[conv], c.nbytes[conv]
+    # buckets of (source, nth): those wholly below a source's shed bytes are all taken,
+    # those wholly above none; only the copies of the bucket astride it need their order
+    o = sort_by(src, nth_c, shuffled=True)
+    s_o, n_o = src[o], nth_c[o]
+    first = np.r_[True, (s_o[1:] != s_o[:-1]) | (n_o[1:] != n_o[:-1])]
+    starts = np.flatnonzero(first)
+    b_src = s_o[starts]
+    b_bytes = np.add.reduceat(nb[o], starts)
+    b_before = _before_in_runs(b_bytes, np.r_[True, b_src[1:] != b_src[:-1]])
+    limit = shed[b_src] - 0.5
+    bucket = np.cumsum(first) - 1
     selected = np.zeros(c.src.size, dtype=bool)
-    selected[conv_sorted[take]] = True
+    selected[conv[o[(b_before + b_bytes < limit)[bucket]]]] = True
+    astride = (b_before < limit) & (b_before + b_bytes >= limit)
+    part = np.flatnonzero(astride[bucket])
+    if part.size:
+        part_conv = conv[o[part]]
+        mix = _hashed(c.group[part_conv])
+        fine = sort_by(s_o[part], n_o[part], mix, part_conv, unique=True)
+        part, part_conv = part[fine], part_conv[fine]
+        bk = bucket[part]
+        before = b_before[bk] + _before_in_runs(nb[o[part]], np.r_[True, bk[1:] != bk[:-1]])
+        selected[part_conv[before < limit[bk]]] = True
     return selected
+
+
+def _hashed(group: np.ndarray) -> np.ndarray:
+    """A 24-bit hash of each group id: groups in a hashed order."""
+    return ((group.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)).astype(
+        np.int64
+    )
+
+
+def _before_in_runs(values: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Per element, the sum of the (non-negative) values before it in its run (runs start
+    where `first`)."""
+    cum = np.cumsum(values)
+    before = cum - values
+    return before - np.maximum.accumulate(np.where(first, before, 0))
 
 
 def _relay_senders(

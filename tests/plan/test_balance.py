@@ -1,5 +1,6 @@
 """Replica choice: candidate sets shared by many copies give the choice one row per copy
-gives, local copies stay local, and the busiest slot is within one copy of the ideal."""
+gives, local copies stay local, the busiest slot is within one copy of the ideal, and
+runs water-filled together take what they take one at a time."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refitd.plan.balance import Choices, choose_replicas, unique_rows
+from refitd.plan.waterfill import _waterfill, fill_runs
 
 FEW = settings(max_examples=60, deadline=None)
 
@@ -82,3 +84,40 @@ def test_unique_rows_equals_numpy(n: int, width: int, seed: int) -> None:
     assert (got[inv] == rows).all() and len(got) == len(want)
     assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, want.tolist()))
     assert len(set(inv.tolist())) == len(got)
+
+
+@st.composite
+def runs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(classes [K, R], class, size and count of each run (a class's runs adjacent),
+    starting loads): overlapping classes, equal loads, weightless and single items."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n_slots = draw(st.integers(2, 300))  # many slots: wide waves of disjoint classes
+    r = draw(st.integers(1, min(n_slots, 12)))
+    k = draw(st.integers(1, 60))
+    classes = np.stack([np.sort(rng.choice(n_slots, r, replace=False)) for _ in range(k)])
+    per_class = rng.integers(1, 4, k)
+    run_class = np.repeat(rng.permutation(k), per_class)
+    run_size = rng.choice([0, 1, 3, 7, 4096, 10**9 + 7], run_class.size)
+    run_count = rng.choice([1, 1, 2, 3, 5, 17, 200], run_class.size)
+    load = rng.choice([0.0, 1.0, 3.0, 1e9], n_slots) * rng.integers(0, 3, n_slots)
+    return classes, run_class, run_size, run_count, load
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs())
+def test_waves_fill_as_one_run_at_a_time(case: tuple) -> None:
+    """Runs dealt wave by wave in NumPy take what one run at a time takes, to the bit."""
+    classes, run_class, run_size, run_count, load = case
+    want_load = load.tolist()
+    want = []
+    for c, size, m in zip(run_class.tolist(), run_size.tolist(), run_count.tolist(), strict=True):
+        slots = classes[c].tolist()
+        got = _waterfill([want_load[x] for x in slots], float(size), m)
+        assert sum(got) == m and min(got) >= 0
+        for x, n in zip(slots, got, strict=True):
+            want_load[x] += n * size
+        want.append(got)
+    new_load = load.copy()
+    counts = fill_runs(classes, run_class, run_size, run_count, new_load)
+    assert counts.tolist() == want
+    assert new_load.tolist() == want_load
