@@ -72,7 +72,9 @@ def _second_lanes_share(weights, big: tuple[int, int], small: tuple[int, int], p
             threading.Thread(target=_lane, args=(share, chunks, nbytes, wire, starts[lane]))
         )
         lanes[-1].start()
+        alone = time.monotonic() + 30.0
         while not lane and sum(n for _, _, n in sent) < 10 * CHUNK:  # lane 0 alone first
+            assert time.monotonic() < alone, "the first lane sent nothing for 30 s"
             time.sleep(0.005)
     for t in (*lanes, line):
         t.join(30.0)
