@@ -14,6 +14,7 @@ import heapq
 
 import numpy as np
 
+from refitd.plan.grouping import sum_before_in_runs
 from refitd.plan.sides import sort_by
 
 
@@ -87,8 +88,7 @@ def assign_rounds(
     key_src = src_sorted[order2]
     key_lane = lane[order2]
     new = np.r_[True, (np.diff(key_src) != 0) | (np.diff(key_lane) != 0)]
-    csum = np.cumsum(m) - m
-    base = csum - np.maximum.accumulate(np.where(new, csum, 0))
+    base = sum_before_in_runs(m, new)
     rounds = np.empty(order.size, dtype=np.int64)
     rounds[order[order2]] = base
     return rounds

@@ -2,7 +2,8 @@
 
 dense_index numbers slots by counting; unique_groups finds equal values with NumPy's
 unstable (SIMD) sort, about three times faster than np.unique's stable one when the first
-occurrences and the inverse are both wanted.
+occurrences and the inverse are both wanted. sum_before_in_runs sums within runs of
+adjacent elements.
 """
 
 from __future__ import annotations
@@ -38,3 +39,11 @@ def unique_groups(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     inverse[order] = np.cumsum(new) - 1
     first = np.minimum.reduceat(order, starts) if starts.size else starts
     return ranked[starts], first, inverse
+
+
+def sum_before_in_runs(values: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Per element, the sum of the (non-negative) values before it in its run (runs of
+    adjacent elements start where `first`)."""
+    cum = np.cumsum(values)
+    before = cum - values
+    return before - np.maximum.accumulate(np.where(first, before, 0))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.plan.balance import Choices, choose_replicas
-from refitd.plan.grouping import unique_groups
+from refitd.plan.grouping import sum_before_in_runs, unique_groups
 from refitd.plan.sides import sort_by
 
 # Share of the destination slots' relay capacity the level may count on: the water-filling
@@ -148,7 +148,7 @@ def _shed_copies(
     starts = np.flatnonzero(first)
     b_src = s_o[starts]
     b_bytes = np.add.reduceat(nb[o], starts)
-    b_before = _before_in_runs(b_bytes, np.r_[True, b_src[1:] != b_src[:-1]])
+    b_before = sum_before_in_runs(b_bytes, np.r_[True, b_src[1:] != b_src[:-1]])
     limit = shed[b_src] - 0.5
     bucket = np.cumsum(first) - 1
     selected = np.zeros(c.src.size, dtype=bool)
@@ -161,7 +161,7 @@ def _shed_copies(
         fine = sort_by(s_o[part], n_o[part], mix, part_conv, unique=True)
         part, part_conv = part[fine], part_conv[fine]
         bk = bucket[part]
-        before = b_before[bk] + _before_in_runs(nb[o[part]], np.r_[True, bk[1:] != bk[:-1]])
+        before = b_before[bk] + sum_before_in_runs(nb[o[part]], np.r_[True, bk[1:] != bk[:-1]])
         selected[part_conv[before < limit[bk]]] = True
     return selected
 
@@ -171,14 +171,6 @@ def _hashed(group: np.ndarray) -> np.ndarray:
     return ((group.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)).astype(
         np.int64
     )
-
-
-def _before_in_runs(values: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """Per element, the sum of the (non-negative) values before it in its run (runs start
-    where `first`)."""
-    cum = np.cumsum(values)
-    before = cum - values
-    return before - np.maximum.accumulate(np.where(first, before, 0))
 
 
 def _relay_senders(
