@@ -187,7 +187,7 @@ def _answer(
     to `out`."""
     import grpc
 
-    held: dict[int, list[str]] = {}
+    held: dict[int, set[str]] = {}
     try:
         while (item := todo.get()) is not None:
             cmd, got = item

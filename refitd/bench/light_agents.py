@@ -13,7 +13,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def answer_setup(
-    agents: Any, agent_id: str, cmd: Any, slots: list[int], held: dict[int, list[str]]
+    agents: Any, agent_id: str, cmd: Any, slots: list[int], held: dict[int, set[str]]
 ) -> str:
     """Report a connect (for every slot of the agent) or a load (its slot) as done at once,
     as a light agent that moves no bytes; returns the command's kind. `held` (the caller's,
@@ -26,10 +26,10 @@ def answer_setup(
     if which == "connect":
         for slot in slots:
             rep.slot, rep.kind = slot, pb.REPORT_KIND_CONNECTED
-            rep.loaded_plans[:] = held.get(slot, [])
+            rep.loaded_plans[:] = sorted(held.get(slot, ()))
             agents.Report(rep, timeout=30)
     elif which == "load":
-        held.setdefault(cmd.load.slot, []).append(cmd.load.digest)
+        held.setdefault(cmd.load.slot, set()).add(cmd.load.digest)
         rep.slot, rep.kind = cmd.load.slot, pb.REPORT_KIND_LOADED
         agents.Report(rep, timeout=30)
     return which

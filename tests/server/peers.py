@@ -98,7 +98,8 @@ class EchoAgent:
                             msg = self.fail_connect[slot]
                             self._report(cmd, slot, pb.REPORT_KIND_FAILED, message=msg)
                         elif slot in cmd.connect.comm_rank:
-                            held = [p.digest for s, p in self.programs.items() if s == slot]
+                            prog = self.programs.get(slot)
+                            held = [prog.digest] if prog is not None else []
                             self._report(cmd, slot, pb.REPORT_KIND_CONNECTED, loaded_plans=held)
                 elif which == "load":
                     self.programs[cmd.load.slot] = decode_program(cmd.load.program)

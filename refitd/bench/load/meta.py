@@ -137,7 +137,7 @@ def _light_agents(
     from refitd._proto import refitd_pb2 as pb
 
     def drain(agent_id: str, stream: Any, slots: list[int]) -> None:
-        held: dict[int, list[str]] = {}
+        held: dict[int, set[str]] = {}
         with contextlib.suppress(grpc.RpcError):
             for cmd in stream:
                 kind = answer_setup(agents, agent_id, cmd, slots, held)
