@@ -37,6 +37,8 @@ from typing import Any
 
 from refitd.bench.control_peers import AGENTS, PeerConfig, run_peers, worker_request
 from refitd.bench.light_agents import pct
+from refitd.rpc.asks import AskStream
+from refitd.rpc.connection import ControllerConnection
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,18 +149,26 @@ def _controller_cpu(m: _Marks, refits: int) -> dict[str, float]:
 
 
 def _refits(
-    args: argparse.Namespace, stub: Any, trainers: list[str], slots: int, out: Any, pid: int
+    args: argparse.Namespace,
+    trainers: list[str],
+    slots: int,
+    out: Any,
+    controller: tuple[str, int],
 ) -> _Marks:
-    """--warmup then --refits refits, every trainer rank calling Refit(WAIT_COMMITTED) from
-    its own thread; the timed ones measured."""
+    """--warmup then --refits refits, every trainer rank asking for the version
+    (WAIT_COMMITTED) from its own thread on its own Asks stream, as TrainerClient.refit
+    does; the timed ones measured. `controller`: its address and pid."""
     from refitd._proto import refitd_pb2 as pb
+
+    # each rank asks as the client library's TrainerClient.refit does: on its own stream
+    address, pid = controller
+    conn = ControllerConnection(address)
+    asks = {w: AskStream(conn) for w in trainers}
 
     def call(wid: str, version: int) -> tuple[float, float, int]:
         t0 = time.monotonic()
-        resp = stub.Refit(
-            pb.RefitRequest(worker_id=wid, version=version, wait=pb.WAIT_COMMITTED),
-            timeout=60,
-        )
+        req = pb.RefitRequest(worker_id=wid, version=version, wait=pb.WAIT_COMMITTED)
+        resp = asks[wid].ask(req, f"refit of version {version}", 60.0)
         if resp.state != pb.REFIT_STATE_COMMITTED:
             raise RuntimeError(f"refit {version} ended {resp.state}: {resp.message}")
         return t0, time.monotonic(), resp.state
@@ -192,6 +202,9 @@ def _refits(
                 m.ends.append(t_commit - max(done))
                 m.totals.append(max(t1 for _, t1, _ in res) - t_last_call)
                 m.spreads.append(t_last_call - min(t0 for t0, _, _ in res))
+    for a in asks.values():
+        a.close()
+    conn.close()
     m.clock.append(time.monotonic())
     m.sched.append(_thread_times(pid))
     return m
@@ -312,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
             ).worker_id
             for r in range(n)
         ]
-        marks = _refits(args, stub, trainers, slots, out, ctl.pid)
+        marks = _refits(args, trainers, slots, out, (address, ctl.pid))
         rtts = []
         for _ in range(200):
             t0 = time.perf_counter()
