@@ -21,7 +21,8 @@ Answer = pb.RefitResponse | grpc.RpcError | None  # None: the stream ended witho
 
 
 class AskStream:
-    """One worker's asks on one Asks stream, one at a time, each with a deadline."""
+    """One worker's asks on one Asks stream, each with a deadline. An ask made while
+    another waits on the stream (a newer version asked during a refit) is a Refit call."""
 
     def __init__(self, conn: ControllerConnection) -> None:
         self._conn = conn
@@ -34,36 +35,41 @@ class AskStream:
     def ask(self, request: pb.RefitRequest, what: str, timeout_s: float) -> pb.RefitResponse:
         """The controller's answer to `request`; RefitError as from a Refit call (a deadline
         of `timeout_s` seconds: DEADLINE_EXCEEDED)."""
-        with self._lock:
-            if self._unary:
-                return self._conn.call(self._conn.refit.Refit, request, what, timeout_s)
-            if self._call is None or self._call.done():  # gone between asks: open another
-                self._open()
-            self._requests.put(request)
-            try:
-                answer = self._answers.get(timeout=timeout_s)
-            except queue.Empty:
-                self._close()
-                raise RefitError(
-                    f"{what}: DEADLINE_EXCEEDED: no answer within {timeout_s:g} s",
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ) from None
-            if isinstance(answer, pb.RefitResponse):
-                return answer
+        if not self._lock.acquire(blocking=False):  # another ask waits on the stream
+            return self._conn.call(self._conn.refit.Refit, request, what, timeout_s)
+        try:
+            return self._ask(request, what, timeout_s)
+        finally:
+            self._lock.release()
+
+    def _ask(self, request: pb.RefitRequest, what: str, timeout_s: float) -> pb.RefitResponse:
+        if self._unary:
+            return self._conn.call(self._conn.refit.Refit, request, what, timeout_s)
+        if self._call is None or self._call.done():  # gone between asks: open another
+            self._open()
+        self._requests.put(request)
+        try:
+            answer = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
             self._close()
-            if answer is None:
-                raise RefitError(
-                    f"{what}: UNAVAILABLE: the stream ended", grpc.StatusCode.UNAVAILABLE
-                )
-            if answer.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self._unary = True
-                return self._conn.call(self._conn.refit.Refit, request, what, timeout_s)
-            raise RefitError.from_rpc(answer, what)
+            raise RefitError(
+                f"{what}: DEADLINE_EXCEEDED: no answer within {timeout_s:g} s",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from None
+        if isinstance(answer, pb.RefitResponse):
+            return answer
+        self._close()
+        if answer is None:
+            raise RefitError(f"{what}: UNAVAILABLE: the stream ended", grpc.StatusCode.UNAVAILABLE)
+        if answer.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self._unary = True
+            return self._conn.call(self._conn.refit.Refit, request, what, timeout_s)
+        raise RefitError.from_rpc(answer, what)
 
     def close(self) -> None:
-        """End the stream (the controller sees the call cancelled)."""
-        with self._lock:
-            self._close()
+        """End the stream (the controller sees the call cancelled); an ask waiting on it
+        raises RefitError (CANCELLED). Does not wait for that ask."""
+        self._close()
 
     def _open(self) -> None:
         self._close()
@@ -74,10 +80,10 @@ class AskStream:
         ).start()
 
     def _close(self) -> None:
-        if self._call is not None:
+        call, self._call = self._call, None
+        if call is not None:
             self._requests.put(None)
-            self._call.cancel()
-            self._call = None
+            call.cancel()
 
 
 def _read(call: Any, answers: queue.SimpleQueue[Answer]) -> None:
