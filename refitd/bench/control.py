@@ -254,6 +254,12 @@ def _result(
     ready = [max(r["last_ask_at"], r.get("paused_at", 0.0)) for r in inside]
     own = [r["executes_sent_at"] - t for r, t in zip(inside, ready, strict=True)]
     ack_wait = [max(0.0, r.get("paused_at", 0.0) - r["last_ask_at"]) for r in inside]
+    # the first ask -> PAUSE sent (early pause: the driver prepares the run first)
+    pause_out = [
+        r["pause_sent_at"] - (r["last_ask_at"] - r.get("barrier_s", 0.0))
+        for r in inside
+        if "pause_sent_at" in r
+    ]
     ms = 1e3
     rtts, burst = refs
     return {
@@ -281,6 +287,7 @@ def _result(
         "pause_acks_after_last_refit_p50_ms": pct(ack_wait, 50) * ms,
         "pause_acks_after_last_refit_p99_ms": pct(ack_wait, 99) * ms,
         "pause_handshake_p50_ms": pct(pauses, 50) * ms,
+        "first_ask_to_pause_sent_p50_ms": pct(pause_out, 50) * ms if pause_out else 0.0,
         "calls_spread_p50_ms": pct(m.spreads, 50) * ms,
         "barrier_at_controller_p50_ms": pct(barriers, 50) * ms,
         "last_refit_call_to_controller_p50_ms": pct(ask_in, 50) * ms,
