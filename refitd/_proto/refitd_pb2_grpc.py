@@ -79,6 +79,11 @@ class RefitStub:
                 request_serializer=refitd_dot_v1_dot_refitd__pb2.EventsRequest.SerializeToString,
                 response_deserializer=refitd_dot_v1_dot_refitd__pb2.VersionEvent.FromString,
                 _registered_method=True)
+        self.Asks = channel.stream_stream(
+                '/refitd.v1.Refit/Asks',
+                request_serializer=refitd_dot_v1_dot_refitd__pb2.RefitRequest.SerializeToString,
+                response_deserializer=refitd_dot_v1_dot_refitd__pb2.RefitResponse.FromString,
+                _registered_method=True)
 
 
 class RefitServicer:
@@ -138,6 +143,14 @@ class RefitServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Asks(self, request_iterator, context):
+        """Refit calls of one trainer rank on one stream: each request is answered in turn as its
+        Refit call would be; an error ends the stream with the status Refit would return.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RefitServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +198,11 @@ def add_RefitServicer_to_server(servicer, server):
                     servicer.Events,
                     request_deserializer=refitd_dot_v1_dot_refitd__pb2.EventsRequest.FromString,
                     response_serializer=refitd_dot_v1_dot_refitd__pb2.VersionEvent.SerializeToString,
+            ),
+            'Asks': grpc.stream_stream_rpc_method_handler(
+                    servicer.Asks,
+                    request_deserializer=refitd_dot_v1_dot_refitd__pb2.RefitRequest.FromString,
+                    response_serializer=refitd_dot_v1_dot_refitd__pb2.RefitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +448,33 @@ class Refit:
             '/refitd.v1.Refit/Events',
             refitd_dot_v1_dot_refitd__pb2.EventsRequest.SerializeToString,
             refitd_dot_v1_dot_refitd__pb2.VersionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Asks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/refitd.v1.Refit/Asks',
+            refitd_dot_v1_dot_refitd__pb2.RefitRequest.SerializeToString,
+            refitd_dot_v1_dot_refitd__pb2.RefitResponse.FromString,
             options,
             channel_credentials,
             insecure,

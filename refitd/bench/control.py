@@ -2,8 +2,11 @@
 
 A real controller (`refitd serve` child process, gRPC on loopback) with 64 registered slots
 (8 agents x 8 slots), a trainer pool of 32 ranks and an inference pool of 32 subscribed
-ranks. The agents are light threads in a peer process that answer every command at once
-without moving bytes: this bench measures the controller's overhead only. Per refit:
+ranks. The agents and the inference ranks are coroutines of one peer process
+(control_peers), each with its own streams; the agents answer every command at once without
+moving bytes: this bench measures the controller's overhead only. The trainer ranks call
+Refit from threads of the bench's process, each a blocking call as the client library
+makes. Per refit:
 start = last trainer Refit call -> every slot has received its ExecuteCommand (all ranks at
 once by default; --skew-ms lets the last rank ask later, as ranks finishing their step at
 different times do, so the barrier and the PAUSE handshake are off the critical path);
@@ -18,25 +21,24 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import glob
 import json
 import multiprocessing as mp
 import os
-import queue
 import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from refitd.bench.light_agents import answer_execute, answer_setup, pct
-
-AGENTS = 8
-ROWS_PER_RANK = 4
-COLS = 64
+from refitd.bench.control_peers import AGENTS, PeerConfig, run_peers, worker_request
+from refitd.bench.light_agents import pct
+from refitd.rpc.asks import AskStream
+from refitd.rpc.connection import ControllerConnection
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,172 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="agents without batch_execute: one ExecuteCommand and report per slot",
     )
-
-
-def _register_tensor(rank: int, size: int) -> Any:
-    from refitd._proto import refitd_pb2 as pb
-
-    return pb.TensorRegistration(
-        name="w",
-        global_shape=[ROWS_PER_RANK * size, COLS],
-        dtype="bfloat16",
-        local_shape=[ROWS_PER_RANK, COLS],
-        boxes=[
-            pb.Box(
-                offset=[rank * ROWS_PER_RANK, 0], shape=[ROWS_PER_RANK, COLS], local_offset=[0, 0]
-            )
-        ],
-        memory=b"bench-handle",
-    )
-
-
-def _worker_request(pool: str, role: int, rank: int, size: int, host: str, slot: int) -> Any:
-    """Registration of rank `rank` of a pool of `size` ranks holding its rows of "w"."""
-    from refitd._proto import refitd_pb2 as pb
-
-    return pb.RegisterWorkerRequest(
-        model="bench",
-        pool=pool,
-        role=role,
-        rank=rank,
-        pool_size=size,
-        host=host,
-        device=f"cpu:{slot}",
-        pid=os.getpid(),
-        tensors=[_register_tensor(rank, size)],
-    )
-
-
-def _peers(
-    address: str,
-    host: str,
-    slots: int,
-    batch: bool,
-    unary_acks: bool,
-    ready: Any,
-    out: Any,
-    stop: Any,
-) -> None:
-    """Peer process: light agents (answer commands at once) and subscribing inference ranks."""
-    import grpc
-
-    from refitd._proto import refitd_pb2_grpc as pbg
-
-    ch = grpc.insecure_channel(address)
-    agents = pbg.AgentControlStub(ch)
-    refit = pbg.RefitStub(ch)
-    streams = _start_agents(agents, host, slots, batch, out)
-    time.sleep(0.5)  # agent streams open
-    n = slots // 2
-    for r in range(n):
-        args = (refit, host, r, n, streams, unary_acks)
-        threading.Thread(target=_subscriber, args=args, daemon=True).start()
-    time.sleep(0.5)
-    ready.set()
-    stop.wait()
-    for s in streams:
-        s.cancel()
-
-
-def _start_agents(agents: Any, host: str, slots: int, batch: bool, out: Any) -> list[Any]:
-    """Register AGENTS light agents of slots // AGENTS slots each and read their command
-    streams in threads; returns the streams."""
-    from refitd._proto import refitd_pb2 as pb
-
-    per = slots // AGENTS
-    streams = []
-    threads = []
-    for a in range(AGENTS):
-        resp = agents.RegisterAgent(
-            pb.RegisterAgentRequest(
-                host=host,
-                slots=[pb.SlotInfo(device=f"cpu:{a * per + i}") for i in range(per)],
-                pid=os.getpid(),
-                batch_execute=batch,
-            ),
-            timeout=30,
-        )
-        s = agents.Commands(pb.AgentStreamRequest(agent_id=resp.agent_id))
-        streams.append(s)
-        args = (agents, resp.agent_id, list(resp.slot_ids), s, out)
-        threads.append(threading.Thread(target=_agent_loop, args=args, daemon=True))
-    for t in threads:
-        t.start()
-    return streams
-
-
-def _agent_loop(agents: Any, agent_id: str, slot_ids: list[int], stream: Any, out: Any) -> None:
-    """Read commands as they come (timestamped on receipt); a helper thread reports."""
-    import grpc
-
-    todo: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
-    threading.Thread(
-        target=_answer, args=(agents, agent_id, slot_ids, todo, out), daemon=True
-    ).start()
-    try:
-        for cmd in stream:
-            todo.put((cmd, time.monotonic()))
-    except grpc.RpcError:
-        pass
-    todo.put(None)
-
-
-def _answer(
-    agents: Any,
-    agent_id: str,
-    slot_ids: list[int],
-    todo: queue.SimpleQueue[tuple[Any, float] | None],
-    out: Any,
-) -> None:
-    """Answer each command at once; per executed slot, (refit id, received, reported) goes
-    to `out`."""
-    import grpc
-
-    held: dict[int, set[str]] = {}
-    try:
-        while (item := todo.get()) is not None:
-            cmd, got = item
-            if answer_setup(agents, agent_id, cmd, slot_ids, held) != "execute":
-                continue
-            done = answer_execute(agents, agent_id, cmd)
-            slots = list(cmd.execute.slots) or [cmd.execute.slot]
-            for _ in slots:
-                out.put((cmd.execute.refit_id, got, done))
-    except grpc.RpcError:
-        pass
-
-
-def _subscriber(
-    refit: Any, host: str, rank: int, n: int, streams: list[Any], unary_acks: bool
-) -> None:
-    """Inference rank `rank` of n: register, subscribe and ack every event, on one Events
-    stream as the client library does (with `unary_acks`: Subscribe, and an Ack call each)."""
-    import grpc
-
-    from refitd._proto import refitd_pb2 as pb
-
-    req = _worker_request("infer", pb.ROLE_DESTINATION, rank, n, host, n + rank)
-    resp = refit.RegisterWorker(req, timeout=30)
-    subscribe = pb.SubscribeRequest(worker_id=resp.worker_id)
-    acks: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    if unary_acks:
-        stream = refit.Subscribe(subscribe)
-    else:
-        acks.put(pb.EventsRequest(subscribe=subscribe))
-        stream = refit.Events(iter(acks.get, None))
-    streams.append(stream)
-    try:
-        for ev in stream:
-            if ev.kind == pb.EVENT_KIND_HELLO:
-                continue
-            ack = pb.AckRequest(worker_id=resp.worker_id, event_id=ev.event_id, ok=True)
-            if unary_acks:
-                refit.Ack(ack, timeout=30)
-            else:
-                acks.put(pb.EventsRequest(ack=ack))
-    except grpc.RpcError:
-        pass
-    acks.put(None)
 
 
 def _start_controller(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -277,21 +113,62 @@ class _Marks:
     totals: list[float] = dataclasses.field(default_factory=list)
     spreads: list[float] = dataclasses.field(default_factory=list)  # first -> last call
     marks: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
+    # the controller's threads (schedstat) and the clock when the timed refits began, ended
+    sched: list[dict[int, tuple[float, float]]] = dataclasses.field(default_factory=list)
+    clock: list[float] = dataclasses.field(default_factory=list)
+
+
+def _thread_times(pid: int) -> dict[int, tuple[float, float]]:
+    """Per thread of process `pid`: (seconds on a CPU, seconds runnable but waiting for one)
+    from Linux's schedstat; empty where there is none."""
+    times = {}
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                run, wait = f.read().split()[:2]
+            times[int(path.split("/")[4])] = (int(run) / 1e9, int(wait) / 1e9)
+    return times
+
+
+def _controller_cpu(m: _Marks, refits: int) -> dict[str, float]:
+    """The controller's CPU over the timed refits: its CPU time per refit, and the share of
+    the wall time its busiest thread (the gRPC loop) ran and waited for a core."""
+    if len(m.sched) < 2 or not m.sched[0]:
+        return {}
+    before, after = m.sched
+    delta = {
+        t: [a - b for a, b in zip(after[t], before.get(t, (0.0, 0.0)), strict=True)] for t in after
+    }
+    busiest = max(delta.values(), key=lambda d: d[0])
+    wall = m.clock[1] - m.clock[0]
+    return {
+        "controller_cpu_ms_per_refit": sum(d[0] for d in delta.values()) / refits * 1e3,
+        "controller_loop_on_cpu_share": busiest[0] / wall,
+        "controller_loop_runqueue_share": busiest[1] / wall,
+    }
 
 
 def _refits(
-    args: argparse.Namespace, stub: Any, trainers: list[str], slots: int, out: Any
+    args: argparse.Namespace,
+    trainers: list[str],
+    slots: int,
+    out: Any,
+    controller: tuple[str, int],
 ) -> _Marks:
-    """--warmup then --refits refits, every trainer rank calling Refit(WAIT_COMMITTED) from
-    its own thread; the timed ones measured."""
+    """--warmup then --refits refits, every trainer rank asking for the version
+    (WAIT_COMMITTED) from its own thread on its own Asks stream, as TrainerClient.refit
+    does; the timed ones measured. `controller`: its address and pid."""
     from refitd._proto import refitd_pb2 as pb
+
+    # each rank asks as the client library's TrainerClient.refit does: on its own stream
+    address, pid = controller
+    conn = ControllerConnection(address)
+    asks = {w: AskStream(conn) for w in trainers}
 
     def call(wid: str, version: int) -> tuple[float, float, int]:
         t0 = time.monotonic()
-        resp = stub.Refit(
-            pb.RefitRequest(worker_id=wid, version=version, wait=pb.WAIT_COMMITTED),
-            timeout=60,
-        )
+        req = pb.RefitRequest(worker_id=wid, version=version, wait=pb.WAIT_COMMITTED)
+        resp = asks[wid].ask(req, f"refit of version {version}", 60.0)
         if resp.state != pb.REFIT_STATE_COMMITTED:
             raise RuntimeError(f"refit {version} ended {resp.state}: {resp.message}")
         return t0, time.monotonic(), resp.state
@@ -300,6 +177,9 @@ def _refits(
     with ThreadPoolExecutor(len(trainers)) as pool:
         for i in range(args.warmup + args.refits):
             version = i + 1
+            if i == args.warmup:
+                m.sched.append(_thread_times(pid))
+                m.clock.append(time.monotonic())
             if args.skew_ms > 0:  # the last rank asks after the others (barrier skew)
                 futs = [pool.submit(call, w, version) for w in trainers[:-1]]
                 time.sleep(args.skew_ms / 1e3)
@@ -322,10 +202,39 @@ def _refits(
                 m.ends.append(t_commit - max(done))
                 m.totals.append(max(t1 for _, t1, _ in res) - t_last_call)
                 m.spreads.append(t_last_call - min(t0 for t0, _, _ in res))
+    for a in asks.values():
+        a.close()
+    conn.close()
+    m.clock.append(time.monotonic())
+    m.sched.append(_thread_times(pid))
     return m
 
 
-def _result(args: argparse.Namespace, slots: int, m: _Marks, rtts: list[float], doc: dict) -> dict:
+def _burst(stub: Any, trainers: list[str], rounds: int = 50) -> list[float]:
+    """The reference for all ranks at once: every trainer rank sends a Heartbeat from its
+    own thread at once; per round, the last call's start -> the last answer."""
+    from refitd._proto import refitd_pb2 as pb
+
+    def beat(wid: str) -> tuple[float, float]:
+        t0 = time.monotonic()
+        stub.Heartbeat(pb.HeartbeatRequest(worker_id=wid), timeout=10)
+        return t0, time.monotonic()
+
+    spans = []
+    with ThreadPoolExecutor(len(trainers)) as pool:
+        for _ in range(rounds):
+            res = list(pool.map(beat, trainers))
+            spans.append(max(t1 for _, t1 in res) - max(t0 for t0, _ in res))
+    return spans
+
+
+def _result(
+    args: argparse.Namespace,
+    slots: int,
+    m: _Marks,
+    refs: tuple[list[float], list[float]],
+    doc: dict,
+) -> dict:
     """The bench's JSON document from the measured marks, the RPC round trips and the
     controller's status (its refit records)."""
     n = slots // 2
@@ -345,7 +254,14 @@ def _result(args: argparse.Namespace, slots: int, m: _Marks, rtts: list[float], 
     ready = [max(r["last_ask_at"], r.get("paused_at", 0.0)) for r in inside]
     own = [r["executes_sent_at"] - t for r, t in zip(inside, ready, strict=True)]
     ack_wait = [max(0.0, r.get("paused_at", 0.0) - r["last_ask_at"]) for r in inside]
+    # the first ask -> PAUSE sent (early pause: the driver prepares the run first)
+    pause_out = [
+        r["pause_sent_at"] - (r["last_ask_at"] - r.get("barrier_s", 0.0))
+        for r in inside
+        if "pause_sent_at" in r
+    ]
     ms = 1e3
+    rtts, burst = refs
     return {
         "bench": "control",
         "slots": slots,
@@ -371,12 +287,16 @@ def _result(args: argparse.Namespace, slots: int, m: _Marks, rtts: list[float], 
         "pause_acks_after_last_refit_p50_ms": pct(ack_wait, 50) * ms,
         "pause_acks_after_last_refit_p99_ms": pct(ack_wait, 99) * ms,
         "pause_handshake_p50_ms": pct(pauses, 50) * ms,
+        "first_ask_to_pause_sent_p50_ms": pct(pause_out, 50) * ms if pause_out else 0.0,
         "calls_spread_p50_ms": pct(m.spreads, 50) * ms,
         "barrier_at_controller_p50_ms": pct(barriers, 50) * ms,
         "last_refit_call_to_controller_p50_ms": pct(ask_in, 50) * ms,
         "execute_to_agents_p50_ms": pct(cmd_out, 50) * ms,
         "rpc_rtt_p50_ms": pct(rtts, 50) * ms,
         "start_p50_over_rtt": pct(m.starts, 50) / pct(rtts, 50),
+        "all_ranks_heartbeat_p50_ms": pct(burst, 50) * ms,
+        "all_ranks_heartbeat_p99_ms": pct(burst, 99) * ms,
+        **_controller_cpu(m, args.refits),
         "target_p50_ms": 5.0,
         "target_p99_ms": 15.0,
         "note": "light agents answer commands at once without moving bytes: control "
@@ -399,11 +319,8 @@ def run(args: argparse.Namespace) -> int:
     ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     peers = None
     try:
-        peers = ctx.Process(
-            target=_peers,
-            args=(address, host, slots, not args.per_slot, args.unary_acks, ready, out, stop),
-            daemon=True,
-        )
+        cfg = PeerConfig(address, host, slots, not args.per_slot, args.unary_acks)
+        peers = ctx.Process(target=run_peers, args=(cfg, ready, out, stop), daemon=True)
         peers.start()
         if not ready.wait(60):
             raise RuntimeError("bench peers did not come up within 60 s")
@@ -411,18 +328,19 @@ def run(args: argparse.Namespace) -> int:
         stub = pbg.RefitStub(ch)
         trainers = [
             stub.RegisterWorker(
-                _worker_request("trainer", pb.ROLE_SOURCE, r, n, host, r), timeout=30
+                worker_request("trainer", pb.ROLE_SOURCE, r, n, host, r), timeout=30
             ).worker_id
             for r in range(n)
         ]
-        marks = _refits(args, stub, trainers, slots, out)
+        marks = _refits(args, trainers, slots, out, (address, ctl.pid))
         rtts = []
         for _ in range(200):
             t0 = time.perf_counter()
             stub.Heartbeat(pb.HeartbeatRequest(worker_id=trainers[0]), timeout=10)
             rtts.append(time.perf_counter() - t0)
+        burst = _burst(stub, trainers)
         doc = json.loads(stub.GetStatus(pb.StatusRequest(model="bench"), timeout=30).json)
-        print(json.dumps(_result(args, slots, marks, rtts, doc)))
+        print(json.dumps(_result(args, slots, marks, (rtts, burst), doc)))
         ch.close()
         return 0
     finally:

@@ -18,6 +18,7 @@ import grpc
 from refitd._proto import refitd_pb2 as pb
 from refitd.client.worker import WorkerClient
 from refitd.refit_states import state_name
+from refitd.rpc.asks import AskStream
 from refitd.rpc.connection import RefitError
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class TrainerClient(WorkerClient):
         )
         self.on_move = on_move
         self.snapshot = snapshot
+        self._asks = AskStream(self._conn)  # refit() asks on one stream kept open
 
     def refit(
         self, version: int, wait: str = "sources_read", timeout: float | None = None
@@ -115,17 +117,13 @@ class TrainerClient(WorkerClient):
         )
         deadline = (timeout or 600.0) + DEADLINE_MARGIN_S
         try:
-            resp = self._conn.call(
-                self._conn.refit.Refit, req, f"refit {self._who()} version {version}", deadline
-            )
+            resp = self._asks.ask(req, f"refit {self._who()} version {version}", deadline)
         except RefitError as err:
             if err.code == grpc.StatusCode.NOT_FOUND:
                 # The controller restarted and forgot us: register again, ask again once.
                 self.reregister()
                 req.worker_id = self.worker_id
-                resp = self._conn.call(
-                    self._conn.refit.Refit, req, f"refit {self._who()} version {version}", deadline
-                )
+                resp = self._asks.ask(req, f"refit {self._who()} version {version}", deadline)
             else:
                 raise
         result = RefitResult(
@@ -139,6 +137,9 @@ class TrainerClient(WorkerClient):
         if result.state == "failed":
             raise RefitError(f"refit of version {version} failed: {resp.message}")
         return result
+
+    def _stop_streams(self) -> None:
+        self._asks.close()
 
     def _check_storage(self) -> None:
         moved = self.moved_tensors()

@@ -190,6 +190,18 @@ class RefitService:
         return pb.HeartbeatResponse(epoch=epoch)
 
     async def Refit(self, request: pb.RefitRequest, context: Context) -> Any:
+        return await self._refit(request)
+
+    async def Asks(
+        self, requests: AsyncIterator[pb.RefitRequest], context: Context
+    ) -> AsyncIterator[pb.RefitResponse]:
+        """A trainer rank's Refit calls on one stream, answered in turn: a message on an
+        open stream costs the server about half a new call, so a refit's start, when every
+        rank asks at once, takes in each ask for less."""
+        async for request in requests:
+            yield await self._refit(request)
+
+    async def _refit(self, request: pb.RefitRequest) -> pb.RefitResponse:
         check_refit_request(request, WAITS)
         refits = self.c.refits
         a = refits.ask(request.worker_id, request.version, request.wait, request.timeout_s)

@@ -283,6 +283,7 @@ class RefitLifecycle:
         if todo:
             self._enter(a, Phase.PAUSE)
             t = self.clock.monotonic()
+            a.run.detail.setdefault("pause_sent_at", t)  # monotonic: the first PAUSE out
             self.events.pause(todo, a.run, self.settings.pause_timeout_s, ms, a.paused)
             # the last PAUSE ack (monotonic): a start that waited for it waited on the ranks
             a.run.detail["paused_at"] = done = self.clock.monotonic()
