@@ -24,7 +24,7 @@ from refitd.executor.message_stats import MessageStats
 from refitd.executor.onesided import OneSided
 from refitd.executor.prepare import PreparedProgram
 from refitd.executor.shares import Share, gated_bytes
-from refitd.executor.views import LocalStep
+from refitd.executor.views import LocalStep, PartialSegments
 from refitd.slot_protocol import ExecReport
 from refitd.transport.base import DoneWork, P2POp, Transport, Work
 
@@ -295,7 +295,7 @@ class RefitExecution:
 
     def receiver(self) -> None:
         """Complete receives in posting order and unpack the staged ones."""
-        partial: dict[int, torch.Tensor] = {}
+        partial: PartialSegments = {}
         try:
             while (item := self.recv_q.get()) is not None:
                 if item.buf is _SKIPPED and item.ring != ONE_SIDED:

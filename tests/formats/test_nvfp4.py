@@ -298,6 +298,7 @@ def test_one_read_kernel_in_interpreter_matches_reference() -> None:
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         _check_one_read("cpu", data((6, 100), dtype), 3)
     _check_one_read("cpu", data((12, 40), torch.bfloat16)[:, 2:38], 2)  # rows apart
+    _check_one_read("cpu", data((96,), torch.bfloat16), 3)  # flat pieces, as a segment's
     with pytest.raises(ValueError, match="int32 bits of one element"):
         triton_kernels.nvfp4_quantize_into(
             torch.zeros(2, 16), *_buffers((2, 16)), amax=torch.zeros(1, dtype=torch.int64)
