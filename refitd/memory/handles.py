@@ -13,6 +13,9 @@ CUDA_IPC = "cuda_ipc"
 STATE_WORD = 8  # bytes per liveness word
 STATE_LIVE = 1
 STATE_STALE = 2
+# word 0 of a state segment counts the words of the segment the worker marked stale, so a
+# transfer process sees that none went stale since its last check in one read
+STATE_STALE_COUNT = 0
 HANDLE_FORMAT_VERSION = 1
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import ResolvedTensor
 from refitd.memory.arena import SharedTensorArena
-from refitd.memory.handles import STATE_LIVE, MemoryHandle
+from refitd.memory.handles import STATE_STALE_COUNT, MemoryHandle
 from refitd.memory.mapping import LivenessCheck, MemoryMapper, check_live_words, liveness_check
 from refitd.plan.wire import PLAIN
 
@@ -117,16 +117,20 @@ class MappedResolver:
     def check(self, indices: Iterable[int]) -> None:
         """Raise StorageMovedError naming every tensor of `indices` whose registration went
         stale. Prepared once per set of indices (a frozenset the caller keeps is found in
-        O(1)): the words' positions, bounds and names; each later call is one numpy gather
-        per state segment, and the stale tensors are named only when a word is not live."""
+        O(1)): the words' positions, bounds and names, and each state segment's stale count
+        (STATE_STALE_COUNT); a later call reads only those counts, and reads the words
+        again only when a count moved (some registration of the worker went stale)."""
         key = indices if isinstance(indices, frozenset) else frozenset(indices)
         prepared = self._checks.get(key)
         if prepared is None:
             named = liveness_check([self.handles[i] for i in sorted(key) if i in self.handles])
+            prepared = _PreparedCheck(self.mapper, named)  # the counts, before the words
             check_live_words(self.mapper, named)  # also checks the words are in the segments
-            prepared = self._checks[key] = _PreparedCheck(self.mapper, named)
-        elif not prepared.all_live():
+            self._checks[key] = prepared
+        elif not prepared.unchanged():
+            counts = prepared.stale_counts()
             check_live_words(self.mapper, prepared.named)
+            prepared.counts = counts
 
 
 def _memory_key(h: MemoryHandle, storage: str) -> tuple:
@@ -137,19 +141,22 @@ def _memory_key(h: MemoryHandle, storage: str) -> tuple:
 
 @dataclass
 class _PreparedCheck:
-    """The liveness words of a set of handles as numpy views over the mapped state
-    segments: reading them needs no torch op (a torch op costs microseconds, more on a
-    thread's first use, and a parallel region on a large gather)."""
+    """The stale counts of a set of handles' state segments, as numpy views over the
+    mapped segments: reading them needs no torch op (a torch op costs microseconds, more
+    on a thread's first use), and one word per segment is read per refit."""
 
     mapper: MemoryMapper
     named: LivenessCheck  # what check_live_words reads to name stale tensors
-    words: list[tuple[np.ndarray, np.ndarray]] = field(init=False)
+    words: list[np.ndarray] = field(init=False)
+    counts: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.words = [
-            (self.mapper.state_words(seg).numpy(), idx.numpy()) for seg, idx, _ in self.named
-        ]
+        self.words = [self.mapper.state_words(seg).numpy() for seg, _, _ in self.named]
+        self.counts = self.stale_counts()
 
-    def all_live(self) -> bool:
-        # take: a fancy index costs ten times as much for a handful of words
-        return all(bool((w.take(idx) == STATE_LIVE).all()) for w, idx in self.words)
+    def stale_counts(self) -> list[int]:
+        return [int(w[STATE_STALE_COUNT]) for w in self.words]
+
+    def unchanged(self) -> bool:
+        """No registration of these segments went stale since the counts were taken."""
+        return self.stale_counts() == self.counts

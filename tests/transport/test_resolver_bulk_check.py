@@ -8,6 +8,7 @@ import torch
 
 from refitd.memory.arena import SharedTensorArena
 from refitd.memory.errors import StorageMovedError
+from refitd.memory.handles import STATE_STALE_COUNT
 from refitd.memory.mapping import MemoryMapper
 from refitd.transfer.mapped import MappedResolver
 
@@ -31,6 +32,37 @@ def test_bulk_liveness_check_names_the_moved_tensor(count: int) -> None:
         with pytest.raises(StorageMovedError, match=moved):
             resolver.check(indices)
         resolver.check([i for i in indices if i != count // 2])  # the others are live
+    finally:
+        mapper.close()
+        arena.close()
+
+
+def test_a_prepared_check_sees_each_new_stale_mark_and_passes_the_live() -> None:
+    """The per-refit check reads each state segment's stale count; a registration marked
+    stale since (a count that moved) makes it read the words again: it names the moved
+    tensor of its set, and passes a set whose tensors all stayed live, every time."""
+    tensors = {f"t{i}": torch.full((16,), float(i)) for i in range(4)}
+    arena = SharedTensorArena(prefix="refitd-test-count")
+    mapper = MemoryMapper()
+    try:
+        handles = arena.register(tensors)
+        assert STATE_STALE_COUNT not in {h.state_index for h in handles.values()}
+        resolver = MappedResolver(mapper, {i: handles[f"t{i}"] for i in range(4)}, {})
+        live, moving = frozenset({0, 1}), frozenset({2, 3})
+        seg = handles["t0"].state_segment
+        for _ in range(2):
+            resolver.check(live)
+            resolver.check(moving)
+        for name in ("t3", "t2"):
+            before = int(mapper.state_words(seg)[STATE_STALE_COUNT])
+            with torch.no_grad():
+                tensors[name].set_(torch.zeros(16))
+            assert name in arena.check_unmoved()  # marks it (and t3 again) stale
+            assert int(mapper.state_words(seg)[STATE_STALE_COUNT]) > before
+            for _ in range(2):  # the moved count is taken again: still live, still checked
+                resolver.check(live)
+                with pytest.raises(StorageMovedError, match=name):
+                    resolver.check(moving)
     finally:
         mapper.close()
         arena.close()
