@@ -346,7 +346,7 @@ class RefitExecution:
             fused = None
             timed = self.is_cuda and not step.empty
             if timed:  # GPU time of the local copies next to the host's (phases)
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                events = self.prep.timing_events(step)
                 events[0].record()
             t_launch = time.monotonic()
             if step.grouped is not None:
