@@ -101,8 +101,8 @@ class RefitExecution:
         self.errors: list[BaseException] = []
         self.local_done = self.released = False  # local copies from sources ran; released
         self.recvs_done = 0  # receive chunks completed (waited and unpacked), in posting order
-        skipped_sources = sum(prep.reads_source[id(c)] for c in prep.send_chunks if c.mid in skip)
-        self.sources_left = prep.source_chunks - skipped_sources
+        skipped = [c for c in prep.send_chunks if c.mid in skip] if skip else []  # O(1) unskipped
+        self.sources_left = prep.source_chunks - sum(prep.reads_source[id(c)] for c in skipped)
         # each written by one thread only: the poster, resp. the receiver
         self.pack_s = 0.0
         self.unpack_s = 0.0
