@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import ResolvedTensor
 from refitd.memory.arena import SharedTensorArena
-from refitd.memory.handles import STATE_STALE_COUNT, MemoryHandle
-from refitd.memory.mapping import LivenessCheck, MemoryMapper, check_live_words, liveness_check
+from refitd.memory.handles import MemoryHandle
+from refitd.memory.mapping import MemoryMapper, PreparedLiveness
 from refitd.plan.wire import PLAIN
 
 
@@ -40,7 +38,7 @@ class MappedResolver:
     staged: frozenset[int] = frozenset()
     _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
     _staging: dict[int, ResolvedTensor] = field(default_factory=dict)
-    _checks: dict[frozenset[int], _PreparedCheck] = field(default_factory=dict)
+    _checks: dict[frozenset[int], PreparedLiveness] = field(default_factory=dict)
     _arena: SharedTensorArena | None = None
     staging_handles: dict[int, MemoryHandle] = field(default_factory=dict)
 
@@ -123,40 +121,13 @@ class MappedResolver:
         key = indices if isinstance(indices, frozenset) else frozenset(indices)
         prepared = self._checks.get(key)
         if prepared is None:
-            named = liveness_check([self.handles[i] for i in sorted(key) if i in self.handles])
-            prepared = _PreparedCheck(self.mapper, named)  # the counts, before the words
-            check_live_words(self.mapper, named)  # also checks the words are in the segments
-            self._checks[key] = prepared
-        elif not prepared.unchanged():
-            counts = prepared.stale_counts()
-            check_live_words(self.mapper, prepared.named)
-            prepared.counts = counts
+            handles = [self.handles[i] for i in sorted(key) if i in self.handles]
+            self._checks[key] = PreparedLiveness.of(self.mapper, handles)
+        else:
+            prepared.check()
 
 
 def _memory_key(h: MemoryHandle, storage: str) -> tuple:
     """What makes two registrations the same memory: where the view lies and how."""
     return (h.kind, h.segment, h.offset, h.device, repr(h.ipc), h.storage_offset, h.shape,
             h.strides, h.dtype, storage)  # fmt: skip
-
-
-@dataclass
-class _PreparedCheck:
-    """The stale counts of a set of handles' state segments, as numpy views over the
-    mapped segments: reading them needs no torch op (a torch op costs microseconds, more
-    on a thread's first use), and one word per segment is read per refit."""
-
-    mapper: MemoryMapper
-    named: LivenessCheck  # what check_live_words reads to name stale tensors
-    words: list[np.ndarray] = field(init=False)
-    counts: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.words = [self.mapper.state_words(seg).numpy() for seg, _, _ in self.named]
-        self.counts = self.stale_counts()
-
-    def stale_counts(self) -> list[int]:
-        return [int(w[STATE_STALE_COUNT]) for w in self.words]
-
-    def unchanged(self) -> bool:
-        """No registration of these segments went stale since the counts were taken."""
-        return self.stale_counts() == self.counts

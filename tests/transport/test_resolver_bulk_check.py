@@ -1,5 +1,7 @@
-"""The transfer process's liveness check of many handles (read in bulk per state segment)
-passes while every registration is live and names the tensor whose storage moved."""
+"""The transfer process's liveness check of many handles (read in bulk per state segment,
+then one stale count per segment before each refit) passes while every registration is
+live and names the tensor whose storage moved, in a slot's resolver and in a sender's
+mapped peer."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from refitd.memory.errors import StorageMovedError
 from refitd.memory.handles import STATE_STALE_COUNT
 from refitd.memory.mapping import MemoryMapper
 from refitd.transfer.mapped import MappedResolver
+from refitd.transfer.mapped_path import MappedPeer, ShmDoorbell
+from refitd.transport.errors import TransportError
 
 
 @pytest.mark.parametrize("count", [1, 63, 192])
@@ -65,4 +69,32 @@ def test_a_prepared_check_sees_each_new_stale_mark_and_passes_the_live() -> None
                     resolver.check(moving)
     finally:
         mapper.close()
+        arena.close()
+
+
+def test_a_mapped_peer_refuses_a_destination_whose_storage_moved() -> None:
+    """A sender on a mapped link checks the destination tensors it maps before every
+    refit: live ones pass, each check after one moved names it, until it is mapped again."""
+    tensors = {f"d{i}": torch.full((16,), float(i)) for i in range(3)}
+    arena = SharedTensorArena(prefix="refitd-test-peer")
+    bell = ShmDoorbell.create(4, 1)
+    try:
+        handles = arena.register(tensors)
+        raw = {i: (handles[f"d{i}"].to_bytes(), "plain") for i in range(3)}
+        peer = MappedPeer(bell, raw, "slot 1")
+        try:
+            for i in range(3):
+                assert torch.equal(peer.tensor(i).data, tensors[f"d{i}"])
+            for _ in range(2):
+                peer.check_live()
+            with torch.no_grad():
+                tensors["d1"].set_(torch.zeros(16))
+            assert arena.check_unmoved() == ["d1"]
+            for _ in range(2):
+                with pytest.raises(TransportError, match=r"slot 1: .*d1"):
+                    peer.check_live()
+        finally:
+            peer.close()
+    finally:
+        bell.close()
         arena.close()
