@@ -24,7 +24,7 @@ from refitd.executor.message_stats import MessageStats
 from refitd.executor.onesided import OneSided
 from refitd.executor.prepare import PreparedProgram
 from refitd.executor.shares import Share, gated_bytes
-from refitd.executor.views import LocalStep
+from refitd.executor.views import LocalStep, PartialSegments
 from refitd.slot_protocol import ExecReport
 from refitd.transport.base import DoneWork, P2POp, Transport, Work
 
@@ -101,8 +101,8 @@ class RefitExecution:
         self.errors: list[BaseException] = []
         self.local_done = self.released = False  # local copies from sources ran; released
         self.recvs_done = 0  # receive chunks completed (waited and unpacked), in posting order
-        skipped_sources = sum(prep.reads_source[id(c)] for c in prep.send_chunks if c.mid in skip)
-        self.sources_left = prep.source_chunks - skipped_sources
+        skipped = [c for c in prep.send_chunks if c.mid in skip] if skip else []  # O(1) unskipped
+        self.sources_left = prep.source_chunks - sum(prep.reads_source[id(c)] for c in skipped)
         # each written by one thread only: the poster, resp. the receiver
         self.pack_s = 0.0
         self.unpack_s = 0.0
@@ -295,7 +295,7 @@ class RefitExecution:
 
     def receiver(self) -> None:
         """Complete receives in posting order and unpack the staged ones."""
-        partial: dict[int, torch.Tensor] = {}
+        partial: PartialSegments = {}
         try:
             while (item := self.recv_q.get()) is not None:
                 if item.buf is _SKIPPED and item.ring != ONE_SIDED:
@@ -346,7 +346,7 @@ class RefitExecution:
             fused = None
             timed = self.is_cuda and not step.empty
             if timed:  # GPU time of the local copies next to the host's (phases)
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                events = self.prep.timing_events(step)
                 events[0].record()
             t_launch = time.monotonic()
             if step.grouped is not None:

@@ -132,10 +132,23 @@ class PreparedProgram:
         local = range(p.local_start, len(p.copies))
         self.local_direct = self._local_plan([i for i in local if not relay[i]])
         self.local_relay = self._local_plan([i for i in local if relay[i]])
+        self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
 
     @property
     def has_messages(self) -> bool:
         return bool(self.send_chunks or self.recv_chunks)
+
+    def timing_events(self, step: LocalStep) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """The pair of CUDA timing events of a local step, made on its first refit and
+        recorded again by every later one (each refit waits for them before the next)."""
+        key = id(step)
+        pair = self._events.get(key)
+        if pair is None:
+            pair = self._events[key] = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+        return pair
 
     def _group_steps(self) -> list[tuple[list[Chunk], list[Chunk]]]:
         """(sends, receives) per chunk key, in key order: the order every slot posts in."""

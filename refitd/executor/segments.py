@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from refitd.plan.wire import PLAIN, RAW
+from refitd.plan.wire import NVFP4, PLAIN, RAW
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +97,33 @@ def decode_hashed(
     name = str(src_dtype).removeprefix("torch.")
     region = dest_region(dst, offset, shape)
     return _formats().decode_raw_hashed(seg, shape, name, region)
+
+
+def nvfp4_amax(dst: ResolvedTensor, wire: str, device: torch.device) -> torch.Tensor | None:
+    """A zeroed amax accumulator for a raw segment that lands in NVFP4 storage (folded
+    as its chunks arrive, refitd.formats.fold_amax); None for every other copy."""
+    if wire != RAW or dst.storage != NVFP4:
+        return None
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def decode_known_amax(
+    seg: torch.Tensor,
+    shape: tuple[int, ...],
+    src_dtype: torch.dtype,
+    dst: ResolvedTensor,
+    offset: tuple[int, ...],
+    amax: torch.Tensor,
+) -> None:
+    """decode_segment of a raw segment into NVFP4 storage given its folded amax."""
+    name = str(src_dtype).removeprefix("torch.")
+    region = dest_region(dst, offset, shape)
+    _formats().decode_raw_known_amax(seg, shape, name, region, amax)
+
+
+def fold_amax(values: torch.Tensor, amax: torch.Tensor) -> None:
+    """refitd.formats.fold_amax (the formats package is imported only when needed)."""
+    _formats().fold_amax(values, amax)
 
 
 def dest_region(dst: ResolvedTensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> Any:

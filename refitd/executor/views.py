@@ -27,9 +27,12 @@ from refitd.executor.segments import (
     ResolvedTensor,
     block,
     decode_hashed,
+    decode_known_amax,
     decode_segment,
     dest_region,
     encode_segment,
+    fold_amax,
+    nvfp4_amax,
 )
 from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
 from refitd.plan.wire import PLAIN
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
     from refitd.formats.grouped import GroupedLanding
 
 _Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int64 checksum
+# copy row -> (its segment so far, its NVFP4 amax so far): segments arriving in pieces
+PartialSegments = dict[int, tuple[torch.Tensor, torch.Tensor | None]]
 _RAW = 0
 
 
@@ -217,33 +222,23 @@ class SlotViews:
                     sums[(ch.mid, i)] = self.summer.tensor(scratch)
 
     def unpack(
-        self, ch: Chunk, buf: torch.Tensor, partial: dict[int, torch.Tensor], sums: _Sums | None
+        self, ch: Chunk, buf: torch.Tensor, partial: PartialSegments, sums: _Sums | None
     ) -> None:
         """Unpack a staged chunk; with `sums`, checksum the segments it decodes (landed)."""
         w = self._views(ch, buf, False)
         if w.dst:
             torch._foreach_copy_(w.dst, w.src)
         for i, off in w.slow:
-            seg = buf[off : off + ch.nbytes] if ch.split else buf[off : off + self._seg[i]]
+            amax = None
             if ch.split:
-                acc = partial.get(i)
-                if acc is None:
-                    acc = partial[i] = torch.empty(
-                        self._seg[i], dtype=torch.uint8, device=buf.device
-                    )
-                acc[ch.seg_start : ch.seg_start + ch.nbytes].copy_(seg)
-                if ch.seg_start + ch.nbytes < self._pay[i]:
+                whole = self._assemble(ch, i, buf[off : off + ch.nbytes], partial)
+                if whole is None:
                     continue
-                seg = partial.pop(i)
-            dst = self.tensors[self._dst_t[i]]
-            args = (
-                WIRES[self._wire[i]],
-                seg,
-                self.shape(i),
-                self._dtype[i],
-                dst,
-                tuple(self._dst_off[i][: self._nd[i]]),
-            )
+                seg, amax = whole
+            else:
+                seg = buf[off : off + self._seg[i]]
+            dst, at = self.tensors[self._dst_t[i]], tuple(self._dst_off[i][: self._nd[i]])
+            args = (WIRES[self._wire[i]], seg, self.shape(i), self._dtype[i], dst, at)
             if sums is not None:  # the quantizer's own read of the segment, where it can
                 fused = decode_hashed(*args)
                 if fused is not None:
@@ -251,7 +246,34 @@ class SlotViews:
                     continue
                 n = self._pay[i] if self._wire[i] == _RAW else None  # without the padding
                 sums[(ch.mid, i)] = self.summer.tensor(seg[:n])
-            decode_segment(*args)
+            if amax is not None:
+                decode_known_amax(seg, *args[2:], amax)
+            else:
+                decode_segment(*args)
+
+    def _assemble(
+        self, ch: Chunk, i: int, piece: torch.Tensor, partial: PartialSegments
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Add a chunk's piece to segment i; once whole, (segment, its NVFP4 amax folded
+        piece by piece as they arrived, or None), else None."""
+        acc, amax = partial.get(i, (None, None))
+        if acc is None:
+            acc = torch.empty(self._seg[i], dtype=torch.uint8, device=piece.device)
+            amax = nvfp4_amax(self.tensors[self._dst_t[i]], WIRES[self._wire[i]], acc.device)
+        lo, hi = ch.seg_start, ch.seg_start + ch.nbytes
+        acc[lo:hi].copy_(piece)
+        if amax is not None:
+            size = self._dtype[i].itemsize  # a piece cutting a pair leaves it to the quantizer
+            n = max(0, min(hi, self._pay[i]) - lo)
+            if lo % (2 * size) or n % (2 * size):
+                amax = None
+            elif n:
+                fold_amax(acc[lo : lo + n].view(self._dtype[i]), amax)
+        partial[i] = (acc, amax)
+        if hi < self._pay[i]:
+            return None
+        del partial[i]
+        return acc, amax
 
     # ------------------------------------------------------------------ one-sided
     def direct_views(self, ch: Chunk) -> _Views:

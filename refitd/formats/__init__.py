@@ -29,8 +29,10 @@ from refitd.formats.region import DestRegion, dest_region
 from refitd.formats.segment import (
     copy_region,
     decode_raw_hashed,
+    decode_raw_known_amax,
     decode_segment,
     encode_segment,
+    fold_amax,
 )
 from refitd.formats.transform import (
     FP8BlockTransform,
@@ -54,10 +56,12 @@ __all__ = [
     "cast_copy",
     "copy_region",
     "decode_raw_hashed",
+    "decode_raw_known_amax",
     "decode_segment",
     "default_registry",
     "dest_region",
     "encode_segment",
+    "fold_amax",
     "fp8_block_dequantize",
     "fp8_block_dequantize_into",
     "fp8_block_quantize",

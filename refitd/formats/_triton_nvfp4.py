@@ -1,7 +1,9 @@
 """NVFP4 Triton kernels (imported only through refitd.formats.triton_kernels).
 
-Two launches: the tensor's amax (an atomic max of the bits of |x|), then one pass that
-computes every block scale and packs the E2M1 codes. Both read the source as words of two
+Two launches: the tensor's amax (an atomic max of the bits of |x|, which also folds the
+amax of a tensor's pieces one launch each), then one pass that computes every block scale
+and packs the E2M1 codes; only the second when a step that read the tensor already folded
+its amax. Both read the source as words of two
 elements (int32 for 16-bit sources, int64 for float32), so an output byte is one word and
 no register shuffle splits even from odd elements. The quantization pass walks the tiles
 in the reverse of the amax pass's order, so it starts on the tiles the amax pass read

@@ -68,11 +68,25 @@ def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32, device=like.device)
 
 
-def global_scales(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(encode scale G, decode scale D = 1 / G) of a float32 tensor, as 0-d float32."""
-    bits = abs_bits(x32)
-    amax_bits = torch.where(bits < F32_EXP_MASK, bits, 0).amax()
-    amax = torch.maximum(amax_bits.view(torch.float32), _f32(AMAX_FLOOR, x32))
+def amax_bits(x: torch.Tensor) -> torch.Tensor:
+    """The int32 bits of max |x| over the finite values of x (0 when there are none), as a
+    tensor of one element: what `nvfp4_quantize_into(amax=...)` takes. The bits of the
+    maxima of pieces of a tensor combine by max into the tensor's (int32 order is float
+    order for non-negative floats)."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.int32, device=x.device)
+    bits = abs_bits(x.to(torch.float32))
+    return torch.where(bits < F32_EXP_MASK, bits, 0).amax().reshape(1)
+
+
+def global_scales(
+    x32: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(encode scale G, decode scale D = 1 / G) of a float32 tensor, as 0-d float32; amax:
+    its `amax_bits` when already known (then x32 is not read)."""
+    bits = amax_bits(x32) if amax is None else amax.to(x32.device)
+    amax_f = bits.reshape(()).view(torch.float32)
+    amax = torch.maximum(amax_f, _f32(AMAX_FLOOR, x32))
     encode = _f32(GLOBAL_NUMERATOR, x32) / amax
     return encode, _f32(1.0, x32) / encode
 
@@ -85,12 +99,14 @@ def e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _reference(
+    x: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference: (packed data, E4M3 scale bytes, decode scale D of shape (1,))."""
     cols = x.shape[-1]
     nb = -(-cols // NVFP4_BLOCK)
     x32 = x.to(torch.float32)
-    encode, decode = global_scales(x32)
+    encode, decode = global_scales(x32, amax)
     pad = nb * NVFP4_BLOCK - cols
     blocks = (F.pad(x32, (0, pad)) if pad else x32).reshape(*x.shape[:-1], nb, NVFP4_BLOCK)
     bbits = abs_bits(blocks).amax(-1)
@@ -108,6 +124,15 @@ def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return pack(codes), s_code, decode.reshape(1)
 
 
+def check_amax(amax: torch.Tensor, what: str) -> None:
+    """A known amax is int32 bits of one element (`amax_bits`)."""
+    if amax.dtype != torch.int32 or amax.numel() != 1:
+        raise ValueError(
+            f"{what}: amax must be the int32 bits of one element (amax_bits), got "
+            f"{amax.dtype} of shape {tuple(amax.shape)}"
+        )
+
+
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """uint8 nibbles (..., n) -> bytes (..., n / 2): element 2i low, element 2i + 1 high."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -119,24 +144,32 @@ def unpack(data: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_quantize_into(
-    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    amax: torch.Tensor | None = None,
 ) -> None:
     """Quantize x into existing buffers (written in place, never reallocated): data uint8
     of nvfp4_data_shape(x.shape), scales uint8 of nvfp4_scale_shape(x.shape), global_scale
-    float32 of one element (D). CUDA tensors use the Triton kernel when triton is
-    installed (bit-identical to this reference)."""
+    float32 of one element (D). amax: x's `amax_bits`, when a step that read x anyway
+    computed it; the quantization then reads x once (it must be x's: other bits give
+    other bytes). CUDA tensors use the Triton kernel when triton is installed
+    (bit-identical to this reference)."""
     check_float(x, "nvfp4 quantize")
     shape = tuple(x.shape)
     check_nvfp4_buffers(shape, data, scales, global_scale, "nvfp4 quantize")
+    if amax is not None:
+        check_amax(amax, "nvfp4 quantize")
     if x.numel() == 0:
         return
     if x.is_cuda:
         from refitd.formats import triton_kernels
 
         if triton_kernels.available():
-            triton_kernels.nvfp4_quantize_into(x, data, scales, global_scale)
+            triton_kernels.nvfp4_quantize_into(x, data, scales, global_scale, amax=amax)
             return
-    packed, s_code, decode = _reference(x)
+    packed, s_code, decode = _reference(x, amax)
     data.copy_(packed)
     scales.copy_(s_code)
     global_scale.copy_(decode.reshape(global_scale.shape))

@@ -10,7 +10,7 @@ import torch
 
 from refitd.formats.region import DestRegion
 from refitd.formats.transform import TransformRegistry, default_registry, store_region
-from refitd.plan.wire import FP8_BLOCK, MXFP8, RAW
+from refitd.plan.wire import FP8_BLOCK, MXFP8, NVFP4, RAW
 from refitd.torch_dtypes import dtype_name, torch_dtype
 
 
@@ -90,6 +90,42 @@ def decode_raw_hashed(
     (values,) = (registry or default_registry()).get(RAW).prepare_recv(seg, shape, src_dtype)
     quantize = getattr(triton_kernels, f"{dst.storage}_quantize_into")
     return quantize(values, dst.values, dst.scales, hash=True)
+
+
+def fold_amax(values: torch.Tensor, amax: torch.Tensor) -> None:
+    """Fold the NVFP4 amax bits of `values` (a piece of a tensor of whole element pairs, as
+    it arrives) into amax (int32 of one element, zeroed before the first piece), so the
+    tensor's quantization (decode_raw_known_amax) reads the tensor once."""
+    from refitd.formats import triton_kernels
+    from refitd.formats.nvfp4 import amax_bits
+
+    if values.numel() % 2:
+        raise ValueError(f"fold_amax: a piece of {values.numel()} elements is not whole pairs")
+    if values.is_cuda and triton_kernels.available():
+        triton_kernels.nvfp4_amax_into(values.reshape(-1), amax)
+    else:
+        torch.maximum(amax, amax_bits(values).to(amax.device), out=amax)
+
+
+def decode_raw_known_amax(
+    seg: torch.Tensor,
+    shape: tuple[int, ...],
+    src_dtype: str,
+    dst: DestRegion,
+    amax: torch.Tensor,
+    registry: TransformRegistry | None = None,
+) -> None:
+    """decode_segment of a raw segment into NVFP4 storage whose amax bits a step that
+    read the segment folded (fold_amax): one read of the segment, the same bytes."""
+    from refitd.formats.nvfp4 import nvfp4_quantize_into
+
+    if dst.storage != NVFP4 or dst.shape != tuple(shape):
+        raise ValueError(
+            f"decode_raw_known_amax: a {tuple(shape)} segment cannot land in {dst.storage} "
+            f"storage of region {dst.shape} with a known amax"
+        )
+    (values,) = (registry or default_registry()).get(RAW).prepare_recv(seg, shape, src_dtype)
+    nvfp4_quantize_into(values, *dst.parts(), amax=amax)
 
 
 def copy_region(src: torch.Tensor, dst: DestRegion) -> None:

@@ -175,16 +175,14 @@ def nvfp4_quantize_into(
     block_c: int = NVFP4_CONFIG["block_c"],
     num_warps: int = NVFP4_CONFIG["num_warps"],
     amax_programs: int = NVFP4_CONFIG["amax_programs"],
+    amax: torch.Tensor | None = None,
 ) -> None:
     """NVFP4 of x (even last dim) into data (uint8, nvfp4_data_shape), scales (uint8,
-    nvfp4_scale_shape) and global_scale (float32, one element). block_c counts elements."""
-    from refitd.formats._triton_nvfp4 import (
-        SRC_BF16,
-        SRC_F16,
-        SRC_F32,
-        nvfp4_amax_kernel,
-        nvfp4_kernel,
-    )
+    nvfp4_scale_shape) and global_scale (float32, one element). block_c counts elements.
+    amax: x's amax bits (int32, one element on x's device: refitd.formats.nvfp4.amax_bits
+    or nvfp4_amax_into) when already known; then one launch reads x once, else an amax
+    pass reads it first."""
+    from refitd.formats._triton_nvfp4 import nvfp4_kernel
 
     check_float(x, "nvfp4 quantize")
     shape = tuple(x.shape)
@@ -198,26 +196,79 @@ def nvfp4_quantize_into(
     q2, s2 = _row_major(data, (-1, width)), _row_major(scales, (-1, nb))
     q_out = q2 if q2 is not None else torch.empty(words.shape, dtype=torch.uint8, device=x.device)
     s_out = s2 if s2 is not None else torch.empty((rows, nb), dtype=torch.uint8, device=x.device)
-    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    block_w = max(NVFP4_BLOCK, min(block_c, triton_next_pow2(cols))) // 2
+    block_w = _nvfp4_block_w(cols, block_c)
     n_c = -(-width // block_w)
     n_tiles = -(-rows // block_m) * n_c
-    src = {torch.bfloat16: SRC_BF16, torch.float16: SRC_F16}.get(x.dtype, SRC_F32)
-    flat = words.stride(0) == width  # rows back to back: the amax pass reads flat tiles
-    a_tiles = -(-rows * width // (block_m * block_w)) if flat else n_tiles
-    nvfp4_amax_kernel[(min(a_tiles, amax_programs),)](
-        words, amax, rows, width, n_c, a_tiles, words.stride(0),
-        BLOCK_M=block_m, BLOCK_W=block_w, SRC=src, FLAT=flat, num_warps=num_warps,
-    )  # fmt: skip
+    if amax is None:
+        amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+        _nvfp4_amax(x, words, amax, block_m, block_w, num_warps, amax_programs)
+    elif amax.dtype != torch.int32 or amax.numel() != 1 or amax.device != x.device:
+        raise ValueError(
+            f"nvfp4 quantize: amax must be int32 bits of one element on {x.device}, got "
+            f"{amax.dtype} of shape {tuple(amax.shape)} on {amax.device}"
+        )
     nvfp4_kernel[(n_tiles,)](
-        words, q_out, s_out, global_scale.view(-1), amax, rows, width, nb, n_c, n_tiles,
+        words, q_out, s_out, global_scale.view(-1), amax.view(-1), rows, width, nb, n_c, n_tiles,
         words.stride(0), q_out.stride(0), s_out.stride(0),
-        BLOCK_M=block_m, BLOCK_W=block_w, SRC=src, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_W=block_w, SRC=_nvfp4_src(x), num_warps=num_warps,
     )  # fmt: skip
     if q2 is None:
         data.copy_(q_out.view(data.shape))
     if s2 is None:
         scales.copy_(s_out.view(scales.shape))
+
+
+def nvfp4_amax_into(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    block_m: int = NVFP4_CONFIG["block_m"],
+    block_c: int = NVFP4_CONFIG["block_c"],
+    num_warps: int = NVFP4_CONFIG["num_warps"],
+    amax_programs: int = NVFP4_CONFIG["amax_programs"],
+) -> None:
+    """Fold the amax bits of x (even last dim) into amax (int32, one element, zeroed before
+    the first piece): called on every piece of a tensor, amax ends as the tensor's, which
+    nvfp4_quantize_into(amax=...) takes (refitd.formats.nvfp4.amax_bits on the CPU)."""
+    check_float(x, "nvfp4 amax")
+    if amax.dtype != torch.int32 or amax.numel() != 1 or amax.device != x.device:
+        raise ValueError(f"nvfp4 amax: the accumulator must be int32 of one element on {x.device}")
+    if x.numel() == 0:
+        return
+    block_w = _nvfp4_block_w(x.shape[-1], block_c)
+    _nvfp4_amax(x, _pair_words(x), amax, block_m, block_w, num_warps, amax_programs)
+
+
+def _nvfp4_block_w(cols: int, block_c: int) -> int:
+    """Tile width in words (two elements each) of a row of `cols` elements."""
+    return max(NVFP4_BLOCK, min(block_c, triton_next_pow2(cols))) // 2
+
+
+def _nvfp4_src(x: torch.Tensor) -> int:
+    from refitd.formats._triton_nvfp4 import SRC_BF16, SRC_F16, SRC_F32
+
+    return {torch.bfloat16: SRC_BF16, torch.float16: SRC_F16}.get(x.dtype, SRC_F32)
+
+
+def _nvfp4_amax(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    amax: torch.Tensor,
+    block_m: int,
+    block_w: int,
+    num_warps: int,
+    amax_programs: int,
+) -> None:
+    """The amax pass over x's words: atomic max of its bits into amax."""
+    from refitd.formats._triton_nvfp4 import nvfp4_amax_kernel
+
+    rows, width = words.shape
+    n_c = -(-width // block_w)
+    flat = words.stride(0) == width  # rows back to back: the amax pass reads flat tiles
+    a_tiles = -(-rows * width // (block_m * block_w)) if flat else -(-rows // block_m) * n_c
+    nvfp4_amax_kernel[(min(a_tiles, amax_programs),)](
+        words, amax.view(-1), rows, width, n_c, a_tiles, words.stride(0),
+        BLOCK_M=block_m, BLOCK_W=block_w, SRC=_nvfp4_src(x), FLAT=flat, num_warps=num_warps,
+    )  # fmt: skip
 
 
 def _pair_words(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refitd.memory.handles import CUDA_IPC, SHM, STATE_LIVE, STATE_STALE, STATE_WORD, MemoryHandle
+from refitd.memory.handles import (
+    CUDA_IPC,
+    SHM,
+    STATE_LIVE,
+    STATE_STALE,
+    STATE_STALE_COUNT,
+    STATE_WORD,
+    MemoryHandle,
+)
 from refitd.memory.segment_names import new_segment_name, reap_orphaned_segments
 from refitd.memory.segments import Segment
 from refitd.torch_dtypes import dtype_name
@@ -105,7 +113,7 @@ class SharedTensorArena:
             self._state = Segment(
                 new_segment_name(self.prefix + "-state"), self.state_words * STATE_WORD, True
             )
-            self._next_state = 0
+            self._next_state = STATE_STALE_COUNT + 1  # word 0 counts stale marks
         self._next_state += 1
         return self._state, self._next_state - 1
 
@@ -234,7 +242,7 @@ class SharedTensorArena:
                 or tuple(t.stride()) != reg.strides
             ):
                 moved.append(name)
-                struct.pack_into("<Q", reg.state.buf, reg.state_index * STATE_WORD, STATE_STALE)
+                _mark_stale(reg)
         return moved
 
     def names(self) -> list[str]:
@@ -243,7 +251,7 @@ class SharedTensorArena:
     def close(self) -> None:
         """Mark every handle stale and unlink the segments (mappings stay valid until unmapped)."""
         for reg in self._regs.values():
-            struct.pack_into("<Q", reg.state.buf, reg.state_index * STATE_WORD, STATE_STALE)
+            _mark_stale(reg)
         for seg in [*self._full_states, *([self._state] if self._state else []), *self._segments]:
             seg.unlink()
         self._segments.clear()
@@ -251,6 +259,14 @@ class SharedTensorArena:
         self._state = None
         self._open = None
         self._regs.clear()
+
+
+def _mark_stale(reg: _Registration) -> None:
+    """Mark a registration's liveness word stale, then count it in its segment's word 0."""
+    struct.pack_into("<Q", reg.state.buf, reg.state_index * STATE_WORD, STATE_STALE)
+    at = STATE_STALE_COUNT * STATE_WORD
+    (count,) = struct.unpack_from("<Q", reg.state.buf, at)
+    struct.pack_into("<Q", reg.state.buf, at, count + 1)
 
 
 def _move_storage(storage: torch.UntypedStorage, seg: Segment, offset: int) -> torch.UntypedStorage:

@@ -13,7 +13,12 @@ CUDA_IPC = "cuda_ipc"
 STATE_WORD = 8  # bytes per liveness word
 STATE_LIVE = 1
 STATE_STALE = 2
-HANDLE_FORMAT_VERSION = 1
+# word 0 of a state segment counts the words of the segment the worker marked stale, so a
+# transfer process sees that none went stale since its last check in one read
+STATE_STALE_COUNT = 0
+# 2: word 0 of a state segment is its stale count (a transfer process refuses the handles of
+# a worker that lays its state segments out otherwise, rather than miss its stale marks)
+HANDLE_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)

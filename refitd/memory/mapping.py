@@ -1,7 +1,8 @@
 """The transfer side of worker memory: `MemoryMapper` maps handles to tensors over the
 worker's bytes (shared memory segments, CUDA IPC storages) and checks their liveness words,
-one at a time (`check_live`) or in one gather per state segment for a whole slot
-(`liveness_check`, `check_live_words`)."""
+one at a time (`check_live`), in one gather per state segment for a whole slot
+(`liveness_check`, `check_live_words`), or before every refit as one read of each state
+segment's stale count (`PreparedLiveness`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from refitd.memory.errors import StorageMovedError
-from refitd.memory.handles import CUDA_IPC, SHM, STATE_LIVE, STATE_WORD, MemoryHandle
+from refitd.memory.handles import (
+    CUDA_IPC,
+    SHM,
+    STATE_LIVE,
+    STATE_STALE_COUNT,
+    STATE_WORD,
+    MemoryHandle,
+)
 from refitd.memory.segments import Segment
 from refitd.torch_dtypes import torch_dtype
 
@@ -167,7 +176,36 @@ def check_live_words(mapper: MemoryMapper, check: LivenessCheck) -> None:
         )
 
 
-def check_all_live(mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> None:
-    """Check every handle (and its scale buffers) is live; one error naming all stale
-    tensors."""
-    check_live_words(mapper, liveness_check(handles))
+@dataclass
+class PreparedLiveness:
+    """The liveness check of a fixed set of handles, prepared once (`of`) and run before
+    every refit (`check`): it reads each state segment's stale count (STATE_STALE_COUNT,
+    through numpy views of the mapped segments: no torch op, one word a segment), and
+    reads the liveness words again only when a count moved since the last check passed
+    (some registration of that worker went stale)."""
+
+    mapper: MemoryMapper
+    named: LivenessCheck  # what check_live_words reads to name stale tensors
+    words: list[np.ndarray] = field(init=False)
+    counts: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.words = [self.mapper.state_words(seg).numpy() for seg, _, _ in self.named]
+        self.counts = self.stale_counts()
+
+    @classmethod
+    def of(cls, mapper: MemoryMapper, handles: Iterable[MemoryHandle]) -> PreparedLiveness:
+        """Prepared and checked (StorageMovedError names every stale tensor); the counts
+        are read before the words, so a mark between the two shows at the next check."""
+        prepared = cls(mapper, liveness_check(handles))
+        check_live_words(mapper, prepared.named)  # also checks the words are in the segments
+        return prepared
+
+    def stale_counts(self) -> list[int]:
+        return [int(w[STATE_STALE_COUNT]) for w in self.words]
+
+    def check(self) -> None:
+        counts = self.stale_counts()
+        if counts != self.counts:
+            check_live_words(self.mapper, self.named)
+            self.counts = counts

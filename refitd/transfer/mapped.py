@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import ResolvedTensor
 from refitd.memory.arena import SharedTensorArena
-from refitd.memory.handles import STATE_LIVE, MemoryHandle
-from refitd.memory.mapping import LivenessCheck, MemoryMapper, check_live_words, liveness_check
+from refitd.memory.handles import MemoryHandle
+from refitd.memory.mapping import MemoryMapper, PreparedLiveness
 from refitd.plan.wire import PLAIN
 
 
@@ -40,7 +38,7 @@ class MappedResolver:
     staged: frozenset[int] = frozenset()
     _cache: dict[int, ResolvedTensor] = field(default_factory=dict)
     _staging: dict[int, ResolvedTensor] = field(default_factory=dict)
-    _checks: dict[frozenset[int], _PreparedCheck] = field(default_factory=dict)
+    _checks: dict[frozenset[int], PreparedLiveness] = field(default_factory=dict)
     _arena: SharedTensorArena | None = None
     staging_handles: dict[int, MemoryHandle] = field(default_factory=dict)
 
@@ -117,39 +115,19 @@ class MappedResolver:
     def check(self, indices: Iterable[int]) -> None:
         """Raise StorageMovedError naming every tensor of `indices` whose registration went
         stale. Prepared once per set of indices (a frozenset the caller keeps is found in
-        O(1)): the words' positions, bounds and names; each later call is one numpy gather
-        per state segment, and the stale tensors are named only when a word is not live."""
+        O(1)): the words' positions, bounds and names, and each state segment's stale count
+        (STATE_STALE_COUNT); a later call reads only those counts, and reads the words
+        again only when a count moved (some registration of the worker went stale)."""
         key = indices if isinstance(indices, frozenset) else frozenset(indices)
         prepared = self._checks.get(key)
         if prepared is None:
-            named = liveness_check([self.handles[i] for i in sorted(key) if i in self.handles])
-            check_live_words(self.mapper, named)  # also checks the words are in the segments
-            prepared = self._checks[key] = _PreparedCheck(self.mapper, named)
-        elif not prepared.all_live():
-            check_live_words(self.mapper, prepared.named)
+            handles = [self.handles[i] for i in sorted(key) if i in self.handles]
+            self._checks[key] = PreparedLiveness.of(self.mapper, handles)
+        else:
+            prepared.check()
 
 
 def _memory_key(h: MemoryHandle, storage: str) -> tuple:
     """What makes two registrations the same memory: where the view lies and how."""
     return (h.kind, h.segment, h.offset, h.device, repr(h.ipc), h.storage_offset, h.shape,
             h.strides, h.dtype, storage)  # fmt: skip
-
-
-@dataclass
-class _PreparedCheck:
-    """The liveness words of a set of handles as numpy views over the mapped state
-    segments: reading them needs no torch op (a torch op costs microseconds, more on a
-    thread's first use, and a parallel region on a large gather)."""
-
-    mapper: MemoryMapper
-    named: LivenessCheck  # what check_live_words reads to name stale tensors
-    words: list[tuple[np.ndarray, np.ndarray]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.words = [
-            (self.mapper.state_words(seg).numpy(), idx.numpy()) for seg, idx, _ in self.named
-        ]
-
-    def all_live(self) -> bool:
-        # take: a fancy index costs ten times as much for a handful of words
-        return all(bool((w.take(idx) == STATE_LIVE).all()) for w, idx in self.words)

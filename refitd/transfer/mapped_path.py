@@ -22,7 +22,7 @@ import torch
 
 from refitd.memory.errors import StorageMovedError
 from refitd.memory.handles import MemoryHandle
-from refitd.memory.mapping import MemoryMapper, check_all_live
+from refitd.memory.mapping import MemoryMapper, PreparedLiveness
 from refitd.memory.segment_names import new_segment_name
 from refitd.memory.segments import Segment
 from refitd.transport.doorbell import Doorbell
@@ -75,6 +75,7 @@ class MappedPeer(Peer):
         self._raw = tensors
         self._handles: dict[int, MemoryHandle] = {}
         self._mapped: dict[int, RemoteTensor] = {}
+        self._live: PreparedLiveness | None = None  # of the handles mapped so far
         self.mapper = MemoryMapper()
 
     def tensor(self, index: int) -> RemoteTensor:
@@ -94,6 +95,7 @@ class MappedPeer(Peer):
             raise TransportError(f"{self.what}: cannot map its tensor {index}: {e}") from e
         assert data is not None
         self._handles[index] = h
+        self._live = None
         t = self._mapped[index] = RemoteTensor(h.name, data, scales, raw[1], gscale)
         return t
 
@@ -109,7 +111,10 @@ class MappedPeer(Peer):
 
     def check_live(self) -> None:
         try:
-            check_all_live(self.mapper, self._handles.values())
+            if self._live is None:
+                self._live = PreparedLiveness.of(self.mapper, self._handles.values())
+            else:
+                self._live.check()
         except StorageMovedError as e:
             raise TransportError(f"{self.what}: {e}") from e
 

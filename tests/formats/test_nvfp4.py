@@ -22,8 +22,10 @@ from refitd.formats import (
     encode_segment,
     nvfp4_dequantize,
     nvfp4_quantize,
+    nvfp4_quantize_into,
     triton_kernels,
 )
+from refitd.formats.nvfp4 import amax_bits
 from refitd.plan.wire import nvfp4_data_shape, nvfp4_scale_shape, segment_nbytes
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
@@ -113,6 +115,22 @@ def test_bad_inputs_are_rejected() -> None:
     packed, scales, gscale = nvfp4_quantize(torch.randn(4, 32))
     with pytest.raises(ValueError, match="global scale: expected a float32 tensor of one"):
         nvfp4_dequantize(packed, scales, gscale.to(torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_known_amax_gives_the_same_bytes(dtype: torch.dtype) -> None:
+    """amax from a step that read the tensor (the maxima of its pieces combined) gives the
+    bytes of the quantization that reads it for its amax, NaN/Inf and all-zero included."""
+    for x in (data((6, 100), dtype), torch.zeros(3, 32, dtype=dtype), -torch.zeros(2, 16)):
+        whole = amax_bits(x)
+        pieces = torch.stack([amax_bits(x[:2]), amax_bits(x[2:]), amax_bits(x[:0])]).amax(0)
+        assert torch.equal(pieces, whole)
+        got = _buffers(tuple(x.shape))
+        nvfp4_quantize_into(x, *got, amax=pieces)
+        for g, w in zip(got, nvfp4_quantize(x), strict=True):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    with pytest.raises(ValueError, match="int32 bits of one element"):
+        nvfp4_quantize_into(x, *_buffers(tuple(x.shape)), amax=torch.zeros(1))
 
 
 def _vllm_helpers():
@@ -258,6 +276,35 @@ def test_kernel_in_interpreter_matches_reference() -> None:
         _check_tensor(data((20, 80), dtype)[:, 8:72], block_m=4, block_c=32, amax_programs=3)
 
 
+def _check_one_read(device: str, x: torch.Tensor, pieces: int) -> None:
+    """The amax folded over row pieces (nvfp4_amax_into), then one quantizing launch: the
+    reference's bytes, and the reference's amax."""
+    x = x.to(device)
+    acc = torch.zeros(1, dtype=torch.int32, device=device)
+    for part in x.tensor_split(pieces):
+        triton_kernels.nvfp4_amax_into(part, acc)
+    assert torch.equal(acc.cpu(), amax_bits(x.cpu()))
+    got = [b.to(device) for b in _buffers(tuple(x.shape))]
+    triton_kernels.nvfp4_quantize_into(x, *got, amax=acc)
+    for g, w in zip(got, nvfp4_quantize(x.cpu()), strict=True):
+        assert torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8))
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not triton_kernels.available(),
+    reason="set TRITON_INTERPRET=1 with triton installed to run the kernels on CPU",
+)
+def test_one_read_kernel_in_interpreter_matches_reference() -> None:
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        _check_one_read("cpu", data((6, 100), dtype), 3)
+    _check_one_read("cpu", data((12, 40), torch.bfloat16)[:, 2:38], 2)  # rows apart
+    _check_one_read("cpu", data((96,), torch.bfloat16), 3)  # flat pieces, as a segment's
+    with pytest.raises(ValueError, match="int32 bits of one element"):
+        triton_kernels.nvfp4_quantize_into(
+            torch.zeros(2, 16), *_buffers((2, 16)), amax=torch.zeros(1, dtype=torch.int64)
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and triton_kernels.available()), reason="needs CUDA and triton"
@@ -265,6 +312,8 @@ def test_kernel_in_interpreter_matches_reference() -> None:
 def test_kernel_bit_identical_to_reference_on_gpu() -> None:
     shapes = [(2,), (40,), (6, 100), (3, 2, 48), (129, 258), (64, 4096)]
     _check_kernel("cuda", shapes, DTYPES)
+    for dtype in DTYPES:  # the amax of pieces, then the one-read quantization
+        _check_one_read("cuda", data((129, 258), dtype), 5)
     # a strided source region lands in persistent buffers in place
     x = torch.randn(6, 300, 64, dtype=torch.bfloat16, device="cuda")[:, 100:220]
     bufs = [b.cuda() for b in _buffers(tuple(x.shape))]

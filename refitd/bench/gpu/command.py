@@ -166,12 +166,18 @@ def _nvfp4_kernel() -> dict:
     from refitd.bench.gpu import quantizers
 
     rows = quantizers.bench_nvfp4()
-    best = max((r for r in rows if r["bit_identical"]), key=lambda r: r["gbps"], default=None)
+    picks = {}
+    for one_read in (False, True):  # the amax pass and the quantization; given the amax
+        ok = [r for r in rows if r["bit_identical"] and ("one read" in r["name"]) == one_read]
+        best = max(ok, key=lambda r: r["gbps"], default=None)
+        picks[one_read] = best and {k: best[k] for k in ("name", "gbps", "ratio")}
+    best = picks[False]
     return {
         "tuner": quantizers.tuner_picks(),
         "copy_gbps": round(rows[0]["copy_gbps"], 1),
         "bit_identical": all(r["bit_identical"] for r in rows),
-        "best": best and {k: best[k] for k in ("name", "gbps", "ratio")},
+        "best": best,
+        "best_one_read": picks[True],
         "target_met": best is not None and best["ratio"] >= QUANT_RATIO_TARGET,
         "rows": [{k: r[k] for k in ("name", "gbps", "ratio", "bit_identical")} for r in rows],
     }
