@@ -146,7 +146,7 @@ def _shed_copies(
     n_nth = int(nth_c.max()) + 1
     keys, bucket = dense_index(src * n_nth + nth_c)
     b_src = keys // n_nth
-    b_bytes = np.bincount(bucket, weights=nb).astype(np.int64)
+    b_bytes = np.bincount(bucket, weights=nb).astype(np.int64)  # exact below 2**53 bytes
     b_before = sum_before_in_runs(b_bytes, np.r_[True, b_src[1:] != b_src[:-1]])
     limit = shed[b_src] - 0.5
     selected = np.zeros(c.src.size, dtype=bool)
