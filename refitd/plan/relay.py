@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.plan.balance import Choices, choose_replicas
-from refitd.plan.grouping import sum_before_in_runs, unique_groups
+from refitd.plan.grouping import dense_index, sum_before_in_runs, unique_groups
 from refitd.plan.sides import sort_by
 
 # Share of the destination slots' relay capacity the level may count on: the water-filling
@@ -140,28 +140,26 @@ def _shed_copies(
     rank = pos - (pos > kpos[gid])
     nth[g.cand] = (rank + gid) % np.maximum(g.gcount[gid] - 1, 1)  # rotated: no replica first
     src, nth_c, nb = c.src[conv], nth[conv], c.nbytes[conv]
-    # buckets of (source, nth): those wholly below a source's shed bytes are all taken,
-    # those wholly above none; only the copies of the bucket astride it need their order
-    o = sort_by(src, nth_c, shuffled=True)
-    s_o, n_o = src[o], nth_c[o]
-    first = np.r_[True, (s_o[1:] != s_o[:-1]) | (n_o[1:] != n_o[:-1])]
-    starts = np.flatnonzero(first)
-    b_src = s_o[starts]
-    b_bytes = np.add.reduceat(nb[o], starts)
+    # buckets of (source, nth), numbered in that order by counting (no sort of the
+    # copies): those wholly below a source's shed bytes are all taken, those wholly above
+    # none; only the copies of the bucket astride it need their order
+    n_nth = int(nth_c.max()) + 1
+    keys, bucket = dense_index(src * n_nth + nth_c)
+    b_src = keys // n_nth
+    b_bytes = np.bincount(bucket, weights=nb).astype(np.int64)  # exact below 2**53 bytes
     b_before = sum_before_in_runs(b_bytes, np.r_[True, b_src[1:] != b_src[:-1]])
     limit = shed[b_src] - 0.5
-    bucket = np.cumsum(first) - 1
     selected = np.zeros(c.src.size, dtype=bool)
-    selected[conv[o[(b_before + b_bytes < limit)[bucket]]]] = True
+    selected[conv[(b_before + b_bytes < limit)[bucket]]] = True
     astride = (b_before < limit) & (b_before + b_bytes >= limit)
     part = np.flatnonzero(astride[bucket])
     if part.size:
-        part_conv = conv[o[part]]
+        part_conv = conv[part]
         mix = _hashed(c.group[part_conv])
-        fine = sort_by(s_o[part], n_o[part], mix, part_conv, unique=True)
+        fine = sort_by(src[part], nth_c[part], mix, part_conv, unique=True)
         part, part_conv = part[fine], part_conv[fine]
         bk = bucket[part]
-        before = b_before[bk] + sum_before_in_runs(nb[o[part]], np.r_[True, bk[1:] != bk[:-1]])
+        before = b_before[bk] + sum_before_in_runs(nb[part], np.r_[True, bk[1:] != bk[:-1]])
         selected[part_conv[before < limit[bk]]] = True
     return selected
 
