@@ -1,9 +1,10 @@
 """One refit of one slot over a prepared program (`RefitExecution`), and its report.
 
-Three threads run beside the caller's: the poster packs and posts every step's chunks (each
+Four threads run beside the caller's: the poster packs and posts every step's chunks (each
 send once its `Share` of the link admits it), the send-waiter completes sends in posting
-order and releases their buffers and sources, the receiver completes receives in posting
-order and unpacks them. The calling thread runs the local copies, then the local relay
+order and releases their buffers and sources, the ringer tells the destinations of
+one-sided sends what landed, the receiver completes receives in posting order and unpacks
+them. The calling thread runs the local copies, then the local relay
 copies once every receive completed, and joins the threads. What the threads share is
 guarded by `self.lock`; `progress` (on it) wakes a relay send or the local relay copies.
 """
@@ -21,7 +22,7 @@ import torch
 from refitd.executor.chunks import Chunk, messages_without
 from refitd.executor.errors import ExecutionError
 from refitd.executor.message_stats import MessageStats
-from refitd.executor.onesided import OneSided
+from refitd.executor.onesided import OneSided, Ringer
 from refitd.executor.prepare import PreparedProgram
 from refitd.executor.shares import Share, gated_bytes
 from refitd.executor.views import LocalStep
@@ -94,6 +95,7 @@ class RefitExecution:
         self.recv_sums: _Sums | None = {} if verify else None
         self.send_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
         self.recv_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
+        self.ringer = Ringer()  # confirms one-sided sends once landed
         self.stats = MessageStats()  # under a lock of its own
         # shared between the threads, under `lock`
         self.lock = threading.Lock()
@@ -274,7 +276,9 @@ class RefitExecution:
                     item.work.wait(self.deadline - time.monotonic())
                 except Exception as e:
                     raise ExecutionError(f"{self.describe(item.chunk, 'send')}: {e}") from e
-                if item.ring != ONE_SIDED:
+                if item.ring == ONE_SIDED:
+                    self.ringer.put(item.work)  # type: ignore[arg-type]
+                else:
                     self.share.sent(self.peer(item.chunk.dst_slot), item.nbytes)
                 if not item.last:
                     continue
@@ -292,6 +296,12 @@ class RefitExecution:
             self.fail(e)
             while self.send_q.get() is not None:
                 pass
+        finally:
+            self.ringer.put(None)
+
+    def ring(self) -> None:
+        """Confirm landed one-sided sends to their destinations (onesided.Ringer)."""
+        self.ringer.run(self.fail, lambda ch: self.describe(ch, "send"))
 
     def receiver(self) -> None:
         """Complete receives in posting order and unpack the staged ones."""
@@ -409,6 +419,7 @@ class RefitExecution:
                     ("poster", self.poster),
                     ("send_waiter", self.send_waiter),
                     ("receiver", self.receiver),
+                    ("ringer", self.ring),
                 )
             ]
             for t in threads:
