@@ -2,11 +2,11 @@
 
 Four threads run beside the caller's: the poster packs and posts every step's chunks (each
 send once its `Share` of the link admits it), the send-waiter completes sends in posting
-order and releases their buffers and sources, the ringer tells the destinations of
-one-sided sends what landed, the receiver completes receives in posting order and unpacks
-them. The calling thread runs the local copies, then the local relay
-copies once every receive completed, and joins the threads. What the threads share is
-guarded by `self.lock`; `progress` (on it) wakes a relay send or the local relay copies.
+order and releases their buffers and sources, the ringer tells destinations which one-sided
+sends landed, the receiver completes receives in posting order and unpacks them. The
+calling thread runs the local copies, then the local relay copies once every receive
+completed, and joins the threads. What the threads share is guarded by `self.lock`;
+`progress` (on it) wakes a relay send or the local relay copies.
 """
 
 from __future__ import annotations
@@ -276,9 +276,7 @@ class RefitExecution:
                     item.work.wait(self.deadline - time.monotonic())
                 except Exception as e:
                     raise ExecutionError(f"{self.describe(item.chunk, 'send')}: {e}") from e
-                if item.ring == ONE_SIDED:
-                    self.ringer.put(item.work)  # type: ignore[arg-type]
-                else:
+                if item.ring != ONE_SIDED:
                     self.share.sent(self.peer(item.chunk.dst_slot), item.nbytes)
                 if not item.last:
                     continue
@@ -298,10 +296,6 @@ class RefitExecution:
                 pass
         finally:
             self.ringer.put(None)
-
-    def ring(self) -> None:
-        """Confirm landed one-sided sends to their destinations (onesided.Ringer)."""
-        self.ringer.run(self.fail, lambda ch: self.describe(ch, "send"))
 
     def receiver(self) -> None:
         """Complete receives in posting order and unpack the staged ones."""
@@ -419,7 +413,7 @@ class RefitExecution:
                     ("poster", self.poster),
                     ("send_waiter", self.send_waiter),
                     ("receiver", self.receiver),
-                    ("ringer", self.ring),
+                    ("ringer", lambda: self.ringer.run(self.fail, self.describe)),
                 )
             ]
             for t in threads:

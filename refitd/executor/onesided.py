@@ -51,6 +51,7 @@ class _Refit(Protocol):
     deadline: float  # monotonic
     abort: threading.Event
     prep: Any  # its device
+    ringer: Ringer  # confirms the chunks that landed
 
 
 class _Window:
@@ -138,20 +139,21 @@ class _BellWork:
 
 
 class _Landing:
-    """A send chunk's writes in flight: `wait` returns once they landed; `confirm` then
-    tells the destinations."""
+    """A send chunk's writes in flight: `wait` returns once they landed and hands the chunk
+    to the ringer, which tells the destination (`confirm`)."""
 
     def __init__(
         self, slot: int, ch: Chunk, posted: Work, peer: Peer, desc: Descriptor, attempt: int,
-        window: _Window | None,
+        window: _Window | None, ringer: Ringer,
     ) -> None:  # fmt: skip
         self.slot, self.ch, self.posted, self.peer, self.desc = slot, ch, posted, peer, desc
-        self.attempt, self.window = attempt, window
+        self.attempt, self.window, self.ringer = attempt, window, ringer
 
     def wait(self, timeout_s: float) -> None:
         self.posted.wait(timeout_s)
         if self.window is not None:
             self.window.landed(self.ch)
+        self.ringer.put(self)
 
 
 def confirm(landed: list[_Landing]) -> None:
@@ -190,8 +192,10 @@ class Ringer:
         """A landed chunk to confirm; None: no more (run returns once the rest is done)."""
         self._q.put(landed)
 
-    def run(self, fail: Callable[[BaseException], None], describe: Callable[[Chunk], str]) -> None:
-        """Confirm until None arrives; the first error (with `describe` of its chunk) goes
+    def run(
+        self, fail: Callable[[BaseException], None], describe: Callable[[Chunk, str], str]
+    ) -> None:
+        """Confirm until None arrives; the first error (with `describe` of its send) goes
         to `fail`, later chunks are dropped unconfirmed (the refit failed)."""
         failed, more = False, True
         while more:
@@ -206,7 +210,7 @@ class Ringer:
                 confirm(landed)
             except Exception as e:
                 failed = True
-                fail(ExecutionError(f"{describe(landed[0].ch)}: {e}"))
+                fail(ExecutionError(f"{describe(landed[0].ch, 'send')}: {e}"))
 
 
 class OneSided:
@@ -310,7 +314,7 @@ class OneSided:
         for dev in self.devices | {device}:  # the copies and landings are queued there
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
-        return _Landing(self.p.slot, ch, posted, peer, desc, attempt, window)
+        return _Landing(self.p.slot, ch, posted, peer, desc, attempt, window, refit.ringer)
 
     def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> _BellWork:
         """The wait of one receive chunk."""
