@@ -1,11 +1,11 @@
 """One refit of one slot over a prepared program (`RefitExecution`), and its report.
 
-Three threads run beside the caller's: the poster packs and posts every step's chunks (each
+Four threads run beside the caller's: the poster packs and posts every step's chunks (each
 send once its `Share` of the link admits it), the send-waiter completes sends in posting
-order and releases their buffers and sources, the receiver completes receives in posting
-order and unpacks them. The calling thread runs the local copies, then the local relay
-copies once every receive completed, and joins the threads. What the threads share is
-guarded by `self.lock`; `progress` (on it) wakes a relay send or the local relay copies.
+order and frees their buffers and sources, the ringer tells destinations which one-sided
+sends landed, the receiver completes receives in posting order and unpacks them. The caller
+runs the local copies, then the local relay copies once every receive completed, and joins
+the threads. `progress` (on `self.lock`: what they share) wakes relay sends and copies.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from refitd.executor.chunks import Chunk, messages_without
 from refitd.executor.errors import ExecutionError
 from refitd.executor.message_stats import MessageStats
-from refitd.executor.onesided import OneSided
+from refitd.executor.onesided import OneSided, Ringer
 from refitd.executor.prepare import PreparedProgram
 from refitd.executor.shares import Share, gated_bytes
 from refitd.executor.views import LocalStep, PartialSegments
@@ -34,7 +34,6 @@ _Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int
 # a posted op: (chunk, buffer, ring, is a send, its work when not from the batch, the
 # offset and bytes of the piece of the chunk it carries)
 _Post = tuple[Chunk, torch.Tensor, int, bool, Work | None, int, int]
-
 
 ONE_SIDED = -2  # the ring of a one-sided chunk (onesided.py): written by the sender
 
@@ -94,6 +93,7 @@ class RefitExecution:
         self.recv_sums: _Sums | None = {} if verify else None
         self.send_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
         self.recv_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
+        self.ringer = Ringer()  # confirms one-sided sends once landed
         self.stats = MessageStats()  # under a lock of its own
         # shared between the threads, under `lock`
         self.lock = threading.Lock()
@@ -292,6 +292,8 @@ class RefitExecution:
             self.fail(e)
             while self.send_q.get() is not None:
                 pass
+        finally:
+            self.ringer.put(None)
 
     def receiver(self) -> None:
         """Complete receives in posting order and unpack the staged ones."""
@@ -409,6 +411,7 @@ class RefitExecution:
                     ("poster", self.poster),
                     ("send_waiter", self.send_waiter),
                     ("receiver", self.receiver),
+                    ("ringer", lambda: self.ringer.run(self.fail, self.describe)),
                 )
             ]
             for t in threads:
@@ -420,13 +423,10 @@ class RefitExecution:
             t.join(max(self.deadline - time.monotonic(), 0) + 1.0)
         if any(t.is_alive() for t in threads):
             self.abort.set()
+            late = f"slot {self.slot}: refit did not finish within {self.timeout_s:.1f}s"
             with self.lock:
                 if not self.errors:
-                    self.errors.append(
-                        ExecutionError(
-                            f"slot {self.slot}: refit did not finish within {self.timeout_s:.1f}s"
-                        )
-                    )
+                    self.errors.append(ExecutionError(late))
         with self.lock:
             if self.errors:
                 raise self.errors[0]

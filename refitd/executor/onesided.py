@@ -14,6 +14,7 @@ bytes to both.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ class _Refit(Protocol):
     deadline: float  # monotonic
     abort: threading.Event
     prep: Any  # its device
+    ringer: Ringer  # confirms the chunks that landed
 
 
 class _Window:
@@ -137,27 +139,78 @@ class _BellWork:
 
 
 class _Landing:
-    """A send chunk's writes in flight: once they landed, the destination is checked to
-    hold the plan still (its doorbell's generation) and the chunk's doorbell word rung."""
+    """A send chunk's writes in flight: `wait` returns once they landed and hands the chunk
+    to the ringer, which tells the destination (`confirm`)."""
 
     def __init__(
         self, slot: int, ch: Chunk, posted: Work, peer: Peer, desc: Descriptor, attempt: int,
-        window: _Window | None,
+        window: _Window | None, ringer: Ringer,
     ) -> None:  # fmt: skip
         self.slot, self.ch, self.posted, self.peer, self.desc = slot, ch, posted, peer, desc
-        self.attempt, self.window = attempt, window
+        self.attempt, self.window, self.ringer = attempt, window, ringer
 
     def wait(self, timeout_s: float) -> None:
-        ch = self.ch
         self.posted.wait(timeout_s)
         if self.window is not None:
-            self.window.landed(ch)
-        if self.peer.generation() != self.desc.generation:
+            self.window.landed(self.ch)
+        self.ringer.put(self)
+
+
+def confirm(landed: list[_Landing]) -> None:
+    """Tell the destinations that these chunks landed: per destination its doorbell's
+    generation is read once (it still holds the plan: the writes went where the descriptor
+    said), then each message's doorbell word is rung with its highest chunk count, all in
+    one exchange. Chunks of a message land in posting order, so the highest count covers
+    the others."""
+    by_peer: dict[int, list[_Landing]] = {}
+    for la in landed:
+        by_peer.setdefault(id(la.peer), []).append(la)
+    for group in by_peer.values():
+        first = group[0]
+        if first.peer.generation() != first.desc.generation:
+            ch = first.ch
             raise ExecutionError(
-                f"slot {self.slot}: message {ch.mid} to slot {ch.dst_slot}: stale descriptor "
+                f"slot {first.slot}: message {ch.mid} to slot {ch.dst_slot}: stale descriptor "
                 "(the destination unloaded or reloaded the plan while it was written)"
             )
-        self.peer.ring(self.desc.entry[ch.mid], self.attempt, ch.index + 1)
+        rings: dict[int, tuple[int, int]] = {}
+        for la in group:
+            entry = first.desc.entry[la.ch.mid]
+            rings[entry] = max(rings.get(entry, (0, 0)), (la.ch.index + 1, la.attempt))
+        first.peer.ring_many([(e, a, n) for e, (n, a) in rings.items()])
+
+
+class Ringer:
+    """Confirms landed one-sided chunks on a thread of its own (`run`), so the send-waiter
+    goes on to the next landing meanwhile; whatever landed while one confirmation was on
+    the wire is confirmed together (`confirm`)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[_Landing | None] = queue.SimpleQueue()
+
+    def put(self, landed: _Landing | None) -> None:
+        """A landed chunk to confirm; None: no more (run returns once the rest is done)."""
+        self._q.put(landed)
+
+    def run(
+        self, fail: Callable[[BaseException], None], describe: Callable[[Chunk, str], str]
+    ) -> None:
+        """Confirm until None arrives; the first error (with `describe` of its send) goes
+        to `fail`, later chunks are dropped unconfirmed (the refit failed)."""
+        failed, more = False, True
+        while more:
+            batch = [self._q.get()]
+            while not self._q.empty():
+                batch.append(self._q.get())
+            more = None not in batch
+            landed = [la for la in batch if la is not None]
+            if failed or not landed:
+                continue
+            try:
+                confirm(landed)
+            except Exception as e:
+                failed = True
+                fail(ExecutionError(f"{describe(landed[0].ch, 'send')}: {e}"))
 
 
 class OneSided:
@@ -261,7 +314,7 @@ class OneSided:
         for dev in self.devices | {device}:  # the copies and landings are queued there
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
-        return _Landing(self.p.slot, ch, posted, peer, desc, attempt, window)
+        return _Landing(self.p.slot, ch, posted, peer, desc, attempt, window, refit.ringer)
 
     def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> _BellWork:
         """The wait of one receive chunk."""

@@ -50,7 +50,7 @@ class MooncakeOptions:
     engines: int = 2  # TCP: engines per endpoint, one I/O thread each (RDMA: always one)
     lanes: int = 4  # TCP: connections per peer and engine
     split_bytes: int = 16 << 20  # writes above this are posted as several requests
-    window: int = 256  # batches in flight per Work
+    window: int = 4096  # batches in flight per Work
     # requests per batch. 1: the engine's status of a batch is that of its first request
     # (a batch of several reads "done" while the others are still on the wire)
     batch: int = 1

@@ -120,6 +120,12 @@ class Peer(abc.ABC):
     def ring(self, entry: int, attempt: int, chunks: int) -> None:
         """Chunks [0, chunks) of the message at doorbell `entry` landed."""
 
+    def ring_many(self, rings: list[tuple[int, int, int]]) -> None:
+        """`ring` for each (entry, attempt, chunks); a remote path rings them in one round
+        trip."""
+        for entry, attempt, chunks in rings:
+            self.ring(entry, attempt, chunks)
+
     @abc.abstractmethod
     def generation(self) -> int:
         """The destination doorbell's generation now (doorbell.RETIRED once retired)."""

@@ -74,3 +74,27 @@ def test_a_strided_write_has_landed_in_full_when_it_returns() -> None:
     finally:
         sender.close()
         dest.close()
+
+
+def test_rings_of_many_messages_in_one_call_each_reach_their_own_word() -> None:
+    """A sender confirms whatever landed meanwhile in one exchange: more rings than one
+    control post carries, to adjacent doorbell words, each word gets its own value."""
+    from refitd.transfer.rdma_path import RINGS, RdmaPath
+    from refitd.transport.doorbell import HEADER_WORDS, value
+
+    dest, sender = RdmaPath(PathSettings(slot=1)), RdmaPath(PathSettings(slot=0))
+    entries = RINGS + 9
+    try:
+        memory = torch.zeros(16, dtype=torch.bfloat16)
+        exposure = dest.expose({0: Exposed(memory, None, "plain", b"h")}, entries, 9)
+        peer = sender.attach(exposure.body, "message 0 to slot 1")
+        rings = [(e, 3 + e % 2, 1 + 7 * e) for e in range(entries) if e != 5]
+        peer.ring_many(rings)
+        words = exposure.doorbell.words[HEADER_WORDS:].tolist()
+        assert words == [0 if e == 5 else value(3 + e % 2, 1 + 7 * e) for e in range(entries)]
+        assert peer.generation() == 9
+        peer.close()
+        exposure.close()
+    finally:
+        sender.close()
+        dest.close()
