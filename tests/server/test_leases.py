@@ -358,3 +358,21 @@ def test_a_restart_on_the_holders_host_takes_the_rank_at_once_once_the_holder_is
         holder.wait(10)
         agent.stop()
         ch.close()
+
+
+def test_a_stopped_watcher_expires_no_more_leases(short_leases: Controller) -> None:
+    """Stopping the controller stops the watcher before the database closes: an expiry
+    pass still running (thousands of workers silent at once at a shutdown) leaves the
+    remaining workers and agents as they are instead of writing to a closed database."""
+    ch = grpc.insecure_channel(short_leases.grpc_address)
+    cl = make_cluster(short_leases, pbg.RefitStub(ch))
+    try:
+        leases = short_leases.refits.leases
+        leases.stop()
+        leases.expire(time.monotonic() + 3600)  # every lease counts as expired
+        for wid in (*cl.trainers, *cl.inference):
+            assert short_leases.registry.worker(wid).worker_id == wid
+        assert short_leases.agents.connected(cl.agent.agent_id)
+    finally:
+        cl.stop()
+        ch.close()

@@ -185,12 +185,16 @@ class LeaseWatcher:
             try:
                 self.expire(time.monotonic() - s.heartbeat_timeout_s)
                 for chore in self._chores:
+                    if self._stop.is_set():  # the database closes once stop returns
+                        break
                     chore()
             except Exception:
                 log.exception("lease watcher")
 
     def expire(self, cutoff: float) -> None:
-        """Unregister workers and drop agents last seen before `cutoff` (monotonic)."""
+        """Unregister workers and drop agents last seen before `cutoff` (monotonic); a
+        stopped watcher leaves the rest as they are (thousands of workers going silent at
+        a shutdown would otherwise outlast stop's join and write to a closed database)."""
         timeout = self.settings.heartbeat_timeout_s
         reg = self.registry
         workers, agents = reg.silent(cutoff)
@@ -201,6 +205,8 @@ class LeaseWatcher:
         # Again: a stream opened (or a re-registration) meanwhile renews it.
         agents = reg.still_silent([a.agent_id for a in agents], cutoff)
         for w in workers:
+            if self._stop.is_set():
+                return
             if w.last_seen >= cutoff:  # a heartbeat came in meanwhile
                 continue
             reason = f"{w.describe()} missed its heartbeats for {timeout:g}s (lease expired)"
@@ -212,6 +218,8 @@ class LeaseWatcher:
             self.board.member_gone(w.worker_id, reason)
             self._source_gone(w, f"missed its heartbeats for {timeout:g}s (lease expired)")
         for a in agents:
+            if self._stop.is_set():
+                return
             reason = (
                 f"agent {a.agent_id} on host {a.host!r} missed its heartbeats for {timeout:g}s "
                 "(lease expired)"
