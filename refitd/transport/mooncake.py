@@ -421,7 +421,11 @@ class MooncakeWork:
             return f"the peer does not answer a probe within {budget:.1f}s (stalled or gone)"
         if not alive:
             return "peer gone (its engine does not answer)"
-        return "the peer answers but refused the request (memory no longer registered?)"
+        return (
+            "the peer answers a probe, so the engine failed the request itself: the peer's "
+            "memory is no longer registered, or the request waited past "
+            "MC_TCP_ADMISSION_TIMEOUT_MS for its turn (the engine's log says which)"
+        )
 
     def _fail(self, why: str) -> None:
         elapsed = time.monotonic() - self._start
