@@ -178,7 +178,10 @@ def test_peer_whose_memory_is_not_registered(store, dest, writer) -> None:
     with pytest.raises(TransportError, match="registered no memory"):
         endpoint.open(store.get("desc/load-1"))
     work = peer.write([WriteOp(source.data_ptr(), base, 4096)], TIMEOUT, message="m1")
-    with pytest.raises(TransportError, match="the engine failed the request itself: the peer.s memory is no longer registered"):
+    with pytest.raises(
+        TransportError,
+        match=r"the engine failed the request itself: the peer.s memory is no longer registered",
+    ):
         work.wait(TIMEOUT)
     with pytest.raises(TransportError, match="no memory registered"):
         MooncakeEndpoint(2).descriptor()
