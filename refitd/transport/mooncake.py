@@ -421,11 +421,8 @@ class MooncakeWork:
             return f"the peer does not answer a probe within {budget:.1f}s (stalled or gone)"
         if not alive:
             return "peer gone (its engine does not answer)"
-        return (
-            "the peer answers a probe, so the engine failed the request itself: the peer's "
-            "memory is no longer registered, or the request waited past "
-            "MC_TCP_ADMISSION_TIMEOUT_MS for its turn (the engine's log says which)"
-        )
+        why = "the peer's memory is no longer registered, or the request waited past"
+        return f"the engine failed the request itself: {why} MC_TCP_ADMISSION_TIMEOUT_MS"
 
     def _fail(self, why: str) -> None:
         elapsed = time.monotonic() - self._start
