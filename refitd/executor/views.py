@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refitd.executor.checksums import Checksummer, combine
-from refitd.executor.chunks import Chunk, CopyInfo, flat_range_pairs, flat_range_views
+from refitd.executor.chunks import (
+    Chunk,
+    CopyInfo,
+    amax_words,
+    flat_range_pairs,
+    flat_range_views,
+    run_view,
+)
 from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import (
     ResolvedTensor,
@@ -75,25 +82,6 @@ class _Views:
     dst: list[torch.Tensor]  # foreach_copy_ destinations
     src: list[torch.Tensor]
     slow: list[tuple[int, int]]  # (copy row, chunk offset): quantized, one at a time
-
-
-def _run_view(views: list[torch.Tensor], nbytes: int) -> torch.Tensor | None:
-    """One uint8 view over `views` when they are contiguous, in one storage, back to back
-    and `nbytes` long in all; else None."""
-    if not views or any(not v.is_contiguous() for v in views):
-        return None
-    storage = views[0].untyped_storage()
-    pos = views[0].data_ptr()
-    for v in views:
-        if v.untyped_storage().data_ptr() != storage.data_ptr() or v.data_ptr() != pos:
-            return None
-        pos += v.numel() * v.element_size()
-    if pos - views[0].data_ptr() != nbytes:
-        return None
-    if len(views) == 1:
-        return views[0].reshape(-1).view(torch.uint8)
-    out = torch.empty(0, dtype=torch.uint8, device=views[0].device)
-    return out.set_(storage, views[0].data_ptr() - storage.data_ptr(), (nbytes,))
 
 
 class SlotViews:
@@ -152,12 +140,12 @@ class SlotViews:
 
     # ------------------------------------------------------------------ zero-copy
     def zero_copy_send(self, ch: Chunk) -> torch.Tensor | None:
-        if any(self._wire[i] != _RAW for i in ch.rows):
+        if ch.amax_rows or any(self._wire[i] != _RAW for i in ch.rows):
             return None
         views = [v for i in ch.rows for v in self._piece(self.src_block(i), ch, i)]
         if not ch.split and any(self._pay[i] != self._seg[i] for i in ch.rows[:-1]):
             return None  # alignment padding between segments
-        return _run_view(views, ch.nbytes)
+        return run_view(views, ch.nbytes)
 
     def zero_copy_recv(self, ch: Chunk) -> torch.Tensor | None:
         for i in ch.rows:
@@ -167,7 +155,7 @@ class SlotViews:
         if not ch.split and any(self._pay[i] != self._seg[i] for i in ch.rows[:-1]):
             return None
         views = [v for i in ch.rows for v in self._piece(self.dst_block(i), ch, i)]
-        return _run_view(views, ch.nbytes)
+        return run_view(views, ch.nbytes)
 
     # ------------------------------------------------------------------ pack / unpack
     def _stage_views(self, buf: torch.Tensor, ch: Chunk, i: int, off: int, region: torch.Tensor):
@@ -205,6 +193,9 @@ class SlotViews:
         w = self._views(ch, buf, True)
         if w.dst:
             torch._foreach_copy_(w.dst, w.src)
+        for (i, off), word in amax_words(ch, buf):  # from the bytes just packed, still hot
+            word.zero_()
+            fold_amax(buf[off : off + self._pay[i]].view(self._dtype[i]), word)
         for i, off in w.slow:
             src = self.src_block(i)
             wire = WIRES[self._wire[i]]
@@ -228,8 +219,9 @@ class SlotViews:
         w = self._views(ch, buf, False)
         if w.dst:
             torch._foreach_copy_(w.dst, w.src)
+        words = {i: word for (i, _), word in amax_words(ch, buf)}
         for i, off in w.slow:
-            amax = None
+            amax = words.get(i)
             if ch.split:
                 whole = self._assemble(ch, i, buf[off : off + ch.nbytes], partial)
                 if whole is None:

@@ -1,7 +1,8 @@
 """Refits into quantized persistent buffers through the executor over real Gloo (ranks in
 threads of this process): NVFP4 storage landed whole by the receiver (raw wire) or the
 sender (nvfp4 wire) and by a local copy, block-FP8 storage fed by raw copies that a small
-bucket cuts, and verified sender-quantized segments larger than a chunk. Every destination
+bucket cuts, raw segments arriving whole with their amax side words, and verified
+sender-quantized segments larger than a chunk. Every destination
 is compared bit for bit with the quantization of its shard of the global tensor (Megatron
 row split)."""
 
@@ -12,6 +13,7 @@ import torch
 from _executors import run_verified
 
 from refitd import formats
+from refitd.executor.chunks import CopyInfo, chunk_messages
 from refitd.executor.run import DirectResolver, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
 from refitd.plan.layout import Box, TensorSpec
@@ -20,11 +22,12 @@ from refitd.plan.wire import FP8_BLOCK, MXFP8, NVFP4, PLAIN, nvfp4_data_shape, n
 from refitd.server.refit.checksums import compare_checksums
 
 
-def _spec(pool, rank, slot, name, gshape, rows, storage=PLAIN) -> TensorSpec:
+def _spec(pool, rank, slot, name, gshape, rows, storage=PLAIN, dtype="bfloat16") -> TensorSpec:
     """A shard of rows [rows[0], rows[1]) of a global tensor."""
+    gshape = tuple(gshape)
     local = (rows[1] - rows[0], *gshape[1:])
     box = Box((rows[0], *[0] * (len(gshape) - 1)), local, (0,) * len(gshape))
-    return TensorSpec("m", pool, rank, slot, name, name, gshape, "bfloat16", local, (box,), storage)
+    return TensorSpec("m", pool, rank, slot, name, name, gshape, dtype, local, (box,), storage)
 
 
 def _checksums_agree(plan: Plan, reports: dict) -> None:
@@ -122,3 +125,51 @@ def test_verified_sender_quantized_segments_cut_into_chunks_agree() -> None:
     assert all(
         torch.equal(a, b) for a, b in zip((data, scales), formats.mxfp8_quantize(full), strict=True)
     )
+
+
+def test_whole_raw_segments_carry_their_amax_into_nvfp4_storage() -> None:
+    """Raw segments that arrive whole (one chunk, several NVFP4 tensors: more amax words
+    than fit one 16-byte line) travel with the amax the sender folded as it packed them,
+    and the receiver quantizes them in one read: NaN, +-Inf, -0.0, all-zero, bfloat16 /
+    float16 / float32 sources land bit for bit as a local quantization of each tensor."""
+    g = torch.Generator().manual_seed(11)
+    full = {
+        "bf": (torch.randn(24, 48, generator=g) * 5).to(torch.bfloat16),
+        "bf_small": (torch.randn(8, 64, generator=g) * 1e-3).to(torch.bfloat16),
+        "f16_zero": torch.zeros(16, 32, dtype=torch.float16),
+        "f16": (torch.randn(16, 40, generator=g) * 100).to(torch.float16),
+        "f32": torch.randn(12, 34, generator=g) * 7,
+    }
+    full["bf"][3, 5], full["bf"][7, 0], full["bf"][0, 1] = float("nan"), float("inf"), -0.0
+    full["f32"][2, 9], full["f32"][11, 33] = float("-inf"), 1e30
+    dtype = {n: str(t.dtype).removeprefix("torch.") for n, t in full.items()}
+    src = [
+        _spec("train", 0, 0, n, t.shape, (0, t.shape[0]), dtype=dtype[n]) for n, t in full.items()
+    ]
+    dst = [
+        _spec("infer", 0, 1, n, t.shape, (0, t.shape[0]), NVFP4, dtype[n]) for n, t in full.items()
+    ]
+    plan = build_plan("m", 1, src, dst, PlanConfig())
+    config = ExecutorConfig(wire_chunk=64 << 10)
+    recv = plan.program(1)
+    chunks = chunk_messages(recv.recv, CopyInfo.of(recv, config.direct_min), config.wire_chunk)
+    assert [len(ch.amax_rows) for ch in chunks] == [len(full)]  # one chunk, every word
+    resolved = {i: ResolvedTensor(f"train/0/{s.name}", full[s.name]) for i, s in enumerate(src)}
+    buffers = {}
+    for i, d in enumerate(dst, start=len(src)):
+        buffers[i] = (
+            torch.full(nvfp4_data_shape(d.local_shape), 0x55, dtype=torch.uint8),
+            torch.full(nvfp4_scale_shape(d.local_shape), 0x11, dtype=torch.uint8),
+            torch.full((1,), -5.0),
+        )
+        resolved[i] = ResolvedTensor(f"infer/0/{d.name}", *buffers[i][:2], NVFP4, buffers[i][2])
+    resolvers = {
+        s: DirectResolver({i: resolved[i] for i in plan.program(s).tensors}) for s in (0, 1)
+    }
+    reports = run_verified(plan, resolvers, config)
+    _checksums_agree(plan, reports)
+    wire = sum(m.nbytes for m in recv.recvs)
+    assert reports[0].sent_bytes == wire + 32  # the five amax words went over the wire
+    for i, d in enumerate(dst, start=len(src)):
+        for got, expect in zip(buffers[i], formats.nvfp4_quantize(full[d.name]), strict=True):
+            assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), d.name
