@@ -121,6 +121,11 @@ def decode_known_amax(
     _formats().decode_raw_known_amax(seg, shape, name, region, amax)
 
 
+def encode_raw_amax(src: torch.Tensor, out: torch.Tensor, amax: torch.Tensor) -> None:
+    """refitd.formats.encode_raw_amax: a raw segment packed with its NVFP4 amax word."""
+    _formats().encode_raw_amax(src, out, amax)
+
+
 def fold_amax(values: torch.Tensor, amax: torch.Tensor) -> None:
     """refitd.formats.fold_amax (the formats package is imported only when needed)."""
     _formats().fold_amax(values, amax)

@@ -37,6 +37,7 @@ from refitd.executor.segments import (
     decode_known_amax,
     decode_segment,
     dest_region,
+    encode_raw_amax,
     encode_segment,
     fold_amax,
     nvfp4_amax,
@@ -175,7 +176,7 @@ class SlotViews:
             return w
         w = _Views([], [], [])
         for i, off in zip(ch.rows, ch.offs, strict=True):
-            if send and self._wire[i] == _RAW:
+            if send and self._wire[i] == _RAW and i not in ch.amax_rows:
                 region = self.src_block(i)
                 w.dst += self._stage_views(buf, ch, i, off, region)
                 w.src += self._piece(region, ch, i)
@@ -193,11 +194,12 @@ class SlotViews:
         w = self._views(ch, buf, True)
         if w.dst:
             torch._foreach_copy_(w.dst, w.src)
-        for (i, off), word in amax_words(ch, buf):  # from the bytes just packed, still hot
-            word.zero_()
-            fold_amax(buf[off : off + self._pay[i]].view(self._dtype[i]), word)
+        words = {i: word for (i, _), word in amax_words(ch, buf)}
         for i, off in w.slow:
             src = self.src_block(i)
+            if i in words:  # raw, with its amax word: both from one read of the source
+                encode_raw_amax(src, buf[off : off + self._pay[i]], words[i])
+                continue
             wire = WIRES[self._wire[i]]
             if not ch.split:
                 seg = buf[off : off + self._seg[i]]

@@ -107,6 +107,23 @@ def fold_amax(values: torch.Tensor, amax: torch.Tensor) -> None:
         torch.maximum(amax, amax_bits(values).to(amax.device), out=amax)
 
 
+def encode_raw_amax(src: torch.Tensor, out: torch.Tensor, amax: torch.Tensor) -> None:
+    """The raw segment's values of src (uint8 `out`, its payload bytes) with src's NVFP4
+    amax bits into amax (int32 of one element, overwritten): what a sender packs for a
+    receiver that quantizes into NVFP4 storage in one read. On CUDA with triton the amax
+    kernel stores the words it reads, so src is read once; elsewhere a copy, then a fold
+    over the bytes just written."""
+    from refitd.formats import triton_kernels
+
+    values = out.view(src.dtype).view(src.shape)
+    amax.zero_()
+    if src.is_cuda and triton_kernels.available() and src.dtype != torch.float64:
+        triton_kernels.nvfp4_amax_into(src, amax, out=values)
+        return
+    values.copy_(src)
+    fold_amax(values.reshape(-1), amax)
+
+
 def decode_raw_known_amax(
     seg: torch.Tensor,
     shape: tuple[int, ...],
