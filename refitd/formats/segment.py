@@ -117,7 +117,8 @@ def encode_raw_amax(src: torch.Tensor, out: torch.Tensor, amax: torch.Tensor) ->
 
     values = out.view(src.dtype).view(src.shape)
     amax.zero_()
-    if src.is_cuda and triton_kernels.available() and src.dtype != torch.float64:
+    one_read = src.is_cuda and out.device == src.device and src.dtype != torch.float64
+    if one_read and triton_kernels.available():
         triton_kernels.nvfp4_amax_into(src, amax, out=values)
         return
     values.copy_(src)
