@@ -13,6 +13,7 @@ Verification keys checksums by (message id, copy row) (see executor.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from refitd.executor.segments import (
     encode_segment,
     fold_amax,
     nvfp4_amax,
+    whole_amax,
 )
 from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
 from refitd.plan.wire import PLAIN
@@ -349,9 +351,11 @@ class SlotViews:
                 from refitd import formats
 
                 region = dest_region(d, tuple(self._dst_off[i][: self._nd[i]]), self.shape(i))
-                if grouped is not None and grouped.add_quantize(self.src_block(i), region):
+                amax = whole_amax(self.tensors[self._src_t[i]], self.src_block(i))
+                if grouped is not None and grouped.add_quantize(self.src_block(i), region, amax):
                     continue
-                step.slow.append((formats.copy_region, self.src_block(i), region))
+                call = functools.partial(formats.copy_region, amax=amax)
+                step.slow.append((call, self.src_block(i), region))
             step.rows.append(i)
         step.nbytes = self.local_bytes(step.rows)
         if grouped is not None and grouped.regions:

@@ -146,11 +146,18 @@ def decode_raw_known_amax(
     nvfp4_quantize_into(values, *dst.parts(), amax=amax)
 
 
-def copy_region(src: torch.Tensor, dst: DestRegion) -> None:
-    """A local copy (same slot) without a wire buffer: cast, or quantize into quantized storage."""
+def copy_region(src: torch.Tensor, dst: DestRegion, amax: torch.Tensor | None = None) -> None:
+    """A local copy (same slot) without a wire buffer: cast, or quantize into quantized
+    storage. amax: src's NVFP4 amax bits when a step that read src folded them (an NVFP4
+    destination then quantizes in one read of src)."""
     if tuple(src.shape) != dst.shape:
         raise ValueError(
             f"copy_region: source shape {tuple(src.shape)} does not match the destination "
             f"region {dst.shape}"
         )
+    if amax is not None and dst.storage == NVFP4:
+        from refitd.formats.nvfp4 import nvfp4_quantize_into
+
+        nvfp4_quantize_into(src, *dst.parts(), amax=amax)
+        return
     store_region(src, dst)

@@ -1,7 +1,8 @@
 """Refits into quantized persistent buffers through the executor over real Gloo (ranks in
 threads of this process): NVFP4 storage landed whole by the receiver (raw wire) or the
 sender (nvfp4 wire) and by a local copy, block-FP8 storage fed by raw copies that a small
-bucket cuts, raw segments arriving whole with their amax side words, and verified
+bucket cuts, raw segments arriving whole with their amax side words, local NVFP4 copies from a
+snapshot captured with its amax, and verified
 sender-quantized segments larger than a chunk. Every destination
 is compared bit for bit with the quantization of its shard of the global tensor (Megatron
 row split)."""
@@ -14,12 +15,13 @@ from _executors import run_verified
 
 from refitd import formats
 from refitd.executor.chunks import CopyInfo, chunk_messages
-from refitd.executor.run import DirectResolver, ExecutorConfig
+from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
 from refitd.plan.layout import Box, TensorSpec
 from refitd.plan.planner import Plan, PlanConfig, build_plan
 from refitd.plan.wire import FP8_BLOCK, MXFP8, NVFP4, PLAIN, nvfp4_data_shape, nvfp4_scale_shape
 from refitd.server.refit.checksums import compare_checksums
+from refitd.transfer.snapshot import SnapshotResolver, prepare_snapshot
 
 
 def _spec(pool, rank, slot, name, gshape, rows, storage=PLAIN, dtype="bfloat16") -> TensorSpec:
@@ -173,3 +175,54 @@ def test_whole_raw_segments_carry_their_amax_into_nvfp4_storage() -> None:
     for i, d in enumerate(dst, start=len(src)):
         for got, expect in zip(buffers[i], formats.nvfp4_quantize(full[d.name]), strict=True):
             assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), d.name
+
+
+def test_snapshot_capture_folds_the_amax_of_sources_read_whole_into_nvfp4() -> None:
+    """Local copies into NVFP4 storage from a snapshot: a source read whole is captured
+    with its amax (one read), so its copy quantizes in one read; a source read in row
+    halves is not. The trainer overwrites its weights after the capture, and every
+    destination holds the captured version bit for bit (NaN, Inf, all-zero, dtypes)."""
+    g = torch.Generator().manual_seed(13)
+    full = {
+        "bf": (torch.randn(16, 48, generator=g) * 5).to(torch.bfloat16),
+        "f16_zero": torch.zeros(8, 32, dtype=torch.float16),
+        "f32": torch.randn(8, 34, generator=g) * 7,
+        "halves": (torch.randn(16, 32, generator=g)).to(torch.bfloat16),
+    }
+    full["bf"][3, 5], full["bf"][7, 0] = float("nan"), float("-inf")
+    dtype = {n: str(t.dtype).removeprefix("torch.") for n, t in full.items()}
+    src = [
+        _spec("train", 0, 0, n, t.shape, (0, t.shape[0]), dtype=dtype[n]) for n, t in full.items()
+    ]
+    dst = [_spec("infer", 0, 0, n, t.shape, (0, len(t)), NVFP4, dtype[n]) for n, t in full.items()]
+    dst[-1:] = [_spec("infer", r, 0, "halves", (16, 32), (8 * r, 8 * r + 8), NVFP4) for r in (0, 1)]
+    plan = build_plan("m", 1, src, dst, PlanConfig())
+    program = plan.program(0)
+    live = [t.clone() for t in full.values()]
+    resolved = {i: ResolvedTensor(s.name, live[i]) for i, s in enumerate(src)}
+    buffers = {}
+    for i, d in enumerate(dst, start=len(src)):
+        buffers[i] = (
+            torch.zeros(nvfp4_data_shape(d.local_shape), dtype=torch.uint8),
+            torch.zeros(nvfp4_scale_shape(d.local_shape), dtype=torch.uint8),
+            torch.zeros(1),
+        )
+        resolved[i] = ResolvedTensor(f"{d.name}/{d.rank}", *buffers[i][:2], NVFP4, buffers[i][2])
+    base = DirectResolver(resolved)
+    snap = prepare_snapshot(program, base, range(len(src)), 1 << 20)
+    assert snap.active, snap.fallback
+    assert [snap.tensors[i].amax is not None for i in range(len(src))] == [True] * 3 + [False]
+    ex = Executor(program, SnapshotResolver(base, snap), None)
+    snap.capture()
+    for t in live:
+        t.fill_(3.0)  # the trainer's next step, after the release
+    ex.run(30.0)
+    for i, d in enumerate(dst, start=len(src)):
+        lo = d.boxes[0].offset[0]
+        want = formats.nvfp4_quantize(full[d.name][lo : lo + d.local_shape[0]])
+        for got, expect in zip(buffers[i], want, strict=True):
+            assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), (d.name, d.rank)
+    # the copies quantize with the amax the capture folded: other bits, other bytes
+    snap.tensors[0].amax.fill_(int(torch.tensor(1.0).view(torch.int32)))
+    ex.run(30.0)
+    assert not torch.equal(buffers[len(src)][1], formats.nvfp4_quantize(full["bf"])[1])
