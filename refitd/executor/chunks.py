@@ -276,17 +276,17 @@ def run_view(views: list[torch.Tensor], nbytes: int) -> torch.Tensor | None:
     return out.set_(storage, views[0].data_ptr() - storage.data_ptr(), (nbytes,))
 
 
-def amax_words(ch: Chunk, buf: torch.Tensor) -> list[tuple[tuple[int, int], torch.Tensor]]:
-    """((copy row, chunk offset of its segment), its amax side word: an int32 view of one
-    element of buf) of every segment whose word chunk ch carries in buf."""
+def amax_words(ch: Chunk, buf: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Copy row -> its amax side word (an int32 view of one element of buf) of every
+    segment whose word chunk ch carries in buf."""
     if not ch.amax_rows:
-        return []
+        return {}
     key = ("amax", buf.data_ptr())
     out = ch.cache.get(key)
     if out is None:
-        at = {i: off for i, off in zip(ch.rows, ch.offs, strict=True)}
-        out = ch.cache[key] = [
-            ((i, at[i]), buf[ch.amax_at + 4 * k : ch.amax_at + 4 * k + 4].view(torch.int32))
+        at = ch.amax_at
+        out = ch.cache[key] = {
+            i: buf[at + 4 * k : at + 4 * k + 4].view(torch.int32)
             for k, i in enumerate(ch.amax_rows)
-        ]
+        }
     return out

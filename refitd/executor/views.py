@@ -196,7 +196,7 @@ class SlotViews:
         w = self._views(ch, buf, True)
         if w.dst:
             torch._foreach_copy_(w.dst, w.src)
-        words = {i: word for (i, _), word in amax_words(ch, buf)}
+        words = amax_words(ch, buf)
         for i, off in w.slow:
             src = self.src_block(i)
             if i in words:  # raw, with its amax word: both from one read of the source
@@ -223,7 +223,7 @@ class SlotViews:
         w = self._views(ch, buf, False)
         if w.dst:
             torch._foreach_copy_(w.dst, w.src)
-        words = {i: word for (i, _), word in amax_words(ch, buf)}
+        words = amax_words(ch, buf)
         for i, off in w.slow:
             amax = words.get(i)
             if ch.split:
