@@ -177,11 +177,16 @@ def test_whole_raw_segments_carry_their_amax_into_nvfp4_storage() -> None:
             assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), d.name
 
 
-def test_snapshot_capture_folds_the_amax_of_sources_read_whole_into_nvfp4() -> None:
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
+def test_snapshot_capture_folds_the_amax_of_sources_read_whole_into_nvfp4(device: str) -> None:
     """Local copies into NVFP4 storage from a snapshot: a source read whole is captured
     with its amax (one read), so its copy quantizes in one read; a source read in row
     halves is not. The trainer overwrites its weights after the capture, and every
-    destination holds the captured version bit for bit (NaN, Inf, all-zero, dtypes)."""
+    destination holds the captured version bit for bit (NaN, Inf, all-zero, dtypes). On
+    CUDA: the capture's copy through the amax kernel and the grouped landing."""
     g = torch.Generator().manual_seed(13)
     full = {
         "bf": (torch.randn(16, 48, generator=g) * 5).to(torch.bfloat16),
@@ -198,21 +203,21 @@ def test_snapshot_capture_folds_the_amax_of_sources_read_whole_into_nvfp4() -> N
     dst[-1:] = [_spec("infer", r, 0, "halves", (16, 32), (8 * r, 8 * r + 8), NVFP4) for r in (0, 1)]
     plan = build_plan("m", 1, src, dst, PlanConfig())
     program = plan.program(0)
-    live = [t.clone() for t in full.values()]
+    live = [t.to(device, copy=True) for t in full.values()]
     resolved = {i: ResolvedTensor(s.name, live[i]) for i, s in enumerate(src)}
     buffers = {}
     for i, d in enumerate(dst, start=len(src)):
         buffers[i] = (
-            torch.zeros(nvfp4_data_shape(d.local_shape), dtype=torch.uint8),
-            torch.zeros(nvfp4_scale_shape(d.local_shape), dtype=torch.uint8),
-            torch.zeros(1),
+            torch.zeros(nvfp4_data_shape(d.local_shape), dtype=torch.uint8, device=device),
+            torch.zeros(nvfp4_scale_shape(d.local_shape), dtype=torch.uint8, device=device),
+            torch.zeros(1, device=device),
         )
         resolved[i] = ResolvedTensor(f"{d.name}/{d.rank}", *buffers[i][:2], NVFP4, buffers[i][2])
     base = DirectResolver(resolved)
     snap = prepare_snapshot(program, base, range(len(src)), 1 << 20)
     assert snap.active, snap.fallback
     assert [snap.tensors[i].amax is not None for i in range(len(src))] == [True] * 3 + [False]
-    ex = Executor(program, SnapshotResolver(base, snap), None)
+    ex = Executor(program, SnapshotResolver(base, snap), None, device=torch.device(device))
     snap.capture()
     for t in live:
         t.fill_(3.0)  # the trainer's next step, after the release
@@ -221,8 +226,8 @@ def test_snapshot_capture_folds_the_amax_of_sources_read_whole_into_nvfp4() -> N
         lo = d.boxes[0].offset[0]
         want = formats.nvfp4_quantize(full[d.name][lo : lo + d.local_shape[0]])
         for got, expect in zip(buffers[i], want, strict=True):
-            assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), (d.name, d.rank)
+            assert torch.equal(got.cpu().view(torch.uint8), expect.view(torch.uint8)), d.name
     # the copies quantize with the amax the capture folded: other bits, other bytes
     snap.tensors[0].amax.fill_(int(torch.tensor(1.0).view(torch.int32)))
     ex.run(30.0)
-    assert not torch.equal(buffers[len(src)][1], formats.nvfp4_quantize(full["bf"])[1])
+    assert not torch.equal(buffers[len(src)][1].cpu(), formats.nvfp4_quantize(full["bf"])[1])
