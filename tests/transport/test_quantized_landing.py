@@ -131,12 +131,14 @@ def test_verified_sender_quantized_segments_cut_into_chunks_agree() -> None:
 
 def test_whole_raw_segments_carry_their_amax_into_nvfp4_storage() -> None:
     """Raw segments that arrive whole (one chunk, several NVFP4 tensors: more amax words
-    than fit one 16-byte line) travel with the amax the sender folded as it packed them,
-    and the receiver quantizes them in one read: NaN, +-Inf, -0.0, all-zero, bfloat16 /
-    float16 / float32 sources land bit for bit as a local quantization of each tensor."""
+    than fit one 16-byte line, and a plain one between them) travel with the amax the
+    sender folded as it packed them, and the receiver quantizes them in one read: NaN,
+    +-Inf, -0.0, all-zero, bfloat16 / float16 / float32 sources land bit for bit as a
+    local quantization of each tensor."""
     g = torch.Generator().manual_seed(11)
     full = {
         "bf": (torch.randn(24, 48, generator=g) * 5).to(torch.bfloat16),
+        "plain": torch.randn(4, 24, generator=g).to(torch.bfloat16),
         "bf_small": (torch.randn(8, 64, generator=g) * 1e-3).to(torch.bfloat16),
         "f16_zero": torch.zeros(16, 32, dtype=torch.float16),
         "f16": (torch.randn(16, 40, generator=g) * 100).to(torch.float16),
@@ -148,17 +150,22 @@ def test_whole_raw_segments_carry_their_amax_into_nvfp4_storage() -> None:
     src = [
         _spec("train", 0, 0, n, t.shape, (0, t.shape[0]), dtype=dtype[n]) for n, t in full.items()
     ]
+    storage = {n: PLAIN if n == "plain" else NVFP4 for n in full}
     dst = [
-        _spec("infer", 0, 1, n, t.shape, (0, t.shape[0]), NVFP4, dtype[n]) for n, t in full.items()
+        _spec("infer", 0, 1, n, t.shape, (0, len(t)), storage[n], dtype[n]) for n, t in full.items()
     ]
     plan = build_plan("m", 1, src, dst, PlanConfig())
     config = ExecutorConfig(wire_chunk=64 << 10)
     recv = plan.program(1)
     chunks = chunk_messages(recv.recv, CopyInfo.of(recv, config.direct_min), config.wire_chunk)
-    assert [len(ch.amax_rows) for ch in chunks] == [len(full)]  # one chunk, every word
+    assert [len(ch.amax_rows) for ch in chunks] == [5]  # one chunk, every NVFP4 tensor's word
     resolved = {i: ResolvedTensor(f"train/0/{s.name}", full[s.name]) for i, s in enumerate(src)}
     buffers = {}
     for i, d in enumerate(dst, start=len(src)):
+        if d.storage == PLAIN:
+            buffers[i] = (torch.zeros(d.local_shape, dtype=torch.bfloat16),)
+            resolved[i] = ResolvedTensor(d.name, buffers[i][0])
+            continue
         buffers[i] = (
             torch.full(nvfp4_data_shape(d.local_shape), 0x55, dtype=torch.uint8),
             torch.full(nvfp4_scale_shape(d.local_shape), 0x11, dtype=torch.uint8),
@@ -173,7 +180,8 @@ def test_whole_raw_segments_carry_their_amax_into_nvfp4_storage() -> None:
     wire = sum(m.nbytes for m in recv.recvs)
     assert reports[0].sent_bytes == wire + 32  # the five amax words went over the wire
     for i, d in enumerate(dst, start=len(src)):
-        for got, expect in zip(buffers[i], formats.nvfp4_quantize(full[d.name]), strict=True):
+        want = (full[d.name],) if d.storage == PLAIN else formats.nvfp4_quantize(full[d.name])
+        for got, expect in zip(buffers[i], want, strict=True):
             assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), d.name
 
 
