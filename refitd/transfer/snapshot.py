@@ -50,11 +50,12 @@ class _Range:
 @dataclass
 class _Fold:
     """A source captured with its NVFP4 amax: `live` into `out` (its bytes in the buffer),
-    its amax bits into `amax`."""
+    its amax bits into `amax` (None: a plain copy, the buffer being on another device,
+    where the amax would cost a pass of its own)."""
 
     live: torch.Tensor
     out: torch.Tensor
-    amax: torch.Tensor
+    amax: torch.Tensor | None
 
 
 @dataclass
@@ -90,7 +91,10 @@ class Snapshot:
                 r.storage[r.start : r.end], non_blocking=cuda
             )
         for f in self._folds:
-            encode_raw_amax(f.live, f.out, f.amax)
+            if f.amax is None:
+                f.out.view(f.live.dtype).view(f.live.shape).copy_(f.live, non_blocking=cuda)
+            else:
+                encode_raw_amax(f.live, f.out, f.amax)
         if cuda:
             torch.cuda.synchronize()
         return time.monotonic() - t0
@@ -165,8 +169,9 @@ def prepare_snapshot(
         pos += _padded(r.end - r.start)
     for i, t in live.items():
         if i in whole:
-            out, amax = buf[pos : pos + t.data.nbytes], torch.zeros(1, dtype=torch.int32)
-            snap._folds.append(_Fold(t.data, out, amax.to(buf.device)))
+            out = buf[pos : pos + t.data.nbytes]
+            amax = torch.zeros(1, dtype=torch.int32, device=buf.device)
+            snap._folds.append(_Fold(t.data, out, amax if buf.device == t.data.device else None))
             view = out.view(t.data.dtype).view(t.data.shape)
             snap.tensors[i] = ResolvedTensor(t.name, view, amax=snap._folds[-1].amax)
             pos += _padded(t.data.nbytes)
@@ -190,8 +195,9 @@ def _read_whole_into_nvfp4(program: SlotProgram, live: dict[int, ResolvedTensor]
         t = live[i].data if i in live else None
         if t is None or not int(c.flags[r]) & FLAG_AMAX_WORD or c.src_off[r, :nd].any():
             continue
-        if tuple(c.shape[r, :nd].tolist()) == tuple(t.shape) and t.is_contiguous():
-            out |= {i} if t.dtype != torch.float64 else set()
+        whole = tuple(c.shape[r, :nd].tolist()) == tuple(t.shape)
+        if whole and t.is_contiguous() and t.dtype != torch.float64:
+            out.add(i)
     return out
 
 
