@@ -294,17 +294,21 @@ class SlotViews:
         return w
 
     def land_coded(self, i: int) -> None:
-        """Copy row i through its wire format into its destination, as a receiver would
-        (encode into a scratch segment, decode into the region): bit for bit the same."""
-        wire = WIRES[self._wire[i]]
-        src = self.src_block(i)
+        """Copy row i through its wire format into its destination as a receiver would, bit
+        for bit (raw into NVFP4 storage: copied with its amax, then quantized in one read)."""
+        wire, src, dst = WIRES[self._wire[i]], self.src_block(i), self.tensors[self._dst_t[i]]
         seg = torch.empty(self._seg[i], dtype=torch.uint8, device=src.device)
-        encode_segment(wire, src, seg)
-        nd = self._nd[i]
-        dst = self.tensors[self._dst_t[i]]
+        amax = nvfp4_amax(dst, wire, src.device)
+        if amax is None:
+            encode_segment(wire, src, seg)
+        else:
+            encode_raw_amax(src, seg[: self._pay[i]], amax)
+        at = (self.shape(i), self._dtype[i], dst, tuple(self._dst_off[i][: self._nd[i]]))
         seg = seg.to(dst.data.device)
-        off = tuple(self._dst_off[i][:nd])
-        decode_segment(wire, seg, self.shape(i), self._dtype[i], dst, off)
+        if amax is None:
+            decode_segment(wire, seg, *at)
+        else:
+            decode_known_amax(seg, *at, amax.to(dst.data.device))
 
     def dst_parts(self, i: int) -> list[torch.Tensor]:
         """Views of what row i's copy writes in its destination: the region's values, and
