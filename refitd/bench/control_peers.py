@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import time
 from typing import Any
@@ -83,7 +84,7 @@ async def _peers(cfg: PeerConfig, ready: Any, out: Any, stop: Any) -> None:
     refit = pbg.RefitStub(ch)
     per = cfg.slots // AGENTS
     tasks = [asyncio.create_task(_agent(agents, cfg, a * per, per, out)) for a in range(AGENTS)]
-    await asyncio.sleep(0.5)  # agent streams open (the controller sends nothing on open)
+    await _streams_open(refit, AGENTS, tasks)
     n = cfg.slots // 2
     hellos = [asyncio.Event() for _ in range(n)]
     tasks += [asyncio.create_task(_subscriber(refit, cfg, r, n, hellos[r])) for r in range(n)]
@@ -94,6 +95,27 @@ async def _peers(cfg: PeerConfig, ready: Any, out: Any, stop: Any) -> None:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await ch.close()
+
+
+async def _streams_open(refit: Any, agents: int, tasks: list[asyncio.Task]) -> None:
+    """Wait until the controller's status counts `agents` agents with their Commands
+    stream open (the controller sends nothing on open, so the agents cannot tell), or
+    raise after OPEN_TIMEOUT_S; an agent task that ended early raises its error."""
+    from refitd._proto import refitd_pb2 as pb
+
+    deadline = time.monotonic() + OPEN_TIMEOUT_S
+    pause = 0.005
+    while True:
+        for t in tasks:
+            if t.done():
+                t.result()  # an agent that failed to register or open its stream
+        doc = await refit.GetStatus(pb.StatusRequest(), timeout=30)
+        if json.loads(doc.json)["summary"]["agents_connected"] >= agents:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{agents} agent streams did not open within {OPEN_TIMEOUT_S} s")
+        await asyncio.sleep(pause)  # between two status polls
+        pause = min(2 * pause, 0.1)
 
 
 async def _agent(agents: Any, cfg: PeerConfig, first: int, per: int, out: Any) -> None:

@@ -9,6 +9,11 @@ chunks; each chunk is one send matched by one receive. Rules, from the program a
 - any segment larger than its chunk size (wire_chunk when it lands direct, else
   staged_chunk) gets chunks of its own;
 - other consecutive segments share a chunk of at most staged_chunk bytes.
+A raw segment bound for NVFP4 storage (FLAG_AMAX_WORD) that a chunk carries whole travels
+with its amax side word: after the chunk's segments, SEGMENT_ALIGN-aligned, one int32 per
+such segment in row order (`Chunk.amax_at`, `Chunk.amax_rows`). The sender folds it from
+the values it packs, so the receiver quantizes the segment in one read; a segment cut
+into pieces has none (the receiver folds its pieces as they arrive).
 Per-copy attributes are computed for all copies at once (`CopyInfo`).
 """
 
@@ -22,13 +27,14 @@ import torch
 from refitd.executor.errors import ExecutionError
 from refitd.plan.program import (
     DTYPES,
+    FLAG_AMAX_WORD,
     FLAG_LANDS_DIRECT,
     FLAG_SRC_CONTIGUOUS,
     MessageColumns,
     SlotProgram,
 )
 from refitd.plan.rowwise import row_prod
-from refitd.plan.wire import BUILTIN_WIRES, DTYPE_SIZES, RAW_CODE
+from refitd.plan.wire import BUILTIN_WIRES, DTYPE_SIZES, RAW_CODE, SEGMENT_ALIGN, aligned
 
 WIRE_CHUNK = 32 << 20
 DIRECT_MIN = 1 << 20
@@ -46,13 +52,14 @@ class CopyInfo:
     lands_direct: np.ndarray
     own_chunk: np.ndarray
     relay: np.ndarray
+    amax_word: np.ndarray  # a whole segment travels with its amax side word
 
     @classmethod
     def of(cls, p: SlotProgram, direct_min: int) -> CopyInfo:
         c = p.copies
         if not len(c):
             z = np.zeros(0, np.int64)
-            return cls(z, z, z, z.astype(bool), z.astype(bool), z.astype(bool))
+            return cls(z, z, z, *(z.astype(bool) for _ in range(4)))
         sdt = c.src_dtype.astype(np.int64)
         esize = _ESIZE[sdt]
         wire = c.wire.astype(np.int64)
@@ -64,7 +71,8 @@ class CopyInfo:
         # relays read a destination tensor of this slot (one it receives or copies into)
         recv_lo = int(p.recv.start[0]) if len(p.recv) else p.local_start
         relay = np.isin(c.src, np.unique(c.dst[recv_lo:]))
-        return cls(sdt, seg, payload, lands, own, relay)
+        amax = (c.flags & FLAG_AMAX_WORD) != 0
+        return cls(sdt, seg, payload, lands, own, relay, amax)
 
 
 @dataclass(slots=True)
@@ -84,6 +92,8 @@ class Chunk:
     split: bool = False
     seg_start: int = 0
     msg_nbytes: int = 0
+    amax_at: int = 0  # where the amax side words start (after the segments), 0: none
+    amax_rows: tuple[int, ...] = ()  # the rows whose amax word it carries, in order
     cache: dict = field(default_factory=dict)  # views per staging buffer (executor)
 
     @property
@@ -134,6 +144,7 @@ class _Cutter:
         self.pay = info.payload.tolist()
         self.lands = info.lands_direct.tolist()
         self.own = info.own_chunk.tolist()
+        self.amax = info.amax_word.tolist()
         self.wire_chunk, self.staged_chunk = wire_chunk, staged_chunk
 
     def message(self, m: Chunk, lo: int, hi: int) -> list[Chunk]:
@@ -143,42 +154,35 @@ class _Cutter:
         offs: list[int] = []
 
         def new(n: int, r: list[int], o: list[int], split: bool = False, at: int = 0) -> None:
-            chunks.append(
-                Chunk(
-                    m.mid,
-                    m.round,
-                    m.src_slot,
-                    m.dst_slot,
-                    len(chunks),
-                    n,
-                    r,
-                    o,
-                    split,
-                    at,
-                    m.msg_nbytes,
-                )
-            )
+            words = () if split or not k else tuple(i for i in r if self.amax[i])
+            amax_at = aligned(n) if words else 0
+            nbytes = amax_at + aligned(4 * len(words)) if words else n
+            fields = (m.mid, m.round, m.src_slot, m.dst_slot, len(chunks), nbytes, r, o)
+            chunks.append(Chunk(*fields, split, at, m.msg_nbytes, amax_at, words))
 
-        group_start = off = 0
+        group_start = off = k = 0  # k: amax words of the group so far
         for i in range(lo, hi):
             total = self.seg[i]
+            word = int(self.amax[i])
             size = self.wire_chunk if self.lands[i] else self.staged_chunk
-            if total > size or self.own[i]:
+            if total + SEGMENT_ALIGN * word > size or self.own[i]:
                 if rows:
                     new(offs[-1] + self.pay[rows[-1]], rows, offs)
                     rows, offs = [], []
-                p = self.pay[i]
+                p, k = self.pay[i], 0  # no side word: the receiver folds any pieces
                 for s in range(0, p, size):
                     n = min(size, p - s)
                     new(n, [i], [0], n != p, s)
             else:
-                if rows and off + total - group_start > self.staged_chunk:
+                side = aligned(4 * (k + word))
+                if rows and off + total - group_start + side > self.staged_chunk:
                     new(offs[-1] + self.pay[rows[-1]], rows, offs)
-                    rows, offs = [], []
+                    rows, offs, k = [], [], 0
                 if not rows:
                     group_start = off
                 rows.append(i)
                 offs.append(off - group_start)
+                k += word
             off += total
         if rows:
             new(offs[-1] + self.pay[rows[-1]], rows, offs)
@@ -251,3 +255,38 @@ def messages_without(m: MessageColumns, skip: frozenset[int]) -> MessageColumns:
         return m
     keep = ~np.isin(m.id, np.fromiter(skip, dtype=np.int64, count=len(skip)))
     return MessageColumns(*(getattr(m, f.name)[keep] for f in fields(m)))
+
+
+def run_view(views: list[torch.Tensor], nbytes: int) -> torch.Tensor | None:
+    """One uint8 view over `views` when they are contiguous, in one storage, back to back
+    and `nbytes` long in all; else None."""
+    if not views or any(not v.is_contiguous() for v in views):
+        return None
+    storage = views[0].untyped_storage()
+    pos = views[0].data_ptr()
+    for v in views:
+        if v.untyped_storage().data_ptr() != storage.data_ptr() or v.data_ptr() != pos:
+            return None
+        pos += v.numel() * v.element_size()
+    if pos - views[0].data_ptr() != nbytes:
+        return None
+    if len(views) == 1:
+        return views[0].reshape(-1).view(torch.uint8)
+    out = torch.empty(0, dtype=torch.uint8, device=views[0].device)
+    return out.set_(storage, views[0].data_ptr() - storage.data_ptr(), (nbytes,))
+
+
+def amax_words(ch: Chunk, buf: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Copy row -> its amax side word (an int32 view of one element of buf) of every
+    segment whose word chunk ch carries in buf."""
+    if not ch.amax_rows:
+        return {}
+    key = ("amax", buf.data_ptr())
+    out = ch.cache.get(key)
+    if out is None:
+        at = ch.amax_at
+        out = ch.cache[key] = {
+            i: buf[at + 4 * k : at + 4 * k + 4].view(torch.int32)
+            for k, i in enumerate(ch.amax_rows)
+        }
+    return out

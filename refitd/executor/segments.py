@@ -18,13 +18,15 @@ from refitd.plan.wire import NVFP4, PLAIN, RAW
 @dataclass(frozen=True, slots=True)
 class ResolvedTensor:
     """A registered tensor as the executor sees it: plain data, or quantized data + scales
-    (nvfp4: + its float32 global scale)."""
+    (nvfp4: + its float32 global scale). amax: the NVFP4 amax bits (int32, one element) of
+    the whole of data, folded by the step that wrote data (a snapshot capture), else None."""
 
     name: str
     data: torch.Tensor
     scales: torch.Tensor | None = None
     storage: str = PLAIN
     global_scale: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
 
     def buffers(self) -> list[torch.Tensor]:
         """Every persistent buffer of the tensor: data, then scales and global scale."""
@@ -119,6 +121,18 @@ def decode_known_amax(
     name = str(src_dtype).removeprefix("torch.")
     region = dest_region(dst, offset, shape)
     _formats().decode_raw_known_amax(seg, shape, name, region, amax)
+
+
+def encode_raw_amax(src: torch.Tensor, out: torch.Tensor, amax: torch.Tensor) -> None:
+    """refitd.formats.encode_raw_amax: a raw segment packed with its NVFP4 amax word."""
+    _formats().encode_raw_amax(src, out, amax)
+
+
+def whole_amax(src: ResolvedTensor, region: torch.Tensor) -> torch.Tensor | None:
+    """src's folded amax when `region` (a block of src's data) is all of it, on its device."""
+    a = src.amax
+    ok = a is not None and region.numel() == src.data.numel() and a.device == region.device
+    return a if ok else None
 
 
 def fold_amax(values: torch.Tensor, amax: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ Verification keys checksums by (message id, copy row) (see executor.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refitd.executor.checksums import Checksummer, combine
-from refitd.executor.chunks import Chunk, CopyInfo, flat_range_pairs, flat_range_views
+from refitd.executor.chunks import (
+    Chunk,
+    CopyInfo,
+    amax_words,
+    flat_range_pairs,
+    flat_range_views,
+    run_view,
+)
 from refitd.executor.errors import ExecutionError
 from refitd.executor.segments import (
     ResolvedTensor,
@@ -30,9 +38,11 @@ from refitd.executor.segments import (
     decode_known_amax,
     decode_segment,
     dest_region,
+    encode_raw_amax,
     encode_segment,
     fold_amax,
     nvfp4_amax,
+    whole_amax,
 )
 from refitd.plan.program import DTYPES, FLAG_DST_PLAIN, WIRES, MessageColumns, SlotProgram
 from refitd.plan.wire import PLAIN
@@ -75,25 +85,6 @@ class _Views:
     dst: list[torch.Tensor]  # foreach_copy_ destinations
     src: list[torch.Tensor]
     slow: list[tuple[int, int]]  # (copy row, chunk offset): quantized, one at a time
-
-
-def _run_view(views: list[torch.Tensor], nbytes: int) -> torch.Tensor | None:
-    """One uint8 view over `views` when they are contiguous, in one storage, back to back
-    and `nbytes` long in all; else None."""
-    if not views or any(not v.is_contiguous() for v in views):
-        return None
-    storage = views[0].untyped_storage()
-    pos = views[0].data_ptr()
-    for v in views:
-        if v.untyped_storage().data_ptr() != storage.data_ptr() or v.data_ptr() != pos:
-            return None
-        pos += v.numel() * v.element_size()
-    if pos - views[0].data_ptr() != nbytes:
-        return None
-    if len(views) == 1:
-        return views[0].reshape(-1).view(torch.uint8)
-    out = torch.empty(0, dtype=torch.uint8, device=views[0].device)
-    return out.set_(storage, views[0].data_ptr() - storage.data_ptr(), (nbytes,))
 
 
 class SlotViews:
@@ -152,12 +143,12 @@ class SlotViews:
 
     # ------------------------------------------------------------------ zero-copy
     def zero_copy_send(self, ch: Chunk) -> torch.Tensor | None:
-        if any(self._wire[i] != _RAW for i in ch.rows):
+        if ch.amax_rows or any(self._wire[i] != _RAW for i in ch.rows):
             return None
         views = [v for i in ch.rows for v in self._piece(self.src_block(i), ch, i)]
         if not ch.split and any(self._pay[i] != self._seg[i] for i in ch.rows[:-1]):
             return None  # alignment padding between segments
-        return _run_view(views, ch.nbytes)
+        return run_view(views, ch.nbytes)
 
     def zero_copy_recv(self, ch: Chunk) -> torch.Tensor | None:
         for i in ch.rows:
@@ -167,7 +158,7 @@ class SlotViews:
         if not ch.split and any(self._pay[i] != self._seg[i] for i in ch.rows[:-1]):
             return None
         views = [v for i in ch.rows for v in self._piece(self.dst_block(i), ch, i)]
-        return _run_view(views, ch.nbytes)
+        return run_view(views, ch.nbytes)
 
     # ------------------------------------------------------------------ pack / unpack
     def _stage_views(self, buf: torch.Tensor, ch: Chunk, i: int, off: int, region: torch.Tensor):
@@ -187,7 +178,7 @@ class SlotViews:
             return w
         w = _Views([], [], [])
         for i, off in zip(ch.rows, ch.offs, strict=True):
-            if send and self._wire[i] == _RAW:
+            if send and self._wire[i] == _RAW and i not in ch.amax_rows:
                 region = self.src_block(i)
                 w.dst += self._stage_views(buf, ch, i, off, region)
                 w.src += self._piece(region, ch, i)
@@ -205,8 +196,12 @@ class SlotViews:
         w = self._views(ch, buf, True)
         if w.dst:
             torch._foreach_copy_(w.dst, w.src)
+        words = amax_words(ch, buf)
         for i, off in w.slow:
             src = self.src_block(i)
+            if i in words:  # raw, with its amax word: both from one read of the source
+                encode_raw_amax(src, buf[off : off + self._pay[i]], words[i])
+                continue
             wire = WIRES[self._wire[i]]
             if not ch.split:
                 seg = buf[off : off + self._seg[i]]
@@ -228,8 +223,9 @@ class SlotViews:
         w = self._views(ch, buf, False)
         if w.dst:
             torch._foreach_copy_(w.dst, w.src)
+        words = amax_words(ch, buf)
         for i, off in w.slow:
-            amax = None
+            amax = words.get(i)
             if ch.split:
                 whole = self._assemble(ch, i, buf[off : off + ch.nbytes], partial)
                 if whole is None:
@@ -298,17 +294,21 @@ class SlotViews:
         return w
 
     def land_coded(self, i: int) -> None:
-        """Copy row i through its wire format into its destination, as a receiver would
-        (encode into a scratch segment, decode into the region): bit for bit the same."""
-        wire = WIRES[self._wire[i]]
-        src = self.src_block(i)
+        """Copy row i through its wire format into its destination as a receiver would, bit
+        for bit (raw into NVFP4 storage: copied with its amax, then quantized in one read)."""
+        wire, src, dst = WIRES[self._wire[i]], self.src_block(i), self.tensors[self._dst_t[i]]
         seg = torch.empty(self._seg[i], dtype=torch.uint8, device=src.device)
-        encode_segment(wire, src, seg)
-        nd = self._nd[i]
-        dst = self.tensors[self._dst_t[i]]
+        amax = nvfp4_amax(dst, wire, src.device)
+        if amax is None:
+            encode_segment(wire, src, seg)
+        else:
+            encode_raw_amax(src, seg[: self._pay[i]], amax)
+        at = (self.shape(i), self._dtype[i], dst, tuple(self._dst_off[i][: self._nd[i]]))
         seg = seg.to(dst.data.device)
-        off = tuple(self._dst_off[i][:nd])
-        decode_segment(wire, seg, self.shape(i), self._dtype[i], dst, off)
+        if amax is None:
+            decode_segment(wire, seg, *at)
+        else:
+            decode_known_amax(seg, *at, amax.to(dst.data.device))
 
     def dst_parts(self, i: int) -> list[torch.Tensor]:
         """Views of what row i's copy writes in its destination: the region's values, and
@@ -355,9 +355,11 @@ class SlotViews:
                 from refitd import formats
 
                 region = dest_region(d, tuple(self._dst_off[i][: self._nd[i]]), self.shape(i))
-                if grouped is not None and grouped.add_quantize(self.src_block(i), region):
+                amax = whole_amax(self.tensors[self._src_t[i]], self.src_block(i))
+                if grouped is not None and grouped.add_quantize(self.src_block(i), region, amax):
                     continue
-                step.slow.append((formats.copy_region, self.src_block(i), region))
+                call = functools.partial(formats.copy_region, amax=amax)
+                step.slow.append((call, self.src_block(i), region))
             step.rows.append(i)
         step.nbytes = self.local_bytes(step.rows)
         if grouped is not None and grouped.regions:

@@ -31,6 +31,7 @@ from refitd.formats.segment import (
     decode_raw_hashed,
     decode_raw_known_amax,
     decode_segment,
+    encode_raw_amax,
     encode_segment,
     fold_amax,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "decode_segment",
     "default_registry",
     "dest_region",
+    "encode_raw_amax",
     "encode_segment",
     "fold_amax",
     "fp8_block_dequantize",

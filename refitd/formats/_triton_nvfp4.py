@@ -56,6 +56,7 @@ def _finite_key(bits):
 def nvfp4_amax_kernel(
     w_ptr,
     amax_ptr,
+    o_ptr,
     M,
     W,
     n_col_programs,
@@ -65,11 +66,14 @@ def nvfp4_amax_kernel(
     BLOCK_W: tl.constexpr,
     SRC: tl.constexpr,
     FLAT: tl.constexpr,
+    COPY: tl.constexpr,
 ):
     """amax_ptr (int32, zeroed) <- the bits of max |x| over the finite values of x (M rows
     of W words). Each program folds every n-th tile (n: the grid) and makes one atomic,
     so a large tensor does not queue hundreds of thousands of atomics on one address.
-    FLAT: rows follow each other (swm == W), so tile t is words t * BLOCK_M * BLOCK_W on."""
+    FLAT: rows follow each other (swm == W), so tile t is words t * BLOCK_M * BLOCK_W on.
+    COPY: the words read are also stored to o_ptr, rows back to back (a copy of x that
+    folds its amax in the same read)."""
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.uint32)
     for t in range(pid, n_tiles, tl.num_programs(0)):
@@ -78,11 +82,15 @@ def nvfp4_amax_kernel(
                 tl.arange(0, BLOCK_M)[:, None] * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
             )
             w = tl.load(w_ptr + offs, mask=offs < tl.cast(M, tl.int64) * W, other=0)
+            if COPY:
+                tl.store(o_ptr + offs, w, mask=offs < tl.cast(M, tl.int64) * W)
         else:
             rows = ((t // n_col_programs) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             cols = ((t % n_col_programs) * BLOCK_W + tl.arange(0, BLOCK_W))[None, :]
             mask = (rows[:, None] < M) & (cols < W)
             w = tl.load(w_ptr + rows[:, None] * swm + cols, mask=mask, other=0)
+            if COPY:
+                tl.store(o_ptr + rows[:, None] * W + cols, w, mask=mask)
         if SRC == 0:
             # the high half's key keeps the low half in its bits 0..16, below its own
             # last bit: the order of the high values is unchanged (masked off at the end)

@@ -192,19 +192,21 @@ class GroupedLanding:
         self.nbytes += src.numel() * src.element_size()
         return True
 
-    def add_quantize(self, src: torch.Tensor, dst: DestRegion) -> bool:
-        """Quantize src into a persistent MXFP8 / block-FP8 / NVFP4 region; False when not
-        eligible. NVFP4 regions (whole tensors) and large ones take the per-tensor kernels,
-        launched with the rest (captured in the same graph): a large region fills the GPU
-        alone, and the per-tensor kernel runs faster there than the table-driven one."""
+    def add_quantize(
+        self, src: torch.Tensor, dst: DestRegion, amax: torch.Tensor | None = None
+    ) -> bool:
+        """Quantize src into a persistent MXFP8 / block-FP8 / NVFP4 region (amax: src's
+        NVFP4 amax bits, when folded already); False when not eligible. NVFP4 regions (whole
+        tensors) and large ones take the per-tensor kernels, launched with the rest (in the
+        same graph): a large region fills the GPU alone, and that kernel runs faster there."""
         from refitd.formats import triton_kernels
 
-        if src.device != self.device or src.dtype not in _SRC_DTYPES or dst.scales is None:
-            return False
-        if src.numel() == 0:
+        bad = src.device != self.device or src.dtype not in _SRC_DTYPES or dst.scales is None
+        if bad or src.numel() == 0:
             return False
         if dst.storage == NVFP4 and dst.global_scale is not None:
-            call = functools.partial(triton_kernels.nvfp4_quantize_into, src, *dst.parts())
+            kernel = triton_kernels.nvfp4_quantize_into
+            call = functools.partial(kernel, src, *dst.parts(), amax=amax)
             self._direct.add(NVFP4, src, call)
             ok = True
         elif tuple(src.shape) != tuple(dst.values.shape):

@@ -107,6 +107,24 @@ def fold_amax(values: torch.Tensor, amax: torch.Tensor) -> None:
         torch.maximum(amax, amax_bits(values).to(amax.device), out=amax)
 
 
+def encode_raw_amax(src: torch.Tensor, out: torch.Tensor, amax: torch.Tensor) -> None:
+    """The raw segment's values of src (uint8 `out`, its payload bytes) with src's NVFP4
+    amax bits into amax (int32 of one element, overwritten): what a sender packs for a
+    receiver that quantizes into NVFP4 storage in one read. On CUDA with triton the amax
+    kernel stores the words it reads, so src is read once; elsewhere a copy, then a fold
+    over the bytes just written."""
+    from refitd.formats import triton_kernels
+
+    values = out.view(src.dtype).view(src.shape)
+    amax.zero_()
+    one_read = src.is_cuda and out.device == src.device and src.dtype != torch.float64
+    if one_read and triton_kernels.available():
+        triton_kernels.nvfp4_amax_into(src, amax, out=values)
+        return
+    values.copy_(src)
+    fold_amax(values.reshape(-1), amax)
+
+
 def decode_raw_known_amax(
     seg: torch.Tensor,
     shape: tuple[int, ...],
@@ -128,11 +146,18 @@ def decode_raw_known_amax(
     nvfp4_quantize_into(values, *dst.parts(), amax=amax)
 
 
-def copy_region(src: torch.Tensor, dst: DestRegion) -> None:
-    """A local copy (same slot) without a wire buffer: cast, or quantize into quantized storage."""
+def copy_region(src: torch.Tensor, dst: DestRegion, amax: torch.Tensor | None = None) -> None:
+    """A local copy (same slot) without a wire buffer: cast, or quantize into quantized
+    storage. amax: src's NVFP4 amax bits when a step that read src folded them (an NVFP4
+    destination then quantizes in one read of src)."""
     if tuple(src.shape) != dst.shape:
         raise ValueError(
             f"copy_region: source shape {tuple(src.shape)} does not match the destination "
             f"region {dst.shape}"
         )
+    if amax is not None and dst.storage == NVFP4:
+        from refitd.formats.nvfp4 import nvfp4_quantize_into
+
+        nvfp4_quantize_into(src, *dst.parts(), amax=amax)
+        return
     store_region(src, dst)

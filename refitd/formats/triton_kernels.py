@@ -225,17 +225,31 @@ def nvfp4_amax_into(
     block_c: int = NVFP4_CONFIG["block_c"],
     num_warps: int = NVFP4_CONFIG["num_warps"],
     amax_programs: int = NVFP4_CONFIG["amax_programs"],
+    out: torch.Tensor | None = None,
 ) -> None:
     """Fold the amax bits of x (even last dim) into amax (int32, one element, zeroed before
     the first piece): called on every piece of a tensor, amax ends as the tensor's, which
-    nvfp4_quantize_into(amax=...) takes (refitd.formats.nvfp4.amax_bits on the CPU)."""
+    nvfp4_quantize_into(amax=...) takes (refitd.formats.nvfp4.amax_bits on the CPU).
+    out: a contiguous tensor of x's dtype and element count (not float64) that receives
+    x's values in row-major order from the same read."""
     check_float(x, "nvfp4 amax")
     if amax.dtype != torch.int32 or amax.numel() != 1 or amax.device != x.device:
         raise ValueError(f"nvfp4 amax: the accumulator must be int32 of one element on {x.device}")
+    if out is not None and (
+        out.dtype != x.dtype
+        or x.dtype == torch.float64
+        or out.numel() != x.numel()
+        or not out.is_contiguous()
+        or out.device != x.device
+    ):
+        raise ValueError(
+            f"nvfp4 amax: out must be a contiguous {x.dtype} tensor of {x.numel()} elements "
+            f"on {x.device} (float64 has no copy), got {out.dtype} {tuple(out.shape)}"
+        )
     if x.numel() == 0:
         return
     block_w = _nvfp4_block_w(x.shape[-1], block_c)
-    _nvfp4_amax(x, _pair_words(x), amax, block_m, block_w, num_warps, amax_programs)
+    _nvfp4_amax(x, _pair_words(x), amax, block_m, block_w, num_warps, amax_programs, out)
 
 
 def _nvfp4_block_w(cols: int, block_c: int) -> int:
@@ -257,17 +271,21 @@ def _nvfp4_amax(
     block_w: int,
     num_warps: int,
     amax_programs: int,
+    out: torch.Tensor | None = None,
 ) -> None:
-    """The amax pass over x's words: atomic max of its bits into amax."""
+    """The amax pass over x's words: atomic max of its bits into amax (and, with `out`,
+    the words stored there, rows back to back)."""
     from refitd.formats._triton_nvfp4 import nvfp4_amax_kernel
 
     rows, width = words.shape
     n_c = -(-width // block_w)
     flat = words.stride(0) == width  # rows back to back: the amax pass reads flat tiles
     a_tiles = -(-rows * width // (block_m * block_w)) if flat else -(-rows // block_m) * n_c
+    o = words if out is None else out.reshape(-1).view(words.dtype)
     nvfp4_amax_kernel[(min(a_tiles, amax_programs),)](
-        words, amax.view(-1), rows, width, n_c, a_tiles, words.stride(0),
-        BLOCK_M=block_m, BLOCK_W=block_w, SRC=_nvfp4_src(x), FLAT=flat, num_warps=num_warps,
+        words, amax.view(-1), o, rows, width, n_c, a_tiles, words.stride(0),
+        BLOCK_M=block_m, BLOCK_W=block_w, SRC=_nvfp4_src(x), FLAT=flat, COPY=out is not None,
+        num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -6,7 +6,10 @@ Prepared once per loaded program (`prepare_snapshot`): the source tensors the sl
 them and their byte extents merged into a few large ranges (a worker's CPU tensors sit side
 by side in its shared-memory arena), so a capture is a handful of bulk copies however many
 tensors there are. The executor is built over `SnapshotResolver`: sources resolve to views
-of the buffer, with the live tensors' shapes and strides, so it needs no other change.
+of the buffer, with the live tensors' shapes and strides, so it needs no other change. A
+contiguous source that a local copy reads whole into NVFP4 storage is captured on its own
+through the NVFP4 amax kernel (`_Fold`): its copy and its amax come from one read, and the
+local copy quantizes from the snapshot in one read as well.
 
 Where the buffer lives: host shared memory for CPU sources; for GPU sources device memory
 when it fits (free memory minus a margin), else pinned host memory. `cap_bytes` bounds the
@@ -23,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from refitd.executor.prepare import TensorResolver
-from refitd.executor.segments import ResolvedTensor
+from refitd.executor.segments import ResolvedTensor, encode_raw_amax
 from refitd.memory.segments import shared_buffer
-from refitd.plan.program import SlotProgram
+from refitd.plan.program import FLAG_AMAX_WORD, SlotProgram
 from refitd.plan.wire import PLAIN
 from refitd.slot_protocol import SnapshotInfo
 
@@ -45,6 +48,17 @@ class _Range:
 
 
 @dataclass
+class _Fold:
+    """A source captured with its NVFP4 amax: `live` into `out` (its bytes in the buffer),
+    its amax bits into `amax` (None: a plain copy, the buffer being on another device,
+    where the amax would cost a pass of its own)."""
+
+    live: torch.Tensor
+    out: torch.Tensor
+    amax: torch.Tensor | None
+
+
+@dataclass
 class Snapshot:
     """A prepared snapshot of one slot's sources: `capture()` per refit.
 
@@ -58,6 +72,7 @@ class Snapshot:
     where: str = ""  # "host_shm" | "device" | "pinned_host"
     tensors: dict[int, ResolvedTensor] = field(default_factory=dict)
     _ranges: list[_Range] = field(default_factory=list)
+    _folds: list[_Fold] = field(default_factory=list)
     _buffer: torch.Tensor | None = None
 
     @property
@@ -69,11 +84,17 @@ class Snapshot:
         t0 = time.monotonic()
         buf = self._buffer
         assert buf is not None
-        cuda = [r for r in self._ranges if r.storage.is_cuda or buf.is_cuda]
+        cuda = buf.is_cuda or any(r.storage.is_cuda for r in self._ranges)
+        cuda = cuda or any(f.live.is_cuda for f in self._folds)
         for r in self._ranges:
             buf[r.offset : r.offset + r.end - r.start].copy_(
-                r.storage[r.start : r.end], non_blocking=bool(cuda)
+                r.storage[r.start : r.end], non_blocking=cuda
             )
+        for f in self._folds:
+            if f.amax is None:
+                f.out.view(f.live.dtype).view(f.live.shape).copy_(f.live, non_blocking=cuda)
+            else:
+                encode_raw_amax(f.live, f.out, f.amax)
         if cuda:
             torch.cuda.synchronize()
         return time.monotonic() - t0
@@ -131,8 +152,10 @@ def prepare_snapshot(
     if odd:
         snap.fallback = f"quantized source storage cannot be snapshotted: {odd[:4]}"
         return snap
-    ranges, places = _ranges({i: t.data for i, t in live.items()})
+    whole = _read_whole_into_nvfp4(program, live)
+    ranges, places = _ranges({i: t.data for i, t in live.items() if i not in whole})
     snap.nbytes = sum(r.end - r.start for r in ranges) + ALIGN * len(ranges)
+    snap.nbytes += sum(_padded(live[i].data.nbytes) for i in whole)
     if snap.nbytes > cap_bytes:
         snap.fallback = (
             f"snapshot of {snap.nbytes} bytes exceeds snapshot_bytes {cap_bytes}: the slot "
@@ -143,12 +166,39 @@ def prepare_snapshot(
     pos = 0
     for r in ranges:
         r.offset = pos
-        pos += -(-(r.end - r.start) // ALIGN) * ALIGN
+        pos += _padded(r.end - r.start)
     for i, t in live.items():
+        if i in whole:
+            out = buf[pos : pos + t.data.nbytes]
+            amax = torch.zeros(1, dtype=torch.int32, device=buf.device)
+            snap._folds.append(_Fold(t.data, out, amax if buf.device == t.data.device else None))
+            view = out.view(t.data.dtype).view(t.data.shape)
+            snap.tensors[i] = ResolvedTensor(t.name, view, amax=snap._folds[-1].amax)
+            pos += _padded(t.data.nbytes)
+            continue
         r, delta = places[i]
         snap.tensors[i] = ResolvedTensor(t.name, _view(buf, r.offset + delta, t.data), None)
     snap._ranges, snap._buffer = ranges, buf
     return snap
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _read_whole_into_nvfp4(program: SlotProgram, live: dict[int, ResolvedTensor]) -> set[int]:
+    """Sources (contiguous, not float64) that a local copy reads whole into NVFP4 storage:
+    captured through the amax kernel (_Fold)."""
+    c, out = program.copies, set()
+    for r in range(program.local_start, len(c)):
+        i, nd = int(c.src[r]), int(c.ndim[r])
+        t = live[i].data if i in live else None
+        if t is None or not int(c.flags[r]) & FLAG_AMAX_WORD or c.src_off[r, :nd].any():
+            continue
+        whole = tuple(c.shape[r, :nd].tolist()) == tuple(t.shape)
+        if whole and t.is_contiguous() and t.dtype != torch.float64:
+            out.add(i)
+    return out
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

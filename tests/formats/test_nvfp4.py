@@ -290,6 +290,16 @@ def _check_one_read(device: str, x: torch.Tensor, pieces: int) -> None:
         assert torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8))
 
 
+def _check_copy_amax(device: str, x: torch.Tensor) -> None:
+    """nvfp4_amax_into with `out`: x's values row-major in out, its amax bits in acc."""
+    x = x.to(device)
+    acc = torch.zeros(1, dtype=torch.int32, device=device)
+    out = torch.full((x.numel(),), 7, dtype=x.dtype, device=device)
+    triton_kernels.nvfp4_amax_into(x, acc, out=out)
+    assert torch.equal(acc.cpu(), amax_bits(x.cpu()))
+    assert torch.equal(out.cpu().view(torch.uint8), x.cpu().reshape(-1).view(torch.uint8))
+
+
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or not triton_kernels.available(),
     reason="set TRITON_INTERPRET=1 with triton installed to run the kernels on CPU",
@@ -299,6 +309,8 @@ def test_one_read_kernel_in_interpreter_matches_reference() -> None:
         _check_one_read("cpu", data((6, 100), dtype), 3)
     _check_one_read("cpu", data((12, 40), torch.bfloat16)[:, 2:38], 2)  # rows apart
     _check_one_read("cpu", data((96,), torch.bfloat16), 3)  # flat pieces, as a segment's
+    for x in (data((6, 100), torch.float16), data((12, 40), torch.float32)[:, 2:38]):
+        _check_copy_amax("cpu", x)  # the sender's pack: a copy that folds the amax
     with pytest.raises(ValueError, match="int32 bits of one element"):
         triton_kernels.nvfp4_quantize_into(
             torch.zeros(2, 16), *_buffers((2, 16)), amax=torch.zeros(1, dtype=torch.int64)
@@ -314,6 +326,8 @@ def test_kernel_bit_identical_to_reference_on_gpu() -> None:
     _check_kernel("cuda", shapes, DTYPES)
     for dtype in DTYPES:  # the amax of pieces, then the one-read quantization
         _check_one_read("cuda", data((129, 258), dtype), 5)
+        _check_copy_amax("cuda", data((129, 258), dtype))
+    _check_copy_amax("cuda", data((40, 300), torch.bfloat16)[:, 20:260])
     # a strided source region lands in persistent buffers in place
     x = torch.randn(6, 300, 64, dtype=torch.bfloat16, device="cuda")[:, 100:220]
     bufs = [b.cuda() for b in _buffers(tuple(x.shape))]

@@ -9,7 +9,9 @@
     refitd.formats' quantizer of the expected tensor (and to the CPU torch reference on a
     slice);
 (b') nvfp4: the receiver-side NVFP4 refit of (b) (the trainer holds whole tensors: NVFP4
-    is landed whole), and the Triton NVFP4 quantizer alone vs the copy bandwidth;
+    is landed whole), the same with snapshot release (the capture folds each source's
+    amax as it copies it, so the quantization reads the snapshot once), and the Triton
+    NVFP4 quantizer alone vs the copy bandwidth;
 (c) staged: the refit of (a) into a staged pool (staging buffers in the transfer process,
     then applied in place), each refit timed with and without --verify-checksums style
     verification (verify_cost = verified / unverified, target <= 1.3); (a) reports its
@@ -120,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
                 _gib(args.quant_gib), args.device, "nvfp4", max(2, args.refits), args.timeout
             )
         )
+        out["ipc_nvfp4_snapshot"] = _attempt(
+            lambda: gpu_checks.ipc_refit(
+                _gib(args.quant_gib), args.device, "nvfp4", max(2, args.refits), args.timeout,
+                snapshot=True,
+            )
+        )  # fmt: skip
         if cuda:
             out["nvfp4_kernel"] = _attempt(_nvfp4_kernel)
     if "staged" in parts:
@@ -189,7 +197,8 @@ def _print_table(out: dict) -> bool:
     print(f"refitd bench gpu on {out['device']} (torch {out['torch']})")
     print(f"{'part':22} {'GB':>7} {'ms':>9} {'GB/s':>8} {'ref':>8} {'ratio':>6}  checks")
     for key in (
-        "ipc", "ipc_mxfp8", "ipc_fp8_block", "ipc_nvfp4", "staged", "small", "snapshot", "nccl"
+        "ipc", "ipc_mxfp8", "ipc_fp8_block", "ipc_nvfp4", "ipc_nvfp4_snapshot", "staged",
+        "small", "snapshot", "nccl",
     ):  # fmt: skip
         r = out.get(key)
         if r is None:

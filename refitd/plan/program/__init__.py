@@ -40,6 +40,7 @@ from refitd.plan.program.checks import check_program
 from refitd.plan.program.codec import PROGRAM_FORMAT_VERSION, decode_program, encode_program
 from refitd.plan.program.columns import (
     DTYPES,
+    FLAG_AMAX_WORD,
     FLAG_DST_PLAIN,
     FLAG_LANDS_DIRECT,
     FLAG_SRC_CONTIGUOUS,
@@ -59,6 +60,7 @@ from refitd.plan.program.objects import message_nbytes, program_from_objects
 
 __all__ = [
     "DTYPES",
+    "FLAG_AMAX_WORD",
     "FLAG_DST_PLAIN",
     "FLAG_LANDS_DIRECT",
     "FLAG_SRC_CONTIGUOUS",

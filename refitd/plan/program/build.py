@@ -28,6 +28,7 @@ from refitd.plan.program.columns import (
 from refitd.plan.rowwise import row_max, row_prod
 from refitd.plan.sides import sort_by
 from refitd.plan.table import SpecTable
+from refitd.plan.wire import NVFP4
 
 
 def concat_ranges(start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -151,6 +152,7 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
         t.dtype[src],
         t.dtype[dst],
         t.storage[dst] == 0,
+        t.storage[dst] == STORAGES.index(NVFP4),
         shape,
         np.take(t.local_shape, src, axis=0),
         np.take(t.local_shape, dst, axis=0),

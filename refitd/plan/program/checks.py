@@ -11,7 +11,14 @@ from collections.abc import Callable
 import numpy as np
 
 from refitd.plan.links import PATHS
-from refitd.plan.program.columns import DTYPES, STORAGES, ProgramError, SlotProgram, TensorColumns
+from refitd.plan.program.columns import (
+    DTYPES,
+    FLAG_BITS,
+    STORAGES,
+    ProgramError,
+    SlotProgram,
+    TensorColumns,
+)
 from refitd.plan.wire import BUILTIN_WIRES, DTYPE_SIZES, WireRegistry
 
 _ESIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], np.int64)
@@ -40,7 +47,7 @@ def check_program(
         col = getattr(c, name)
         if col.size and int(col.max()) >= n:
             raise fail(f"copies.{name}", f"unknown code {int(col.max())}")
-    if c.flags.size and int(c.flags.max()) >= 8:
+    if c.flags.size and int(c.flags.max()) >= FLAG_BITS:
         raise fail("copies.flags", f"unknown bits {int(c.flags.max())}")
     if (c.src_off < 0).any() or (c.dst_off < 0).any() or (c.shape < 0).any():
         raise fail("copies.shape", "negative offset or shape")

@@ -22,6 +22,8 @@ DTYPES = tuple(DTYPE_SIZES)  # dtype code -> name
 FLAG_LANDS_DIRECT = 1  # raw wire into a plain destination of the source dtype, one run
 FLAG_SRC_CONTIGUOUS = 2  # the source block is one run of its tensor
 FLAG_DST_PLAIN = 4  # the destination keeps plain storage
+FLAG_AMAX_WORD = 8  # raw wire into NVFP4 storage: a whole segment's chunk carries its amax
+FLAG_BITS = 16  # every flag is below this
 
 
 class ProgramError(ValueError):
@@ -267,6 +269,7 @@ def copy_flags(
     src_dtype: np.ndarray,
     dst_dtype: np.ndarray,
     dst_plain: np.ndarray,
+    dst_nvfp4: np.ndarray,
     shape: np.ndarray,
     src_full: np.ndarray,
     dst_full: np.ndarray,
@@ -279,4 +282,5 @@ def copy_flags(
     flags = np.where(lands, FLAG_LANDS_DIRECT, 0)
     flags |= np.where(contiguous_blocks(shape, src_full, nd), FLAG_SRC_CONTIGUOUS, 0)
     flags |= np.where(dst_plain, FLAG_DST_PLAIN, 0)
+    flags |= np.where((wire == 0) & dst_nvfp4, FLAG_AMAX_WORD, 0)
     return flags.astype(np.uint8)

@@ -25,7 +25,7 @@ from refitd.plan.program.columns import (
     TensorColumns,
     copy_flags,
 )
-from refitd.plan.wire import PLAIN, segment_nbytes
+from refitd.plan.wire import NVFP4, PLAIN, segment_nbytes
 
 
 def program_from_objects(
@@ -100,6 +100,7 @@ class _ObjectColumns:
                 src_dt,
                 dst_dt,
                 arr([spec(c.dst_tensor).storage == PLAIN for c in copies], bool),
+                arr([spec(c.dst_tensor).storage == NVFP4 for c in copies], bool),
                 shape,
                 mat([pad(tuple(spec(c.src_tensor).local_shape), 1) for c in copies]),
                 mat([pad(tuple(spec(c.dst_tensor).local_shape), 1) for c in copies]),
