@@ -87,6 +87,30 @@ class _Window:
             self._cond.notify_all()
 
 
+class _Packs:
+    """A sender's buffers for packed chunks (power-of-two sizes), reused once their writes
+    landed; all held until the pool goes (a write that failed may still read its buffer)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._all: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        size = max(1 << 16, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            buf = torch.empty(size, dtype=torch.uint8)
+            self._all.append(buf)
+            return buf
+
+    def put(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append(buf)
+
+
 @dataclass
 class OneSidedLinks:
     """One-sided paths of one loaded plan in one transfer process (see the module doc)."""
@@ -96,6 +120,8 @@ class OneSidedLinks:
     recv: dict[int, tuple[Doorbell, int]] = field(default_factory=dict)
     # message id -> the landing area its packed chunks arrive in (received, see `OneSided`)
     landing: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the sends' packed chunks (kept until the peers, which hold them registered, close)
+    packs: _Packs = field(default_factory=_Packs)
 
     def stale(self) -> list[int]:
         """Destination slots whose doorbell no longer shows the descriptor's generation
@@ -115,6 +141,7 @@ class OneSidedLinks:
         for peer, _ in self.peers.values():
             peer.close()
         self.peers.clear()
+        self.packs = _Packs()
 
 
 def one_sided_messages(p: SlotProgram) -> tuple[frozenset[int], frozenset[int]]:
@@ -143,26 +170,6 @@ class _BellWork:
                 self.scatter()
             except Exception as e:
                 raise ExecutionError(f"{self.what}: scattering its landed chunk failed: {e}") from e
-
-
-class _Packs:
-    """A sender's buffers for packed chunks, reused once their writes landed (a buffer
-    whose write failed is never reused: the engine may still read it)."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        size = max(1 << 16, 1 << (nbytes - 1).bit_length())
-        with self._lock:
-            free = self._free.get(size)
-            buf = free.pop() if free else None
-        return buf if buf is not None else torch.empty(size, dtype=torch.uint8)
-
-    def put(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault(buf.numel(), []).append(buf)
 
 
 class _Landing:
@@ -252,7 +259,6 @@ class OneSided:
         self.devices: set[torch.device] = set()  # of the destinations the sends write
         self.send, self.recv = one_sided_messages(program)
         self.window = _Window()
-        self.packs = _Packs()
         self.data: SlotViews | None = None  # set by `bind`
         self._at = np.zeros(0, np.int64)
         missing = sorted({int(s) for s, m in zip(program.send.dst_slot, program.send.id,
@@ -359,8 +365,8 @@ class OneSided:
             window.take(ch, refit, flush)
         packed = None
         if lands:  # one write of the chunk packed; the destination scatters it
-            buf = self.packs.get(ch.nbytes)
-            packed = (self.packs, buf)
+            buf = self.links.packs.get(ch.nbytes)
+            packed = (self.links.packs, buf)
             data.pack(ch, buf[: ch.nbytes], None)
             posted = peer.land(ch.mid, self._landing_at(ch), buf[: ch.nbytes], deadline)
         else:
