@@ -87,6 +87,30 @@ class _Window:
             self._cond.notify_all()
 
 
+class _Packs:
+    """A sender's buffers for packed chunks (power-of-two sizes), reused once their writes
+    landed; all held until the pool goes (a write that failed may still read its buffer)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._all: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        size = max(1 << 16, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            buf = torch.empty(size, dtype=torch.uint8)
+            self._all.append(buf)
+            return buf
+
+    def put(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append(buf)
+
+
 @dataclass
 class OneSidedLinks:
     """One-sided paths of one loaded plan in one transfer process (see the module doc)."""
@@ -94,6 +118,10 @@ class OneSidedLinks:
     peers: dict[int, tuple[Peer, Descriptor]] = field(default_factory=dict)
     # message id -> (doorbell, entry): a slot has a doorbell per path kind it receives on
     recv: dict[int, tuple[Doorbell, int]] = field(default_factory=dict)
+    # message id -> the landing area its packed chunks arrive in (received, see `OneSided`)
+    landing: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the sends' packed chunks (kept until the peers, which hold them registered, close)
+    packs: _Packs = field(default_factory=_Packs)
 
     def stale(self) -> list[int]:
         """Destination slots whose doorbell no longer shows the descriptor's generation
@@ -113,6 +141,7 @@ class OneSidedLinks:
         for peer, _ in self.peers.values():
             peer.close()
         self.peers.clear()
+        self.packs = _Packs()
 
 
 def one_sided_messages(p: SlotProgram) -> tuple[frozenset[int], frozenset[int]]:
@@ -128,14 +157,19 @@ class _BellWork:
 
     def __init__(
         self, bell: Doorbell, entry: int, attempt: int, chunks: int, abort: threading.Event,
-        what: str,
+        what: str, scatter: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.bell, self.entry, self.attempt, self.chunks = bell, entry, attempt, chunks
-        self.abort, self.what = abort, what
+        self.abort, self.what, self.scatter = abort, what, scatter
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + max(timeout_s, 0.0)
         self.bell.wait(self.entry, self.attempt, self.chunks, deadline, self.abort, self.what)
+        if self.scatter is not None:  # a packed chunk: into place before anyone reads it
+            try:
+                self.scatter()
+            except Exception as e:
+                raise ExecutionError(f"{self.what}: scattering its landed chunk failed: {e}") from e
 
 
 class _Landing:
@@ -144,13 +178,15 @@ class _Landing:
 
     def __init__(
         self, slot: int, ch: Chunk, posted: Work, peer: Peer, desc: Descriptor, attempt: int,
-        window: _Window | None, ringer: Ringer,
+        window: _Window | None, ringer: Ringer, packed: tuple[_Packs, torch.Tensor] | None,
     ) -> None:  # fmt: skip
         self.slot, self.ch, self.posted, self.peer, self.desc = slot, ch, posted, peer, desc
-        self.attempt, self.window, self.ringer = attempt, window, ringer
+        self.attempt, self.window, self.ringer, self.packed = attempt, window, ringer, packed
 
     def wait(self, timeout_s: float) -> None:
         self.posted.wait(timeout_s)
+        if self.packed is not None:
+            self.packed[0].put(self.packed[1])
         if self.window is not None:
             self.window.landed(self.ch)
         self.ringer.put(self)
@@ -223,6 +259,8 @@ class OneSided:
         self.devices: set[torch.device] = set()  # of the destinations the sends write
         self.send, self.recv = one_sided_messages(program)
         self.window = _Window()
+        self.data: SlotViews | None = None  # set by `bind`
+        self._at = np.zeros(0, np.int64)
         missing = sorted({int(s) for s, m in zip(program.send.dst_slot, program.send.id,
                                                    strict=True)
                           if int(m) in self.send and int(s) not in self.links.peers})  # fmt: skip
@@ -241,6 +279,22 @@ class OneSided:
     @property
     def mids(self) -> frozenset[int]:
         return self.send | self.recv
+
+    def bind(self, data: SlotViews, seg_bytes: np.ndarray) -> None:
+        """The slot's views (a receiver scatters packed chunks with them) and each copy
+        row's wire offset in its message (`seg_bytes`: each row's wire bytes), where a
+        packed chunk's bytes sit in the message's landing area on both ends."""
+        self.data = data
+        before = np.cumsum(seg_bytes) - seg_bytes
+        self._at = np.zeros(len(seg_bytes), np.int64)
+        for m in (self.p.send, self.p.recv):
+            for a, b in zip(m.start.tolist(), m.end.tolist(), strict=True):
+                if b > a:
+                    self._at[a:b] = before[a:b] - before[a]
+
+    def _landing_at(self, ch: Chunk) -> int:
+        """Where a packed chunk's bytes start in its message's landing area."""
+        return int(self._at[ch.rows[0]]) + ch.seg_start
 
     def remote_tensors(self) -> dict[int, ResolvedTensor]:
         """The destination tensors of the one-sided sends, mapped from their peers and
@@ -301,9 +355,22 @@ class OneSided:
             for i in ch.rows:
                 if data.plain_raw_dst(i):
                     sums[(ch.mid, i)] = data.source_sum(i)
+        lands = peer.lands(ch.mid)
+        if lands and w.slow:
+            raise ExecutionError(
+                f"message {ch.mid} to slot {ch.dst_slot}: its destination lands it packed, but "
+                f"copy {w.slow[0][0]} is no raw copy into plain storage"
+            )
         if window is not None:  # the chunk is prepared while earlier ones are in flight
             window.take(ch, refit, flush)
-        posted = peer.post(w.dst, w.src, deadline)
+        packed = None
+        if lands:  # one write of the chunk packed; the destination scatters it
+            buf = self.links.packs.get(ch.nbytes)
+            packed = (self.links.packs, buf)
+            data.pack(ch, buf[: ch.nbytes], None)
+            posted = peer.land(ch.mid, self._landing_at(ch), buf[: ch.nbytes], deadline)
+        else:
+            posted = peer.post(w.dst, w.src, deadline)
         for i, _ in w.slow:
             if ch.seg_start:
                 continue  # a coded copy lands whole with its first chunk
@@ -314,12 +381,19 @@ class OneSided:
         for dev in self.devices | {device}:  # the copies and landings are queued there
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
-        return _Landing(self.p.slot, ch, posted, peer, desc, attempt, window, refit.ringer)
+        return _Landing(self.p.slot, ch, posted, peer, desc, attempt, window, refit.ringer, packed)
 
     def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> _BellWork:
-        """The wait of one receive chunk."""
+        """The wait of one receive chunk (a packed one: then scattered into place)."""
         bell, entry = self.links.recv[ch.mid]
-        return _BellWork(bell, entry, attempt, ch.index + 1, abort, what)
+        area, scatter = self.links.landing.get(ch.mid), None
+        if area is not None:
+            data, at = self.data, self._landing_at(ch)
+            if data is None or at + ch.nbytes > area.numel():
+                raise ExecutionError(f"{what}: its landing area does not hold the chunk")
+            piece = area[at : at + ch.nbytes]
+            scatter = lambda: data.unpack(ch, piece, {}, None)  # noqa: E731
+        return _BellWork(bell, entry, attempt, ch.index + 1, abort, what, scatter)
 
 
 def _check_region(t: ResolvedTensor, c, i: int, index: int, what: str) -> None:

@@ -16,11 +16,14 @@ import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from refitd.executor.errors import ExecutionError
 from refitd.executor.onesided import OneSidedLinks
+from refitd.executor.segments import block
 from refitd.plan.links import COLLECTIVE, PATHS
 from refitd.plan.program import SlotProgram
+from refitd.plan.wire import PLAIN, RAW_CODE
 from refitd.transfer.mapped import MappedResolver
 from refitd.transport.doorbell import new_generation
 from refitd.transport.errors import TransportError
@@ -32,6 +35,11 @@ from refitd.transport.paths import (
     OneSidedPath,
     PathSettings,
 )
+
+# a message whose strided destination regions average runs below this many bytes lands
+# packed on a path that `packs`: below the engine's 64 KiB per system call, a run's own
+# request costs more than its bytes on the wire
+LANDING_RUN_BYTES = 64 << 10
 
 # path kind -> "module:class" of its OneSidedPath (imported when a plan first uses it)
 PATH_KINDS = {
@@ -77,6 +85,42 @@ def _by_kind(program: SlotProgram, side: str) -> dict[str, list[int]]:
     return out
 
 
+def _run_bytes(v: torch.Tensor) -> int:
+    """Bytes of the innermost contiguous run of a view (its whole size when contiguous)."""
+    run = 1
+    for n, st in zip(reversed(v.shape), reversed(v.stride()), strict=True):
+        if n == 1:
+            continue
+        if st != run:
+            break
+        run *= n
+    return run * v.element_size()
+
+
+def landing_sizes(
+    program: SlotProgram, rows: list[int], tensors: dict[int, Exposed]
+) -> dict[int, int]:
+    """Message id -> landing bytes (its wire bytes) of the received messages `rows` that
+    land packed: raw copies into plain storage whose strided destination regions average
+    runs shorter than LANDING_RUN_BYTES (one request per run otherwise)."""
+    c, r, out = program.copies, program.recv, {}
+    for k in rows:
+        strided = runs = 0
+        for i in range(int(r.start[k]), int(r.end[k])):
+            t = tensors[int(c.dst[i])]
+            if int(c.wire[i]) != RAW_CODE or t.storage != PLAIN:
+                break
+            nd = int(c.ndim[i])
+            v = block(t.data, tuple(c.dst_off[i, :nd].tolist()), tuple(c.shape[i, :nd].tolist()))
+            nbytes, run = v.numel() * v.element_size(), _run_bytes(v)
+            if nbytes > run:
+                strided, runs = strided + nbytes, runs + nbytes // run
+        else:
+            if runs > 1 and strided < runs * LANDING_RUN_BYTES:
+                out[int(r.id[k])] = int(r.nbytes[k])
+    return out
+
+
 def expose(
     links: Links | None, program: SlotProgram, resolver: MappedResolver, raw: dict[int, bytes]
 ) -> Exposures:
@@ -105,7 +149,9 @@ def expose(
                     raise ExecutionError(f"slot {program.slot}: no memory handle of tensor {i}")
                 tensors[i] = Exposed(t.data, t.scales, t.storage, handle, t.global_scale)
             gen = new_generation()
-            exposure = links.path(kind).expose(tensors, len(mids), gen)
+            path = links.path(kind)
+            landing = landing_sizes(program, rows, tensors) if path.packs else None
+            exposure = path.expose(tensors, len(mids), gen, landing=landing)
             d = Descriptor(kind, links.epoch, program.digest, program.slot, gen, mids,
                            exposure.body)  # fmt: skip
             out.by_kind[kind] = (exposure, d)
@@ -130,6 +176,7 @@ def attach(links: Links | None, program: SlotProgram, exposures: Exposures) -> O
     out = OneSidedLinks()
     for exposure, d in exposures.by_kind.values():  # a doorbell per path kind received on
         out.recv.update({m: (exposure.doorbell, k) for m, k in d.entry.items()})
+        out.landing.update(exposure.landing_areas())
     sends = _by_kind(program, "send")
     if not sends:
         return out

@@ -126,7 +126,11 @@ class MappedPeer(Peer):
 class MappedPath(OneSidedPath):
     kind = "mapped"
 
-    def expose(self, tensors: dict[int, Exposed], entries: int, generation: int) -> Exposure:
+    def expose(
+        self, tensors: dict[int, Exposed], entries: int, generation: int,
+        landing: dict[int, int] | None = None,
+    ) -> Exposure:  # fmt: skip
+        """Mapped writes land strided regions in place (`packs` is off: no landing)."""
         bell = ShmDoorbell.create(entries, generation)
         body = msgpack.packb(
             {

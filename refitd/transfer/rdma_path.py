@@ -97,6 +97,18 @@ def _runs(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[list[
     return offs, run
 
 
+def _landing_areas(sizes: dict[int, int]) -> dict[int, torch.Tensor]:
+    """One buffer holding a landing area per message (16-byte aligned), as views of it."""
+    at, offs = 0, {}
+    for mid, n in sizes.items():
+        offs[mid] = (at, n)
+        at += -(-n // 16) * 16
+    if not at:
+        return {}
+    whole = torch.empty(at, dtype=torch.uint8)
+    return {mid: whole[a : a + n] for mid, (a, n) in offs.items()}
+
+
 def _left(deadline: float) -> float:
     """Seconds to a monotonic deadline, at least a moment (a write's last chance)."""
     return max(deadline - time.monotonic(), 0.05)
@@ -108,10 +120,15 @@ def _one(local: int, remote: int, nbytes: int) -> Runs:
 
 class RdmaExposure(Exposure):
     def __init__(
-        self, body: bytes, doorbell: Doorbell, endpoint: MooncakeEndpoint, held, path: RdmaPath
-    ) -> None:
+        self, body: bytes, doorbell: Doorbell, endpoint: MooncakeEndpoint, held, path: RdmaPath,
+        landing: dict[int, torch.Tensor],
+    ) -> None:  # fmt: skip
         self.body, self.doorbell, self.endpoint, self._held = body, doorbell, endpoint, held
         self._path: RdmaPath | None = path
+        self._landing = landing
+
+    def landing_areas(self) -> dict[int, torch.Tensor]:
+        return self._landing
 
     def close(self) -> None:
         self.doorbell.retire()
@@ -119,6 +136,7 @@ class RdmaExposure(Exposure):
             self._path.recycle(self.endpoint)
             self._path = None
         self._held = []
+        self._landing = {}
 
 
 class RdmaPeer(Peer):
@@ -127,10 +145,11 @@ class RdmaPeer(Peer):
     in_flight = True
 
     def __init__(
-        self, path: RdmaPath, peer: MooncakePeer, bell: int, tensors: dict[int, Any], what: str
-    ) -> None:
+        self, path: RdmaPath, peer: MooncakePeer, bell: int, tensors: dict[int, Any], what: str,
+        landing: dict[int, tuple[int, int]],
+    ) -> None:  # fmt: skip
         self.path, self.peer, self.bell, self.what = path, peer, bell, what
-        self._specs = tensors
+        self._specs, self._landing = tensors, landing
         self._tensors: dict[int, RemoteTensor] = {}
         self._mirrors: dict[int, tuple[int, int]] = {}  # storage -> (mirror, remote) address
         self._registered: set[int] = set()  # storages this peer holds registered
@@ -195,6 +214,21 @@ class RdmaPeer(Peer):
             return DoneWork()
         runs = tuple(np.concatenate(col) for col in zip(*parts, strict=True))
         return self._post(runs, deadline)  # type: ignore[arg-type]
+
+    def lands(self, mid: int) -> bool:
+        return mid in self._landing
+
+    def land(self, mid: int, at: int, buf: torch.Tensor, deadline: float) -> Work:
+        """One write of a packed chunk (contiguous `buf`) into the message's landing area."""
+        base, size = self._landing.get(mid, (0, 0))
+        n = buf.numel() * buf.element_size()
+        if not (buf.is_contiguous() and at >= 0 and at + n <= size):
+            raise TransportError(
+                f"{self.what}: message {mid}: a packed chunk of {n} bytes at {at} does not fit "
+                f"its landing area ({size} bytes)"
+            )
+        self._register(buf)
+        return self._post(_one(buf.data_ptr(), base + at, n), deadline)
 
     def write(self, dst: list[torch.Tensor], src: list[torch.Tensor], deadline: float) -> None:
         self.post(dst, src, deadline).wait(_left(deadline))
@@ -287,6 +321,7 @@ class RdmaPath(OneSidedPath):
     shared by its peers (sender), whose registrations are counted per storage."""
 
     kind = "rdma"
+    packs = True
 
     def __init__(self, settings: PathSettings | None = None) -> None:
         super().__init__(settings)
@@ -300,12 +335,16 @@ class RdmaPath(OneSidedPath):
         s = self.settings
         return MooncakeOptions(protocol=s.rdma_protocol, devices=s.rdma_devices, host=s.host)
 
-    def expose(self, tensors: dict[int, Exposed], entries: int, generation: int) -> Exposure:
+    def expose(
+        self, tensors: dict[int, Exposed], entries: int, generation: int,
+        landing: dict[int, int] | None = None,
+    ) -> Exposure:  # fmt: skip
         words = torch.zeros(HEADER_WORDS + entries, dtype=torch.int64)
         bell = Doorbell(words.numpy())
         bell.init(generation, entries)
         parts = [p for t in tensors.values() for p in (t.data, t.scales, t.global_scale)]
-        held = _outermost([words, *(p for p in parts if p is not None)])
+        areas = _landing_areas(landing or {})
+        held = _outermost([words, *areas.values(), *(p for p in parts if p is not None)])
         with self._lock:
             spare = self._spare.pop() if self._spare else None
         endpoint = spare or MooncakeEndpoint(self.settings.slot, self.options())
@@ -315,14 +354,16 @@ class RdmaPath(OneSidedPath):
                 int(i): [t.storage, [_spec(p) for p in (t.data, t.scales, t.global_scale)]]
                 for i, t in tensors.items()
             }
+            lands = {m: [a.data_ptr(), a.numel()] for m, a in areas.items()}
             body = msgpack.packb(
-                {"segment": endpoint.descriptor(), "doorbell": words.data_ptr(), "tensors": specs},
+                {"segment": endpoint.descriptor(), "doorbell": words.data_ptr(), "tensors": specs,
+                 "landing": lands},
                 use_bin_type=True,
-            )
+            )  # fmt: skip
         except BaseException:
             self.recycle(endpoint)
             raise
-        return RdmaExposure(body, bell, endpoint, held, self)
+        return RdmaExposure(body, bell, endpoint, held, self, areas)
 
     def recycle(self, endpoint: MooncakeEndpoint) -> None:
         """A closed exposure's endpoint: its registration dropped (descriptors of it are
@@ -341,6 +382,7 @@ class RdmaPath(OneSidedPath):
             d = msgpack.unpackb(body, raw=False, strict_map_key=False)
             segment, bell = bytes(d["segment"]), int(d["doorbell"])
             tensors = {int(i): (str(s), p) for i, (s, p) in d["tensors"].items()}
+            landing = {int(m): (int(a), int(n)) for m, (a, n) in d.get("landing", {}).items()}
         except Exception as e:
             raise TransportError(f"{what}: malformed rdma descriptor ({e})") from None
         try:
@@ -349,7 +391,13 @@ class RdmaPath(OneSidedPath):
             raise TransportError(f"{what}: descriptor refused: {e}") from None
         if not peer.covers(bell, 8 * HEADER_WORDS):
             raise TransportError(f"{what}: its doorbell is outside the memory it registered")
-        return RdmaPeer(self, peer, bell, tensors, what)
+        outside = [m for m, (a, n) in landing.items() if not peer.covers(a, n)]
+        if outside:
+            raise TransportError(
+                f"{what}: the landing areas of messages {sorted(outside)[:4]} are outside the "
+                "memory it registered"
+            )
+        return RdmaPeer(self, peer, bell, tensors, what, landing)
 
     def _endpoint(self) -> MooncakeEndpoint:
         with self._lock:

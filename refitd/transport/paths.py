@@ -89,6 +89,11 @@ class Exposure(abc.ABC):
     def close(self) -> None:
         """Retire the doorbell (senders holding this descriptor refuse it) and release."""
 
+    def landing_areas(self) -> dict[int, torch.Tensor]:
+        """Message id -> the landing area its packed chunks arrive in (see `OneSidedPath.
+        packs`); the receiver scatters each chunk from there once its doorbell shows it."""
+        return {}
+
 
 class Peer(abc.ABC):
     """A destination slot's exposed memory as one sender reaches it."""
@@ -111,6 +116,15 @@ class Peer(abc.ABC):
         next chunk meanwhile."""
         self.write(dst, src, deadline)
         return DoneWork()
+
+    def lands(self, mid: int) -> bool:
+        """Whether message `mid` goes packed into a landing area of the destination's."""
+        return False
+
+    def land(self, mid: int, at: int, buf: torch.Tensor, deadline: float) -> Work:
+        """Start writing the packed bytes `buf` at offset `at` of message `mid`'s landing
+        area; the Work completes once they landed."""
+        raise TransportError(f"message {mid}: the destination exposed no landing area for it")
 
     def flush(self, views: list[torch.Tensor], deadline: float) -> None:  # noqa: B027
         """Views of `tensor()`s the sender wrote in place (a codec's landing) reach the
@@ -142,6 +156,9 @@ class OneSidedPath(abc.ABC):
     """One kind of one-sided path (see the module docstring)."""
 
     kind: str = ""
+    # the destination lands messages of short runs (strided regions) packed in a landing
+    # area and scatters them itself: a path whose writes cost per request (a remote one)
+    packs = False
 
     def __init__(self, settings: PathSettings | None = None) -> None:
         self.settings = settings or PathSettings()
@@ -150,9 +167,13 @@ class OneSidedPath(abc.ABC):
         """Release what the path holds for the transfer process (engines, registrations)."""
 
     @abc.abstractmethod
-    def expose(self, tensors: dict[int, Exposed], entries: int, generation: int) -> Exposure:
+    def expose(
+        self, tensors: dict[int, Exposed], entries: int, generation: int,
+        landing: dict[int, int] | None = None,
+    ) -> Exposure:  # fmt: skip
         """Destination side, once per program load: `tensors` reachable, a doorbell of
-        `entries` words with `generation`."""
+        `entries` words with `generation`, and (a path that `packs`) a landing area of
+        `landing[mid]` bytes per message that lands packed."""
 
     @abc.abstractmethod
     def attach(self, body: bytes, what: str) -> Peer:

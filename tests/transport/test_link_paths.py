@@ -330,3 +330,48 @@ def test_rdma_memory_the_destination_never_registered_is_refused() -> None:
         assert p.landed()
     finally:
         p.h.close()
+
+
+@needs_rdma
+def test_rdma_strided_destinations_land_packed_and_scatter_bit_for_bit() -> None:
+    """tp=2 -> tp=1 of a row-parallel weight: each source's region in the destination is a
+    short run per row, so a destination exposes a landing area for those messages (one
+    write per chunk rather than one per row) and scatters every chunk into place before
+    its checksums and its relay read it (slot 2 forwards slot 1's half to the replica on
+    slot 0, which lands packed too): bit for bit, twice."""
+    import msgpack
+
+    shape = (64, 512)  # bf16 rows of 512 bytes per source rank: far below a landing run
+    src = [make_spec(model="m", pool="t", rank=r, slot=r, name="w", global_shape=shape,
+                     dtype="bfloat16", layout=megatron_layout(shape, tp_rank=r, tp_size=2,
+                                                              partition_dim=1))
+           for r in range(2)]  # fmt: skip
+    dst = [make_spec(model="m", pool=pool, rank=0, slot=slot, name="w", global_shape=shape,
+                     dtype="bfloat16", layout=megatron_layout(shape))
+           for pool, slot in (("i", 2), ("j", 0))]  # fmt: skip
+    plan = build_plan("m", 1, src, dst, PlanConfig(1 << 20, relay=True,
+                                                   links=_policy("rdma", [0, 1, 2])))  # fmt: skip
+    g = torch.randn(shape).to(torch.bfloat16)
+    tensors = [g[:, r * 256 : (r + 1) * 256].clone() for r in range(2)]
+    tensors += [torch.zeros(shape, dtype=torch.bfloat16) for _ in dst]
+    h = Slots([0, 1, 2])
+    try:
+        h.register(src + dst, tensors)
+        h.connect()
+        h.load(plan, chunk=4096)  # several chunks per message: each at its own offset
+        info = ConnectInfo(1, "127.0.0.1", h.store.port, 0, 3, 10.0)
+        store = dist.PrefixStore(epoch_prefix(info), h.store)
+        for slot in (2, 0):
+            raw = store.get(descriptor_key("rdma", plan.digest, slot))
+            body = msgpack.unpackb(Descriptor.from_bytes(raw, "test").body, raw=False,
+                                   strict_map_key=False)  # fmt: skip
+            received = {int(m) for m in plan.program(slot).recv.id.tolist()}
+            assert received and {int(m) for m in body.get("landing", {})} == received
+        for refit_id in (51, 52):
+            for t in tensors[2:]:
+                t.zero_()
+            assert checksum_mismatch(plan, h.execute(plan, refit_id)) is None
+            for t in tensors[2:]:
+                assert torch.equal(t, g)
+    finally:
+        h.close()
