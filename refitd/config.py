@@ -79,6 +79,10 @@ class Settings(BaseSettings):
         description="RDMA devices of the rdma path ('mlx5_0,mlx5_1'; default: every device "
         "under /sys/class/infiniband)",
     )
+    rdma_landing_bytes: int = Field(
+        SLOT.rdma_landing_bytes, ge=0, description="cap on a destination slot's host memory "
+        "for landing short-row messages of the rdma path packed (the rest land row by row)",
+    )  # fmt: skip
     # --- embedded agent / slots
     cpu_slots: int = Field(2, ge=0, description="CPU device slots of the embedded local agent")
     devices: Annotated[list[str], NoDecode] = Field(

@@ -39,6 +39,7 @@ class SlotOptions:
     snapshot_bytes: int = 2048 * MiB  # cap on the snapshot of the slot's sources
     rdma_protocol: str = "tcp"  # the rdma path's protocol (refitd.transfer.rdma_path)
     rdma_devices: tuple[str, ...] = ()  # its RDMA devices (empty: every one found)
+    rdma_landing_bytes: int = 1024 * MiB  # cap on a slot's landing areas of packed messages
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SlotOptions:
@@ -51,6 +52,7 @@ class SlotOptions:
             snapshot_bytes=settings.snapshot_bytes,
             rdma_protocol=settings.rdma_protocol,
             rdma_devices=tuple(settings.rdma_devices),
+            rdma_landing_bytes=settings.rdma_landing_bytes,
         )
 
 
@@ -257,6 +259,7 @@ class Connect(SlotCommand[Connected]):
     data_plane_interface: str = ""
     rdma_protocol: str = "tcp"  # the agent's settings of the rdma path
     rdma_devices: tuple[str, ...] = ()
+    rdma_landing_bytes: int = DEFAULTS.rdma_landing_bytes
 
     def wait_s(self, options: SlotOptions) -> float:
         return self.timeout_s + REPLY_MARGIN_S

@@ -21,6 +21,7 @@ AGENT_FIELDS = [
     "rdma_protocol",
     "rdma_devices",
     "rdma_auto",
+    "rdma_landing_bytes",
     "cpu_slots",
     "rpc_timeout_s",
     "connect_timeout_s",

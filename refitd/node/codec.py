@@ -114,6 +114,7 @@ def _connect(c: pb.ConnectCommand, ctx: SlotContext) -> Connect:
         data_plane_interface=ctx.data_plane_interface,
         rdma_protocol=ctx.options.rdma_protocol,
         rdma_devices=ctx.options.rdma_devices,
+        rdma_landing_bytes=ctx.options.rdma_landing_bytes,
     )
 
 

@@ -98,12 +98,13 @@ def _run_bytes(v: torch.Tensor) -> int:
 
 
 def landing_sizes(
-    program: SlotProgram, rows: list[int], tensors: dict[int, Exposed]
+    program: SlotProgram, rows: list[int], tensors: dict[int, Exposed], cap: int
 ) -> dict[int, int]:
     """Message id -> landing bytes (its wire bytes) of the received messages `rows` that
     land packed: raw copies into plain storage whose strided destination regions average
-    runs shorter than LANDING_RUN_BYTES (one request per run otherwise)."""
-    c, r, out = program.copies, program.recv, {}
+    runs shorter than LANDING_RUN_BYTES (one request per run otherwise), in order while
+    their landing areas together stay within `cap` bytes."""
+    c, r, out, held = program.copies, program.recv, {}, 0
     for k in rows:
         strided = runs = 0
         for i in range(int(r.start[k]), int(r.end[k])):
@@ -116,8 +117,10 @@ def landing_sizes(
             if nbytes > run:
                 strided, runs = strided + nbytes, runs + nbytes // run
         else:
-            if runs > 1 and strided < runs * LANDING_RUN_BYTES:
-                out[int(r.id[k])] = int(r.nbytes[k])
+            n = int(r.nbytes[k])
+            if runs > 1 and strided < runs * LANDING_RUN_BYTES and held + n <= cap:
+                out[int(r.id[k])] = n
+                held += n
     return out
 
 
@@ -150,7 +153,8 @@ def expose(
                 tensors[i] = Exposed(t.data, t.scales, t.storage, handle, t.global_scale)
             gen = new_generation()
             path = links.path(kind)
-            landing = landing_sizes(program, rows, tensors) if path.packs else None
+            cap = path.settings.rdma_landing_bytes
+            landing = landing_sizes(program, rows, tensors, cap) if path.packs else None
             exposure = path.expose(tensors, len(mids), gen, landing=landing)
             d = Descriptor(kind, links.epoch, program.digest, program.slot, gen, mids,
                            exposure.body)  # fmt: skip

@@ -164,6 +164,7 @@ class TransferSlot:
                 host=cmd.data_plane_address or "127.0.0.1",
                 rdma_protocol=cmd.rdma_protocol,
                 rdma_devices=tuple(cmd.rdma_devices),
+                rdma_landing_bytes=cmd.rdma_landing_bytes,
             )
             for key in [k for k in self.paths if k[1] != settings]:
                 self.paths.pop(key).close()  # the agent's data plane or protocol changed

@@ -53,6 +53,7 @@ class PathSettings:
     host: str = "127.0.0.1"
     rdma_protocol: str = "tcp"
     rdma_devices: tuple[str, ...] = ()
+    rdma_landing_bytes: int = 1 << 30  # cap on a destination's landing areas (packed writes)
 
 
 @dataclass(frozen=True, slots=True)

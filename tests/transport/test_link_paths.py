@@ -18,18 +18,21 @@ from hypothesis import strategies as st
 from refitd.memory.arena import SharedTensorArena
 from refitd.plan.layouts import make_spec, megatron_layout
 from refitd.plan.links import LinkPolicy, SlotSite
+from refitd.plan.plan import Plan
 from refitd.plan.planner import PlanConfig, build_plan
 from refitd.plan.wire import (
     MXFP8,
     NVFP4,
+    PLAIN,
     mxfp8_scale_shape,
     nvfp4_data_shape,
     nvfp4_scale_shape,
 )
+from refitd.transfer.links import landing_sizes
 from refitd.transport.base import ConnectInfo
 from refitd.transport.gloo import epoch_prefix
 from refitd.transport.mooncake_env import mooncake_unavailable_reason
-from refitd.transport.paths import Descriptor, descriptor_key
+from refitd.transport.paths import Descriptor, Exposed, descriptor_key
 
 RDMA_REASON = mooncake_unavailable_reason()
 needs_rdma = pytest.mark.skipif(RDMA_REASON is not None, reason=f"rdma path: {RDMA_REASON}")
@@ -332,15 +335,9 @@ def test_rdma_memory_the_destination_never_registered_is_refused() -> None:
         p.h.close()
 
 
-@needs_rdma
-def test_rdma_strided_destinations_land_packed_and_scatter_bit_for_bit() -> None:
-    """tp=2 -> tp=1 of a row-parallel weight: each source's region in the destination is a
-    short run per row, so a destination exposes a landing area for those messages (one
-    write per chunk rather than one per row) and scatters every chunk into place before
-    its checksums and its relay read it (slot 2 forwards slot 1's half to the replica on
-    slot 0, which lands packed too): bit for bit, twice."""
-    import msgpack
-
+def _row_parallel_plan() -> tuple[tuple[int, int], list, list, Plan]:
+    """tp=2 -> two tp=1 replicas (slots 2 and 0) of a row-parallel bf16 weight, rdma links,
+    relays on: each source's region in a destination is a 512-byte run per row."""
     shape = (64, 512)  # bf16 rows of 512 bytes per source rank: far below a landing run
     src = [make_spec(model="m", pool="t", rank=r, slot=r, name="w", global_shape=shape,
                      dtype="bfloat16", layout=megatron_layout(shape, tp_rank=r, tp_size=2,
@@ -351,6 +348,34 @@ def test_rdma_strided_destinations_land_packed_and_scatter_bit_for_bit() -> None
            for pool, slot in (("i", 2), ("j", 0))]  # fmt: skip
     plan = build_plan("m", 1, src, dst, PlanConfig(1 << 20, relay=True,
                                                    links=_policy("rdma", [0, 1, 2])))  # fmt: skip
+    return shape, src, dst, plan
+
+
+def test_landing_areas_stay_within_their_cap() -> None:
+    """Messages of short rows land packed while their landing areas fit the slot's cap
+    (rdma_landing_bytes); past it they land row by row."""
+    shape, _, _, plan = _row_parallel_plan()
+    p = plan.program(2)
+    exposed = {i: Exposed(torch.zeros(shape, dtype=torch.bfloat16), None, PLAIN, b"")
+               for i in p.table.index.tolist()}  # fmt: skip
+    rows = list(range(len(p.recv)))
+    sizes = {int(m): int(n) for m, n in zip(p.recv.id, p.recv.nbytes, strict=True)}
+    assert len(sizes) == 2 and landing_sizes(p, rows, exposed, 1 << 30) == sizes
+    assert landing_sizes(p, rows, exposed, 0) == {}
+    first = min(sizes.values())
+    assert len(landing_sizes(p, rows, exposed, first)) == 1
+
+
+@needs_rdma
+def test_rdma_strided_destinations_land_packed_and_scatter_bit_for_bit() -> None:
+    """tp=2 -> tp=1 of a row-parallel weight: each source's region in the destination is a
+    short run per row, so a destination exposes a landing area for those messages (one
+    write per chunk rather than one per row) and scatters every chunk into place before
+    its checksums and its relay read it (slot 2 forwards slot 1's half to the replica on
+    slot 0, which lands packed too): bit for bit, twice."""
+    import msgpack
+
+    shape, src, dst, plan = _row_parallel_plan()
     g = torch.randn(shape).to(torch.bfloat16)
     tensors = [g[:, r * 256 : (r + 1) * 256].clone() for r in range(2)]
     tensors += [torch.zeros(shape, dtype=torch.bfloat16) for _ in dst]
