@@ -97,7 +97,7 @@ def _build(
     if digest is None:
         digest = fingerprint(model, sources, destinations, config)
     tensors = JoinedSpecs(sources, destinations)
-    table, slot_of = _copies(sources, destinations, tensors, config)
+    table, slot_of, stamped = _copies(sources, destinations, tensors, config)
     return Plan(
         model,
         epoch,
@@ -107,6 +107,7 @@ def _build(
         slot_of,
         config,
         sources_count=len(sources),
+        pools_stamped=stamped,
         tables=(sources, destinations),
     )
 
@@ -116,8 +117,9 @@ def _copies(
     destinations: SpecTable,
     tensors: Sequence[TensorSpec],
     config: PlanConfig,
-) -> tuple[CopyTable, np.ndarray]:
-    """(every copy of the plan, relays chosen; the slot of every plan tensor); `tensors`:
+) -> tuple[CopyTable, np.ndarray, int]:
+    """(every copy of the plan, relays chosen; the slot of every plan tensor; how many
+    destination pools were stamped from one plan, 0: none); `tensors`:
     the sides' specs in plan index order. Identical destination pools are planned once
     and stamped (stamp.py) unless relays within a pool would shed clearly less than
     relays across pools. The intersections and choices die here, before the Plan buckets
@@ -131,10 +133,10 @@ def _copies(
     if stamp is not None:
         stamped = _side_copies(src, dst, tensors, config, stamp)
         if stamped is not None:
-            return stamped
+            return (*stamped, stamp.pools)
     out = _side_copies(src, dst, tensors, config, None)
     assert out is not None
-    return out
+    return (*out, 0)
 
 
 def _side_copies(
