@@ -129,7 +129,7 @@ def _copies(
     dst = side_of(destinations, len(sources))
     stamp = None
     if config.stamp_pools and not config.relay_chain:
-        stamp = PoolStamp.of(destinations, dst, src.slot)
+        stamp = PoolStamp.of(destinations, dst, src.slot, config.stamp_min_specs)
     if stamp is not None:
         stamped = _side_copies(src, dst, tensors, config, stamp)
         if stamped is not None:
@@ -143,7 +143,7 @@ def _side_copies(
     src: Side, dst: Side, tensors: Sequence[TensorSpec], config: PlanConfig, stamp: PoolStamp | None
 ) -> tuple[CopyTable, np.ndarray] | None:
     """_copies of the whole destination side, or of its first pool stamped onto the
-    others (None: stamping would lose relays)."""
+    others (None: the stamped sources would send too much, PoolStamp.sheds_enough)."""
     n_src = dst.base
     first = dst if stamp is None else stamp.first_side(dst)
     group(src)
@@ -154,20 +154,21 @@ def _side_copies(
     cols, _ = choose_replicas(choices, intersector.slots.size)
     del choices
     table, group_of, relayable = _copy_table(batches, cols, n_src)
-    pool_sources = None if stamp is None else stamp.sources(batches, cols)
+    rotated = None
+    if stamp is not None and not config.relay:
+        rotated = stamp.sources(batches, cols)
     del batches, cols
     check_whole_tensors(table, first, config.wires)
     if config.relay and table.src.size:
-        if stamp is not None:
-            nbytes = config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
-            n_src_slots = np.unique(src.slot).size
-            if not stamp.keeps_relays(nbytes, group_of, relayable, n_src_slots, first.slot):
-                return None
         fan = 1 if stamp is None else stamp.pools
         _add_relays(intersector, table, group_of, relayable, n_src, fan)
+        if stamp is not None:
+            nbytes = config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+            if not stamp.sheds_enough(table, nbytes, first, src):
+                return None
     del group_of, relayable
-    if stamp is not None and pool_sources is not None:
-        table = stamp.stamp(table, pool_sources, n_src)
+    if stamp is not None:
+        table = stamp.stamp(table, n_src, rotated)
     check_blocks(table, tensors, config.wires)
     return table, np.concatenate([src.slot, dst.slot])
 

@@ -119,7 +119,9 @@ class BucketScheduler:
         if feeds is None:
             # a pair's copies largest first: next-fit then pairs the small ones up
             large = nb[rows]
-            order = sort_by(rs, rd, int(large.max(initial=0)) - large, table.dst[rows], shuffled=True)
+            order = sort_by(
+                rs, rd, int(large.max(initial=0)) - large, table.dst[rows], shuffled=True
+            )
         else:
             need = feeds.need_of(table.feed[rows], step)
             order = sort_by(rs, rd, need, table.dst[rows], shuffled=True)

@@ -3,11 +3,14 @@
 Inference pools often hold the same layout rank by rank (replicas of one serving
 configuration). The planner then intersects, chooses replicas and relays for the first
 pool only and repeats its copies for every other pool of the class: a pool's copy goes to
-the same position of its own rank, its source the candidate replica rotated by the pool's
-share of the replica set (so pools read different trainer replicas where there are
-several), its relay sender the same member of its own pool. Relays stay within a pool;
-the relay level counts every direct copy once per pool (relay.py's `fan`), so the sources
-shed as much as the pools can absorb.
+the same position of its own rank from the same source, its relay sender the same member
+of its own pool. The first pool's replica choice already spreads its reads over the source
+replicas, so every source slot sends its share once per pool: the plan's balance is the
+first pool's (without relays, each pool reads the replica rotated by its share of the
+replica set instead, which also spreads the few copies of a small tensor). Relays stay within a pool; the relay level counts every direct copy once per
+pool (relay.py's `fan`), so the sources shed as much as the pools can absorb. Where a pool
+holds too few replicas of its blocks for that (`sheds_enough`), the planner plans the
+whole side instead.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from refitd.plan.layout import TensorSpec
 from refitd.plan.sides import Side, sort_by
 from refitd.plan.table import SpecTable
 
-# stamped sources may send this much more than relays across pools would let them
-_SEND_SLACK = 1.02
+# a stamped plan's busiest source slot may send this much more than the least any plan of
+# all pools needs (else the planner plans them all at once)
+_SEND_SLACK = 1.05
 
 
 class _Rows(Sequence[TensorSpec]):
@@ -58,9 +62,10 @@ class PoolStamp:
         return int(self.rows.shape[0])
 
     @staticmethod
-    def of(table: SpecTable, dst: Side, src_slots: np.ndarray) -> PoolStamp | None:
+    def of(table: SpecTable, dst: Side, src_slots: np.ndarray, min_specs: int) -> PoolStamp | None:
         """The stamp of the destination side, or None unless it is two or more pools of
-        one layout on slots that no other pool and no source uses."""
+        one layout, each of at least `min_specs` tensors, on slots that no other pool and
+        no source uses."""
         pools = sorted({g.pool for g in table.geos})
         if len(pools) < 2 or not dst.slot.size:
             return None
@@ -72,7 +77,7 @@ class PoolStamp:
         )
         pool = pool_of_geo[dst.geo]
         counts = np.bincount(pool, minlength=len(pools))
-        if (counts != counts[0]).any():
+        if (counts != counts[0]).any() or counts[0] < min_specs:
             return None
         rows = sort_by(pool, table.ranks(), np.arange(pool.size)).reshape(len(pools), -1)
         for col in (dst.canon, key_of_geo[dst.geo], table.ranks()):
@@ -96,9 +101,10 @@ class PoolStamp:
         )
 
     def sources(self, batches: list[Batch], cols: list[np.ndarray]) -> np.ndarray:
-        """[pools, copies] source spec of every first-pool copy (batch order, as
-        _copy_table writes them) for each pool: the chosen candidate column moved on by
-        the pool's share of the candidates."""
+        """[pools, copies] source spec of every first-pool copy (batch order, as the
+        planner's copy table has them) for each pool, the chosen candidate column moved
+        on by the pool's share of the candidates: in a plan without relays, pools then
+        read different replicas and the few copies of a small tensor spread over them."""
         k = self.pools
         out = np.empty((k, sum(b.piece.size for b in batches)), np.int64)
         at = 0
@@ -109,39 +115,27 @@ class PoolStamp:
             at += n
         return out
 
-    def keeps_relays(
-        self,
-        nbytes: np.ndarray,
-        group: np.ndarray,
-        relayable: np.ndarray,
-        source_slots: int,
-        first_slots: np.ndarray,
-    ) -> bool:
-        """Whether relays within a pool shed about as much from the sources as relays
-        across pools would. A block of g copies in a pool keeps one direct copy per pool
-        when stamped (one in all pools otherwise), so stamped relays may carry
-        (1 - 1/g) of its bytes against (1 - 1/(pools g)); either way the destination
-        slots relay at most what a source slot sends, a share hubs / (hubs + sources).
-        The first pool's copies: wire bytes, relay group, relayable."""
-        total = float(nbytes.sum())
-        if total <= 0:
-            return True
-        _, inv, count = np.unique(group[relayable], return_inverse=True, return_counts=True)
-        g = count[inv].astype(np.float64)
-        nb = nbytes[relayable]
-        hubs = self.pools * np.unique(first_slots).size
-        cap = hubs / (hubs + source_slots)
-        stamped = min(float((nb * (1 - 1 / g)).sum()) / total, cap)
-        across = min(float((nb * (1 - 1 / (self.pools * g))).sum()) / total, cap)
-        return 1 - stamped <= _SEND_SLACK * (1 - across)
+    def sheds_enough(self, t: CopyTable, nbytes: np.ndarray, first: Side, sources: Side) -> bool:
+        """Whether the first pool's copies with relays chosen (`t`, wire bytes `nbytes`),
+        stamped, keep the busiest source slot within _SEND_SLACK of what any plan of all
+        pools needs: with `s` source slots and `h` destination slots, each forwarding no
+        more than a source slot sends, the busiest source sends at least all bytes over
+        (s + h); relays across pools could not do better."""
+        direct = t.feed < 0
+        slots, dense = np.unique(sources.slot, return_inverse=True)
+        send = np.bincount(dense[t.src[direct]], weights=nbytes[direct], minlength=slots.size)
+        hubs = self.pools * np.unique(first.slot).size
+        need = self.pools * float(nbytes.sum()) / (slots.size + hubs)
+        return self.pools * float(send.max(initial=0.0)) <= _SEND_SLACK * need
 
-    def stamp(self, t: CopyTable, sources: np.ndarray, base: int) -> CopyTable:
+    def stamp(self, t: CopyTable, base: int, sources: np.ndarray | None = None) -> CopyTable:
         """The first pool's copies (destinations as first-pool rows + base, relays fed
-        within it) repeated for every pool, pool by pool."""
+        within it) repeated for every pool, pool by pool; `sources`: each pool's sources
+        of the direct copies (default: the first pool's)."""
         k, n = self.pools, t.src.size
         relay = t.feed >= 0
         dst = base + self.rows[:, t.dst - base]
-        src = sources.copy()
+        src = np.tile(t.src, (k, 1)) if sources is None else sources
         src[:, relay] = base + self.rows[:, t.src[relay] - base]
         feed = np.tile(t.feed, k)
         step = np.repeat(np.arange(k, dtype=np.int64) * n, n)
