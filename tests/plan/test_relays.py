@@ -293,8 +293,8 @@ def test_relay_chain_feeds_the_later_pool_from_the_first(tp, dp, bucket, order):
 )
 def test_identical_pools_stamped_bit_for_bit(tp_s, dp_s, tp_d, dp_d, pools, relay, bucket):
     """Pools of one layout (each on a slot of its own) planned once and stamped: every
-    pool lands bit for bit, relays keep their rule, the bytes are those of the whole side
-    planned at once."""
+    pool lands bit for bit, relays keep their rule, without relays the bytes are those of
+    the whole side planned at once."""
     shape = (72, 10)
     src = tp_side("train", tp_s, dp_s, 1, shape, 0, 0)
     src += tp_side("train", tp_s, dp_s, 1, (72,), 0, 0, name="bias")
@@ -311,7 +311,7 @@ def test_identical_pools_stamped_bit_for_bit(tp_s, dp_s, tp_d, dp_d, pools, rela
     relays = sum(1 for s in plan.slots() for c in plan.program(s).local if c.src_tensor >= len(src))
     assert check_relay_rule(plan, len(src)) == plan.stats.relay_copies + relays
     s, w = plan.stats, whole.stats
-    assert s.total_bytes == w.total_bytes
-    assert relay or s.max_recv_bytes == w.max_recv_bytes
+    # (relays change which copies are local, and so the alignment counted)
+    assert relay or (s.total_bytes, s.max_recv_bytes) == (w.total_bytes, w.max_recv_bytes)
     # pools this small are planned whole unless told otherwise
     assert build_plan("m", 1, src, dst, PlanConfig(relay=relay)).stats.pools_stamped == 0
