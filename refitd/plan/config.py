@@ -19,7 +19,10 @@ class PlanConfig:
     them: buckets.serial_rounds); relay_chain: a block held by several destination pools
     goes from the sources to the first of them (in registration order), which forwards it
     to the others, instead of every pool forwarding some blocks to the others (relay.py);
-    links: the path of every message (links.py; default: all collective)."""
+    links: the path of every message (links.py; default: all collective); stamp_pools:
+    destination pools of one layout are planned once and stamped (stamp.py) when each
+    holds at least stamp_min_specs tensors (below, a plan is quick and a few copies per
+    slot balance better over all pools at once)."""
 
     bucket_bytes: int = 64 << 20
     sender_quantization: bool = False
@@ -29,6 +32,8 @@ class PlanConfig:
     fanout: int = 4
     relay: bool = False
     relay_chain: bool = False
+    stamp_pools: bool = True
+    stamp_min_specs: int = 4096
     schedule: str = "lanes"
     wires: WireRegistry = field(default_factory=default_wires)
     links: LinkPolicy = field(default_factory=LinkPolicy)

@@ -7,6 +7,7 @@ Stats: send_imbalance = source_max_send_bytes / ideal_send_bytes, both over sour
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,8 @@ class PlanStats:
     """Byte and count totals of a plan (bytes are wire bytes, alignment included).
 
     send_imbalance and ideal_send_bytes are over source slots (see the module docstring);
-    relay_bytes/relay_copies: remote copies forwarded by destination slots.
+    relay_bytes/relay_copies: remote copies forwarded by destination slots; pools_stamped:
+    identical destination pools planned once and stamped (planner.py), 0 when none.
     """
 
     copies: int
@@ -53,6 +55,7 @@ class PlanStats:
     source_max_send_bytes: int = 0
     relay_bytes: int = 0
     relay_copies: int = 0
+    pools_stamped: int = 0
 
 
 class Plan:
@@ -69,6 +72,7 @@ class Plan:
         config: PlanConfig,
         sources_count: int,
         tables: Sequence[SpecTable] | None = None,
+        pools_stamped: int = 0,
     ) -> None:
         """`tables`: SpecTables whose rows, in order, are `tensors` (the two sides', or one
         per worker); without them the program index tabulates `tensors` itself."""
@@ -95,6 +99,8 @@ class Plan:
             self._dense[self._remote.column("dst")], weights=remote_nb, minlength=slots.size
         )
         self.stats = self._statistics(int(nb[local].sum()), int(remote_nb.sum()), relays)
+        if pools_stamped:
+            self.stats = dataclasses.replace(self.stats, pools_stamped=pools_stamped)
         self._readers: dict[tuple[str, int], list[int]] | None = None
         self._index: ProgramIndex | None = None
 

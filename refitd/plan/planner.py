@@ -43,7 +43,8 @@ from refitd.plan.layout import TensorSpec
 from refitd.plan.plan import Plan, PlanStats
 from refitd.plan.relay import RelayCandidates, choose_relays
 from refitd.plan.rowwise import row_prod
-from refitd.plan.sides import group, side_of
+from refitd.plan.sides import Side, group, side_of
+from refitd.plan.stamp import PoolStamp
 from refitd.plan.table import JoinedSpecs, SpecTable
 
 __all__ = [
@@ -96,7 +97,7 @@ def _build(
     if digest is None:
         digest = fingerprint(model, sources, destinations, config)
     tensors = JoinedSpecs(sources, destinations)
-    table, slot_of = _copies(sources, destinations, tensors, config)
+    table, slot_of, stamped = _copies(sources, destinations, tensors, config)
     return Plan(
         model,
         epoch,
@@ -106,6 +107,7 @@ def _build(
         slot_of,
         config,
         sources_count=len(sources),
+        pools_stamped=stamped,
         tables=(sources, destinations),
     )
 
@@ -115,28 +117,60 @@ def _copies(
     destinations: SpecTable,
     tensors: Sequence[TensorSpec],
     config: PlanConfig,
-) -> tuple[CopyTable, np.ndarray]:
-    """(every copy of the plan, relays chosen; the slot of every plan tensor); `tensors`:
-    the sides' specs in plan index order. The
-    intersections and choices die here, before the Plan buckets the copies: a third of
-    the peak memory at 1,024 ranks, which a fresh plan would fault in again."""
+) -> tuple[CopyTable, np.ndarray, int]:
+    """(every copy of the plan, relays chosen; the slot of every plan tensor; how many
+    destination pools were stamped from one plan, 0: none); `tensors`:
+    the sides' specs in plan index order. Identical destination pools are planned once
+    and stamped (stamp.py) unless relays within a pool would shed clearly less than
+    relays across pools. The intersections and choices die here, before the Plan buckets
+    the copies: a third of the peak memory at 1,024 ranks, which a fresh plan would fault
+    in again."""
     src = side_of(sources, 0)
     dst = side_of(destinations, len(sources))
+    stamp = None
+    if config.stamp_pools and not config.relay_chain:
+        stamp = PoolStamp.of(destinations, dst, src.slot, config.stamp_min_specs)
+    if stamp is not None:
+        stamped = _side_copies(src, dst, tensors, config, stamp)
+        if stamped is not None:
+            return (*stamped, stamp.pools)
+    out = _side_copies(src, dst, tensors, config, None)
+    assert out is not None
+    return (*out, 0)
+
+
+def _side_copies(
+    src: Side, dst: Side, tensors: Sequence[TensorSpec], config: PlanConfig, stamp: PoolStamp | None
+) -> tuple[CopyTable, np.ndarray] | None:
+    """_copies of the whole destination side, or of its first pool stamped onto the
+    others (None: the stamped sources would send too much, PoolStamp.sheds_enough)."""
+    n_src = dst.base
+    first = dst if stamp is None else stamp.first_side(dst)
     group(src)
-    group(dst)
-    intersector = BoxIntersector(src, dst, config)
+    group(first)
+    intersector = BoxIntersector(src, first, config)
     batches = intersector.batches()
-    n_src = len(sources)
     choices = [_choices(b, intersector, config) for b in batches]
     cols, _ = choose_replicas(choices, intersector.slots.size)
     del choices
     table, group_of, relayable = _copy_table(batches, cols, n_src)
+    rotated = None
+    if stamp is not None and not config.relay:
+        rotated = stamp.sources(batches, cols)
     del batches, cols
-    check_blocks(table, tensors, config.wires)
-    check_whole_tensors(table, dst, config.wires)
+    check_whole_tensors(table, first, config.wires)
     if config.relay and table.src.size:
-        _add_relays(intersector, table, group_of, relayable, n_src)
-    return table, intersector.slot_of
+        fan = 1 if stamp is None else stamp.pools
+        _add_relays(intersector, table, group_of, relayable, n_src, fan)
+        if stamp is not None:
+            nbytes = config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+            if not stamp.sheds_enough(table, nbytes, first, src):
+                return None
+    del group_of, relayable
+    if stamp is not None:
+        table = stamp.stamp(table, n_src, rotated)
+    check_blocks(table, tensors, config.wires)
+    return table, np.concatenate([src.slot, dst.slot])
 
 
 def _choices(b: Batch, intersector: BoxIntersector, config: PlanConfig) -> Choices:
@@ -203,6 +237,7 @@ def _add_relays(
     group: np.ndarray,
     relayable: np.ndarray,
     n_src: int,
+    fan: int,
 ) -> None:
     """Turn some copies into relays (see relay.py): their source becomes the destination
     region of their feed copy."""
@@ -226,6 +261,7 @@ def _add_relays(
             group=group,
             eligible=relayable,
             chain_pool=chain_pool,
+            fan=fan,
         ),
         is_source,
     )

@@ -48,6 +48,9 @@ class RelayCandidates:
     # [N] destination pool order (first registered: 0) when pools chain: the direct copy of
     # a block stays with a member of its group's first pool, the later pools are relayed to
     chain_pool: np.ndarray | None = None
+    # copies each direct copy stands for: one per identical pool it is stamped onto
+    # (stamp.py); their sources send it `fan` times, each pool relays its own
+    fan: int = 1
 
 
 def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
@@ -56,12 +59,13 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     n_slots = is_source_slot.size
     feed = np.full(c.src.size, -1, dtype=np.int64)
     remote = c.src != c.dst
-    load = np.bincount(c.src[remote], weights=c.nbytes[remote], minlength=n_slots)
+    load = c.fan * np.bincount(c.src[remote], weights=c.nbytes[remote], minlength=n_slots)
     # a slot that also holds source tensors neither relays nor is relayed to: its send
     # link is a trainer link
     # copies under 1/10^4 of the mean source send move the level by nothing measurable
     # but would cost a water-filling run each (e.g. norms replicated on every slot)
-    tiny = c.nbytes < _TINY_SHARE * load[load > 0].mean() if load.any() else c.nbytes < 0
+    mean = load[load > 0].mean() / c.fan if load.any() else -1.0
+    tiny = c.nbytes < _TINY_SHARE * mean
     cand = np.flatnonzero(remote & c.eligible & ~tiny)
     if cand.size < 2:
         return feed
@@ -69,7 +73,7 @@ def choose_relays(c: RelayCandidates, is_source_slot: np.ndarray) -> np.ndarray:
     keeper, conv, shed = _keepers_and_shed(c, g, load, is_source_slot)
     if not conv.size:
         return feed
-    selected = _shed_copies(c, g, keeper, conv, shed)
+    selected = _shed_copies(c, g, keeper, conv, shed / c.fan)
     if not selected.any():
         return feed
     _relay_senders(c, g, selected, load, is_source_slot, feed)
@@ -116,9 +120,9 @@ def _keepers_and_shed(
     for step in range(2):
         keeper = _keepers(c, g, may_keep, weight, load)
         conv = g.cand[g.multi & ~keeper]
-        conv_bytes = np.bincount(c.src[conv], weights=c.nbytes[conv], minlength=n_slots)
+        conv_bytes = c.fan * np.bincount(c.src[conv], weights=c.nbytes[conv], minlength=n_slots)
         if step == 0:
-            level = _level(load, conv_bytes, is_source_slot, hub)
+            level = _level(load, conv_bytes, is_source_slot, hub, c.fan)
             shed = np.clip(load - level, 0, conv_bytes)
             # in 1/16 steps: few distinct weights keep the water-filling runs few
             frac = np.ceil(16 * shed / np.maximum(conv_bytes, 1)) / 16
@@ -190,7 +194,7 @@ def _relay_senders(
     sel = g.cand[sel_mask]
     sel_gid = g.gid[sel_mask]
     r_of = dcount[sel_gid]
-    shed_load = load - np.bincount(c.src[sel], weights=c.nbytes[sel], minlength=n_slots)
+    shed_load = load - c.fan * np.bincount(c.src[sel], weights=c.nbytes[sel], minlength=n_slots)
     batches: list[Choices] = []
     starts: list[np.ndarray] = []
     rows: list[np.ndarray] = []
@@ -251,10 +255,13 @@ def _keepers(
     return keeper
 
 
-def _level(load: np.ndarray, conv: np.ndarray, is_source: np.ndarray, hub: np.ndarray) -> float:
+def _level(
+    load: np.ndarray, conv: np.ndarray, is_source: np.ndarray, hub: np.ndarray, fan: int
+) -> float:
     """The lowest common send level of the source slots whose shed bytes the relay-capable
     destination slots can absorb while sending no more than a source slot; never below what
-    a source slot cannot shed."""
+    a source slot cannot shed. `fan`: the hubs stand for as many identical pools, each
+    relaying its share."""
     n_src = max(int(is_source.sum()), 1)
 
     def feasible(t: float) -> bool:
@@ -262,7 +269,7 @@ def _level(load: np.ndarray, conv: np.ndarray, is_source: np.ndarray, hub: np.nd
         after = load - shed
         ideal = after[is_source].sum() / n_src
         cap = np.clip(np.where(is_source, t, ideal) - after, 0, None)[hub].sum()
-        return bool(shed.sum() <= _CAPACITY_SHARE * cap)
+        return bool(shed.sum() <= _CAPACITY_SHARE * cap * fan)
 
     lo, hi = 0.0, float(load.max(initial=0.0))
     for _ in range(_SEARCH_STEPS):

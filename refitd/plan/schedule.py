@@ -117,7 +117,11 @@ class BucketScheduler:
             rnb[p] = wires.segment_nbytes(table.wire[r], shape, table.ndim[r], table.esize[r])
         need = None
         if feeds is None:
-            order = sort_by(rs, rd, table.dst[rows], shuffled=True)
+            # a pair's copies largest first: next-fit then pairs the small ones up
+            large = nb[rows]
+            order = sort_by(
+                rs, rd, int(large.max(initial=0)) - large, table.dst[rows], shuffled=True
+            )
         else:
             need = feeds.need_of(table.feed[rows], step)
             order = sort_by(rs, rd, need, table.dst[rows], shuffled=True)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refitd.bench.plan_oracle import execute
 from refitd.plan.names import canonical_name
-from refitd.plan.planner import Plan, PlanConfig
+from refitd.plan.planner import Plan, PlanConfig, build_plan
 
 from .oracle import run_and_check
 from .test_layouts_plan import mspec, tp_side
@@ -277,3 +279,39 @@ def test_relay_chain_feeds_the_later_pool_from_the_first(tp, dp, bucket, order):
             elif m.dst_slot in later_slots:  # a direct copy into the later pool
                 raise AssertionError(f"source slot {slot} sends to the later pool")
     assert plan.digest != spread.digest
+
+
+@FEW
+@given(
+    tp_s=st.sampled_from([1, 2]),
+    dp_s=st.sampled_from([1, 3]),
+    tp_d=st.sampled_from([1, 2, 3]),
+    dp_d=st.sampled_from([1, 4]),
+    pools=st.sampled_from([2, 3]),
+    relay=st.booleans(),
+    bucket=st.sampled_from([64, 1 << 20]),
+)
+def test_identical_pools_stamped_bit_for_bit(tp_s, dp_s, tp_d, dp_d, pools, relay, bucket):
+    """Pools of one layout (each on a slot of its own) planned once and stamped: every
+    pool lands bit for bit, relays keep their rule, without relays the bytes are those of
+    the whole side planned at once."""
+    shape = (72, 10)
+    src = tp_side("train", tp_s, dp_s, 1, shape, 0, 0)
+    src += tp_side("train", tp_s, dp_s, 1, (72,), 0, 0, name="bias")
+    dst = []
+    for p in range(pools):
+        side = tp_side(f"inf{p}", tp_d, dp_d, 1, shape, 0, 0)
+        side += tp_side(f"inf{p}", tp_d, dp_d, 1, (72,), 0, 0, name="bias")
+        dst += [dataclasses.replace(s, slot=100 + p) for s in side]
+    config = PlanConfig(bucket_bytes=bucket, relay=relay, stamp_min_specs=0)
+    plan = run_and_check(src, dst, config)
+    whole = run_and_check(src, dst, dataclasses.replace(config, stamp_pools=False))
+    assert whole.stats.pools_stamped == 0
+    assert plan.stats.pools_stamped in ((0, pools) if relay else (pools,))
+    relays = sum(1 for s in plan.slots() for c in plan.program(s).local if c.src_tensor >= len(src))
+    assert check_relay_rule(plan, len(src)) == plan.stats.relay_copies + relays
+    s, w = plan.stats, whole.stats
+    # (relays change which copies are local, and so the alignment counted)
+    assert relay or (s.total_bytes, s.max_recv_bytes) == (w.total_bytes, w.max_recv_bytes)
+    # pools this small are planned whole unless told otherwise
+    assert build_plan("m", 1, src, dst, PlanConfig(relay=relay)).stats.pools_stamped == 0

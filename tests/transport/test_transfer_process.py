@@ -137,6 +137,8 @@ RELAY_MODEL = [("w", (96, 40), 0), ("r", (30, 64), 1), ("b", (72,), 0)]
         ("remote", [("train", 1, 1, [0]), ("a", 2, 1, [1, 2]), ("b", 2, 2, [2, 1, 1, 2])]),
         # two replicas on slot 2: one receives, the other is filled by local relay copies
         ("local", [("train", 2, 1, [0, 1]), ("a", 1, 2, [2, 2])]),
+        # two pools of one layout: planned once, stamped onto the other, relays within each
+        ("stamped", [("train", 1, 1, [0]), ("a", 2, 4, [1] * 8), ("b", 2, 4, [2] * 8)]),
     ],
 )
 def test_relay_plans_bit_for_bit(procs, case) -> None:
@@ -150,13 +152,16 @@ def test_relay_plans_bit_for_bit(procs, case) -> None:
         for pool, tp, dp, slots in dst_sides
         for s in megatron_side(pool, tp, dp, RELAY_MODEL, slots)
     ]
-    plan = build_plan("m", 1, src, dst, PlanConfig(bucket_bytes=1024, relay=True))
+    plan = build_plan(
+        "m", 1, src, dst, PlanConfig(bucket_bytes=1024, relay=True, stamp_min_specs=0)
+    )
     programs = {h.slot: plan.program(h.slot) for h in handles}
     local_relays = sum(c.src_tensor >= len(src) for p in programs.values() for c in p.local)
     if kind == "remote":
         assert plan.stats.relay_copies > 0
     else:
         assert local_relays > 0
+    assert plan.stats.pools_stamped == (2 if kind == "stamped" else 0)
     arena = SharedTensorArena(prefix="refitd-test")
     try:
         tensors = [torch.zeros(s.local_shape, dtype=torch.bfloat16) for s in (*src, *dst)]
