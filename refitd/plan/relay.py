@@ -8,7 +8,8 @@ be read from a destination replica that received the same block directly from a 
 otherwise idle send links of the destination slots. In collocated layouts a destination
 slot is also a source slot: it relays only within what keeps it at the common level (its
 local copies leave it room), and a plan whose busiest source slot would send more than
-without relays keeps no relays.
+without relays keeps no relays (counted per copy: buckets far below a copy's size cut it
+into pieces whose alignment padding the count does not see).
 
 Policy: the source slots are levelled down to a common send level T, the smallest level at
 which the destination slots can absorb the shed bytes without sending more than a source
