@@ -242,8 +242,8 @@ class SlotViews:
                     continue
                 n = self._pay[i] if self._wire[i] == _RAW else None  # without the padding
                 sums[(ch.mid, i)] = self.summer.tensor(seg[:n])
-            if amax is not None:
-                decode_known_amax(seg, *args[2:], amax)
+            if amax is not None and (sums is None or i not in words):  # a verified refit
+                decode_known_amax(seg, *args[2:], amax)  # folds its own: words are unsummed
             else:
                 decode_segment(*args)
 
