@@ -43,7 +43,7 @@ from refitd.rpc.connection import ControllerConnection
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refits", type=int, default=200, help="timed refits")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed refits first")
+    parser.add_argument("--warmup", type=int, default=30, help="untimed refits first")
     parser.add_argument("--slots", type=int, default=64, help="slots (half trainer, half infer)")
     parser.add_argument(
         "--skew-ms",
