@@ -94,6 +94,7 @@ class Chunk:
     msg_nbytes: int = 0
     amax_at: int = 0  # where the amax side words start (after the segments), 0: none
     amax_rows: tuple[int, ...] = ()  # the rows whose amax word it carries, in order
+    msg_at: int = 0  # where its first row's segment starts in the message
     cache: dict = field(default_factory=dict)  # views per staging buffer (executor)
 
     @property
@@ -153,12 +154,13 @@ class _Cutter:
         rows: list[int] = []
         offs: list[int] = []
 
-        def new(n: int, r: list[int], o: list[int], split: bool = False, at: int = 0) -> None:
+        def new(n: int, r: list[int], o: list[int], start: int, split: bool = False,
+                at: int = 0) -> None:  # fmt: skip
             words = () if split or not k else tuple(i for i in r if self.amax[i])
             amax_at = aligned(n) if words else 0
             nbytes = amax_at + aligned(4 * len(words)) if words else n
             fields = (m.mid, m.round, m.src_slot, m.dst_slot, len(chunks), nbytes, r, o)
-            chunks.append(Chunk(*fields, split, at, m.msg_nbytes, amax_at, words))
+            chunks.append(Chunk(*fields, split, at, m.msg_nbytes, amax_at, words, start))
 
         group_start = off = k = 0  # k: amax words of the group so far
         for i in range(lo, hi):
@@ -167,16 +169,16 @@ class _Cutter:
             size = self.wire_chunk if self.lands[i] else self.staged_chunk
             if total + SEGMENT_ALIGN * word > size or self.own[i]:
                 if rows:
-                    new(offs[-1] + self.pay[rows[-1]], rows, offs)
+                    new(offs[-1] + self.pay[rows[-1]], rows, offs, group_start)
                     rows, offs = [], []
                 p, k = self.pay[i], 0  # no side word: the receiver folds any pieces
                 for s in range(0, p, size):
                     n = min(size, p - s)
-                    new(n, [i], [0], n != p, s)
+                    new(n, [i], [0], off, n != p, s)
             else:
                 side = aligned(4 * (k + word))
                 if rows and off + total - group_start + side > self.staged_chunk:
-                    new(offs[-1] + self.pay[rows[-1]], rows, offs)
+                    new(offs[-1] + self.pay[rows[-1]], rows, offs, group_start)
                     rows, offs, k = [], [], 0
                 if not rows:
                     group_start = off
@@ -185,7 +187,7 @@ class _Cutter:
                 k += word
             off += total
         if rows:
-            new(offs[-1] + self.pay[rows[-1]], rows, offs)
+            new(offs[-1] + self.pay[rows[-1]], rows, offs, group_start)
         if off != m.msg_nbytes:
             raise ExecutionError(
                 f"message {m.mid} ({m.src_slot}->{m.dst_slot}): copies need {off} bytes on "

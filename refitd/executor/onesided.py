@@ -260,7 +260,6 @@ class OneSided:
         self.send, self.recv = one_sided_messages(program)
         self.window = _Window()
         self.data: SlotViews | None = None  # set by `bind`
-        self._at = np.zeros(0, np.int64)
         missing = sorted({int(s) for s, m in zip(program.send.dst_slot, program.send.id,
                                                    strict=True)
                           if int(m) in self.send and int(s) not in self.links.peers})  # fmt: skip
@@ -280,21 +279,15 @@ class OneSided:
     def mids(self) -> frozenset[int]:
         return self.send | self.recv
 
-    def bind(self, data: SlotViews, seg_bytes: np.ndarray) -> None:
-        """The slot's views (a receiver scatters packed chunks with them) and each copy
-        row's wire offset in its message (`seg_bytes`: each row's wire bytes), where a
-        packed chunk's bytes sit in the message's landing area on both ends."""
+    def bind(self, data: SlotViews) -> None:
+        """The slot's views: a receiver scatters packed chunks with them."""
         self.data = data
-        before = np.cumsum(seg_bytes) - seg_bytes
-        self._at = np.zeros(len(seg_bytes), np.int64)
-        for m in (self.p.send, self.p.recv):
-            for a, b in zip(m.start.tolist(), m.end.tolist(), strict=True):
-                if b > a:
-                    self._at[a:b] = before[a:b] - before[a]
 
-    def _landing_at(self, ch: Chunk) -> int:
-        """Where a packed chunk's bytes start in its message's landing area."""
-        return int(self._at[ch.rows[0]]) + ch.seg_start
+    @staticmethod
+    def _landing_at(ch: Chunk) -> int:
+        """Where a packed chunk's bytes start in its message's landing area (as in the
+        message's wire bytes: the same offset on both ends)."""
+        return ch.msg_at + ch.seg_start
 
     def remote_tensors(self) -> dict[int, ResolvedTensor]:
         """The destination tensors of the one-sided sends, mapped from their peers and

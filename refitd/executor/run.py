@@ -122,7 +122,7 @@ class Executor:
         self.one_sided = OneSided(program, links)
         tensors.update(self.one_sided.remote_tensors())  # destinations the sends write
         self.data = SlotViews(program, self.info, tensors)
-        self.one_sided.bind(self.data, self.info.seg_bytes)
+        self.one_sided.bind(self.data)
         self.prepared = PreparedProgram(
             program,
             self.info,
