@@ -7,10 +7,10 @@ the same position of its own rank from the same source, its relay sender the sam
 of its own pool. The first pool's replica choice already spreads its reads over the source
 replicas, so every source slot sends its share once per pool: the plan's balance is the
 first pool's (without relays, each pool reads the replica rotated by its share of the
-replica set instead, which also spreads the few copies of a small tensor). Relays stay within a pool; the relay level counts every direct copy once per
-pool (relay.py's `fan`), so the sources shed as much as the pools can absorb. Where a pool
-holds too few replicas of its blocks for that (`sheds_enough`), the planner plans the
-whole side instead.
+replica set instead, which also spreads the few copies of a small tensor). Relays stay
+within a pool; the relay level counts every direct copy once per pool (relay.py's `fan`),
+so the sources shed as much as the pools can absorb. Where a pool holds too few replicas
+of its blocks for that (`sheds_enough`), the planner plans the whole side instead.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 import torch
 
+from refitd.plan.wire import aligned
 from refitd.torch_dtypes import torch_dtype
 from refitd.transport.base import DoneWork, Work
 from refitd.transport.doorbell import HEADER_WORDS, MAGIC, RETIRED, Doorbell, value
@@ -98,11 +99,11 @@ def _runs(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[list[
 
 
 def _landing_areas(sizes: dict[int, int]) -> dict[int, torch.Tensor]:
-    """One buffer holding a landing area per message (16-byte aligned), as views of it."""
+    """One buffer holding a landing area per message (segment-aligned), as views of it."""
     at, offs = 0, {}
     for mid, n in sizes.items():
         offs[mid] = (at, n)
-        at += -(-n // 16) * 16
+        at += aligned(n)
     if not at:
         return {}
     whole = torch.empty(at, dtype=torch.uint8)
