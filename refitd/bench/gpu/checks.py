@@ -59,12 +59,13 @@ if TYPE_CHECKING:
     from refitd.node.process_handle import TransferProcessHandle
 
 COLS = 8192
+TENSOR_BYTES = 256 << 20  # each large tensor of a model
 ROW_ALIGN = 256  # two row shards of whole 128-row FP8 tiles
 SPOT_ROWS = 256  # rows per tensor checked against the CPU torch reference
 
 
 def model_shapes(
-    total_bytes: int, tensor_bytes: int = 256 << 20, cols: int = COLS
+    total_bytes: int, tensor_bytes: int = TENSOR_BYTES, cols: int = COLS
 ) -> list[tuple[str, tuple[int, int]]]:
     """(name, (rows, cols)) BF16 tensors adding up to about total_bytes."""
     n = max(1, round(total_bytes / tensor_bytes))
@@ -82,12 +83,13 @@ def small_model_shapes(
     return [(f"small.{k}.weight", (r, cols)) for k, r in enumerate(rows)]
 
 
-def model_for(key: tuple[str, int]) -> tuple[list[tuple[str, tuple[int, int]]], int]:
-    """(model, source shards per tensor) of ("big", total bytes) or ("small", count)."""
-    kind, n = key
+def model_for(key: tuple[str, int, int]) -> tuple[list[tuple[str, tuple[int, int]]], int]:
+    """(model, source shards per tensor) of ("big", total bytes, bytes per tensor) or
+    ("small", count, 0)."""
+    kind, n, tensor_bytes = key
     if kind == "small":
         return small_model_shapes(n), 1
-    return model_shapes(n), 2
+    return model_shapes(n, tensor_bytes), 2
 
 
 def pattern(k: int, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
@@ -174,7 +176,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _worker(
-    conn: Connection, role: str, model_key: tuple[str, int], device: str, storage: str
+    conn: Connection, role: str, model_key: tuple[str, int, int], device: str, storage: str
 ) -> None:
     """Trainer or inference process: allocate, register, then serve commands:
     ("fill", seed) (trainer: new weights), "snapshot", ("verify", seed), "close"."""
@@ -278,6 +280,7 @@ def ipc_refit(
     verify: bool = False,
     small: int = 0,
     snapshot: bool = False,
+    tensor_bytes: int = TENSOR_BYTES,
 ) -> dict:
     """Trainer -> inference on one device through a transfer process mapping worker memory;
     `refits` timed refits, each of new weights (two versions alternate), median reported.
@@ -288,11 +291,12 @@ def ipc_refit(
     (verify_cost = their median over the plain median). small: a model of that many
     64 KiB-1 MiB tensors per rank instead of total_bytes in large tensors. snapshot: the
     trainer's sources are copied into the slot's snapshot (device memory where it fits)
-    before the trainer is released, and the refit reads the snapshot.
+    before the trainer is released, and the refit reads the snapshot. tensor_bytes: the
+    size of each large tensor (an MoE expert's is tens of MiB, a dense layer's hundreds).
     """
     from refitd.node.process_handle import TransferProcessHandle
 
-    model_key = ("small", small) if small else ("big", total_bytes)
+    model_key = ("small", small, 0) if small else ("big", total_bytes, tensor_bytes)
     ctx = mp.get_context("spawn")
     procs, conns = [], {}
     for role in ("trainer", "infer"):
@@ -347,6 +351,7 @@ def ipc_refit(
             "device": device,
             "storage": storage,
             "tensors": len(model),
+            "tensor_shape": list(model[0][1]),
             "source_shards": len(src),
             "staged": staged,
             "bytes": nbytes,

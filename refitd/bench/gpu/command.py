@@ -9,7 +9,9 @@
     refitd.formats' quantizer of the expected tensor (and to the CPU torch reference on a
     slice);
 (b') nvfp4: the receiver-side NVFP4 refit of (b) (the trainer holds whole tensors: NVFP4
-    is landed whole), the same with snapshot release (the capture folds each source's
+    is landed whole; each tensor's amax pass and quantization run back to back, so a
+    tensor that fits in L2, --quant-tensor-mib 32 as an MoE expert, is read from memory
+    about once), the same with snapshot release (the capture folds each source's
     amax as it copies it, so the quantization reads the snapshot once), and the Triton
     NVFP4 quantizer alone vs the copy bandwidth;
 (c) staged: the refit of (a) into a staged pool (staging buffers in the transfer process,
@@ -28,7 +30,8 @@ Local copies and conversions run as grouped Triton launches (refitd.formats.grou
 Imports torch, numpy, msgpack (and triton for (d)) only: no grpc, pydantic or fastapi.
 `--device cpu` runs (a)-(d) on CPU shared memory (a dry run of the same code path).
 
-    refitd bench gpu [--gib 8] [--quant-gib 1] [--refits 5] [--small-count 10000]
+    refitd bench gpu [--gib 8] [--quant-gib 1] [--quant-tensor-mib 256] [--refits 5]
+                     [--small-count 10000]
                      [--only ipc,quant,nvfp4,staged,small,snapshot,nccl,kernels]
     PYTHONPATH=. python3 -m refitd.bench.gpu.command
 """
@@ -59,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quant-gib", type=float, default=1.0, help="BF16 model of the MXFP8/FP8/NVFP4 refits"
     )
+    parser.add_argument(
+        "--quant-tensor-mib",
+        type=float,
+        default=256.0,
+        help="size of each tensor of the MXFP8/FP8/NVFP4 refits (an MoE expert's: 28-32)",
+    )
     parser.add_argument("--nccl-gib", type=float, default=2.0, help="bytes of the NCCL check")
     parser.add_argument("--refits", type=int, default=5, help="timed refits (median)")
     parser.add_argument(
@@ -73,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _gib(x: float) -> int:
     return int(x * (1 << 30))
+
+
+def _mib(x: float) -> int:
+    return int(x * (1 << 20))
 
 
 def _attempt(fn: Callable[[], dict]) -> dict:
@@ -109,25 +122,19 @@ def run(args: argparse.Namespace) -> int:
                 _gib(args.gib), args.device, "plain", args.refits, args.timeout, verify=True
             )
         )
+
+    def quantized(storage: str, snapshot: bool = False) -> dict:
+        return gpu_checks.ipc_refit(
+            _gib(args.quant_gib), args.device, storage, max(2, args.refits), args.timeout,
+            snapshot=snapshot, tensor_bytes=_mib(args.quant_tensor_mib),
+        )  # fmt: skip
+
     if "quant" in parts:
         for storage in ("mxfp8", "fp8_block"):
-            out[f"ipc_{storage}"] = _attempt(
-                lambda s=storage: gpu_checks.ipc_refit(
-                    _gib(args.quant_gib), args.device, s, max(2, args.refits), args.timeout
-                )
-            )
+            out[f"ipc_{storage}"] = _attempt(lambda s=storage: quantized(s))
     if "nvfp4" in parts:
-        out["ipc_nvfp4"] = _attempt(
-            lambda: gpu_checks.ipc_refit(
-                _gib(args.quant_gib), args.device, "nvfp4", max(2, args.refits), args.timeout
-            )
-        )
-        out["ipc_nvfp4_snapshot"] = _attempt(
-            lambda: gpu_checks.ipc_refit(
-                _gib(args.quant_gib), args.device, "nvfp4", max(2, args.refits), args.timeout,
-                snapshot=True,
-            )
-        )  # fmt: skip
+        out["ipc_nvfp4"] = _attempt(lambda: quantized("nvfp4"))
+        out["ipc_nvfp4_snapshot"] = _attempt(lambda: quantized("nvfp4", snapshot=True))
         if cuda:
             out["nvfp4_kernel"] = _attempt(_nvfp4_kernel)
     if "staged" in parts:
