@@ -25,6 +25,7 @@ from refitd.plan.intersect import Batch
 from refitd.plan.layout import TensorSpec
 from refitd.plan.program.build import concat_ranges
 from refitd.plan.sides import Side
+from refitd.plan.stamp_schedule import PoolSlots
 from refitd.plan.table import SpecTable
 
 # a stamped plan's busiest source slot may send this much more than the least any plan of
@@ -116,6 +117,11 @@ class PoolStamp:
                 out[p, at : at + n] = b.chosen_src((col + p * r // k) % r)
             at += n
         return out
+
+    def pool_slots(self, dst: Side, copies: int) -> PoolSlots:
+        """The pools' slots, for a stamp of `copies` first-pool copies (stamp_schedule)."""
+        first, at = np.unique(dst.slot[self.rows[0]], return_index=True)
+        return PoolSlots(self.pools, copies, first, dst.slot[self.rows[:, at]])
 
     def sheds_enough(self, t: CopyTable, nbytes: np.ndarray, first: Side, sources: Side) -> bool:
         """Whether the first pool's copies with relays chosen (`t`, wire bytes `nbytes`),
