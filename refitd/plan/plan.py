@@ -88,7 +88,9 @@ class Plan:
         slots, self._dense = dense_index(slot_of_tensor)
         self._all_slots = slots
         local = slot_of_tensor[table.src] == slot_of_tensor[table.dst]
-        nb = config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+        nb = table.per_copy(
+            config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+        )
         # local copies from source tensors first; local relays run after all receives
         lidx = np.flatnonzero(local)
         lidx = lidx[np.argsort(table.feed[lidx] >= 0, kind="stable")]
@@ -121,6 +123,7 @@ class Plan:
         if stamped is not None:
             direct, relays = stamped
         else:
+            table = table.whole()
             relay = table.feed >= 0
             any_relay = bool(relay.any())
             direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)

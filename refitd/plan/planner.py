@@ -175,7 +175,7 @@ def _side_copies(
         if rotated is None:  # every pool reads the first pool's sources: one schedule
             pools = stamp.pool_slots(dst, table.src.size)
         table = stamp.stamp(table, n_src, rotated)
-    check_blocks(table, tensors, config.wires)
+    check_blocks(table, tensors, config.wires)  # stamped: the first pool's, as all pools
     stamped = 0 if stamp is None else stamp.pools
     return table, np.concatenate([src.slot, dst.slot]), stamped, pools
 

@@ -48,7 +48,7 @@ def stamped_messages(
     where a relay sender also sends direct copies (its relay rounds would then hang on
     the direct rounds of its own pair)."""
     n = pools.copies
-    first = CopyTable(*(getattr(table, f)[:n] for f in CopyTable.__slots__))
+    first = table.first(n)
     relay = first.feed >= 0
     d0 = sched.messages(first, nb[:n], ~local[:n] & ~relay, None, bool(relay.any()))
     r0 = sched.messages(first, nb[:n], ~local[:n] & relay, d0, False)
