@@ -73,9 +73,10 @@ def assign_rounds(
     pair_msgs: np.ndarray,
     n_slots: int,
     fanout: int,
-) -> np.ndarray:
-    """First round of each pair: a source's peers in rotated order (starting after
-    itself) dealt over `fanout` lanes; a lane sends its pairs' messages back to back."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """(first round of each pair, messages of the lane it is dealt to): a source's peers
+    in rotated order (starting after itself) dealt over `fanout` lanes; a lane sends its
+    pairs' messages back to back."""
     rot = (pair_dst - pair_src) % n_slots
     order = np.lexsort((rot, pair_src))
     src_sorted = pair_src[order]
@@ -89,9 +90,13 @@ def assign_rounds(
     key_lane = lane[order2]
     new = np.r_[True, (np.diff(key_src) != 0) | (np.diff(key_lane) != 0)]
     base = sum_before_in_runs(m, new)
+    run = np.flatnonzero(new)
+    lane_msgs = np.repeat(np.add.reduceat(m, run), np.diff(np.r_[run, m.size])) if m.size else m
     rounds = np.empty(order.size, dtype=np.int64)
     rounds[order[order2]] = base
-    return rounds
+    span = np.empty(order.size, dtype=np.int64)
+    span[order[order2]] = lane_msgs
+    return rounds, span
 
 
 def successive_rounds(need: np.ndarray, pair: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -101,7 +101,8 @@ def _first_missing(
 
 
 def check_blocks(t: CopyTable, tensors: Sequence[TensorSpec], wires: WireRegistry) -> None:
-    """With a blocked (quantized) wire every copy carries whole blocks of its destination."""
+    """With a blocked (quantized) wire every copy carries whole blocks of its destination
+    (of a stamped table, CopyTable.period, the first pool's copies: every pool's are theirs)."""
     blocked = np.array([bool(f.block) for f in wires.formats])
     q = np.flatnonzero(blocked[t.wire]) if t.wire.size else t.wire
     for i in q.tolist():  # few distinct tensors in practice; clarity over speed here

@@ -12,7 +12,10 @@ class CopyTable:
     """Copies as columns. feed: the copy (cid) whose destination region a relay reads, -1
     for a copy from a source tensor; cid: the copy's index before bucket splitting. ndim,
     wire (code) and esize (source element bytes) are int8: a table of a million copies is
-    gathered, in message order, as a whole."""
+    gathered, in message order, as a whole. period: 0, or the table is identical pools
+    stamped (stamp.py) and the columns of REPEATED hold only the first `period` rows, row
+    r reading row r % period (every pool's copies have the first pool's locations and
+    shapes; its own tensors in src, dst and feed)."""
 
     src: np.ndarray
     dst: np.ndarray
@@ -24,12 +27,38 @@ class CopyTable:
     esize: np.ndarray
     feed: np.ndarray
     cid: np.ndarray
+    period: int = 0
+
+    def at(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` of column `name`."""
+        if self.period and name in REPEATED:
+            rows = rows % self.period
+        # np.take along axis 0: fancy indexing of [N, d] rows is several times slower
+        return np.take(getattr(self, name), rows, axis=0)
 
     def take(self, idx: np.ndarray) -> CopyTable:
-        # np.take along axis 0: fancy indexing of [N, d] rows is several times slower
-        return CopyTable(*(np.take(getattr(self, f), idx, axis=0) for f in self.__slots__))
+        return CopyTable(*(self.at(f, idx) for f in COLUMNS))
+
+    def first(self, n: int) -> CopyTable:
+        """The first n rows (views)."""
+        return CopyTable(*(getattr(self, f)[:n] for f in COLUMNS))
+
+    def whole(self) -> CopyTable:
+        """The table with every column holding every row."""
+        return self if not self.period else self.take(np.arange(self.src.size))
+
+    def per_copy(self, values: np.ndarray) -> np.ndarray:
+        """A column computed from the REPEATED columns (one value per stored row) for
+        every row."""
+        if not self.period:
+            return values
+        out = np.empty((self.src.size // self.period, *values.shape), values.dtype)
+        out[:] = values  # a broadcast copy: np.tile is several times slower
+        return out.reshape(-1, *values.shape[1:])
 
 
+COLUMNS = tuple(f for f in CopyTable.__slots__ if f != "period")
+REPEATED = ("src_loc", "dst_loc", "shape", "ndim", "wire", "esize")
 _CUT = ("src_loc", "dst_loc", "shape")  # the columns a cut along dim 0 changes
 
 
@@ -48,7 +77,7 @@ class Pieces:
     def column(self, name: str, idx: np.ndarray | None = None) -> np.ndarray:
         """Column `name` of the pieces (or of pieces `idx`), cuts applied."""
         rows = self.rows if idx is None else self.rows[idx]
-        out = np.take(getattr(self.table, name), rows, axis=0)
+        out = self.table.at(name, rows)
         if self.step is not None and self.len0 is not None and name in _CUT:
             if name == "shape":
                 out[:, 0] = self.len0 if idx is None else self.len0[idx]
@@ -64,7 +93,7 @@ class Pieces:
 
     def take(self) -> CopyTable:
         """Every column of the pieces, as a table of their own."""
-        return CopyTable(*(self.column(f) for f in CopyTable.__slots__))
+        return CopyTable(*(self.column(f) for f in COLUMNS))
 
     @staticmethod
     def concat(parts: list[Pieces]) -> Pieces:
@@ -76,5 +105,7 @@ class Pieces:
         step = np.concatenate(
             [np.zeros(p.rows.size, np.int64) if p.step is None else p.step for p in parts]
         )
-        len0 = np.concatenate([table.shape[p.rows, 0] if p.len0 is None else p.len0 for p in parts])
+        len0 = np.concatenate(
+            [table.at("shape", p.rows)[:, 0] if p.len0 is None else p.len0 for p in parts]
+        )
         return Pieces(table, rows, step, len0)

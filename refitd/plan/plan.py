@@ -28,6 +28,7 @@ from refitd.plan.program.build import (
 from refitd.plan.program.columns import SlotProgram
 from refitd.plan.schedule import BucketScheduler, ScheduledMessages
 from refitd.plan.sides import sort_by
+from refitd.plan.stamp_schedule import PoolSlots, stamped_messages
 from refitd.plan.table import SpecTable
 
 
@@ -73,9 +74,12 @@ class Plan:
         sources_count: int,
         tables: Sequence[SpecTable] | None = None,
         pools_stamped: int = 0,
+        pools: PoolSlots | None = None,
     ) -> None:
         """`tables`: SpecTables whose rows, in order, are `tensors` (the two sides', or one
-        per worker); without them the program index tabulates `tensors` itself."""
+        per worker); without them the program index tabulates `tensors` itself. `pools`:
+        the table is stamped pools reading the same sources (stamp_schedule), bucketed
+        and scheduled once."""
         self.model, self.epoch, self.digest, self.tensors = model, epoch, digest, tensors
         self.config = config
         self._n_src = sources_count
@@ -84,12 +88,14 @@ class Plan:
         slots, self._dense = dense_index(slot_of_tensor)
         self._all_slots = slots
         local = slot_of_tensor[table.src] == slot_of_tensor[table.dst]
-        nb = config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+        nb = table.per_copy(
+            config.wires.segment_nbytes(table.wire, table.shape, table.ndim, table.esize)
+        )
         # local copies from source tensors first; local relays run after all receives
         lidx = np.flatnonzero(local)
         lidx = lidx[np.argsort(table.feed[lidx] >= 0, kind="stable")]
         self._local = Pieces(table, lidx)
-        relays, remote_nb = self._schedule(table, nb, local)
+        relays, remote_nb = self._schedule(table, nb, local, pools)
         self._m_path, self._m_fallback = config.links.choose(self._m_src, self._m_dst)
         self._remote_table: CopyTable | None = None  # relay_feeds' whole table
         self._send_load = np.bincount(
@@ -105,7 +111,7 @@ class Plan:
         self._index: ProgramIndex | None = None
 
     def _schedule(
-        self, table: CopyTable, nb: np.ndarray, local: np.ndarray
+        self, table: CopyTable, nb: np.ndarray, local: np.ndarray, pools: PoolSlots | None
     ) -> tuple[ScheduledMessages, np.ndarray]:
         """Bucket the remote copies (direct ones, then relays after what they forward) and
         keep all messages ordered by (round, src, dst): (the relay messages, the wire
@@ -113,10 +119,15 @@ class Plan:
         sched = BucketScheduler(
             self.config, self._slot_of, self._dense, self._all_slots.size, self.tensors
         )
-        relay = table.feed >= 0
-        any_relay = bool(relay.any())
-        direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)
-        relays = sched.messages(table, nb, ~local & relay, direct, False)
+        stamped = None if pools is None else stamped_messages(sched, table, nb, local, pools)
+        if stamped is not None:
+            direct, relays = stamped
+        else:
+            table = table.whole()
+            relay = table.feed >= 0
+            any_relay = bool(relay.any())
+            direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)
+            relays = sched.messages(table, nb, ~local & relay, direct, False)
         n_direct = direct.rows.size
         self._remote = Pieces.concat([direct.pieces(table), relays.pieces(table)])
         ms = np.concatenate([direct.start, relays.start + n_direct])

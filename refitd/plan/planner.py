@@ -45,6 +45,7 @@ from refitd.plan.relay import RelayCandidates, choose_relays
 from refitd.plan.rowwise import row_prod
 from refitd.plan.sides import Side, group, side_of
 from refitd.plan.stamp import PoolStamp
+from refitd.plan.stamp_schedule import PoolSlots
 from refitd.plan.table import JoinedSpecs, SpecTable
 
 __all__ = [
@@ -97,7 +98,7 @@ def _build(
     if digest is None:
         digest = fingerprint(model, sources, destinations, config)
     tensors = JoinedSpecs(sources, destinations)
-    table, slot_of, stamped = _copies(sources, destinations, tensors, config)
+    table, slot_of, stamped, pools = _copies(sources, destinations, tensors, config)
     return Plan(
         model,
         epoch,
@@ -109,6 +110,7 @@ def _build(
         sources_count=len(sources),
         pools_stamped=stamped,
         tables=(sources, destinations),
+        pools=pools,
     )
 
 
@@ -117,9 +119,10 @@ def _copies(
     destinations: SpecTable,
     tensors: Sequence[TensorSpec],
     config: PlanConfig,
-) -> tuple[CopyTable, np.ndarray, int]:
+) -> tuple[CopyTable, np.ndarray, int, PoolSlots | None]:
     """(every copy of the plan, relays chosen; the slot of every plan tensor; how many
-    destination pools were stamped from one plan, 0: none); `tensors`:
+    destination pools were stamped from one plan, 0: none; their slots where every pool
+    reads the same sources, for stamping the schedule too); `tensors`:
     the sides' specs in plan index order. Identical destination pools are planned once
     and stamped (stamp.py) unless relays within a pool would shed clearly less than
     relays across pools. The intersections and choices die here, before the Plan buckets
@@ -133,15 +136,15 @@ def _copies(
     if stamp is not None:
         stamped = _side_copies(src, dst, tensors, config, stamp)
         if stamped is not None:
-            return (*stamped, stamp.pools)
+            return stamped
     out = _side_copies(src, dst, tensors, config, None)
     assert out is not None
-    return (*out, 0)
+    return out
 
 
 def _side_copies(
     src: Side, dst: Side, tensors: Sequence[TensorSpec], config: PlanConfig, stamp: PoolStamp | None
-) -> tuple[CopyTable, np.ndarray] | None:
+) -> tuple[CopyTable, np.ndarray, int, PoolSlots | None] | None:
     """_copies of the whole destination side, or of its first pool stamped onto the
     others (None: the stamped sources would send too much, PoolStamp.sheds_enough)."""
     n_src = dst.base
@@ -167,10 +170,14 @@ def _side_copies(
             if not stamp.sheds_enough(table, nbytes, first, src):
                 return None
     del group_of, relayable
+    pools = None
     if stamp is not None:
+        if rotated is None:  # every pool reads the first pool's sources: one schedule
+            pools = stamp.pool_slots(dst, table.src.size)
         table = stamp.stamp(table, n_src, rotated)
-    check_blocks(table, tensors, config.wires)
-    return table, np.concatenate([src.slot, dst.slot])
+    check_blocks(table, tensors, config.wires)  # stamped: the first pool's, as all pools
+    stamped = 0 if stamp is None else stamp.pools
+    return table, np.concatenate([src.slot, dst.slot]), stamped, pools
 
 
 def _choices(b: Batch, intersector: BoxIntersector, config: PlanConfig) -> Choices:

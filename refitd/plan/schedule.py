@@ -33,6 +33,8 @@ class ScheduledMessages:
     dst: np.ndarray  # [M] destination slot
     nbytes: np.ndarray  # [M]
     round_of_copy: np.ndarray  # [copies before splitting] last round carrying it
+    # [M] messages of the lane carrying each message (direct copies on lanes; else empty)
+    lane_span: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # the pieces of cut copies, for relays that forward them: per copy the position of its
     # first piece (-1: not here), how many and rows per piece; per piece its round
     piece_first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -134,7 +136,7 @@ class BucketScheduler:
             return ScheduledMessages(rows, step, len0, rnb, z, z, z, z, z, z, z)
         pair_first = np.r_[0, np.flatnonzero((np.diff(rs) != 0) | (np.diff(rd) != 0)) + 1]
         ms, me, mp = bk.pack(pair_first, rnb, self.config.bucket_bytes)
-        m_round = self._rounds(table, rows, rnb, pair_first, ms, mp, rs, rd, feeds, need)
+        m_round, span = self._rounds(table, rows, rnb, pair_first, ms, mp, rs, rd, feeds, need)
         csum = np.r_[0, np.cumsum(rnb)]
         out = ScheduledMessages(
             rows,
@@ -148,6 +150,7 @@ class BucketScheduler:
             rd[pair_first][mp],
             csum[me] - csum[ms],
             z,
+            z if span is None else span[mp],
         )
         if need_rounds:
             _record_copy_rounds(out, table)
@@ -165,22 +168,22 @@ class BucketScheduler:
         rd: np.ndarray,
         feeds: ScheduledMessages | None,
         need: np.ndarray | None,
-    ) -> np.ndarray:
-        """The round of every message (rows: the table row of every piece; ms: first
-        piece, mp: pair of each message)."""
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the round of every message, with lanes the messages of each pair's lane)
+        (rows: the table row of every piece; ms: first piece, mp: pair of each message)."""
         p_msgs = np.bincount(mp, minlength=pair_first.size)
         k = np.arange(mp.size) - (np.cumsum(p_msgs) - p_msgs)[mp]
         if feeds is not None and need is not None:
             m_need = np.maximum.reduceat(need, ms)
             after = feeds.pair_last_round(rs[pair_first], rd[pair_first]) + 1
-            return bk.successive_rounds(np.maximum(m_need, after[mp]), mp, k)
+            return bk.successive_rounds(np.maximum(m_need, after[mp]), mp, k), None
         p_src = self.dense[table.src[rows[pair_first]]]
         p_dst = self.dense[table.dst[rows[pair_first]]]
         if self.config.schedule == "serial":
             m_bytes = np.add.reduceat(rnb, ms) if ms.size else rnb[:0]
-            return bk.serial_rounds(p_src, p_dst, mp, m_bytes, self.n_slots)
-        p_round = bk.assign_rounds(p_src, p_dst, p_msgs, self.n_slots, self.config.fanout)
-        return p_round[mp] + k
+            return bk.serial_rounds(p_src, p_dst, mp, m_bytes, self.n_slots), None
+        p_round, span = bk.assign_rounds(p_src, p_dst, p_msgs, self.n_slots, self.config.fanout)
+        return p_round[mp] + k, span
 
     def split(
         self, t: CopyTable, idx: np.ndarray, nb: np.ndarray

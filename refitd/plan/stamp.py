@@ -25,6 +25,7 @@ from refitd.plan.intersect import Batch
 from refitd.plan.layout import TensorSpec
 from refitd.plan.program.build import concat_ranges
 from refitd.plan.sides import Side
+from refitd.plan.stamp_schedule import PoolSlots
 from refitd.plan.table import SpecTable
 
 # a stamped plan's busiest source slot may send this much more than the least any plan of
@@ -117,6 +118,11 @@ class PoolStamp:
             at += n
         return out
 
+    def pool_slots(self, dst: Side, copies: int) -> PoolSlots:
+        """The pools' slots, for a stamp of `copies` first-pool copies (stamp_schedule)."""
+        first, at = np.unique(dst.slot[self.rows[0]], return_index=True)
+        return PoolSlots(self.pools, copies, first, dst.slot[self.rows[:, at]])
+
     def sheds_enough(self, t: CopyTable, nbytes: np.ndarray, first: Side, sources: Side) -> bool:
         """Whether the first pool's copies with relays chosen (`t`, wire bytes `nbytes`),
         stamped, keep the busiest source slot within _SEND_SLACK of what any plan of all
@@ -132,8 +138,9 @@ class PoolStamp:
 
     def stamp(self, t: CopyTable, base: int, sources: np.ndarray | None = None) -> CopyTable:
         """The first pool's copies (destinations as first-pool rows + base, relays fed
-        within it) repeated for every pool, pool by pool; `sources`: each pool's sources
-        of the direct copies (default: the first pool's)."""
+        within it) repeated for every pool, pool by pool, their locations and shapes kept
+        once (CopyTable.period); `sources`: each pool's sources of the direct copies
+        (default: the first pool's)."""
         k, n = self.pools, t.src.size
         relay = t.feed >= 0
         dst = base + self.rows[:, t.dst - base]
@@ -141,18 +148,18 @@ class PoolStamp:
         src[:, relay] = base + self.rows[:, t.src[relay] - base]
         feed = _per_pool(t.feed, k)
         feed[:, relay] += (np.arange(k, dtype=np.int64) * n)[:, None]
-        rows = (k * n,)
         return CopyTable(
             src=src.reshape(-1),
             dst=dst.reshape(-1),
-            src_loc=_per_pool(t.src_loc, k).reshape(rows + t.src_loc.shape[1:]),
-            dst_loc=_per_pool(t.dst_loc, k).reshape(rows + t.dst_loc.shape[1:]),
-            shape=_per_pool(t.shape, k).reshape(rows + t.shape.shape[1:]),
-            ndim=_per_pool(t.ndim, k).reshape(-1),
-            wire=_per_pool(t.wire, k).reshape(-1),
-            esize=_per_pool(t.esize, k).reshape(-1),
+            src_loc=t.src_loc,
+            dst_loc=t.dst_loc,
+            shape=t.shape,
+            ndim=t.ndim,
+            wire=t.wire,
+            esize=t.esize,
             feed=feed.reshape(-1),
             cid=np.arange(k * n),
+            period=n,
         )
 
 
