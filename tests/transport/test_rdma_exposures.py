@@ -98,3 +98,30 @@ def test_rings_of_many_messages_in_one_call_each_reach_their_own_word() -> None:
     finally:
         sender.close()
         dest.close()
+
+
+def test_a_ring_of_the_current_generation_lands_and_a_stale_one_is_told() -> None:
+    """Rings posted with the doorbell's generation read (one exchange): every word lands
+    while the generation is the descriptor's; once the doorbell is retired the sender is
+    told (the refit fails as stale)."""
+    from refitd.transfer.rdma_path import RINGS, RdmaPath
+    from refitd.transport.doorbell import HEADER_WORDS, value
+
+    dest, sender = RdmaPath(PathSettings(slot=1)), RdmaPath(PathSettings(slot=0))
+    entries = RINGS + 3
+    try:
+        memory = torch.zeros(16, dtype=torch.bfloat16)
+        exposure = dest.expose({0: Exposed(memory, None, "plain", b"h")}, entries, 11)
+        peer = sender.attach(exposure.body, "message 0 to slot 1")
+        rings = [(e, 4, 2 + e) for e in range(entries)]
+        assert peer.ring_current(11, rings)
+        words = exposure.doorbell.words[HEADER_WORDS:].tolist()
+        assert words == [value(4, 2 + e) for e in range(entries)]
+        assert not peer.ring_current(12, rings[:1])  # another generation than the peer's
+        exposure.doorbell.retire()
+        assert not peer.ring_current(11, rings[:1])
+        peer.close()
+        exposure.close()
+    finally:
+        sender.close()
+        dest.close()
