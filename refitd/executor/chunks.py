@@ -9,6 +9,8 @@ chunks; each chunk is one send matched by one receive. Rules, from the program a
 - any segment larger than its chunk size (wire_chunk when it lands direct, else
   staged_chunk) gets chunks of its own;
 - other consecutive segments share a chunk of at most staged_chunk bytes.
+A message on the rdma path is cut at RDMA_CHUNK at most (both sizes): its destination
+learns of each chunk as it lands, and a slot forwarding it passes each piece on then.
 A raw segment bound for NVFP4 storage (FLAG_AMAX_WORD) that a chunk carries whole travels
 with its amax side word: after the chunk's segments, SEGMENT_ALIGN-aligned, one int32 per
 such segment in row order (`Chunk.amax_at`, `Chunk.amax_rows`). The sender folds it from
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from refitd.executor.errors import ExecutionError
+from refitd.plan.links import PATHS, RDMA
 from refitd.plan.program import (
     DTYPES,
     FLAG_AMAX_WORD,
@@ -37,6 +40,9 @@ from refitd.plan.rowwise import row_prod
 from refitd.plan.wire import BUILTIN_WIRES, DTYPE_SIZES, RAW_CODE, SEGMENT_ALIGN, aligned
 
 WIRE_CHUNK = 32 << 20
+# the largest chunk of a message on the rdma path: its destination learns of each chunk
+# once it landed, and a pool forwarding it (relay) passes it on only then
+RDMA_CHUNK = 2 << 20
 DIRECT_MIN = 1 << 20
 TAG_CHUNK_BITS = 12
 _ESIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], np.int64)
@@ -117,9 +123,11 @@ def chunk_messages(
     if wire_chunk % 16 or staged_chunk % 16:
         raise ValueError("wire_chunk and staged_chunk must be multiples of 16")
     cut = _Cutter(info, wire_chunk, staged_chunk)
+    small = _Cutter(info, min(wire_chunk, RDMA_CHUNK), min(staged_chunk, RDMA_CHUNK))
+    rdma = (msgs.path == PATHS.index(RDMA)).tolist()
     out: list[Chunk] = []
     for k in range(len(msgs)):
-        out += cut.message(
+        out += (small if rdma[k] else cut).message(
             Chunk(
                 int(msgs.id[k]),
                 int(msgs.round[k]),

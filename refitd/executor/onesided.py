@@ -41,7 +41,7 @@ _Sums = dict[tuple[int, int], torch.Tensor]
 # one-sided bytes posted to one remote destination and not yet landed (one chunk at least):
 # the engine sends everything posted at once, so a chunk posted far ahead shares the link
 # with all the others and lands late, which holds up the destination's relays
-WINDOW = 8 << 20
+WINDOW = 4 << 20
 
 
 class _Refit(Protocol):
@@ -193,27 +193,27 @@ class _Landing:
 
 
 def confirm(landed: list[_Landing]) -> None:
-    """Tell the destinations that these chunks landed: per destination its doorbell's
-    generation is read once (it still holds the plan: the writes went where the descriptor
-    said), then each message's doorbell word is rung with its highest chunk count, all in
-    one exchange. Chunks of a message land in posting order, so the highest count covers
-    the others."""
+    """Tell the destinations that these chunks landed: per destination each message's
+    doorbell word is rung with its highest chunk count, and the doorbell's generation is
+    read (it still holds the plan: the writes went where the descriptor said), all in one
+    exchange (`Peer.ring_current`). Chunks of a message land in posting order, so the
+    highest count covers the others."""
     by_peer: dict[int, list[_Landing]] = {}
     for la in landed:
         by_peer.setdefault(id(la.peer), []).append(la)
     for group in by_peer.values():
         first = group[0]
-        if first.peer.generation() != first.desc.generation:
+        rings: dict[int, tuple[int, int]] = {}
+        for la in group:
+            entry = first.desc.entry[la.ch.mid]
+            rings[entry] = max(rings.get(entry, (0, 0)), (la.ch.index + 1, la.attempt))
+        words = [(e, a, n) for e, (n, a) in rings.items()]
+        if not first.peer.ring_current(first.desc.generation, words):
             ch = first.ch
             raise ExecutionError(
                 f"slot {first.slot}: message {ch.mid} to slot {ch.dst_slot}: stale descriptor "
                 "(the destination unloaded or reloaded the plan while it was written)"
             )
-        rings: dict[int, tuple[int, int]] = {}
-        for la in group:
-            entry = first.desc.entry[la.ch.mid]
-            rings[entry] = max(rings.get(entry, (0, 0)), (la.ch.index + 1, la.attempt))
-        first.peer.ring_many([(e, a, n) for e, (n, a) in rings.items()])
 
 
 class Ringer:
@@ -344,9 +344,9 @@ class OneSided:
         attempt, device, deadline = refit.attempt, refit.prep.device, refit.deadline
         window = self.window if peer.in_flight else None
         w = data.direct_views(ch)
-        if sums is not None and not ch.seg_start:
+        if sums is not None:  # a copy in pieces at its last one (see SlotViews.source_sums)
             for i in ch.rows:
-                if data.plain_raw_dst(i):
+                if data.plain_raw_dst(i) and data.ends(ch, i):
                     sums[(ch.mid, i)] = data.source_sum(i)
         lands = peer.lands(ch.mid)
         if lands and w.slow:

@@ -5,14 +5,14 @@ replays every refit.
 dtype. `PreparedProgram` cuts the messages into chunks (chunks.py), groups them into posting
 steps in (round, chunk index, message id) order, decides per chunk zero-copy or staged (and
 which staging ring buffer a staged one uses), works out relay waits (how many receives a
-relay send must see complete, see executor.py), and builds the local-copy steps.
+relay send chunk must see complete, feeds.py), and builds the local-copy steps.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 
 from refitd.executor.chunks import Chunk, CopyInfo, chunk_messages
 from refitd.executor.errors import ExecutionError
+from refitd.executor.feeds import RelayFeeds
 from refitd.executor.segments import ResolvedTensor
 from refitd.executor.staging import StagingRing
 from refitd.executor.views import LocalStep, SlotViews
@@ -192,49 +193,21 @@ class PreparedProgram:
         return zero_copy[id(ch)] is None and id(ch) not in self.one_sided
 
     def _relay_waits(self) -> dict[int, int]:
-        """Send chunk of a relay message -> receives (in posting order) to complete first."""
-        p, relay = self.program, self.info.relay.tolist()
+        """Send chunk forwarding relay copies -> receives (in posting order) to complete
+        first: those writing part of what the chunk itself forwards (feeds.py), so a relay
+        forwards each piece once it landed, not once its whole message did."""
+        relay = self.info.relay.tolist()
         recv_rounds = sorted(c.round for c in self.recv_chunks)
-        feeds = self._feed_index()
-        waits: dict[int, int] = {}  # relay message id -> receives to complete first
-        for k in range(len(p.send)):
-            rows = [i for i in range(int(p.send.start[k]), int(p.send.end[k])) if relay[i]]
-            if rows:
-                # every receive of a smaller round holds everything it may forward; the
-                # prefix up to the last receive writing what it forwards is enough
-                n = bisect.bisect_left(recv_rounds, int(p.send.round[k]))
-                waits[int(p.send.id[k])] = min(n, max(feeds(i) for i in rows))
-        return {id(ch): waits[ch.mid] for ch in self.send_chunks if ch.mid in waits}
-
-    def _feed_index(self) -> Callable[[int], int]:
-        """For a relay copy row: how many receive chunks, in posting order, complete the
-        last one that writes (part of) the region it forwards."""
         order = sorted(self.recv_chunks, key=lambda c: c.key)
-        c = self.program.copies
-        dst_t, src_t, nd = c.dst.tolist(), c.src.tolist(), c.ndim.tolist()
-        src_off, dst_off, shape = c.src_off.tolist(), c.dst_off.tolist(), c.shape.tolist()
-        writes: dict[int, list[tuple[int, int]]] = {}
-        for k, ch in enumerate(order):
-            for i in ch.rows:
-                writes.setdefault(dst_t[i], []).append((k, i))
-
-        def overlaps(a: int, b: int) -> bool:  # a's source region, b's destination region
-            return all(
-                ao < bo + bn and bo < ao + an
-                for ao, an, bo, bn in zip(
-                    src_off[a][: nd[a]],
-                    shape[a][: nd[a]],
-                    dst_off[b][: nd[b]],
-                    shape[b][: nd[b]],
-                    strict=True,
-                )
-            )
-
-        def feed(i: int) -> int:
-            hits = [k for k, w in writes.get(src_t[i], ()) if overlaps(i, w)]
-            return max(hits) + 1 if hits else len(order)
-
-        return feed
+        feeds = RelayFeeds(self.program, self.info.payload, order)
+        waits: dict[int, int] = {}
+        for ch in self.send_chunks:
+            rows = [i for i in ch.rows if relay[i]]
+            if rows:
+                # every receive of a smaller round holds everything it may forward
+                n = bisect.bisect_left(recv_rounds, ch.round)
+                waits[id(ch)] = min(n, max(feeds.need(ch, i) for i in rows))
+        return waits
 
     def _local_plan(self, rows: list[int]) -> LocalStep:
         """The local copies as a ready-to-run step (SlotViews.local_plan); on CUDA with

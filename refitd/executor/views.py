@@ -334,7 +334,7 @@ class SlotViews:
         """Receiver checksums of a one-sided chunk once its doorbell rang: every copy whose
         last piece it carries, read back from where it landed."""
         for i in ch.rows:
-            if not ch.split or ch.seg_start + ch.nbytes == self._pay[i]:
+            if self.ends(ch, i):
                 sums[(ch.mid, i)] = self.region_sum(i)
 
     # ------------------------------------------------------------------ local copies
@@ -380,20 +380,20 @@ class SlotViews:
             src = src.to(dst_dtype)
         return self.summer.tensor(src)
 
+    def ends(self, ch: Chunk, i: int) -> bool:
+        """Whether ch carries copy i's end: all of it, or its last piece (a relay has it whole)."""
+        return not ch.split or ch.seg_start + ch.nbytes == self._pay[i]
+
     def source_sums(self, ch: Chunk, sums: _Sums) -> None:
-        """Sender checksums of the raw copies that start in ch (encoded ones: pack)."""
-        if ch.seg_start:
-            return
+        """Sender checksums of the raw copies that end in ch (encoded ones: pack)."""
         for i in ch.rows:
-            if self._wire[i] == _RAW:
+            if self._wire[i] == _RAW and self.ends(ch, i):
                 sums[(ch.mid, i)] = self.source_sum(i)
 
     def landed(self, ch: Chunk, sums: _Sums) -> None:
         """Read back the destination blocks of the plain raw copies that ch completes."""
-        for i in ch.rows:
-            if not self.plain_raw_dst(i):
-                continue  # checked on its segment in unpack
-            if not ch.split or ch.seg_start + ch.nbytes == self._pay[i]:
+        for i in ch.rows:  # the others are checked on their segment in unpack
+            if self.plain_raw_dst(i) and self.ends(ch, i):
                 sums[(ch.mid, i)] = self.summer.tensor(self.dst_block(i))
 
     def message_sums(self, m: MessageColumns, sums: _Sums) -> dict[int, int]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
@@ -36,7 +36,7 @@ from refitd.transport.base import DoneWork, Work
 from refitd.transport.doorbell import HEADER_WORDS, MAGIC, RETIRED, Doorbell, value
 from refitd.transport.errors import TransportError
 from refitd.transport.mooncake import MooncakeEndpoint, MooncakeOptions, MooncakePeer
-from refitd.transport.mooncake_runs import Runs
+from refitd.transport.mooncake_runs import Runs, view_runs
 from refitd.transport.paths import (
     Exposed,
     Exposure,
@@ -80,22 +80,6 @@ def _spec(t: torch.Tensor | None) -> _Spec | None:
     if t is None:
         return None
     return [t.data_ptr(), str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride())]
-
-
-def _runs(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[list[np.ndarray], int]:
-    """Element offsets of the contiguous runs of a view under each of several stride sets
-    (one array per set, runs in the same order) and the elements per run: the innermost
-    dimensions contiguous under every set make one run."""
-    dims = [(n, [s[k] for s in strides]) for k, n in enumerate(shape) if n != 1]
-    run, k = 1, len(dims)
-    while k and all(st == run for st in dims[k - 1][1]):
-        run *= dims[k - 1][0]
-        k -= 1
-    offs = [np.zeros(1, np.int64) for _ in strides]
-    for n, sts in dims[:k]:
-        step = np.arange(n, dtype=np.int64)
-        offs = [(o[:, None] + step * st).ravel() for o, st in zip(offs, sts, strict=True)]
-    return offs, run
 
 
 def _landing_areas(sizes: dict[int, int]) -> dict[int, torch.Tensor]:
@@ -250,9 +234,9 @@ class RdmaPeer(Peer):
                 s = d
             self._register(s)
             return s.data_ptr(), d.data_ptr() - mirror + remote, d.numel() * item
-        (doff,), run = _runs(d.shape, [d.stride()])
+        (doff,), run = view_runs(d.shape, [d.stride()])
         if direct:
-            (doff, soff), joint = _runs(d.shape, [d.stride(), s.stride()])
+            (doff, soff), joint = view_runs(d.shape, [d.stride(), s.stride()])
             direct = joint == run
         if not direct:
             d.copy_(s)
@@ -285,25 +269,46 @@ class RdmaPeer(Peer):
     def ring_many(self, rings: list[tuple[int, int, int]]) -> None:
         """The doorbell words of several messages, RINGS at a time in one control post."""
         for k in range(0, len(rings), RINGS):
-            part = rings[k : k + RINGS]
             with self._lock:
-                self._scratch[RING_AT : RING_AT + 2 * len(part) : 2] = torch.tensor(
-                    [value(a, c) for _, a, c in part], dtype=torch.int64
-                )
-                local = self._scratch.data_ptr() + 8 * RING_AT + 16 * np.arange(len(part))
-                remote = self.bell + 8 * (HEADER_WORDS + np.array([e for e, _, _ in part]))
-                runs = (local.astype(np.int64), remote.astype(np.int64), np.full(len(part), 8))
                 deadline = self._control_deadline()
-                self._post(runs, deadline, control=True).wait(_left(deadline))
+                self._post_rings(rings[k : k + RINGS], deadline).wait(_left(deadline))
+
+    def ring_current(self, generation: int, rings: list[tuple[int, int, int]]) -> bool:
+        """The header read posted with the first RINGS rings (one round trip over the
+        link, where the writes just queued), the rest once the generation matched."""
+        with self._lock:
+            deadline = self._control_deadline()
+            gen = self._generation(deadline, self._post_rings(rings[:RINGS], deadline))
+        if gen != generation:
+            return False
+        self.ring_many(rings[RINGS:])
+        return True
+
+    def _post_rings(self, part: list[tuple[int, int, int]], deadline: float) -> Work:
+        """Post up to RINGS doorbell words (under the lock: they are staged in scratch)."""
+        self._scratch[RING_AT : RING_AT + 2 * len(part) : 2] = torch.tensor(
+            [value(a, c) for _, a, c in part], dtype=torch.int64
+        )
+        local = self._scratch.data_ptr() + 8 * RING_AT + 16 * np.arange(len(part))
+        remote = self.bell + 8 * (HEADER_WORDS + np.array([e for e, _, _ in part]))
+        runs = (local.astype(np.int64), remote.astype(np.int64), np.full(len(part), 8))
+        return self._post(runs, deadline, control=True)
+
+    def _generation(self, deadline: float, beside: Work | None = None) -> int:
+        """Read the doorbell's header (under the lock), waiting for `beside` (posted
+        rings) too: its generation, RETIRED where it is no live doorbell."""
+        self._scratch[0:2] = 0
+        op = _one(self._scratch.data_ptr(), self.bell, 16)
+        read = self._post(op, deadline, read=True, control=True)
+        if beside is not None:
+            beside.wait(_left(deadline))
+        read.wait(_left(deadline))
+        magic, gen = (int(x) for x in self._scratch[0:2].tolist())
+        return gen if magic == MAGIC else RETIRED
 
     def generation(self) -> int:
         with self._lock:
-            self._scratch[0:2] = 0
-            op = _one(self._scratch.data_ptr(), self.bell, 16)
-            deadline = self._control_deadline()
-            self._post(op, deadline, read=True, control=True).wait(_left(deadline))
-            magic, gen = (int(x) for x in self._scratch[0:2].tolist())
-        return gen if magic == MAGIC else RETIRED
+            return self._generation(self._control_deadline())
 
     def check_live(self) -> None:
         """Nothing to check locally: the doorbell read (`generation`) before each refit

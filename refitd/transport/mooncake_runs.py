@@ -1,5 +1,6 @@
 """Runs of bytes for the Mooncake writer (refitd.transport.mooncake): registered ranges and
-a vectorised containment check, and runs grouped into the batches posted to the engines.
+a vectorised containment check, runs grouped into the batches posted to the engines, and
+the contiguous runs of a strided view.
 """
 
 from __future__ import annotations
@@ -49,3 +50,21 @@ def batches(runs: Runs, most: int, nbytes: int, routes: int) -> list[Batch]:
         (b % routes, local[a:e].tolist(), remote[a:e].tolist(), n[a:e].tolist())
         for b, (a, e) in enumerate(zip(starts.tolist(), ends, strict=True))
     ]
+
+
+def view_runs(
+    shape: Sequence[int], strides: Sequence[Sequence[int]]
+) -> tuple[list[np.ndarray], int]:
+    """Element offsets of the contiguous runs of a view under each of several stride sets
+    (one array per set, runs in the same order) and the elements per run: the innermost
+    dimensions contiguous under every set make one run."""
+    dims = [(n, [s[k] for s in strides]) for k, n in enumerate(shape) if n != 1]
+    run, k = 1, len(dims)
+    while k and all(st == run for st in dims[k - 1][1]):
+        run *= dims[k - 1][0]
+        k -= 1
+    offs = [np.zeros(1, np.int64) for _ in strides]
+    for n, sts in dims[:k]:
+        step = np.arange(n, dtype=np.int64)
+        offs = [(o[:, None] + step * st).ravel() for o, st in zip(offs, sts, strict=True)]
+    return offs, run

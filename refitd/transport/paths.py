@@ -145,6 +145,17 @@ class Peer(abc.ABC):
     def generation(self) -> int:
         """The destination doorbell's generation now (doorbell.RETIRED once retired)."""
 
+    def ring_current(self, generation: int, rings: list[tuple[int, int, int]]) -> bool:
+        """`ring_many` where the destination's doorbell shows `generation` (it still holds
+        the plan the writes were for); False where it does not. A remote path reads the
+        generation and rings in one round trip, so its ring may reach a doorbell of
+        another generation: that doorbell's waiters expect other attempt ids, so the
+        ring completes none of their waits."""
+        if self.generation() != generation:
+            return False
+        self.ring_many(rings)
+        return True
+
     @abc.abstractmethod
     def check_live(self) -> None:
         """Raise (StorageMovedError, TransportError) if exposed memory was released."""

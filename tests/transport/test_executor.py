@@ -13,7 +13,14 @@ from _transport_layouts import expected, fill_sources, globals_for, make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refitd.executor.chunks import CopyInfo, chunk_messages, flat_range_views
+from refitd.executor.chunks import (
+    DIRECT_MIN,
+    RDMA_CHUNK,
+    WIRE_CHUNK,
+    CopyInfo,
+    chunk_messages,
+    flat_range_views,
+)
 from refitd.executor.run import DirectResolver, Executor, ExecutorConfig
 from refitd.executor.segments import ResolvedTensor
 from refitd.executor.shares import LinkShares, Share
@@ -75,6 +82,22 @@ def test_chunks_split_large_segments_and_group_small_ones() -> None:
     assert [c.nbytes for c in own] == [52, 200, 20]
     with pytest.raises(ProgramError, match=r"send\.nbytes"):
         _chunks(copies, 5, 64)
+
+
+def test_a_message_on_the_rdma_path_is_cut_at_rdma_chunk() -> None:
+    """Its destination sees each chunk land (and may forward it) before the next."""
+    n = 3 * (1 << 20) + 8  # bf16 elements: 6 MiB and 16 bytes, one contiguous copy
+    copy = Copy(0, (0,), 1, (0,), (n,))
+    specs = {
+        0: ProgramTensor("a", 0, 0, "bfloat16", "plain", (n,)),
+        1: ProgramTensor("b", 0, 1, "bfloat16", "plain", (n,)),
+    }
+    for path, want in (("collective", [2 * n]), ("rdma", [RDMA_CHUNK] * 3 + [16])):
+        p = program_from_objects(
+            "d", 0, specs, (Message(7, 0, 0, 1, (copy,), 2 * n, path),), (), ()
+        )
+        chunks = chunk_messages(p.send, CopyInfo.of(p, DIRECT_MIN), WIRE_CHUNK)
+        assert [c.nbytes for c in chunks] == want, path
 
 
 def _programs(src, dst, bucket_bytes=64 << 20):

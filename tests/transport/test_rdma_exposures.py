@@ -78,7 +78,8 @@ def test_a_strided_write_has_landed_in_full_when_it_returns() -> None:
 
 def test_rings_of_many_messages_in_one_call_each_reach_their_own_word() -> None:
     """A sender confirms whatever landed meanwhile in one exchange: more rings than one
-    control post carries, to adjacent doorbell words, each word gets its own value."""
+    control post carries, to adjacent doorbell words, each word gets its own value; with
+    the generation read (`ring_current`) a stale destination is told."""
     from refitd.transfer.rdma_path import RINGS, RdmaPath
     from refitd.transport.doorbell import HEADER_WORDS, value
 
@@ -93,6 +94,15 @@ def test_rings_of_many_messages_in_one_call_each_reach_their_own_word() -> None:
         words = exposure.doorbell.words[HEADER_WORDS:].tolist()
         assert words == [0 if e == 5 else value(3 + e % 2, 1 + 7 * e) for e in range(entries)]
         assert peer.generation() == 9
+        # rings posted with the generation read (one exchange): all land while it is the
+        # descriptor's; another generation, or a retired doorbell, is told to the sender
+        fresh = [(e, 6, 1 + e) for e in range(entries)]
+        assert peer.ring_current(9, fresh)
+        words = exposure.doorbell.words[HEADER_WORDS:].tolist()
+        assert words == [value(6, 1 + e) for e in range(entries)]
+        assert not peer.ring_current(10, fresh[:1])
+        exposure.doorbell.retire()
+        assert not peer.ring_current(9, fresh[:1])
         peer.close()
         exposure.close()
     finally:
