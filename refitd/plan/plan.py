@@ -98,11 +98,15 @@ class Plan:
         relays, remote_nb = self._schedule(table, nb, local, pools)
         self._m_path, self._m_fallback = config.links.choose(self._m_src, self._m_dst)
         self._remote_table: CopyTable | None = None  # relay_feeds' whole table
+        # per message rather than per copy: a message's bytes are its copies' (integers,
+        # summed exactly in float64 either way), and messages are several times fewer
+        dense_slot = np.zeros(int(slots.max(initial=0)) + 1, np.int64)
+        dense_slot[slots] = np.arange(slots.size)
         self._send_load = np.bincount(
-            self._dense[self._remote.column("src")], weights=remote_nb, minlength=slots.size
+            dense_slot[self._m_src], weights=self._m_bytes, minlength=slots.size
         )
         self._recv_load = np.bincount(
-            self._dense[self._remote.column("dst")], weights=remote_nb, minlength=slots.size
+            dense_slot[self._m_dst], weights=self._m_bytes, minlength=slots.size
         )
         self.stats = self._statistics(int(nb[local].sum()), int(remote_nb.sum()), relays)
         if pools_stamped:
@@ -130,17 +134,18 @@ class Plan:
             relays = sched.messages(table, nb, ~local & relay, direct, False)
         n_direct = direct.rows.size
         self._remote = Pieces.concat([direct.pieces(table), relays.pieces(table)])
-        ms = np.concatenate([direct.start, relays.start + n_direct])
-        me = np.concatenate([direct.end, relays.end + n_direct])
         m_round = np.concatenate([direct.round, relays.round])
         m_src = np.concatenate([direct.src, relays.src])
         m_dst = np.concatenate([direct.dst, relays.dst])
-        m_bytes = np.concatenate([direct.nbytes, relays.nbytes])
         m_order = _by_round(m_round, m_src, m_dst, n_direct=direct.src.size)
-        self._m_start, self._m_end = ms[m_order], me[m_order]
         self._m_round = m_round[m_order]
         self._m_src, self._m_dst = m_src[m_order], m_dst[m_order]
-        self._m_bytes = m_bytes[m_order]
+        # the other columns are placed from the two parts: no joined copy to gather from
+        at = np.empty_like(m_order)
+        at[m_order] = np.arange(m_order.size)
+        self._m_start = _placed(at, direct.start, relays.start, n_direct)
+        self._m_end = _placed(at, direct.end, relays.end, n_direct)
+        self._m_bytes = _placed(at, direct.nbytes, relays.nbytes)
         return relays, np.concatenate([direct.copy_bytes, relays.copy_bytes])
 
     def _statistics(
@@ -343,6 +348,15 @@ def _distinct(*cols: np.ndarray) -> list[tuple[int, ...]]:
     sorted_cols = [c[order] for c in cols]
     keep[1:] = np.logical_or.reduce([np.diff(c) != 0 for c in sorted_cols])
     return list(zip(*(c[keep].tolist() for c in sorted_cols), strict=True))
+
+
+def _placed(at: np.ndarray, first: np.ndarray, then: np.ndarray, shift: int = 0) -> np.ndarray:
+    """np.concatenate([first, then + shift])[order] for `at` the inverse of `order`: each
+    part written to its places, without the joined column to gather from."""
+    out = np.empty(at.size, np.result_type(first, then))
+    out[at[: first.size]] = first
+    out[at[first.size :]] = then + shift if shift else then
+    return out
 
 
 def _by_round(m_round: np.ndarray, src: np.ndarray, dst: np.ndarray, n_direct: int) -> np.ndarray:
