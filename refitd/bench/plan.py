@@ -123,9 +123,11 @@ def run(args: argparse.Namespace) -> int:
         **_stat_fields(plan.stats),  # type: ignore[attr-defined]
         "peak_rss_bytes": peak,
     }
-    out.update(_megatron(args, model, src_par, dst_par, dst_base, best, plan_s))
     if args.programs:
         out.update(_programs(args, src_t, dst_t, config, from_table_s, pause))
+    # last: Megatron-Core's import loads modules of its own (triton, sympy) that the
+    # controller's path (its planning processes are forked) does not carry
+    out.update(_megatron(args, model, src_par, dst_par, dst_base, best, plan_s))
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out))
     return 0
