@@ -36,8 +36,8 @@ def load() -> tuple[Any, str | None]:
         if e.name and e.name.split(".")[0] == "megatron":
             return None, "not installed"
         return None, f"import failed: {e}"
-    except ImportError as e:
-        return None, f"import failed: {e}"
+    except Exception as e:  # an installed version at odds with this torch: say so, time nothing
+        return None, f"import failed: {type(e).__name__}: {e}"
     return (planner, utils), None
 
 
