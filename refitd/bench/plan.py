@@ -4,9 +4,10 @@ Prints one JSON line. plan_s: build_plan from the TensorSpec lists to a finished
 table_build_s: turning the lists into SpecTables (a controller can do this as workers
 register); plan_from_table_s: build_plan_from_table; spec_scan_s: same-run reference, one
 Python pass over every spec. The timed calls run inside a GcPause owned by the bench, as
-the controller runs its plan builds (--no-gc-pause: with the collector on). Megatron-Core is
-not installed here, so no figure of it is printed: a reference that was not measured in the
-same run has no place in the line.
+the controller runs its plan builds (--no-gc-pause: with the collector on). megatron_s:
+Megatron-Core's central plan build for every destination rank in the same run, under the
+same pause (refitd/bench/plan_megatron.py), and ratio_to_megatron = plan_s / megatron_s;
+without Megatron-Core installed, `megatron` says so and no figure is printed.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also build and encode every slot's program (programs_s, program_bytes_*, "
         "decode_s_max, replan_s)",
+    )
+    p.add_argument(
+        "--no-megatron",
+        action="store_true",
+        help="skip the Megatron-Core reference (megatron_s) even when it is installed",
     )
     p.add_argument(
         "--no-gc-pause",
@@ -119,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.programs:
         out.update(_programs(args, src_t, dst_t, config, from_table_s, pause))
+    # last: Megatron-Core's import loads modules of its own (triton, sympy) that the
+    # controller's path (its planning processes are forked) does not carry
+    out.update(_megatron(args, model, src_par, dst_par, dst_base, best, plan_s))
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out))
     return 0
@@ -138,6 +147,18 @@ def _best(
             result = f()
         times.append(time.perf_counter() - t)
     return min(times), times, result
+
+
+def _megatron(args, model, src_par, dst_par, dst_base, best, plan_s: float) -> dict:
+    """The Megatron-Core reference fields (plan_megatron.reference) and plan_s's ratio."""
+    if args.no_megatron:
+        return {"megatron": "skipped (--no-megatron)"}
+    from refitd.bench.plan_megatron import reference
+
+    out = reference(model, src_par, dst_par, dst_base, best)
+    if "megatron_s" in out:
+        out["ratio_to_megatron"] = round(plan_s / out["megatron_s"], 3)
+    return out
 
 
 def _stat_fields(s: Any) -> dict[str, Any]:

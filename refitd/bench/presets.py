@@ -240,31 +240,37 @@ def _rank_specs(
     slot: int,
     cache: dict[tuple, Layout],
 ) -> Iterator[TensorSpec]:
+    for t, name, canonical, r, size in rank_tensors(p, par, rank):
+        lay = _layout(t, r, size, cache)
+        yield TensorSpec(
+            model, pool, rank, slot, name, canonical, t.shape, t.dtype, lay.local_shape, lay.boxes
+        )
+
+
+def rank_tensors(
+    p: Preset, par: Parallel, rank: int
+) -> Iterator[tuple[TensorDef, str, str, int, int]]:
+    """(tensor, local name, canonical name, shard rank, shard count) of every tensor rank
+    `rank` holds: its stage's layers under local indices, its experts under local numbers;
+    the shard rank and count are over TP, or over expert TP for experts."""
     tp_rank = rank % par.tp
     stage = rank // (par.tp * par.dp)
     etp_rank = rank % par.etp
     ep_rank = (rank // par.etp) % par.ep
     local_experts = p.num_experts // par.ep if p.num_experts else 0
-
-    def spec(t: TensorDef, name: str, canonical: str, r: int, size: int) -> TensorSpec:
-        lay = _layout(t, r, size, cache)
-        return TensorSpec(
-            model, pool, rank, slot, name, canonical, t.shape, t.dtype, lay.local_shape, lay.boxes
-        )
-
     if stage == 0:
         for t in p.head:
-            yield spec(t, t.name, t.name, tp_rank, par.tp)
+            yield t, t.name, t.name, tp_rank, par.tp
     layers = par.stage_layers(p.layers, stage)
     for local, g in enumerate(layers):
         lp, gp = f"decoder.layers.{local}.", f"decoder.layers.{g}."
         for t in p.layer_defs(g):
-            yield spec(t, lp + t.name, gp + t.name, tp_rank, par.tp)
+            yield t, lp + t.name, gp + t.name, tp_rank, par.tp
         if p.num_experts and g >= p.first_dense:
             for k in range(local_experts):
                 ge = ep_rank * local_experts + k
                 for t in p.expert:
-                    yield spec(t, f"{lp}{t.name}{k}", f"{gp}{t.name}{ge}", etp_rank, par.etp)
+                    yield t, f"{lp}{t.name}{k}", f"{gp}{t.name}{ge}", etp_rank, par.etp
     if stage == par.pp - 1:
         for t in p.tail:
-            yield spec(t, t.name, t.name, tp_rank, par.tp)
+            yield t, t.name, t.name, tp_rank, par.tp

@@ -333,6 +333,25 @@ def test_only_the_cli_imports_bench() -> None:
     assert not faults, "refitd.bench is imported by the CLI only:\n" + "\n".join(faults)
 
 
+def test_only_bench_imports_megatron_core() -> None:
+    """Megatron-Core is a benchmark's reference (the bench-megatron extra): no module of
+    refitd outside refitd.bench imports it, by statement or by a string naming it."""
+    faults = []
+    for module in _modules("refitd"):
+        if module == BENCH or module.startswith(BENCH + "."):
+            continue
+        path = _source(module)
+        tree = ast.parse(path.read_text())
+        for line, imported in _imports(tree, module):
+            if imported == "megatron" or imported.startswith("megatron."):
+                faults.append(f"  {path.relative_to(ROOT)}:{line}: import {imported}")
+        for node in ast.walk(tree):
+            text = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(text, str) and text.startswith("megatron.core"):
+                faults.append(f"  {path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not faults, "only refitd.bench imports Megatron-Core:\n" + "\n".join(faults)
+
+
 def _loaded_modules(tree: ast.AST, modules: set[str], type_checking: bool) -> set[str]:
     """The refitd modules a module's imports load (at module level or inside functions;
     `from package import module` loads the module), those under `if TYPE_CHECKING:` only

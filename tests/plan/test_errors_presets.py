@@ -174,6 +174,7 @@ def test_bench_plan_small(capsys):
         "4",
         "--repeat",
         "1",
+        "--no-megatron",  # its reference: test_bench_megatron.py, in a child process
     ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -181,6 +182,7 @@ def test_bench_plan_small(capsys):
     assert out["total_bytes"] >= 2 * preset("llama3-8b").nbytes()
     assert out["send_imbalance"] >= 1.0 and out["copies"] > 0
     assert out["relay_bytes"] == 0 and out["plan_from_table_s"] > 0
+    assert out["megatron"] == "skipped (--no-megatron)"
     assert main([*argv, "--relay"]) == 0
     relay = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert relay["relay"] and relay["total_bytes"] == out["total_bytes"]
