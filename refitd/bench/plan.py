@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from refitd.bench.presets import Parallel, Preset
     from refitd.plan.plan import Plan
 
 
@@ -149,7 +150,15 @@ def _best(
     return min(times), times, result
 
 
-def _megatron(args, model, src_par, dst_par, dst_base, best, plan_s: float) -> dict:
+def _megatron(
+    args: argparse.Namespace,
+    model: Preset,
+    src_par: Parallel,
+    dst_par: Parallel,
+    dst_base: int,
+    best: Callable[[Callable[[], object]], tuple[float, list[float], object]],
+    plan_s: float,
+) -> dict[str, Any]:
     """The Megatron-Core reference fields (plan_megatron.reference) and plan_s's ratio."""
     if args.no_megatron:
         return {"megatron": "skipped (--no-megatron)"}
