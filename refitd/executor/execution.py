@@ -2,11 +2,10 @@
 
 Five threads run beside the caller's: the poster packs and posts every step's chunks (each
 send once its `Share` of the link admits it), the send-waiter completes sends in posting
-order and frees their buffers and sources, the ringer tells destinations which one-sided
-sends landed, the receiver completes collective receives in posting order and unpacks them,
-the bell-watcher completes one-sided receives as they land (receipts.py). The caller runs
-the local copies, then the local relay copies once every receive completed, and joins the
-threads. `progress` (on `self.lock`: what they share) wakes relay sends and copies.
+order, frees their buffers and sources, the ringer confirms landed one-sided sends, the
+receiver completes collective receives in posting order and unpacks them, the bell-watcher
+one-sided receives as they land (receipts.py). The caller runs the local copies, then the
+relay copies once every receive completed. `progress` (on `lock`) wakes relay sends.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from refitd.executor.errors import ExecutionError
 from refitd.executor.message_stats import MessageStats
 from refitd.executor.onesided import OneSided, Ringer
 from refitd.executor.prepare import PreparedProgram
-from refitd.executor.receipts import ONE_SIDED, BellWatch, Posted, Receipts
+from refitd.executor.receipts import ONE_SIDED, BellWatch, HeldRelays, Posted, Receipts
 from refitd.executor.shares import Share, gated_bytes
 from refitd.executor.views import LocalStep, PartialSegments
 from refitd.slot_protocol import ExecReport
@@ -89,11 +88,8 @@ class RefitExecution:
         self.receipts = Receipts(len(prep.recv_chunks), self.progress)  # waited and unpacked
         skipped = [c for c in prep.send_chunks if c.mid in skip] if skip else []  # O(1) unskipped
         self.sources_left = prep.source_chunks - sum(prep.reads_source[id(c)] for c in skipped)
-        # each written by one thread only: the poster, resp. the receiver
-        self.pack_s = 0.0
-        self.unpack_s = 0.0
-        self.recv_wait_s = 0.0
-        self.bell_wait_s = 0.0  # the bell-watcher's
+        # each written by one thread only: the poster, the receiver, the bell-watcher
+        self.pack_s = self.unpack_s = self.recv_wait_s = self.bell_wait_s = 0.0
 
     # ------------------------------------------------------------------ shared state
     def fail(self, e: BaseException) -> None:
@@ -103,11 +99,18 @@ class RefitExecution:
         self.abort.set()
 
     def wait_recvs(self, need: np.ndarray | None, what: str) -> None:
-        """Block until the receive chunks at positions `need` in posting order (None: all)
-        are complete."""
+        """Block until the receive chunks at `need` in posting order (None: all) completed."""
         self.receipts.wait(need, self.deadline, self.abort, what)
         if self.is_cuda:  # unpacks are queued on the stream: make them visible before reading
             torch.cuda.current_stream(self.prep.device).synchronize()
+
+    def _received(self, item: Posted) -> None:
+        """A receive chunk in place: checksums (one-sided: read back where it landed)."""
+        if self.recv_sums is not None:
+            land = self.data.landed_direct if item.ring == ONE_SIDED else self.data.landed
+            land(item.chunk, self.recv_sums)
+        self.stats.finished("recv", item.chunk.mid)
+        self._recv_completed(item.chunk, item.chunk.nbytes)
 
     def _recv_completed(self, ch: Chunk, nbytes: int) -> None:
         with self.progress:
@@ -139,38 +142,50 @@ class RefitExecution:
 
     # ------------------------------------------------------------------ threads
     def poster(self) -> None:
-        """Post every step's receives and sends (packing staged sends) as one batch each;
-        first the receives that need no posting: the one-sided ones go to the bell-watcher
-        all at once, those of skipped messages (landed before the executor ran) are done."""
+        """Post every step's receives and sends (packing staged sends) as one batch each,
+        after the receives that need no posting (one-sided: watched; skipped: done). A
+        one-sided relay chunk whose feeds have not landed is held, later ones go first."""
         try:
             for ch in self.prep.recv_order:
                 if ch.mid in self.skip:
                     self._recv_completed(ch, 0)
                 elif id(ch) in self.prep.one_sided:
-                    what = self.describe(ch, "recv")
-                    work = self.one_sided.work(ch, self.attempt, self.abort, what)
+                    work = self.one_sided.work(
+                        ch, self.attempt, self.abort, self.describe(ch, "recv")
+                    )
                     self.stats.posted("recv", ch, True)
                     self.bell_q.put(Posted(ch, work, _SKIPPED, ONE_SIDED, 0, ch.nbytes))
             if self.share.shares is not None:
                 p = self.prep
                 self.share.expect(gated_bytes(p.send_chunks, self.skip, p.one_sided, self.peer))
+            held, one_sided = HeldRelays(self.receipts, self.prep.relay_wait), self.prep.one_sided
             for sends, recvs in self.prep.steps:
-                ops: list[P2POp] = []
-                posted: list[_Post] = []
-                for ch in recvs:
-                    self._post_recv(ch, ops, posted)
-                for ch in sends:
-                    if ch.mid not in self.skip:
-                        self._post_send(ch, ops, posted)
-                if self.abort.is_set():
+                go = [c for c in sends if c.mid not in self.skip
+                      and not (id(c) in one_sided and held.hold(c))]  # fmt: skip
+                if not self._post_step(held.ready() + go, recvs):
                     return
-                self._submit(ops, posted)
+            while held:
+                held.wait(self.deadline, self.abort, f"slot {self.slot}: held relay sends")
+                if not self._post_step(held.ready(), []):
+                    return
         except BaseException as e:
             self.fail(e)
         finally:
             self.send_q.put(None)
             self.recv_q.put(None)
             self.bell_q.put(None)
+
+    def _post_step(self, sends: list[Chunk], recvs: list[Chunk]) -> bool:  # False: aborted
+        ops: list[P2POp] = []
+        posted: list[_Post] = []
+        for ch in recvs:
+            self._post_recv(ch, ops, posted)
+        for ch in sends:
+            self._post_send(ch, ops, posted)
+        if self.abort.is_set():
+            return False
+        self._submit(ops, posted)
+        return True
 
     def _post_recv(self, ch: Chunk, ops: list[P2POp], posted: list[_Post]) -> None:
         if ch.mid in self.skip or id(ch) in self.prep.one_sided:  # done resp. watched
@@ -299,10 +314,7 @@ class RefitExecution:
                             f"{self.describe(item.chunk, 'recv')}: unpack failed: {e}"
                         ) from e
                     self.pool.release("recv", item.ring)
-                if self.recv_sums is not None:
-                    self.data.landed(item.chunk, self.recv_sums)
-                self.stats.finished("recv", item.chunk.mid)
-                self._recv_completed(item.chunk, item.chunk.nbytes)
+                self._received(item)
         except BaseException as e:
             self.fail(e)
             while self.recv_q.get() is not None:
@@ -310,15 +322,8 @@ class RefitExecution:
 
     def bell_watcher(self) -> None:
         """Complete one-sided receives as their doorbells show them (receipts.py)."""
-
-        def complete(item: Posted) -> None:
-            if self.recv_sums is not None:  # its last pieces read back where they landed
-                self.data.landed_direct(item.chunk, self.recv_sums)
-            self.stats.finished("recv", item.chunk.mid)
-            self._recv_completed(item.chunk, item.chunk.nbytes)
-
         describe = lambda ch: self.describe(ch, "recv")  # noqa: E731
-        watch = BellWatch(self.bell_q, complete, describe, self.deadline, self.abort)
+        watch = BellWatch(self.bell_q, self._received, describe, self.deadline, self.abort)
         try:
             watch.run()
         except BaseException as e:

@@ -68,12 +68,22 @@ class Receipts:
             return len(self.flags) - self.done
         return int(need.size - np.count_nonzero(self.flags[need]))
 
+    def ready(self, need: np.ndarray | None) -> bool:
+        with self._progress:
+            return not self._missing(need)
+
     def wait(
         self, need: np.ndarray | None, deadline: float, abort: threading.Event, what: str
     ) -> None:
         """Block until the receive chunks at positions `need` (None: all) are complete."""
+        self.wait_any([need], deadline, abort, what)
+
+    def wait_any(
+        self, needs: list[np.ndarray | None], deadline: float, abort: threading.Event, what: str
+    ) -> None:
+        """Block until the receive chunks of one of `needs` are complete."""
         with self._progress:
-            while missing := self._missing(need):
+            while missing := min(self._missing(n) for n in needs):
                 if abort.is_set():
                     raise ExecutionError(f"{what}: aborted")
                 left = deadline - time.monotonic()
@@ -82,6 +92,44 @@ class Receipts:
                         f"{what}: timed out waiting for {missing} receive chunks it needs"
                     )
                 self._progress.wait(min(left, 0.1))
+
+
+class HeldRelays:
+    """One-sided relay send chunks whose feeds have not all landed, held per message in
+    chunk order (a doorbell counts a message's chunks in order), so that the relays of
+    other messages, whose feeds landed, go first."""
+
+    def __init__(self, receipts: Receipts, need: dict[int, np.ndarray]) -> None:
+        self._receipts, self._need = receipts, need
+        self._held: dict[int, deque[Chunk]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, ch: Chunk) -> bool:
+        """Whether chunk `ch` waits here: it forwards what has not all landed, or an
+        earlier chunk of its message waits."""
+        need = self._need.get(id(ch))
+        if need is None or (ch.mid not in self._held and self._receipts.ready(need)):
+            return False
+        self._held.setdefault(ch.mid, deque()).append(ch)
+        return True
+
+    def ready(self) -> list[Chunk]:
+        """The held chunks whose feeds landed now (taken out), in posting order."""
+        out = []
+        for mid in list(self._held):
+            chunks = self._held[mid]
+            while chunks and self._receipts.ready(self._need[id(chunks[0])]):
+                out.append(chunks.popleft())
+            if not chunks:
+                del self._held[mid]
+        return sorted(out, key=lambda c: c.key)
+
+    def wait(self, deadline: float, abort: threading.Event, what: str) -> None:
+        """Block until some held chunk can go."""
+        heads = [self._need[id(c[0])] for c in self._held.values()]
+        self._receipts.wait_any(heads, deadline, abort, what)
 
 
 class BellWatch:
