@@ -79,7 +79,8 @@ class ExecReport:
     thread start; local_s: local copies from sources, of which local_launch_s their calls
     (on a CPU device, their work), on a GPU local_sync_s waiting for them and local_gpu_s
     their GPU time; messages_s: waiting for the messages after that; with messages,
-    pack_s / unpack_s / recv_wait_s summed over chunks; command_s: the whole execute command
+    pack_s / unpack_s / recv_wait_s summed over chunks, bell_wait_s the time waiting for
+    one-sided chunks to land; command_s: the whole execute command
     in the transfer process), so fixed per-refit overhead and the staging cost are visible
     next to the bytes.
     """

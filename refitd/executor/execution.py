@@ -1,11 +1,11 @@
 """One refit of one slot over a prepared program (`RefitExecution`), and its report.
 
-Four threads run beside the caller's: the poster packs and posts every step's chunks (each
+Five threads run beside the caller's: the poster packs and posts every step's chunks (each
 send once its `Share` of the link admits it), the send-waiter completes sends in posting
-order and frees their buffers and sources, the ringer tells destinations which one-sided
-sends landed, the receiver completes receives in posting order and unpacks them. The caller
-runs the local copies, then the local relay copies once every receive completed, and joins
-the threads. `progress` (on `self.lock`: what they share) wakes relay sends and copies.
+order, frees their buffers and sources, the ringer confirms landed one-sided sends, the
+receiver completes collective receives in posting order and unpacks them, the bell-watcher
+one-sided receives as they land (receipts.py). The caller runs the local copies, then the
+relay copies once every receive completed. `progress` (on `lock`) wakes relay sends.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from refitd.executor.chunks import Chunk, messages_without
@@ -23,10 +23,11 @@ from refitd.executor.errors import ExecutionError
 from refitd.executor.message_stats import MessageStats
 from refitd.executor.onesided import OneSided, Ringer
 from refitd.executor.prepare import PreparedProgram
+from refitd.executor.receipts import ONE_SIDED, BellWatch, HeldRelays, Posted, Receipts
 from refitd.executor.shares import Share, gated_bytes
 from refitd.executor.views import LocalStep, PartialSegments
 from refitd.slot_protocol import ExecReport
-from refitd.transport.base import DoneWork, P2POp, Transport, Work
+from refitd.transport.base import P2POp, Transport, Work
 
 _SKIPPED = torch.empty(0, dtype=torch.uint8)  # no buffer: a skipped or one-sided chunk
 
@@ -34,23 +35,6 @@ _Sums = dict[tuple[int, int], torch.Tensor]  # (message id, copy row) -> 0-d int
 # a posted op: (chunk, buffer, ring, is a send, its work when not from the batch, the
 # offset and bytes of the piece of the chunk it carries)
 _Post = tuple[Chunk, torch.Tensor, int, bool, Work | None, int, int]
-
-ONE_SIDED = -2  # the ring of a one-sided chunk (onesided.py): written by the sender
-
-
-@dataclass
-class _Posted:
-    chunk: Chunk
-    work: Work
-    buf: torch.Tensor
-    ring: int  # staging ring slot (>= 0: staged), -1 for a zero-copy chunk, ONE_SIDED
-    at: int  # the piece of the chunk this op carries (Share.pieces): its offset, its bytes
-    nbytes: int
-
-    @property
-    def last(self) -> bool:
-        """The chunk's last piece (or the whole chunk): its completion completes the chunk."""
-        return self.at + self.nbytes >= self.chunk.nbytes
 
 
 class RefitExecution:
@@ -91,8 +75,9 @@ class RefitExecution:
         self.report = ExecReport(slot=self.slot)
         self.send_sums: _Sums | None = {} if verify else None
         self.recv_sums: _Sums | None = {} if verify else None
-        self.send_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
-        self.recv_q: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
+        self.send_q: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()
+        self.recv_q: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()
+        self.bell_q: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()  # one-sided
         self.ringer = Ringer()  # confirms one-sided sends once landed
         self.stats = MessageStats()  # under a lock of its own
         # shared between the threads, under `lock`
@@ -100,13 +85,11 @@ class RefitExecution:
         self.progress = threading.Condition(self.lock)
         self.errors: list[BaseException] = []
         self.local_done = self.released = False  # local copies from sources ran; released
-        self.recvs_done = 0  # receive chunks completed (waited and unpacked), in posting order
+        self.receipts = Receipts(len(prep.recv_chunks), self.progress)  # waited and unpacked
         skipped = [c for c in prep.send_chunks if c.mid in skip] if skip else []  # O(1) unskipped
         self.sources_left = prep.source_chunks - sum(prep.reads_source[id(c)] for c in skipped)
-        # each written by one thread only: the poster, resp. the receiver
-        self.pack_s = 0.0
-        self.unpack_s = 0.0
-        self.recv_wait_s = 0.0
+        # each written by one thread only: the poster, the receiver, the bell-watcher
+        self.pack_s = self.unpack_s = self.recv_wait_s = self.bell_wait_s = 0.0
 
     # ------------------------------------------------------------------ shared state
     def fail(self, e: BaseException) -> None:
@@ -115,26 +98,24 @@ class RefitExecution:
             self.progress.notify_all()
         self.abort.set()
 
-    def wait_recvs(self, n: int, what: str) -> None:
-        """Block until the first n posted receive chunks are complete."""
-        with self.progress:
-            while self.recvs_done < n:
-                if self.abort.is_set():
-                    raise ExecutionError(f"{what}: aborted")
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise ExecutionError(
-                        f"{what}: timed out waiting for {n - self.recvs_done} earlier receives"
-                    )
-                self.progress.wait(min(left, 0.1))
+    def wait_recvs(self, need: np.ndarray | None, what: str) -> None:
+        """Block until the receive chunks at `need` in posting order (None: all) completed."""
+        self.receipts.wait(need, self.deadline, self.abort, what)
         if self.is_cuda:  # unpacks are queued on the stream: make them visible before reading
             torch.cuda.current_stream(self.prep.device).synchronize()
 
-    def _recv_completed(self, nbytes: int) -> None:
+    def _received(self, item: Posted) -> None:
+        """A receive chunk in place: checksums (one-sided: read back where it landed)."""
+        if self.recv_sums is not None:
+            land = self.data.landed_direct if item.ring == ONE_SIDED else self.data.landed
+            land(item.chunk, self.recv_sums)
+        self.stats.finished("recv", item.chunk.mid)
+        self._recv_completed(item.chunk, item.chunk.nbytes)
+
+    def _recv_completed(self, ch: Chunk, nbytes: int) -> None:
         with self.progress:
             self.report.landed(nbytes)
-            self.recvs_done += 1
-            self.progress.notify_all()
+            self.receipts.completed(self.prep.recv_pos[id(ch)])
 
     def source_done(self, n: int = 1) -> None:
         """n chunks reading sources completed; once none is left and the local copies are
@@ -161,35 +142,53 @@ class RefitExecution:
 
     # ------------------------------------------------------------------ threads
     def poster(self) -> None:
-        """Post every step's receives and sends (packing staged sends) as one batch each."""
+        """Post every step's receives and sends (packing staged sends) as one batch each,
+        after the receives that need no posting (one-sided: watched; skipped: done). A
+        one-sided relay chunk whose feeds have not landed is held, later ones go first."""
         try:
+            for ch in self.prep.recv_order:
+                if ch.mid in self.skip:
+                    self._recv_completed(ch, 0)
+                elif id(ch) in self.prep.one_sided:
+                    work = self.one_sided.work(
+                        ch, self.attempt, self.abort, self.describe(ch, "recv")
+                    )
+                    self.stats.posted("recv", ch, True)
+                    self.bell_q.put(Posted(ch, work, _SKIPPED, ONE_SIDED, 0, ch.nbytes))
             if self.share.shares is not None:
                 p = self.prep
                 self.share.expect(gated_bytes(p.send_chunks, self.skip, p.one_sided, self.peer))
+            held, one_sided = HeldRelays(self.receipts, self.prep.relay_wait), self.prep.one_sided
             for sends, recvs in self.prep.steps:
-                ops: list[P2POp] = []
-                posted: list[_Post] = []
-                for ch in recvs:
-                    self._post_recv(ch, ops, posted)
-                for ch in sends:
-                    if ch.mid not in self.skip:
-                        self._post_send(ch, ops, posted)
-                if self.abort.is_set():
+                go = [c for c in sends if c.mid not in self.skip
+                      and not (id(c) in one_sided and held.hold(c))]  # fmt: skip
+                if not self._post_step(held.ready() + go, recvs):
                     return
-                self._submit(ops, posted)
+            while held:
+                held.wait(self.deadline, self.abort, f"slot {self.slot}: held relay sends")
+                if not self._post_step(held.ready(), []):
+                    return
         except BaseException as e:
             self.fail(e)
         finally:
             self.send_q.put(None)
             self.recv_q.put(None)
+            self.bell_q.put(None)
+
+    def _post_step(self, sends: list[Chunk], recvs: list[Chunk]) -> bool:  # False: aborted
+        ops: list[P2POp] = []
+        posted: list[_Post] = []
+        for ch in recvs:
+            self._post_recv(ch, ops, posted)
+        for ch in sends:
+            self._post_send(ch, ops, posted)
+        if self.abort.is_set():
+            return False
+        self._submit(ops, posted)
+        return True
 
     def _post_recv(self, ch: Chunk, ops: list[P2POp], posted: list[_Post]) -> None:
-        if ch.mid in self.skip:  # landed before the executor ran
-            posted.append((ch, _SKIPPED, -1, False, DoneWork(), 0, ch.nbytes))
-            return
-        if id(ch) in self.prep.one_sided:
-            work = self.one_sided.work(ch, self.attempt, self.abort, self.describe(ch, "recv"))
-            posted.append((ch, _SKIPPED, ONE_SIDED, False, work, 0, ch.nbytes))
+        if ch.mid in self.skip or id(ch) in self.prep.one_sided:  # done resp. watched
             return
         zc = self.prep.zc_recv[id(ch)]
         ring = self.prep.ring.get(id(ch), -1)
@@ -258,13 +257,10 @@ class RefitExecution:
                 f"{self.describe(ch0, 'send' if posted[0][3] else 'recv')}: {e}"
             ) from e
         for ch, buf, ring, is_send, work, at, n in posted:
-            if buf is _SKIPPED and ring != ONE_SIDED:  # counted in order by the receiver
-                self.recv_q.put(_Posted(ch, DoneWork(), buf, -1, at, n))
-                continue
             if at == 0:
                 self.stats.posted("send" if is_send else "recv", ch, ring < 0)
             work = next(works) if work is None else work
-            (self.send_q if is_send else self.recv_q).put(_Posted(ch, work, buf, ring, at, n))
+            (self.send_q if is_send else self.recv_q).put(Posted(ch, work, buf, ring, at, n))
 
     def send_waiter(self) -> None:
         """Complete sends in posting order; free their buffers, count their sources."""
@@ -296,13 +292,10 @@ class RefitExecution:
             self.ringer.put(None)
 
     def receiver(self) -> None:
-        """Complete receives in posting order and unpack the staged ones."""
+        """Complete collective receives in posting order and unpack the staged ones."""
         partial: PartialSegments = {}
         try:
             while (item := self.recv_q.get()) is not None:
-                if item.buf is _SKIPPED and item.ring != ONE_SIDED:
-                    self._recv_completed(0)
-                    continue
                 tw = time.monotonic()
                 try:
                     item.work.wait(self.deadline - time.monotonic())
@@ -321,16 +314,21 @@ class RefitExecution:
                             f"{self.describe(item.chunk, 'recv')}: unpack failed: {e}"
                         ) from e
                     self.pool.release("recv", item.ring)
-                if self.recv_sums is not None and item.ring == ONE_SIDED:
-                    self.data.landed_direct(item.chunk, self.recv_sums)
-                elif self.recv_sums is not None:
-                    self.data.landed(item.chunk, self.recv_sums)
-                self.stats.finished("recv", item.chunk.mid)
-                self._recv_completed(item.chunk.nbytes)
+                self._received(item)
         except BaseException as e:
             self.fail(e)
             while self.recv_q.get() is not None:
                 pass
+
+    def bell_watcher(self) -> None:
+        """Complete one-sided receives as their doorbells show them (receipts.py)."""
+        describe = lambda ch: self.describe(ch, "recv")  # noqa: E731
+        watch = BellWatch(self.bell_q, self._received, describe, self.deadline, self.abort)
+        try:
+            watch.run()
+        except BaseException as e:
+            self.fail(e)
+        self.bell_wait_s = watch.waited_s
 
     def _on_device(self, f: Callable[[], None]) -> Callable[[], None]:
         def body() -> None:
@@ -391,7 +389,7 @@ class RefitExecution:
         if self.prep.local_relay.empty or self.errors:
             return
         try:
-            self.wait_recvs(len(self.prep.recv_chunks), f"slot {self.slot}: local relay copies")
+            self.wait_recvs(None, f"slot {self.slot}: local relay copies")
         except BaseException as e:
             self.fail(e)
         else:
@@ -411,6 +409,7 @@ class RefitExecution:
                     ("poster", self.poster),
                     ("send_waiter", self.send_waiter),
                     ("receiver", self.receiver),
+                    ("bell_watcher", self.bell_watcher),
                     ("ringer", lambda: self.ringer.run(self.fail, self.describe)),
                 )
             ]
@@ -435,7 +434,8 @@ class RefitExecution:
         t1 = time.monotonic()
         phases["messages_s"] = t1 - tj
         if self.prep.has_messages:
-            phases.update(pack_s=self.pack_s, unpack_s=self.unpack_s, recv_wait_s=self.recv_wait_s)
+            waits = {"recv_wait_s": self.recv_wait_s, "bell_wait_s": self.bell_wait_s}
+            phases.update(pack_s=self.pack_s, unpack_s=self.unpack_s, **waits)
         if self.send_sums is not None and self.recv_sums is not None:
             p = self.prep.program
             self.report.checksums = {

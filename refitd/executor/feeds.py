@@ -22,7 +22,7 @@ _ALL = (0, 1 << 62)  # a span covering any tensor
 
 
 class RelayFeeds:
-    """Built once per prepared program over its receive chunks in posting order; `need`
+    """Built once per prepared program over its receive chunks in posting order; `feeding`
     answers per relay row of a send chunk."""
 
     def __init__(self, program: SlotProgram, payload: np.ndarray, order: list[Chunk]) -> None:
@@ -45,17 +45,17 @@ class RelayFeeds:
                 rows.setdefault(dst, []).append((k, i, lo, hi))
         self._writes = {d: np.array(w, np.int64).reshape(-1, 4) for d, w in rows.items()}
 
-    def need(self, ch: Chunk, i: int) -> int:
-        """How many receive chunks, in posting order, complete the last one writing part of
-        what send chunk `ch` forwards of relay copy row i (all of them when none does)."""
+    def feeding(self, ch: Chunk, i: int) -> set[int] | None:
+        """The receive chunks (positions in posting order) writing part of what send chunk
+        `ch` forwards of relay copy row i; None when none does (then it waits for all)."""
         src = self._src_t[i]
         w = self._writes.get(src)
         if w is None:
-            return self.receives
+            return None
         lo, hi = self._span(ch, i, src, self._src_off[i])
         cand = w[(w[:, 2] < hi) & (lo < w[:, 3])]
-        hits = [int(k) for k, j, _, _ in cand.tolist() if self._boxes_meet(i, j)]
-        return max(hits) + 1 if hits else self.receives
+        hits = {int(k) for k, j, _, _ in cand.tolist() if self._boxes_meet(i, j)}
+        return hits or None
 
     def _boxes_meet(self, i: int, j: int) -> bool:
         """Row i's source block and row j's destination block share an element."""

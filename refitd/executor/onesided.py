@@ -152,8 +152,9 @@ def one_sided_messages(p: SlotProgram) -> tuple[frozenset[int], frozenset[int]]:
     return frozenset(send.tolist()), frozenset(recv.tolist())
 
 
-class _BellWork:
-    """A receive chunk of a one-sided message: done once the doorbell shows it."""
+class BellWork:
+    """A receive chunk of a one-sided message: done once the doorbell shows it (`landed`
+    asks without waiting, `finish` then puts a packed chunk into place)."""
 
     def __init__(
         self, bell: Doorbell, entry: int, attempt: int, chunks: int, abort: threading.Event,
@@ -162,9 +163,21 @@ class _BellWork:
         self.bell, self.entry, self.attempt, self.chunks = bell, entry, attempt, chunks
         self.abort, self.what, self.scatter = abort, what, scatter
 
+    def landed(self) -> bool:
+        return self.bell.shows(self.entry, self.attempt, self.chunks)
+
+    def expire(self) -> None:
+        """The wait is over (deadline or abort): TransportError naming the chunk unless
+        it landed meanwhile."""
+        now = time.monotonic()
+        self.bell.wait(self.entry, self.attempt, self.chunks, now, self.abort, self.what)
+
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + max(timeout_s, 0.0)
         self.bell.wait(self.entry, self.attempt, self.chunks, deadline, self.abort, self.what)
+        self.finish()
+
+    def finish(self) -> None:
         if self.scatter is not None:  # a packed chunk: into place before anyone reads it
             try:
                 self.scatter()
@@ -376,7 +389,7 @@ class OneSided:
                 torch.cuda.current_stream(dev).synchronize()
         return _Landing(self.p.slot, ch, posted, peer, desc, attempt, window, refit.ringer, packed)
 
-    def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> _BellWork:
+    def work(self, ch: Chunk, attempt: int, abort: threading.Event, what: str) -> BellWork:
         """The wait of one receive chunk (a packed one: then scattered into place)."""
         bell, entry = self.links.recv[ch.mid]
         area, scatter = self.links.landing.get(ch.mid), None
@@ -386,7 +399,7 @@ class OneSided:
                 raise ExecutionError(f"{what}: its landing area does not hold the chunk")
             piece = area[at : at + ch.nbytes]
             scatter = lambda: data.unpack(ch, piece, {}, None)  # noqa: E731
-        return _BellWork(bell, entry, attempt, ch.index + 1, abort, what, scatter)
+        return BellWork(bell, entry, attempt, ch.index + 1, abort, what, scatter)
 
 
 def _check_region(t: ResolvedTensor, c, i: int, index: int, what: str) -> None:

@@ -4,8 +4,8 @@ replays every refit.
 `resolve_tensors` checks each tensor the slot touches against its registered shape and
 dtype. `PreparedProgram` cuts the messages into chunks (chunks.py), groups them into posting
 steps in (round, chunk index, message id) order, decides per chunk zero-copy or staged (and
-which staging ring buffer a staged one uses), works out relay waits (how many receives a
-relay send chunk must see complete, feeds.py), and builds the local-copy steps.
+which staging ring buffer a staged one uses), works out relay waits (which receive chunks
+a relay send chunk must see complete, feeds.py), and builds the local-copy steps.
 """
 
 from __future__ import annotations
@@ -125,6 +125,9 @@ class PreparedProgram:
             id(c): None if id(c) in two else data.zero_copy_recv(c) for c in self.recv_chunks
         }
         self.pool, self.ring = self._staging(staging_bytes)
+        # receive chunks in posting order, and each one's position in it
+        self.recv_order = sorted(self.recv_chunks, key=lambda c: c.key)
+        self.recv_pos = {id(c): k for k, c in enumerate(self.recv_order)}
         self.relay_wait = self._relay_waits()
         relay = info.relay.tolist()
         # send chunk -> whether it reads a source tensor (not only relayed destinations)
@@ -192,21 +195,25 @@ class PreparedProgram:
         """Whether a chunk goes through a staging buffer (neither zero-copy nor one-sided)."""
         return zero_copy[id(ch)] is None and id(ch) not in self.one_sided
 
-    def _relay_waits(self) -> dict[int, int]:
-        """Send chunk forwarding relay copies -> receives (in posting order) to complete
-        first: those writing part of what the chunk itself forwards (feeds.py), so a relay
-        forwards each piece once it landed, not once its whole message did."""
+    def _relay_waits(self) -> dict[int, np.ndarray]:
+        """Send chunk forwarding relay copies -> the receive chunks (positions in posting
+        order) to complete first: those writing part of what the chunk itself forwards
+        (feeds.py), so a relay forwards each piece once it landed, whatever landed before or
+        after it. Only receives of a smaller round count (they hold everything it may
+        forward); a row whose feeds name none of them waits for all of them."""
         relay = self.info.relay.tolist()
-        recv_rounds = sorted(c.round for c in self.recv_chunks)
-        order = sorted(self.recv_chunks, key=lambda c: c.key)
-        feeds = RelayFeeds(self.program, self.info.payload, order)
-        waits: dict[int, int] = {}
+        recv_rounds = [c.round for c in self.recv_order]
+        feeds = RelayFeeds(self.program, self.info.payload, self.recv_order)
+        waits: dict[int, np.ndarray] = {}
         for ch in self.send_chunks:
             rows = [i for i in ch.rows if relay[i]]
             if rows:
-                # every receive of a smaller round holds everything it may forward
                 n = bisect.bisect_left(recv_rounds, ch.round)
-                waits[id(ch)] = min(n, max(feeds.need(ch, i) for i in rows))
+                need: set[int] = set()
+                for i in rows:
+                    fed = {k for k in feeds.feeding(ch, i) or () if k < n}
+                    need |= fed or set(range(n))
+                waits[id(ch)] = np.array(sorted(need), np.int64)
         return waits
 
     def _local_plan(self, rows: list[int]) -> LocalStep:

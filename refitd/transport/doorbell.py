@@ -78,6 +78,11 @@ class Doorbell:
         complete and visible: CPU stores are ordered, GPU streams synchronised)."""
         self.words[HEADER_WORDS + entry] = value(attempt, chunks)
 
+    def shows(self, entry: int, attempt: int, chunks: int) -> bool:
+        """Whether the message of `entry` has `chunks` chunks of `attempt` written (no wait)."""
+        floor = value(attempt, chunks) & ~_COUNT_MASK
+        return _shows(int(self.words[HEADER_WORDS + entry]), floor, chunks)
+
     def wait(
         self,
         entry: int,
@@ -95,7 +100,7 @@ class Doorbell:
         spins = 0
         while True:
             got = int(self.words[word])
-            if (got & ~_COUNT_MASK) == floor and (got & _COUNT_MASK) >= chunks:
+            if _shows(got, floor, chunks):
                 return
             if abort.is_set():
                 raise TransportError(f"{what}: aborted while waiting for its writes")
@@ -110,3 +115,8 @@ class Doorbell:
             if spins > 64:  # spin briefly, then back off up to 1 ms
                 sleep = min(max(sleep * 2, 20e-6), 1e-3, deadline - now)
                 time.sleep(sleep)
+
+
+def _shows(word: int, floor: int, chunks: int) -> bool:
+    """A doorbell word holds the attempt of `floor` with at least `chunks` chunks."""
+    return (word & ~_COUNT_MASK) == floor and (word & _COUNT_MASK) >= chunks
