@@ -155,10 +155,9 @@ class SpecTable:
         return len(self.specs)
 
     def add(self, specs: Iterable[TensorSpec]) -> None:
-        """Append registrations. Shapes, boxes and strings shared between specs (one
-        object, as the controller's interner and the layout builders make them) are told
-        apart by identity in NumPy; one TensorSpec per distinct set of objects makes a Geo,
-        and distinct objects are compared by value there."""
+        """Append registrations: a few C-level passes over the specs (no Python code per
+        spec) group them by geometry, one spec per group makes a Geo, compared by value
+        with those already known, and NumPy spreads the ids back over the rows."""
         new = specs if isinstance(specs, list) else list(specs)
         if not new:
             return
