@@ -13,7 +13,7 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, islice
+from itertools import accumulate, chain, count, islice
 from operator import attrgetter
 from typing import overload
 
@@ -22,15 +22,11 @@ import numpy as np
 from refitd.plan.layout import Box, TensorSpec
 
 _BOXES = attrgetter("boxes")
-_GSHAPE = attrgetter("global_shape")
-_LSHAPE = attrgetter("local_shape")
-_POOL = attrgetter("pool")
-_DTYPE = attrgetter("dtype")
-_STORAGE = attrgetter("storage")
 _CANON = attrgetter("canonical")
 _SLOT = attrgetter("slot")
 _RANK = attrgetter("rank")
 _NAME = attrgetter("name")
+_GEO_REST = attrgetter("global_shape", "local_shape", "pool", "dtype", "storage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +56,54 @@ def _intern(values: list, ids: dict, order: list) -> Iterable[int]:
             ids[v] = len(order)
             order.append(v)
     return map(ids.__getitem__, values)
+
+
+def _canonical_column(specs: list[TensorSpec], ids: dict[str, int], order: list[str]) -> bytes:
+    """The canonical name ids of `specs` as int32 bytes (new names appended to `order`),
+    in one dict pass: a name not yet in `ids` is entered under its spec's position (past
+    every id), and those are renumbered in order of first appearance afterwards."""
+    base = len(order)
+    n = len(specs)
+    codes = np.fromiter(map(ids.setdefault, map(_CANON, specs), count(base)), np.int64, n)
+    firsts = np.flatnonzero(codes == np.arange(base, base + n))
+    if len(firsts):
+        fresh = [specs[i].canonical for i in firsts.tolist()]
+        ids.update(zip(fresh, range(base, base + len(fresh)), strict=True))
+        order.extend(fresh)
+        dense = np.empty(n, np.int64)
+        dense[firsts] = np.arange(base, base + len(fresh))
+        temporary = codes >= base
+        codes[temporary] = dense[codes[temporary] - base]
+    return codes.astype(np.int32).tobytes()
+
+
+def _geo_groups(specs: list[TensorSpec]) -> tuple[np.ndarray, np.ndarray]:
+    """(the first spec of each group, each spec's group), groups in order of first
+    appearance, where a group's specs have the same boxes object and equal other
+    geometry fields. Two passes: box tuples by identity (hashing one by value calls a
+    Python __hash__ per Box), the rest by value (tuples of ints and strings, hashed in C)."""
+    n = len(specs)
+    by_boxes: dict[int, int] = {}
+    key = np.fromiter(map(by_boxes.setdefault, map(id, map(_BOXES, specs)), count()), np.int64, n)
+    by_rest: dict[tuple, int] = {}
+    rest = np.fromiter(map(by_rest.setdefault, map(_GEO_REST, specs), count()), np.int64, n)
+    if not np.array_equal(rest, rest[key]):
+        key = _split(key, rest)
+    firsts = np.flatnonzero(key == np.arange(n))
+    group = np.empty(n, np.int64)
+    group[firsts] = np.arange(len(firsts))
+    return firsts, group[key]
+
+
+def _split(key: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The position of the first spec with the same key and the same `ids`, per spec."""
+    order = np.lexsort((ids, key))  # stable: each run starts at its first spec
+    k, v = key[order], ids[order]
+    start = np.ones(len(order), bool)
+    start[1:] = (k[1:] != k[:-1]) | (v[1:] != v[:-1])
+    out = np.empty_like(key)
+    out[order] = order[start][np.cumsum(start) - 1]
+    return out
 
 
 @dataclass
@@ -111,37 +155,25 @@ class SpecTable:
         return len(self.specs)
 
     def add(self, specs: Iterable[TensorSpec]) -> None:
-        """Append registrations. Box tuples shared between specs (one object) are hashed
-        once; distinct objects are compared by value."""
+        """Append registrations: a few C-level passes over the specs (no Python code per
+        spec) group them by geometry, one spec per group makes a Geo, compared by value
+        with those already known, and NumPy spreads the ids back over the rows."""
         new = specs if isinstance(specs, list) else list(specs)
         if not new:
             return
-        # shape tuples and box tuples shared between specs are keyed by identity first
-        keys = list(
-            zip(
-                map(id, map(_BOXES, new)),
-                map(id, map(_GSHAPE, new)),
-                map(id, map(_LSHAPE, new)),
-                map(_POOL, new),
-                map(_DTYPE, new),
-                map(_STORAGE, new),
-                strict=True,
-            )
-        )
-        fast: dict[tuple, TensorSpec | int] = dict(zip(keys, new, strict=True))
-        for k, s in fast.items():
-            assert isinstance(s, TensorSpec)
+        first, key = _geo_groups(new)
+        geo_ids = []
+        for i in first.tolist():
+            s = new[i]
             g = Geo(s.pool, s.global_shape, s.dtype, s.storage, s.local_shape, s.boxes)
             gid = self._geo_ids.setdefault(g, len(self.geos))
             if gid == len(self.geos):
                 self.geos.append(g)
-            fast[k] = gid
-        self._geo.fromlist(list(map(fast.__getitem__, keys)))
-        self._canon.fromlist(
-            list(_intern(list(map(_CANON, new)), self._canon_ids, self.canonicals))
-        )
-        self._slot.fromlist(list(map(_SLOT, new)))
-        self._rank.fromlist(list(map(_RANK, new)))
+            geo_ids.append(gid)
+        self._geo.frombytes(np.array(geo_ids, np.int32)[key].tobytes())
+        self._canon.frombytes(_canonical_column(new, self._canon_ids, self.canonicals))
+        self._slot.frombytes(np.fromiter(map(_SLOT, new), np.int32, len(new)).tobytes())
+        self._rank.frombytes(np.fromiter(map(_RANK, new), np.int32, len(new)).tobytes())
         self.specs.extend(new)
         self._names_digest = self._signature = None
 
