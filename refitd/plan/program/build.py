@@ -144,9 +144,9 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
     flags per plan copy, then taken; offsets gathered straight from the planner's copy
     table for the program rows."""
     d = t.local_shape.shape[1]
-    src, dst = copies.column("src"), copies.column("dst")
-    wire, ndim = copies.column("wire"), copies.column("ndim").astype(np.uint8)
-    shape = _pad(copies.column("shape"), d, 1)
+    c = copies.columns(("src", "dst", "wire", "ndim", "shape"))
+    src, dst, wire, ndim = c["src"], c["dst"], c["wire"], c["ndim"].astype(np.uint8)
+    shape = _pad(c["shape"], d, 1)
     flags = copy_flags(
         wire,
         t.dtype[src],
@@ -159,12 +159,12 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
         ndim,
     )
     src, dst = src[rows], dst[rows]
-    program_rows = copies.subset(rows)
+    loc = copies.subset(rows).columns(("src_loc", "dst_loc"))
     return CopyColumns(
         src=src,
         dst=dst,
-        src_off=_pad(program_rows.column("src_loc"), d, 0),
-        dst_off=_pad(program_rows.column("dst_loc"), d, 0),
+        src_off=_pad(loc["src_loc"], d, 0),
+        dst_off=_pad(loc["dst_loc"], d, 0),
         shape=np.take(shape, rows, axis=0),
         ndim=ndim[rows],
         wire=wire.astype(np.uint8)[rows],
