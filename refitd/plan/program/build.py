@@ -174,17 +174,20 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
     )
 
 
-def _range_max(flat: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """Maximum of every range of `flat` (ranges back to back from 0 to the end, range i
-    starting at lo[i]); an empty range gives the element at its start (0 at the end), as
-    reduceat does. One reduceat over the non-empty ranges' starts (each ends where the
-    next non-empty one starts), without a padded copy of `flat`."""
-    top = np.zeros(lo.size, flat.dtype)
-    full = np.diff(np.r_[lo, flat.size]) > 0
+def _range_max(a: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """Maximum of every range of rows of `a` (1-D, or 2-D: over the rows' columns too;
+    ranges back to back from 0 to the end, range i starting at lo[i]); an empty range
+    gives the (maximum of the) row at its start (0 at the end), as reduceat does. One
+    reduceat over the non-empty ranges' starts in the flat array (each ends where the
+    next non-empty one starts), without a copy of `a`."""
+    d = a.shape[1] if a.ndim == 2 else 1
+    top = np.zeros(lo.size, a.dtype)
+    full = np.diff(np.r_[lo, a.shape[0]]) > 0
     if full.any():
-        top[full] = np.maximum.reduceat(flat, lo[full])
-    empty = np.flatnonzero(~full & (lo < flat.size))
-    top[empty] = flat[lo[empty]]
+        top[full] = np.maximum.reduceat(a.reshape(-1), lo[full] * d)
+    empty = np.flatnonzero(~full & (lo < a.shape[0]))
+    if empty.size:
+        top[empty] = row_max(a[lo[empty]]) if a.ndim == 2 else a[lo[empty]]
     return top
 
 
@@ -246,8 +249,8 @@ class ProgramIndex:
             cols[f"tensors.{name}"] = (self.table_cols[name], self.table_lo)
         self.narrow: dict[str, list[str]] = {}
         for name, (a, lo) in cols.items():
-            flat = row_max(a) if a.ndim == 2 and a.shape[1] else a.reshape(-1)
-            self.narrow[name] = narrow_dtypes(_range_max(flat, lo)).tolist()
+            a = a if a.ndim == 1 or a.shape[1] else a.reshape(-1)
+            self.narrow[name] = narrow_dtypes(_range_max(a, lo)).tolist()
 
     def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
         """Messages of one direction grouped by this end's slot, ids ascending."""
