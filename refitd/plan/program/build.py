@@ -158,7 +158,7 @@ def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns
         np.take(t.local_shape, dst, axis=0),
         ndim,
     )
-    src, dst = src[rows], dst[rows]
+    src, dst = np.take(src, rows), np.take(dst, rows)  # take: faster than a[rows] here
     loc = copies.subset(rows).columns(("src_loc", "dst_loc"))
     return CopyColumns(
         src=src,
@@ -257,12 +257,13 @@ class ProgramIndex:
         dense = np.searchsorted(self.slots, slot_of_msg)
         order = sort_by(dense)
         slot = dense[order]
-        lens = msgs.end[order] - msgs.start[order]
+        start, end = np.take(msgs.start, order), np.take(msgs.end, order)
+        lens = end - start
         n = self.slots.size
         return {
             "order": order,
             "lens": lens,
-            "rows": concat_ranges(msgs.start[order], msgs.end[order]),
+            "rows": concat_ranges(start, end),
             "msgs": np.bincount(slot, minlength=n),
             "copies": np.bincount(slot, weights=lens, minlength=n).astype(np.int64),
         }
@@ -276,13 +277,13 @@ class ProgramIndex:
         self_lo = np.cumsum(cnt) - cnt
         m = MessageColumns(
             id=o.astype(np.int64),
-            round=msgs.round[o],
-            src_slot=msgs.src[o],
-            dst_slot=msgs.dst[o],
+            round=np.take(msgs.round, o),
+            src_slot=np.take(msgs.src, o),
+            dst_slot=np.take(msgs.dst, o),
             start=end - lens,
             end=end,
-            nbytes=msgs.nbytes[o],
-            path=msgs.path[o].astype(np.uint8),
+            nbytes=np.take(msgs.nbytes, o),
+            path=np.take(msgs.path, o).astype(np.uint8),
         )
         side["lo"], side["hi"] = self_lo, self_lo + cnt
         return m
