@@ -106,9 +106,14 @@ def successive_rounds(need: np.ndarray, pair: np.ndarray, k: np.ndarray) -> np.n
     if not need.size:
         return need
     v = need - k
-    span = int(v.max() - v.min()) + 1
-    shifted = v - v.min() + pair * span
-    return np.maximum.accumulate(shifted) - pair * span + v.min() + k
+    # pairs apart by more than v's range: one running maximum over all pairs restarts at
+    # each pair (in place: a few passes over millions of messages)
+    apart = pair * (int(v.max() - v.min()) + 1)
+    v += apart
+    np.maximum.accumulate(v, out=v)
+    v -= apart
+    v += k
+    return v
 
 
 def serial_rounds(

@@ -31,10 +31,16 @@ class CopyTable:
 
     def at(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows `rows` of column `name`."""
-        if self.period and name in REPEATED:
-            rows = rows % self.period
+        return self.columns((name,), rows)[name]
+
+    def columns(self, names: tuple[str, ...], rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows `rows` of the columns `names`: the stored rows of REPEATED found once."""
+        stored = rows % self.period if self.period and REPEATED_SET & set(names) else rows
         # np.take along axis 0: fancy indexing of [N, d] rows is several times slower
-        return np.take(getattr(self, name), rows, axis=0)
+        return {
+            n: np.take(getattr(self, n), stored if n in REPEATED_SET else rows, axis=0)
+            for n in names
+        }
 
     def take(self, idx: np.ndarray) -> CopyTable:
         return CopyTable(*(self.at(f, idx) for f in COLUMNS))
@@ -59,6 +65,7 @@ class CopyTable:
 
 COLUMNS = tuple(f for f in CopyTable.__slots__ if f != "period")
 REPEATED = ("src_loc", "dst_loc", "shape", "ndim", "wire", "esize")
+REPEATED_SET = frozenset(REPEATED)
 _CUT = ("src_loc", "dst_loc", "shape")  # the columns a cut along dim 0 changes
 
 
@@ -76,13 +83,19 @@ class Pieces:
 
     def column(self, name: str, idx: np.ndarray | None = None) -> np.ndarray:
         """Column `name` of the pieces (or of pieces `idx`), cuts applied."""
-        rows = self.rows if idx is None else self.rows[idx]
-        out = self.table.at(name, rows)
-        if self.step is not None and self.len0 is not None and name in _CUT:
-            if name == "shape":
-                out[:, 0] = self.len0 if idx is None else self.len0[idx]
-            else:
-                out[:, 0] += self.step if idx is None else self.step[idx]
+        if idx is not None and name not in _CUT:
+            return self.table.at(name, self.rows[idx])
+        return (self if idx is None else self.subset(idx)).columns((name,))[name]
+
+    def columns(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Columns `names` of the pieces, cuts applied (stored rows of REPEATED found once)."""
+        out = self.table.columns(names, self.rows)
+        if self.step is not None and self.len0 is not None:
+            for name in set(_CUT) & set(out):
+                if name == "shape":
+                    out[name][:, 0] = self.len0
+                else:
+                    out[name][:, 0] += self.step
         return out
 
     def subset(self, idx: np.ndarray) -> Pieces:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from refitd.plan.program import (
     decode_program,
     encode_program,
 )
+from refitd.plan.program.build import _range_max
 
 from .oracle import run_and_check
 from .test_layouts_plan import tp_side
@@ -178,6 +180,22 @@ def test_slot_with_an_empty_shard_and_no_copies():
     (empty,) = [t for t in plan.tensors if t.slot == 13]
     assert empty.local_shape == (0, 8)
     assert len(p.tensors) == 0
+
+
+def test_slot_maxima_of_flat_columns_with_empty_ranges():
+    """Per-slot maxima of 1-D and [N, d] program columns (slot ranges of rows, some
+    empty): an empty range gives the (maximum of the) row at its start, 0 past the end,
+    as np.maximum.reduceat does; the travelling dtypes in the headers come from these."""
+    rng = np.random.default_rng(3)
+    counts = np.array([2, 0, 3, 0, 0, 1, 0])
+    lo = np.cumsum(counts) - counts
+    for a in (rng.integers(0, 1 << 40, 6), rng.integers(0, 1 << 40, (6, 3))):
+        rows = a if a.ndim == 1 else a.max(axis=1)
+        want = [
+            rows[s : s + n].max() if n else (rows[s] if s < rows.size else 0)
+            for s, n in zip(lo.tolist(), counts.tolist(), strict=True)
+        ]
+        assert _range_max(a, lo).tolist() == want
 
 
 def _pools_with_an_empty_shard(by_slot: bool, empty: bool):

@@ -60,13 +60,23 @@ def narrow_dtypes(top: np.ndarray) -> np.ndarray:
     return out
 
 
+_COLUMN_NAMES = tuple(
+    (part, f.name, f"{prefix}.{f.name}")
+    for part, prefix, cls in (
+        ("copies", "copies", CopyColumns),
+        ("send", "send", MessageColumns),
+        ("recv", "recv", MessageColumns),
+        ("table", "tensors", TensorColumns),
+    )
+    for f in fields(cls)
+    if f.name != "pools"
+)  # (SlotProgram attribute, column attribute, encoded name) in encoding order
+_HEADER_JSON = json.JSONEncoder(separators=(",", ":"))  # as json.dumps(separators=...)
+
+
 def _columns(p: SlotProgram) -> list[tuple[str, np.ndarray]]:
-    out: list[tuple[str, np.ndarray]] = []
-    for prefix, obj in (("copies", p.copies), ("send", p.send), ("recv", p.recv)):
-        out += [(f"{prefix}.{f.name}", getattr(obj, f.name)) for f in fields(obj)]
-    t = p.table
-    out += [(f"tensors.{f.name}", getattr(t, f.name)) for f in fields(t) if f.name != "pools"]
-    return out
+    parts = {"copies": p.copies, "send": p.send, "recv": p.recv, "table": p.table}
+    return [(name, getattr(parts[part], attr)) for part, attr, name in _COLUMN_NAMES]
 
 
 def _shapes(c: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -120,7 +130,7 @@ def encode_program(p: SlotProgram) -> bytes:
         },
         "fields": meta,
     }
-    h = json.dumps(header, separators=(",", ":")).encode()
+    h = _HEADER_JSON.encode(header).encode()
     pre = _PREAMBLE.pack(MAGIC, PROGRAM_FORMAT_VERSION, 0, len(h), zlib.crc32(h))
     return b"".join([pre, h, *parts])
 
