@@ -40,8 +40,10 @@ from refitd.transport.paths import Descriptor, Peer
 _Sums = dict[tuple[int, int], torch.Tensor]
 # one-sided bytes posted to one remote destination and not yet landed (one chunk at least):
 # the engine sends everything posted at once, so a chunk posted far ahead shares the link
-# with all the others and lands late, which holds up the destination's relays
-WINDOW = 4 << 20
+# with all the others and lands late, which holds up the destination's relays; a window of
+# a few chunks keeps the engine's threads busy while the sender's waiter, on a loaded host,
+# is slow to see a landing and make room
+WINDOW = 16 << 20
 
 
 class _Refit(Protocol):
