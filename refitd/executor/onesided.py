@@ -40,8 +40,10 @@ from refitd.transport.paths import Descriptor, Peer
 _Sums = dict[tuple[int, int], torch.Tensor]
 # one-sided bytes posted to one remote destination and not yet landed (one chunk at least):
 # the engine sends everything posted at once, so a chunk posted far ahead shares the link
-# with all the others and lands late, which holds up the destination's relays
-WINDOW = 4 << 20
+# with all the others and lands late, which holds up the destination's relays; a window of
+# a few chunks keeps the engine's threads busy while the sender's waiter, on a loaded host,
+# is slow to see a landing and make room
+WINDOW = 16 << 20
 
 
 class _Refit(Protocol):
@@ -371,10 +373,12 @@ class OneSided:
             window.take(ch, refit, flush)
         packed = None
         if lands:  # one write of the chunk packed; the destination scatters it
-            buf = self.links.packs.get(ch.nbytes)
-            packed = (self.links.packs, buf)
-            data.pack(ch, buf[: ch.nbytes], None)
-            posted = peer.land(ch.mid, self._landing_at(ch), buf[: ch.nbytes], deadline)
+            src = _as_packed(ch, data)
+            if src is None:
+                buf = self.links.packs.get(ch.nbytes)
+                packed, src = (self.links.packs, buf), buf[: ch.nbytes]
+                data.pack(ch, src, None)
+            posted = peer.land(ch.mid, self._landing_at(ch), src, deadline)
         else:
             posted = peer.post(w.dst, w.src, deadline)
         for i, _ in w.slow:
@@ -400,6 +404,16 @@ class OneSided:
             piece = area[at : at + ch.nbytes]
             scatter = lambda: data.unpack(ch, piece, {}, None)  # noqa: E731
         return BellWork(bell, entry, attempt, ch.index + 1, abort, what, scatter)
+
+
+def _as_packed(ch: Chunk, data: SlotViews) -> torch.Tensor | None:
+    """The chunk's packed bytes as one view of its host sources, written as they are
+    (a shard of a row-parallel weight is its packed chunks back to back), or None."""
+    view = ch.cache.get("as_packed", False)
+    if view is False:
+        view = data.zero_copy_send(ch)
+        view = ch.cache["as_packed"] = None if view is None or view.is_cuda else view
+    return view
 
 
 def _check_region(t: ResolvedTensor, c, i: int, index: int, what: str) -> None:
