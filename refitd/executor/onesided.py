@@ -38,12 +38,13 @@ from refitd.transport.errors import TransportError
 from refitd.transport.paths import Descriptor, Peer
 
 _Sums = dict[tuple[int, int], torch.Tensor]
-# one-sided bytes posted to one remote destination and not yet landed (one chunk at least):
-# the engine sends everything posted at once, so a chunk posted far ahead shares the link
-# with all the others and lands late, which holds up the destination's relays; a window of
-# a few chunks keeps the engine's threads busy while the sender's waiter, on a loaded host,
-# is slow to see a landing and make room
-WINDOW = 16 << 20
+# one-sided bytes posted to one destination and not yet landed (one chunk at least). Across
+# hosts, a few chunks: the engine sends everything posted at once, so a chunk posted far
+# ahead shares the link with all the others and lands late, which holds up the destination's
+# relays. On one host nothing queues on a link, and more in flight keeps the engine's
+# threads busy while the sender's waiter, on a loaded host, is slow to see a landing.
+WINDOW = 4 << 20
+WINDOW_ONE_HOST = 16 << 20
 
 
 class _Refit(Protocol):
@@ -63,19 +64,19 @@ class _Window:
         self._held: dict[int, int] = {}
         self._cond = threading.Condition()
 
-    def _full(self, dst: int, nbytes: int) -> bool:
+    def _full(self, dst: int, nbytes: int, limit: int) -> bool:
         held = self._held.get(dst, 0)
-        return held > 0 and held + nbytes > WINDOW
+        return held > 0 and held + nbytes > limit
 
-    def take(self, ch: Chunk, refit: _Refit, flush: Callable[[], None]) -> None:
+    def take(self, ch: Chunk, refit: _Refit, flush: Callable[[], None], limit: int) -> None:
         """Wait until the chunk fits (after `flush`: the writes the caller holds back must
         reach the send-waiter, whose landings make room), then count it in."""
         with self._cond:
-            full = self._full(ch.dst_slot, ch.nbytes)
+            full = self._full(ch.dst_slot, ch.nbytes, limit)
         if full:
             flush()
         with self._cond:
-            while self._full(ch.dst_slot, ch.nbytes):
+            while self._full(ch.dst_slot, ch.nbytes, limit):
                 left = refit.deadline - time.monotonic()
                 if refit.abort.is_set() or left <= 0:
                     why = "aborted" if left > 0 else "timed out waiting for earlier writes"
@@ -352,9 +353,9 @@ class OneSided:
     ) -> _Landing:  # fmt: skip
         """Post one send chunk's writes into its destination (by the refit's deadline);
         the returned Work waits for them and rings the destination's doorbell, so the next
-        chunk is prepared while these are in flight (up to WINDOW bytes per destination).
-        A copy through a codec is encoded and landed by the sender (the destination takes
-        no part), then flushed to the peer."""
+        chunk is prepared while these are in flight (up to WINDOW bytes per destination,
+        WINDOW_ONE_HOST on the sender's host). A copy through a codec is encoded and landed
+        by the sender (the destination takes no part), then flushed to the peer."""
         peer, desc = self.links.peers[ch.dst_slot]
         attempt, device, deadline = refit.attempt, refit.prep.device, refit.deadline
         window = self.window if peer.in_flight else None
@@ -370,7 +371,7 @@ class OneSided:
                 f"copy {w.slow[0][0]} is no raw copy into plain storage"
             )
         if window is not None:  # the chunk is prepared while earlier ones are in flight
-            window.take(ch, refit, flush)
+            window.take(ch, refit, flush, WINDOW_ONE_HOST if peer.one_host else WINDOW)
         packed = None
         if lands:  # one write of the chunk packed; the destination scatters it
             src = _as_packed(ch, data)

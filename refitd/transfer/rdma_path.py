@@ -135,6 +135,8 @@ class RdmaPeer(Peer):
     ) -> None:  # fmt: skip
         self.path, self.peer, self.bell, self.what = path, peer, bell, what
         self._specs, self._landing = tensors, landing
+        session_host = peer.desc.sessions[0].rsplit(":", 1)[0].strip("[]")
+        self.one_host = session_host == path.settings.host
         self._tensors: dict[int, RemoteTensor] = {}
         self._mirrors: dict[int, tuple[int, int]] = {}  # storage -> (mirror, remote) address
         self._registered: set[int] = set()  # storages this peer holds registered

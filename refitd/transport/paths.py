@@ -100,6 +100,7 @@ class Peer(abc.ABC):
     """A destination slot's exposed memory as one sender reaches it."""
 
     in_flight = False  # `post` returns while the writes are on the wire (a remote path)
+    one_host = True  # the destination's data-plane address is this sender's
 
     @abc.abstractmethod
     def tensor(self, index: int) -> RemoteTensor:
