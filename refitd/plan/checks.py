@@ -33,11 +33,11 @@ def check_cast(cfg: PlanConfig, src_dtype: str, dst_dtype: str, dst: str, src: s
 
 def check_cover(side: Side, members: np.ndarray, geo_ids: list[int], what: str) -> None:
     """The distinct covers of these geometries tile the global tensor exactly."""
-    geos = [side.geos[g] for g in geo_ids]
-    gshape = geos[0].global_shape
+    gshape = side.geos[geo_ids[0]].global_shape
+    cover_of = {g: side.geos[g].cover for g in set(geo_ids)}  # a few geometries
     covers: dict[tuple, int] = {}
-    for k, g in enumerate(geos):
-        covers.setdefault(g.cover, k)
+    for k, g in enumerate(geo_ids):
+        covers.setdefault(cover_of[g], k)
     boxes = [(k, o, s) for c, k in covers.items() for o, s in c]
     total = int(np.prod(gshape)) if gshape else 1
     vol = sum(int(np.prod(s)) if s else 1 for _, _, s in boxes)

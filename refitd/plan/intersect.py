@@ -8,6 +8,7 @@ canonical tensors; links whose two sides share geometry patterns are intersected
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -67,11 +68,13 @@ class BoxIntersector:
         going through resolve_links (the common case, kept columnar)."""
         dst_names = list(self.dst.names)
         rules = self.config.name_map.index() if self.config.name_map is not None else {}
-        sid = list(map(self.src.names.get, dst_names))
+        n = len(dst_names)
+        sid = np.fromiter(map(self.src.names.get, dst_names, repeat(-1, n)), np.int64, n)
         for d in rules:
             if d in self.dst.names:
-                sid[self.dst.names[d]] = None
-        slow = [i for i, x in enumerate(sid) if x is None]
+                sid[self.dst.names[d]] = -1
+        plain = sid >= 0
+        slow = np.flatnonzero(~plain).tolist()
         links = resolve_links(
             [dst_names[i] for i in slow],
             self.src.names,
@@ -94,18 +97,8 @@ class BoxIntersector:
             )
             for ln in links
         ]
-        n = len(dst_names)
-        plain = np.ones(n, dtype=bool)
-        plain[slow] = False
-        ids = np.arange(n)[plain]
-        fast = np.stack(
-            [
-                np.fromiter((x for x in sid if x is not None), np.int64, count=ids.size),
-                ids,
-                np.zeros(ids.size, np.int64),
-            ],
-            axis=1,
-        )
+        ids = np.flatnonzero(plain)
+        fast = np.stack([sid[ids], ids, np.zeros(ids.size, np.int64)], axis=1)
         lk = np.concatenate([fast, np.array(rows, dtype=np.int64).reshape(-1, 3)])
         return lk, list(tmap), links
 
@@ -304,9 +297,10 @@ class _Hits:
         dim, d_start, s_start, length = tf
         nd = len(src.geos[s_geo[0]].global_shape)
         # source covers: replica positions per distinct cover, one entry per cover box
+        cover_of = {g: src.geos[g].cover for g in set(s_geo)}  # a few geometries
         cover_pos: dict[tuple, list[int]] = {}
         for k, g in enumerate(s_geo):
-            cover_pos.setdefault(src.geos[g].cover, []).append(k)
+            cover_pos.setdefault(cover_of[g], []).append(k)
         sboxes = [(c, o, s) for c in cover_pos for o, s in c]
         d = max(nd, 1)
         dboxes = [

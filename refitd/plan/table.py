@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, count, islice
-from operator import attrgetter
+from operator import attrgetter, eq
 from typing import overload
 
 import numpy as np
@@ -27,6 +27,7 @@ _SLOT = attrgetter("slot")
 _RANK = attrgetter("rank")
 _NAME = attrgetter("name")
 _GEO_REST = attrgetter("global_shape", "local_shape", "pool", "dtype", "storage")
+_NAMES_SLICE = 4096  # names hashed per join
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +82,21 @@ def _geo_groups(specs: list[TensorSpec]) -> tuple[np.ndarray, np.ndarray]:
     """(the first spec of each group, each spec's group), groups in order of first
     appearance, where a group's specs have the same boxes object and equal other
     geometry fields. Two passes: box tuples by identity (hashing one by value calls a
-    Python __hash__ per Box), the rest by value (tuples of ints and strings, hashed in C)."""
+    Python __hash__ per Box), the rest by value: each spec's compared with its group's
+    first (no hashing), and hashed only where a group holds unequal ones."""
     n = len(specs)
     by_boxes: dict[int, int] = {}
     key = np.fromiter(map(by_boxes.setdefault, map(id, map(_BOXES, specs)), count()), np.int64, n)
+    heads = np.fromiter(by_boxes.values(), np.int64, len(by_boxes))
+    head_rest = [_GEO_REST(specs[i]) for i in heads.tolist()]
+    number = np.empty(n, np.int64)
+    number[heads] = np.arange(heads.size)
+    group = number[key]
+    if all(map(eq, map(_GEO_REST, specs), map(head_rest.__getitem__, group.tolist()))):
+        return heads, group
     by_rest: dict[tuple, int] = {}
     rest = np.fromiter(map(by_rest.setdefault, map(_GEO_REST, specs), count()), np.int64, n)
-    if not np.array_equal(rest, rest[key]):
-        key = _split(key, rest)
+    key = _split(key, rest)
     firsts = np.flatnonzero(key == np.arange(n))
     group = np.empty(n, np.int64)
     group[firsts] = np.arange(len(firsts))
@@ -221,7 +229,7 @@ class SpecTable:
             h = hashlib.blake2b(digest_size=16)
             h.update(repr([g.sans_pool() for g in self.geos]).encode())
             h.update("\0".join(self.canonicals).encode() + b"\1")
-            h.update("\0".join(map(_NAME, self.specs)).encode() + b"\1")
+            _hash_names(h, self.specs, b"\1")
             h.update(memoryview(self._canon).cast("B"))
             h.update(memoryview(self._geo).cast("B"))
             self._signature = h.digest()
@@ -236,11 +244,21 @@ class SpecTable:
             names = hashlib.blake2b(digest_size=32)
             names.update("\0".join(self.canonicals).encode() + b"\1")
             if self.specs:
-                names.update("\0".join(map(_NAME, self.specs)).encode() + b"\0")
+                _hash_names(names, self.specs, b"\0")
             self._names_digest = names.digest()
         h.update(self._names_digest)
         for col in (self._canon, self._geo, self._slot, self._rank):
             h.update(memoryview(col).cast("B"))
+
+
+def _hash_names(h: hashlib._Hash, specs: list[TensorSpec], end: bytes) -> None:
+    """Feed the specs' local names, joined by NUL, then `end` into `h`: in slices whose
+    text stays in cache while it is encoded and hashed (the same bytes as one join)."""
+    for lo in range(0, len(specs), _NAMES_SLICE):
+        if lo:
+            h.update(b"\0")
+        h.update("\0".join(map(_NAME, specs[lo : lo + _NAMES_SLICE])).encode())
+    h.update(end)
 
 
 class JoinedSpecs(Sequence[TensorSpec]):

@@ -37,18 +37,18 @@ def fill_runs(
     by_wave = np.argsort(wave, kind="stable")
     cuts = np.flatnonzero(np.diff(wave[by_wave])) + 1
     for idx in np.split(by_wave, cuts):
-        if idx.size * classes.shape[1] < _FEW:
-            for i in idx.tolist():
-                slots = classes[run_class[i]]
-                size = int(run_size[i])
-                got = _waterfill(load[slots].tolist(), float(size), int(run_count[i]))
-                counts[i] = got
-                np.add.at(load, slots, counts[i] * size)
-            continue
         slots = classes[run_class[idx]]
-        got = _waterfill_rows(load[slots], run_size[idx], run_count[idx])
+        sizes = run_size[idx]
+        if idx.size * classes.shape[1] < _FEW:
+            # a wave's runs share no slot (or it is one run): each sees the loads as read
+            rows = zip(load[slots].tolist(), sizes.tolist(), run_count[idx].tolist(), strict=True)
+            got = np.array([_waterfill(ls, float(z), m) for ls, z, m in rows], np.int64)
+            counts[idx] = got
+            np.add.at(load, slots, got * sizes[:, None])  # a slot twice in a class: twice
+            continue
+        got = _waterfill_rows(load[slots], sizes, run_count[idx])
         counts[idx] = got
-        load[slots] += got * run_size[idx][:, None]
+        load[slots] += got * sizes[:, None]
     return counts
 
 
