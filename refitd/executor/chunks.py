@@ -43,6 +43,9 @@ WIRE_CHUNK = 32 << 20
 # the largest chunk of a message on the rdma path: its destination learns of each chunk
 # once it landed, and a pool forwarding it (relay) passes it on only then
 RDMA_CHUNK = 2 << 20
+# a sender's write of consecutive pieces of one segment to a destination on its own host
+# (nothing queues on a link there): fewer, larger requests and doorbell rings
+RDMA_JOINED = 8 << 20
 DIRECT_MIN = 1 << 20
 TAG_CHUNK_BITS = 12
 _ESIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], np.int64)
@@ -142,6 +145,32 @@ def chunk_messages(
             int(msgs.start[k]),
             int(msgs.end[k]),
         )
+    return out
+
+
+def join_pieces(
+    chunks: list[Chunk], mids: frozenset[int], payload: list[int], limit: int = RDMA_JOINED
+) -> list[Chunk]:
+    """Send chunks with the consecutive pieces of one segment of the messages `mids`
+    joined, up to `limit` bytes each. A joined chunk carries the index of its last piece:
+    the destination, which cut the message as usual, sees its pieces' count on the
+    doorbell at once (pieces of a message land in order)."""
+    out: list[Chunk] = []
+    for ch in chunks:
+        prev = out[-1] if out else None
+        if (
+            prev is None
+            or ch.mid not in mids
+            or not (ch.split and prev.split and prev.mid == ch.mid and prev.rows == ch.rows)
+            or prev.seg_start + prev.nbytes != ch.seg_start
+            or prev.nbytes + ch.nbytes > limit
+        ):
+            out.append(ch)
+            continue
+        n = prev.nbytes + ch.nbytes
+        split = prev.seg_start > 0 or n != payload[ch.rows[0]]
+        fields = (ch.mid, ch.round, ch.src_slot, ch.dst_slot, ch.index, n, ch.rows, ch.offs)
+        out[-1] = Chunk(*fields, split, prev.seg_start, ch.msg_nbytes, msg_at=prev.msg_at)
     return out
 
 

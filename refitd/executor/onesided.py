@@ -175,11 +175,6 @@ class BellWork:
         now = time.monotonic()
         self.bell.wait(self.entry, self.attempt, self.chunks, now, self.abort, self.what)
 
-    def wait(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        self.bell.wait(self.entry, self.attempt, self.chunks, deadline, self.abort, self.what)
-        self.finish()
-
     def finish(self) -> None:
         if self.scatter is not None:  # a packed chunk: into place before anyone reads it
             try:
@@ -294,6 +289,15 @@ class OneSided:
     @property
     def mids(self) -> frozenset[int]:
         return self.send | self.recv
+
+    def joined(self) -> frozenset[int]:
+        """Sent messages whose pieces are written joined (chunks.join_pieces): those on a
+        remote path to a destination on this sender's host."""
+        p, peers = self.p.send, self.links.peers
+        return frozenset(
+            m for m, s in zip(p.id.tolist(), p.dst_slot.tolist(), strict=True)
+            if m in self.send and peers[s][0].in_flight and peers[s][0].one_host
+        )  # fmt: skip
 
     def bind(self, data: SlotViews) -> None:
         """The slot's views: a receiver scatters packed chunks with them."""

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from refitd.executor.chunks import Chunk, CopyInfo, chunk_messages
+from refitd.executor.chunks import Chunk, CopyInfo, chunk_messages, join_pieces
 from refitd.executor.errors import ExecutionError
 from refitd.executor.feeds import RelayFeeds
 from refitd.executor.segments import ResolvedTensor
@@ -100,16 +100,22 @@ class PreparedProgram:
         wire_chunk: int,
         staged_chunk: int | None,
         one_sided: frozenset[int] = frozenset(),
+        joined: frozenset[int] = frozenset(),
     ) -> None:
         """`one_sided`: ids of messages on one-sided paths (onesided.py): their chunks are
-        written by the sender and waited for on a doorbell, never staged here."""
+        written by the sender and waited for on a doorbell, never staged here. `joined`:
+        sent messages among them whose pieces are written joined (chunks.join_pieces)."""
         self.program = program
         self.info = info
         self.data = data
         self.device = device
         p = program
         try:
-            self.send_chunks = chunk_messages(p.send, info, wire_chunk, staged_chunk)
+            self.send_chunks = join_pieces(
+                chunk_messages(p.send, info, wire_chunk, staged_chunk),
+                joined,
+                info.payload.tolist(),
+            )
             self.recv_chunks = chunk_messages(p.recv, info, wire_chunk, staged_chunk)
         except ExecutionError as e:
             raise ExecutionError(f"slot {p.slot}: {e}") from e
@@ -212,7 +218,10 @@ class PreparedProgram:
                 need: set[int] = set()
                 for i in rows:
                     fed = {k for k in feeds.feeding(ch, i) or () if k < n}
-                    need |= fed or set(range(n))
+                    if not fed:  # this row waits for all of them: so does the chunk
+                        need = set(range(n))
+                        break
+                    need |= fed
                 waits[id(ch)] = np.array(sorted(need), np.int64)
         return waits
 

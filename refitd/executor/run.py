@@ -132,6 +132,7 @@ class Executor:
             self.config.wire_chunk,
             self.config.staged_chunk,
             self.one_sided.mids,
+            self.one_sided.joined(),
         )
 
     def _peer(self, slot: int) -> int:

@@ -108,3 +108,32 @@ def _plan(src, dst, bucket: int):
     sites = [SlotSite(s, "h0", "cpu", ("rdma",)) for s in range(4)]
     return build_plan("m", 1, src, dst, PlanConfig(bucket, relay=True,
                                                    links=LinkPolicy.of("rdma", sites)))  # fmt: skip
+
+
+def test_pieces_to_a_destination_on_the_senders_host_go_joined() -> None:
+    """tp=2 -> tp=1 on one host: each rank's 4 MiB halves (one contiguous, one strided that
+    lands packed) leave as joined writes (fewer send chunks than the destination's
+    receives), and the destination, counting its own chunks, lands them bit for bit."""
+    shapes = {"w": ((2048, 2048), 0), "v": ((2048, 2048), 1)}  # bf16, 4 MiB per rank
+    src = [spec("train", n, sh, d, 2, r, r, "bfloat16") for n, (sh, d) in shapes.items()
+           for r in range(2)]  # fmt: skip
+    dst = [spec("infer", n, sh, 0, 1, 0, 2, "bfloat16") for n, (sh, _) in shapes.items()]
+    gen = torch.Generator().manual_seed(7)
+    g = {n: torch.randn(sh, generator=gen).to(torch.bfloat16) for n, (sh, _) in shapes.items()}
+    plan = _plan(src, dst, 64 << 20)
+    tensors = fill_sources(src, g) + [torch.zeros(d.local_shape, dtype=torch.bfloat16)
+                                      for d in dst]  # fmt: skip
+    h = Slots(sorted({s.slot for s in src + dst}))
+    try:
+        h.register(src + dst, tensors)
+        h.connect()
+        h.load(plan, chunk=None)
+        results = h.execute(plan, 5)
+        assert checksum_mismatch(plan, results) is None
+        for k, d in enumerate(dst):
+            assert torch.equal(tensors[len(src) + k], expected(d, g)), d.name
+        recv = len(h.state[2].executor(plan.digest).prepared.recv_chunks)
+        sent = sum(len(h.state[s].executor(plan.digest).prepared.send_chunks) for s in (0, 1))
+        assert sent < recv, (sent, recv)
+    finally:
+        h.close()
