@@ -211,7 +211,7 @@ def _write_plan(fd: int, plan: Plan, wall: tuple[float, float], cpu: tuple[float
     slots = plan.slots()
     index = plan.program_index()
     with _Result(fd) as out:
-        sizes = [out.write(encode_program(index.program(s))) for s in slots]
+        sizes = [out.write(encode_program(p)) for p in index.programs()]
         tensors, tensor_offsets = index.held_tensors()
         out.align()
         tensors_at = out.write_array(tensors.astype(np.int64, copy=False))

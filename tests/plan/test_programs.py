@@ -281,9 +281,9 @@ def _empty_slot_before_a_source():
 @pytest.mark.parametrize("layout", ["pools", "empty_slot"])
 def test_programs_built_a_chunk_at_a_time_equal_those_built_at_once(layout):
     """The program index takes its copy columns a chunk of slots at a time: programs built
-    in chunks of one slot, asked for in any order, encode to the same bytes as those
-    built in one chunk (travelling dtypes included: a slot without copies reads them from
-    the next slot's first row, in its chunk)."""
+    in chunks of one slot, asked for in any order or in one pass, encode to the same
+    bytes as those built in one chunk (travelling dtypes included: a slot without copies
+    reads them from the next slot's first row, in its chunk)."""
     src, dst, cfg = _plan(2, 3, 3, True, 64) if layout == "pools" else _empty_slot_before_a_source()
     whole = build_plan("m", 0, src, dst, cfg).program_index(chunk_rows=1 << 40)
     plan = build_plan("m", 0, src, dst, cfg)
@@ -291,6 +291,8 @@ def test_programs_built_a_chunk_at_a_time_equal_those_built_at_once(layout):
     slots = plan.slots()
     for slot in [*slots, *reversed(slots)]:
         assert encode_program(chunked.program(slot)) == encode_program(whole.program(slot))
+    passed = build_plan("m", 0, src, dst, cfg).program_index(chunk_rows=1).programs()
+    assert [encode_program(p) for p in passed] == [encode_program(whole.program(s)) for s in slots]
     if layout == "empty_slot":
         empty = chunked.program(5)
         assert len(empty.copies) == 0 and empty.wire_dtypes["copies.shape"] == "<u2"

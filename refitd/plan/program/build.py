@@ -8,7 +8,7 @@ the plan's tensor table that they touch. The sort by slot is done once per plan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -249,11 +249,11 @@ class ProgramIndex:
     """Every slot's program, built in one pass over the plan's columns.
 
     Program copy rows are laid out slot after slot (sends' copies, receives' copies, local
-    copies); their columns are taken from the plan's a chunk of slots at a time (the
-    chunk of the slot asked for, kept until another is asked for), so a pass over every
-    slot in order never holds the whole table: at 4,096 ranks it would be 0.8 GB of
-    fresh pages. A program is then slices (views) of its chunk's columns, of the message
-    columns ordered by slot, and of the tensor rows each slot touches."""
+    copies); their columns are taken from the plan's a chunk of slots at a time, when a
+    slot of the chunk is first asked for, so a pass over every slot (`programs`) never
+    holds the whole table: at 4,096 ranks it would be 0.8 GB of fresh pages. A program
+    is then slices (views) of its chunk's columns, of the message columns ordered by
+    slot, and of the tensor rows each slot touches."""
 
     def __init__(
         self,
@@ -286,7 +286,7 @@ class ProgramIndex:
         self._piece = _PieceColumns.of(copies, tensors)
         self.copy_lo, self.copy_hi = base, base + total
         self._chunks = _chunk_starts(total, chunk_rows)
-        self._chunk: tuple[int, CopyColumns, dict[str, list[str]]] | None = None
+        self._built: dict[int, tuple[int, CopyColumns, dict[str, list[str]]]] = {}
         self.local_start = send["copies"] + recv["copies"]
         self.send = self._messages(msgs, send, np.zeros(n_slots, np.int64))
         self.recv = self._messages(msgs, recv, send["copies"])
@@ -309,19 +309,28 @@ class ProgramIndex:
 
     def _copies_of(self, k: int) -> tuple[int, CopyColumns, dict[str, list[str]]]:
         """(first dense slot, copy columns, narrowest dtypes per slot) of the chunk of
-        slots holding dense slot k."""
+        slots holding dense slot k, taken on first use and kept (`programs` drops them)."""
         i = int(np.searchsorted(self._chunks, k, side="right")) - 1
-        k0 = int(self._chunks[i])
-        if self._chunk is None or self._chunk[0] != k0:
-            self._chunk = None  # the previous chunk's columns go before the next is taken
+        chunk = self._built.get(i)
+        if chunk is None:
+            k0 = int(self._chunks[i])
             k1 = int(self._chunks[i + 1]) if i + 1 < self._chunks.size else self.slots.size
             a, b = int(self.copy_lo[k0]), int(self.copy_hi[k1 - 1])
             c = _copy_table(self._pieces, self._piece, self.tensors, self._rows[a:b])
             lo = self.copy_lo[k0:k1] - a
             names = ("src", "dst", "src_off", "dst_off", "shape")
-            narrow = _narrowest({f"copies.{n}": (getattr(c, n), lo) for n in names})
-            self._chunk = (k0, c, narrow)
-        return self._chunk
+            chunk = (k0, c, _narrowest({f"copies.{n}": (getattr(c, n), lo) for n in names}))
+            self._built[i] = chunk
+        return chunk
+
+    def programs(self) -> Iterator[SlotProgram]:
+        """Every slot's program, slots ascending; each chunk's columns are dropped once its
+        slots' programs are made, so the pass holds one chunk at a time."""
+        for i, k0 in enumerate(self._chunks.tolist()):
+            k1 = int(self._chunks[i + 1]) if i + 1 < self._chunks.size else self.slots.size
+            for k in range(k0, k1):
+                yield self.program(int(self.slots[k]))
+            self._built.pop(i, None)
 
     def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
         """Messages of one direction grouped by this end's slot, ids ascending."""
