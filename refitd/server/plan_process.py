@@ -26,6 +26,7 @@ import gc
 import mmap
 import os
 import pickle
+import resource
 import select
 import signal
 import struct
@@ -76,7 +77,7 @@ class ForkedPlan:
     program_offsets: np.ndarray  # int64 [slots + 1]
     tensors: np.ndarray  # int64: every slot's program tensors (plan indices), end to end
     tensor_offsets: np.ndarray  # int64 [slots + 1]
-    timings: dict[str, float]  # the child's plan_s, programs_s, cpu_s, plan_cpu_s
+    timings: dict[str, float]  # the child's own (_timings)
     links: dict[str, object]  # messages and bytes per path (Plan.link_summary)
 
     def program(self, i: int) -> memoryview:
@@ -188,14 +189,13 @@ def _child(
         with contextlib.suppress(OSError):
             os.closerange(3, fd)  # the parent's sockets and pipes are not ours to hold
             os.closerange(fd + 1, 1 << 16)
-        c0, t0 = time.process_time(), time.perf_counter()
+        start = _Clock.now()
         try:
             plan = build_plan_from_table(model, epoch, sources, destinations, config, digest)
         except PlanError as e:
             _write(fd, _PLAN_ERROR, str(e))
             os._exit(_EXIT_OK)
-        t_plan, c_plan = time.perf_counter() - t0, time.process_time() - c0
-        _write_plan(fd, plan, (t0, t_plan), (c0, c_plan))
+        _write_plan(fd, plan, start, _Clock.now())
         code = _EXIT_OK
     except BaseException:  # reported to the parent, which fails the plan with it
         with contextlib.suppress(BaseException):
@@ -204,10 +204,25 @@ def _child(
         os._exit(code)
 
 
-def _write_plan(fd: int, plan: Plan, wall: tuple[float, float], cpu: tuple[float, float]) -> None:
+@dataclass(frozen=True)
+class _Clock:
+    """Wall and CPU time and page faults of this process so far (the child's timings)."""
+
+    wall: float
+    cpu: float
+    faults: int
+
+    @classmethod
+    def now(cls) -> _Clock:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return cls(time.perf_counter(), time.process_time(), faults)
+
+
+def _write_plan(fd: int, plan: Plan, start: _Clock, planned: _Clock) -> None:
     """Every slot's program from one index pass, each encoded and written as it is built
     (none is kept: at 4,096 ranks they are 0.4 GB of fresh pages), then every slot's
-    held tensors and the plan's facts, into fd. wall, cpu: (the start, the plan's time)."""
+    held tensors and the plan's facts, into fd. start, planned: the clocks before and
+    after the plan."""
     slots = plan.slots()
     index = plan.program_index()
     with _Result(fd) as out:
@@ -234,14 +249,22 @@ def _write_plan(fd: int, plan: Plan, wall: tuple[float, float], cpu: tuple[float
             "program_bytes": sum(sizes),
             "tensor_count": int(tensors.size),
             "tensors_at": tensors_at,
-            "timings": {
-                "plan_s": wall[1],
-                "programs_s": time.perf_counter() - wall[0] - wall[1],
-                "cpu_s": time.process_time() - cpu[0],
-                "plan_cpu_s": cpu[1],
-            },
+            "timings": _timings(start, planned, _Clock.now()),
         }
         out.finish(_OK, head)
+
+
+def _timings(start: _Clock, planned: _Clock, done: _Clock) -> dict[str, float]:
+    """The plan's and the programs' wall time, the CPU time and page faults of both and of
+    the plan alone."""
+    return {
+        "plan_s": planned.wall - start.wall,
+        "programs_s": done.wall - planned.wall,
+        "cpu_s": done.cpu - start.cpu,
+        "plan_cpu_s": planned.cpu - start.cpu,
+        "faults": done.faults - start.faults,
+        "plan_faults": planned.faults - start.faults,
+    }
 
 
 def _write(fd: int, kind: int, head: object) -> None:
