@@ -19,6 +19,7 @@ from refitd.plan.grouping import dense_index
 from refitd.plan.layout import TensorSpec
 from refitd.plan.links import PATHS, path_summary
 from refitd.plan.program.build import (
+    CHUNK_ROWS,
     Messages,
     PlanTensors,
     ProgramIndex,
@@ -297,8 +298,9 @@ class Plan:
         """`tensors[:source_count]` are source specs, the rest destination specs."""
         return self._n_src
 
-    def program_index(self) -> ProgramIndex:
-        """Per-slot positions of all messages and copies, built once per plan."""
+    def program_index(self, chunk_rows: int = CHUNK_ROWS) -> ProgramIndex:
+        """Per-slot positions of all messages and copies, built once per plan (its copy
+        columns taken about `chunk_rows` rows at a time: ProgramIndex)."""
         if self._index is None:
             tables, counts = self._sides()
             dims = self._remote.table.shape.shape[1]
@@ -313,7 +315,8 @@ class Plan:
                 self._m_path,
             )
             copies = Pieces.concat([self._remote, self._local])
-            self._index = ProgramIndex(self.digest, copies, self._remote.rows.size, msgs, tensors)
+            n_remote = self._remote.rows.size
+            self._index = ProgramIndex(self.digest, copies, n_remote, msgs, tensors, chunk_rows)
         return self._index
 
     def release_index(self) -> None:

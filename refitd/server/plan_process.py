@@ -26,6 +26,7 @@ import gc
 import mmap
 import os
 import pickle
+import resource
 import select
 import signal
 import struct
@@ -47,7 +48,7 @@ from refitd.server.errors import ControlError, ErrorKind
 WorkerKey = tuple[str, int]  # (pool, rank)
 
 FORK_SUPPORT_VAR = "GRPC_ENABLE_FORK_SUPPORT"
-_HEAD = struct.Struct("<QQ")  # header length, status
+_HEAD = struct.Struct("<QQQ")  # status, header offset, header length
 _OK, _PLAN_ERROR, _CRASH = 0, 1, 2
 _EXIT_OK, _EXIT_FAILED = 0, 3
 
@@ -76,7 +77,7 @@ class ForkedPlan:
     program_offsets: np.ndarray  # int64 [slots + 1]
     tensors: np.ndarray  # int64: every slot's program tensors (plan indices), end to end
     tensor_offsets: np.ndarray  # int64 [slots + 1]
-    timings: dict[str, float]  # the child's plan_s, programs_s, cpu_s
+    timings: dict[str, float]  # the child's own (_timings)
     links: dict[str, object]  # messages and bytes per path (Plan.link_summary)
 
     def program(self, i: int) -> memoryview:
@@ -146,16 +147,16 @@ def _read(fd: int, pid: int, status: int, model: str) -> ForkedPlan:
             "a new one",
         )
     size = os.fstat(fd).st_size
-    if size < _HEAD.size:
+    buf = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size >= _HEAD.size else None
+    view = memoryview(buf if buf is not None else bytes(_HEAD.size))
+    kind, head_at, head_len = _HEAD.unpack_from(view)
+    if not head_len:  # the preamble is written last
         raise ControlError(
             ErrorKind.UNAVAILABLE,
             f"the planning process (pid {pid}) of model {model!r} exited with status "
             f"{os.waitstatus_to_exitcode(status)} without a result",
         )
-    buf = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    view = memoryview(buf)
-    head_len, kind = _HEAD.unpack_from(view)
-    head = pickle.loads(view[_HEAD.size : _HEAD.size + head_len])
+    head = pickle.loads(view[head_at : head_at + head_len])
     if kind == _PLAN_ERROR:
         raise PlanError(head)
     if kind != _OK:
@@ -163,12 +164,9 @@ def _read(fd: int, pid: int, status: int, model: str) -> ForkedPlan:
             ErrorKind.UNAVAILABLE,
             f"the planning process (pid {pid}) of model {model!r} failed: {head}",
         )
-    at = _HEAD.size + head_len
     n_prog, n_tens = head.pop("program_bytes"), head.pop("tensor_count")
-    programs = view[at : at + n_prog]
-    at += n_prog
-    at += -at % 8
-    tensors = np.frombuffer(buf, np.int64, n_tens, at)
+    programs = view[_HEAD.size : _HEAD.size + n_prog]
+    tensors = np.frombuffer(buf, np.int64, n_tens, head.pop("tensors_at"))
     return ForkedPlan(programs=programs, tensors=tensors, **head)
 
 
@@ -191,71 +189,130 @@ def _child(
         with contextlib.suppress(OSError):
             os.closerange(3, fd)  # the parent's sockets and pipes are not ours to hold
             os.closerange(fd + 1, 1 << 16)
-        c0, t0 = time.process_time(), time.perf_counter()
+        start = _Clock.now()
         try:
             plan = build_plan_from_table(model, epoch, sources, destinations, config, digest)
         except PlanError as e:
-            _write(fd, _PLAN_ERROR, str(e), [])
+            _write(fd, _PLAN_ERROR, str(e))
             os._exit(_EXIT_OK)
-        t_plan = time.perf_counter() - t0
-        _write_plan(fd, plan, t_plan, t0, c0)
+        _write_plan(fd, plan, start, _Clock.now())
         code = _EXIT_OK
     except BaseException:  # reported to the parent, which fails the plan with it
         with contextlib.suppress(BaseException):
-            _write(fd, _CRASH, traceback.format_exc(limit=8), [])
+            _write(fd, _CRASH, traceback.format_exc(limit=8))
     finally:
         os._exit(code)
 
 
-def _write_plan(fd: int, plan: Plan, t_plan: float, t0: float, c0: float) -> None:
-    """Every slot's program from one index pass, encoded, and the plan's facts, into fd."""
+@dataclass(frozen=True)
+class _Clock:
+    """Wall and CPU time and page faults of this process so far (the child's timings)."""
+
+    wall: float
+    cpu: float
+    faults: int
+
+    @classmethod
+    def now(cls) -> _Clock:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return cls(time.perf_counter(), time.process_time(), faults)
+
+
+def _write_plan(fd: int, plan: Plan, start: _Clock, planned: _Clock) -> None:
+    """Every slot's program from one index pass, each encoded and written as it is built
+    (none is kept: at 4,096 ranks they are 0.4 GB of fresh pages), then every slot's
+    held tensors and the plan's facts, into fd. start, planned: the clocks before and
+    after the plan."""
     slots = plan.slots()
     index = plan.program_index()
-    programs, tensors = [], []
-    for s in slots:
-        p = index.program(s)
-        programs.append(encode_program(p))
-        tensors.append(p.table.index.astype(np.int64))
-    # from the tensors' columns: a pass over the TensorSpec objects would write to every
-    # page of the controller's registrations this process shares (copy-on-write)
-    readers = {k: plan.source_slots_of(*k) for k in plan.source_workers()}
-    holders = plan.holders()
-    plan.release_index()
-    head = {
-        "digest": plan.digest,
-        "slots": slots,
-        "stats": plan.stats,
-        "send_bytes": plan.send_bytes(),
-        "recv_bytes": plan.recv_bytes(),
-        "readers": readers,
-        "holders": holders,
-        "links": plan.link_summary(),
-        "program_offsets": np.cumsum([0, *map(len, programs)], dtype=np.int64),
-        "tensor_offsets": np.cumsum([0, *map(len, tensors)], dtype=np.int64),
-        "program_bytes": sum(map(len, programs)),
-        "tensor_count": sum(map(len, tensors)),
-        "timings": {
-            "plan_s": t_plan,
-            "programs_s": time.perf_counter() - t0 - t_plan,
-            "cpu_s": time.process_time() - c0,
-        },
+    with _Result(fd) as out:
+        sizes = [out.write(encode_program(p)) for p in index.programs()]
+        tensors, tensor_offsets = index.held_tensors()
+        out.align()
+        tensors_at = out.write_array(tensors.astype(np.int64, copy=False))
+        # from the tensors' columns: a pass over the TensorSpec objects would write to
+        # every page of the controller's registrations this process shares (copy-on-write)
+        readers = {k: plan.source_slots_of(*k) for k in plan.source_workers()}
+        holders = plan.holders()
+        plan.release_index()
+        head = {
+            "digest": plan.digest,
+            "slots": slots,
+            "stats": plan.stats,
+            "send_bytes": plan.send_bytes(),
+            "recv_bytes": plan.recv_bytes(),
+            "readers": readers,
+            "holders": holders,
+            "links": plan.link_summary(),
+            "program_offsets": np.cumsum([0, *sizes], dtype=np.int64),
+            "tensor_offsets": tensor_offsets,
+            "program_bytes": sum(sizes),
+            "tensor_count": int(tensors.size),
+            "tensors_at": tensors_at,
+            "timings": _timings(start, planned, _Clock.now()),
+        }
+        out.finish(_OK, head)
+
+
+def _timings(start: _Clock, planned: _Clock, done: _Clock) -> dict[str, float]:
+    """The plan's and the programs' wall time, the CPU time and page faults of both and of
+    the plan alone."""
+    return {
+        "plan_s": planned.wall - start.wall,
+        "programs_s": done.wall - planned.wall,
+        "cpu_s": done.cpu - start.cpu,
+        "plan_cpu_s": planned.cpu - start.cpu,
+        "faults": done.faults - start.faults,
+        "plan_faults": planned.faults - start.faults,
     }
-    _write(fd, _OK, head, [*programs, np.concatenate(tensors) if tensors else b""])
 
 
-def _write(fd: int, kind: int, head: object, blobs: list) -> None:
-    """Header, then the program bytes, then the tensor column aligned to 8 bytes."""
-    raw = pickle.dumps(head, protocol=pickle.HIGHEST_PROTOCOL)
-    with os.fdopen(os.dup(fd), "wb", buffering=1 << 20) as f:
-        f.write(_HEAD.pack(len(raw), kind))
-        f.write(raw)
-        at = _HEAD.size + len(raw)
-        for b in blobs[:-1]:
-            f.write(b)
-            at += len(b)
-        if blobs:
-            f.write(b"\0" * (-at % 8))
-            f.write(memoryview(blobs[-1]).cast("B") if len(blobs[-1]) else b"")
+def _write(fd: int, kind: int, head: object) -> None:
+    """A result of the header alone (an error)."""
+    with _Result(fd) as out:
+        out.finish(kind, head)
+
+
+class _Result:
+    """The result file as it is written: the preamble (status, where the header is) at
+    its start, written last; the body's parts from there; the pickled header at the end."""
+
+    def __init__(self, fd: int) -> None:
+        self._file = os.fdopen(os.dup(fd), "wb", buffering=1 << 20)
+        self._file.write(bytes(_HEAD.size))
+        self.at = _HEAD.size
+
+    def __enter__(self) -> _Result:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def write(self, part: bytes) -> int:
+        """Append `part`; its length."""
+        self._file.write(part)
+        self.at += len(part)
+        return len(part)
+
+    def align(self) -> None:
+        """Zeros up to the next multiple of 8 bytes."""
+        self.write(bytes(-self.at % 8))
+
+    def write_array(self, a: np.ndarray) -> int:
+        """Append an array's bytes; where they start."""
+        at = self.at
+        if a.size:
+            self._file.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+            self.at += a.nbytes
+        return at
+
+    def finish(self, kind: int, head: object) -> None:
+        """The pickled header after the body, then the preamble pointing at it."""
+        raw = pickle.dumps(head, protocol=pickle.HIGHEST_PROTOCOL)
+        at = self.at
+        self.write(raw)
+        self._file.flush()
+        os.pwrite(self._file.fileno(), _HEAD.pack(kind, at, len(raw)), 0)
 
 
 @dataclass

@@ -154,6 +154,9 @@ def _plan_meta(ctl: Any, references: bool = True) -> dict[str, Any]:
         "meta_plan_s": child["plan_s"],
         "meta_all_programs_s": child["programs_s"],
         "meta_plan_process_cpu_s": child["cpu_s"],
+        "meta_plan_process_plan_cpu_s": child["plan_cpu_s"],
+        "meta_plan_process_faults": child["faults"],  # page faults of plan and programs
+        "meta_plan_process_plan_faults": child["plan_faults"],
         "meta_plan_process_wall_s": t_forked,  # fork to the programs mapped here
         "meta_plan_thread_stall_ms": ticker.worst * 1e3,
         "meta_plan_process_same_programs": same,

@@ -8,7 +8,7 @@ the plan's tensor table that they touch. The sort by slot is done once per plan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -139,38 +139,60 @@ def _pad(a: np.ndarray, d: int, fill: int) -> np.ndarray:
     return a if extra <= 0 else np.pad(a, ((0, 0), (0, extra)), constant_values=fill)
 
 
-def _copy_table(copies: Pieces, t: PlanTensors, rows: np.ndarray) -> CopyColumns:
-    """Rows `rows` of the plan's copies (remote pieces, then local copies): dtypes and
-    flags per plan copy, then taken; offsets gathered straight from the planner's copy
-    table for the program rows."""
+@dataclass(slots=True)
+class _PieceColumns:
+    """The per-piece columns of program copies that need every piece (the flags need each
+    copy's shape, dtypes and tensors), computed once per plan; offsets and shapes are
+    gathered per chunk of program rows."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    wire: np.ndarray  # uint8
+    ndim: np.ndarray  # uint8
+    flags: np.ndarray  # uint8
+
+    @classmethod
+    def of(cls, copies: Pieces, t: PlanTensors) -> _PieceColumns:
+        c = copies.columns(("src", "dst", "wire", "ndim"))
+        src, dst, ndim = c["src"], c["dst"], c["ndim"].astype(np.uint8)
+        flags = np.empty(src.size, np.uint8)
+        d = t.local_shape.shape[1]
+        for a in range(0, src.size, CHUNK_ROWS):  # transients of one chunk's size, reused
+            r = slice(a, min(a + CHUNK_ROWS, src.size))
+            s, e = src[r], dst[r]
+            flags[r] = copy_flags(
+                c["wire"][r],
+                t.dtype[s],
+                t.dtype[e],
+                t.storage[e] == 0,
+                t.storage[e] == STORAGES.index(NVFP4),
+                _pad(copies.column("shape", np.arange(a, r.stop)), d, 1),
+                np.take(t.local_shape, s, axis=0),
+                np.take(t.local_shape, e, axis=0),
+                ndim[r],
+            )
+        return cls(src, dst, c["wire"].astype(np.uint8), ndim, flags)
+
+
+def _copy_table(
+    copies: Pieces, piece: _PieceColumns, t: PlanTensors, rows: np.ndarray
+) -> CopyColumns:
+    """Rows `rows` of the plan's copies (remote pieces, then local copies): the per-piece
+    columns taken, offsets and shapes gathered straight from the planner's copy table."""
     d = t.local_shape.shape[1]
-    c = copies.columns(("src", "dst", "wire", "ndim", "shape"))
-    src, dst, wire, ndim = c["src"], c["dst"], c["wire"], c["ndim"].astype(np.uint8)
-    shape = _pad(c["shape"], d, 1)
-    flags = copy_flags(
-        wire,
-        t.dtype[src],
-        t.dtype[dst],
-        t.storage[dst] == 0,
-        t.storage[dst] == STORAGES.index(NVFP4),
-        shape,
-        np.take(t.local_shape, src, axis=0),
-        np.take(t.local_shape, dst, axis=0),
-        ndim,
-    )
-    src, dst = np.take(src, rows), np.take(dst, rows)  # take: faster than a[rows] here
-    loc = copies.subset(rows).columns(("src_loc", "dst_loc"))
+    src, dst = np.take(piece.src, rows), np.take(piece.dst, rows)  # take: faster than a[rows]
+    loc = copies.subset(rows).columns(("src_loc", "dst_loc", "shape"))
     return CopyColumns(
         src=src,
         dst=dst,
         src_off=_pad(loc["src_loc"], d, 0),
         dst_off=_pad(loc["dst_loc"], d, 0),
-        shape=np.take(shape, rows, axis=0),
-        ndim=ndim[rows],
-        wire=wire.astype(np.uint8)[rows],
+        shape=_pad(loc["shape"], d, 1),
+        ndim=np.take(piece.ndim, rows),
+        wire=np.take(piece.wire, rows),
         src_dtype=t.dtype[src],
         dst_dtype=t.dtype[dst],
-        flags=flags[rows],
+        flags=np.take(piece.flags, rows),
     )
 
 
@@ -191,24 +213,59 @@ def _range_max(a: np.ndarray, lo: np.ndarray) -> np.ndarray:
     return top
 
 
+CHUNK_ROWS = 1 << 18  # program copy rows taken at once by default (about 25 MB of columns)
+
+
 def _within(counts: np.ndarray) -> np.ndarray:
     """Position of every element inside its group, for groups of `counts` in order."""
     total = int(counts.sum())
     return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
+def _chunk_starts(rows: np.ndarray, chunk_rows: int) -> np.ndarray:
+    """First dense slot of each chunk of slots, chunks of about `chunk_rows` program rows.
+    A chunk never ends with a slot without copies: such a slot's narrowest dtypes are
+    read from the row at its start (_range_max), the next slot's first row."""
+    starts, taken, last = [0], 0, 0
+    for k, n in enumerate(rows.tolist()):
+        if last and taken >= chunk_rows:  # slot k - 1 has copies
+            starts.append(k)
+            taken = 0
+        taken, last = taken + n, n
+    return np.array(starts, np.int64)
+
+
+def _narrowest(cols: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, list[str]]:
+    """Per column (values, first row of each slot's range), the narrowest travelling dtype
+    of each slot's range (codec.narrow_dtypes)."""
+    out: dict[str, list[str]] = {}
+    for name, (a, lo) in cols.items():
+        a = a if a.ndim == 1 or a.shape[1] else a.reshape(-1)
+        out[name] = narrow_dtypes(_range_max(a, lo)).tolist()
+    return out
+
+
 class ProgramIndex:
     """Every slot's program, built in one pass over the plan's columns.
 
     Program copy rows are laid out slot after slot (sends' copies, receives' copies, local
-    copies) in one set of columns taken once from the plan's; a program is then slices
-    (views) of those columns, of the message columns ordered by slot, and of the tensor
-    rows each slot touches."""
+    copies); their columns are taken from the plan's a chunk of slots at a time, when a
+    slot of the chunk is first asked for, so a pass over every slot (`programs`) never
+    holds the whole table: at 4,096 ranks it would be 0.8 GB of fresh pages. A program
+    is then slices (views) of its chunk's columns, of the message columns ordered by
+    slot, and of the tensor rows each slot touches."""
 
     def __init__(
-        self, digest: str, copies: Pieces, n_remote: int, msgs: Messages, tensors: PlanTensors
+        self,
+        digest: str,
+        copies: Pieces,
+        n_remote: int,
+        msgs: Messages,
+        tensors: PlanTensors,
+        chunk_rows: int = CHUNK_ROWS,
     ) -> None:
-        """`copies`: the plan's remote pieces in message order, then its local copies."""
+        """`copies`: the plan's remote pieces in message order, then its local copies;
+        `chunk_rows`: about how many program copy rows are taken at once."""
         self.digest, self.tensors = digest, tensors
         self.slots, self._dense = dense_index(tensors.slot)
         n_slots = self.slots.size
@@ -225,8 +282,11 @@ class ProgramIndex:
         rows[np.repeat(at, recv["copies"]) + _within(recv["copies"])] = recv["rows"]
         at = at + recv["copies"]
         rows[np.repeat(at, l_cnt) + _within(l_cnt)] = l_order + n_remote
-        self.copies = _copy_table(copies, tensors, rows)
+        self._rows, self._pieces = rows, copies
+        self._piece = _PieceColumns.of(copies, tensors)
         self.copy_lo, self.copy_hi = base, base + total
+        self._chunks = _chunk_starts(total, chunk_rows)
+        self._built: dict[int, tuple[int, CopyColumns, dict[str, list[str]]]] = {}
         self.local_start = send["copies"] + recv["copies"]
         self.send = self._messages(msgs, send, np.zeros(n_slots, np.int64))
         self.recv = self._messages(msgs, recv, send["copies"])
@@ -236,21 +296,41 @@ class ProgramIndex:
         self._narrow()
 
     def _narrow(self) -> None:
-        """Per slot and integer column, the narrowest travelling dtype (codec.narrow_dtypes):
-        one maximum per slot and column, from reduceat over the slot-major columns."""
+        """Per slot and integer column of messages and tensors, the narrowest travelling
+        dtype (codec.narrow_dtypes): one maximum per slot and column, from reduceat over
+        the slot-major columns (copy columns: per chunk, `_copies_of`)."""
         cols: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        c = self.copies
-        for name in ("src", "dst", "src_off", "dst_off", "shape"):
-            cols[f"copies.{name}"] = (getattr(c, name), self.copy_lo)
         for side, m, lo in (("send", self.send, self._send_lo), ("recv", self.recv, self._recv_lo)):
             for f in fields(MessageColumns):
                 cols[f"{side}.{f.name}"] = (getattr(m, f.name), np.array(lo, np.int64))
         for name in ("index", "slot", "rank", "pool", "local_shape"):
             cols[f"tensors.{name}"] = (self.table_cols[name], self.table_lo)
-        self.narrow: dict[str, list[str]] = {}
-        for name, (a, lo) in cols.items():
-            a = a if a.ndim == 1 or a.shape[1] else a.reshape(-1)
-            self.narrow[name] = narrow_dtypes(_range_max(a, lo)).tolist()
+        self.narrow = _narrowest(cols)
+
+    def _copies_of(self, k: int) -> tuple[int, CopyColumns, dict[str, list[str]]]:
+        """(first dense slot, copy columns, narrowest dtypes per slot) of the chunk of
+        slots holding dense slot k, taken on first use and kept (`programs` drops them)."""
+        i = int(np.searchsorted(self._chunks, k, side="right")) - 1
+        chunk = self._built.get(i)
+        if chunk is None:
+            k0 = int(self._chunks[i])
+            k1 = int(self._chunks[i + 1]) if i + 1 < self._chunks.size else self.slots.size
+            a, b = int(self.copy_lo[k0]), int(self.copy_hi[k1 - 1])
+            c = _copy_table(self._pieces, self._piece, self.tensors, self._rows[a:b])
+            lo = self.copy_lo[k0:k1] - a
+            names = ("src", "dst", "src_off", "dst_off", "shape")
+            chunk = (k0, c, _narrowest({f"copies.{n}": (getattr(c, n), lo) for n in names}))
+            self._built[i] = chunk
+        return chunk
+
+    def programs(self) -> Iterator[SlotProgram]:
+        """Every slot's program, slots ascending; each chunk's columns are dropped once its
+        slots' programs are made, so the pass holds one chunk at a time."""
+        for i, k0 in enumerate(self._chunks.tolist()):
+            k1 = int(self._chunks[i + 1]) if i + 1 < self._chunks.size else self.slots.size
+            for k in range(k0, k1):
+                yield self.program(int(self.slots[k]))
+            self._built.pop(i, None)
 
     def _side(self, msgs: Messages, slot_of_msg: np.ndarray) -> dict[str, np.ndarray]:
         """Messages of one direction grouped by this end's slot, ids ascending."""
@@ -319,12 +399,18 @@ class ProgramIndex:
         self.table_hi = np.cumsum(counts)
         self.table_lo = self.table_hi - counts
 
+    def held_tensors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every program's table.index end to end, slots ascending, and the offsets
+        [slots + 1] of each slot's part: the tensors whose memory handles go with it."""
+        return self.table_cols["index"], np.r_[0, self.table_hi].astype(np.int64)
+
     def program(self, slot: int) -> SlotProgram:
         k = int(np.searchsorted(self.slots, slot))
         if k >= self.slots.size or int(self.slots[k]) != slot:
             raise KeyError(f"slot {slot} holds no tensor of this plan")
-        a, b = int(self.copy_lo[k]), int(self.copy_hi[k])
-        c = self.copies
+        k0, c, narrow = self._copies_of(k)
+        at = int(self.copy_lo[k0])
+        a, b = int(self.copy_lo[k]) - at, int(self.copy_hi[k]) - at
         copies = CopyColumns(*(getattr(c, f.name)[a:b] for f in fields(CopyColumns)))
         ta, tb = int(self.table_lo[k]), int(self.table_hi[k])
         table = TensorColumns(
@@ -333,7 +419,8 @@ class ProgramIndex:
         return SlotProgram(
             digest=self.digest,
             slot=slot,
-            wire_dtypes={n: d[k] for n, d in self.narrow.items()},
+            wire_dtypes={n: d[k] for n, d in self.narrow.items()}
+            | {n: d[k - k0] for n, d in narrow.items()},
             table=table,
             copies=copies,
             send=self._slice(self.send, self._send_lo[k], self._send_hi[k]),
