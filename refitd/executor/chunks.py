@@ -149,12 +149,14 @@ def chunk_messages(
 
 
 def join_pieces(
-    chunks: list[Chunk], mids: frozenset[int], payload: list[int], limit: int = RDMA_JOINED
+    chunks: list[Chunk], mids: frozenset[int], payload: np.ndarray, limit: int = RDMA_JOINED
 ) -> list[Chunk]:
     """Send chunks with the consecutive pieces of one segment of the messages `mids`
-    joined, up to `limit` bytes each. A joined chunk carries the index of its last piece:
-    the destination, which cut the message as usual, sees its pieces' count on the
-    doorbell at once (pieces of a message land in order)."""
+    joined, up to `limit` bytes each (`payload`: each copy row's bytes). A joined chunk
+    carries the index of its last piece: the destination, which cut the message as usual,
+    sees its pieces' count on the doorbell at once (pieces of a message land in order)."""
+    if not mids:
+        return chunks
     out: list[Chunk] = []
     for ch in chunks:
         prev = out[-1] if out else None
@@ -168,7 +170,7 @@ def join_pieces(
             out.append(ch)
             continue
         n = prev.nbytes + ch.nbytes
-        split = prev.seg_start > 0 or n != payload[ch.rows[0]]
+        split = prev.seg_start > 0 or n != int(payload[ch.rows[0]])
         fields = (ch.mid, ch.round, ch.src_slot, ch.dst_slot, ch.index, n, ch.rows, ch.offs)
         out[-1] = Chunk(*fields, split, prev.seg_start, ch.msg_nbytes, msg_at=prev.msg_at)
     return out

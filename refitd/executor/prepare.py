@@ -111,11 +111,8 @@ class PreparedProgram:
         self.device = device
         p = program
         try:
-            self.send_chunks = join_pieces(
-                chunk_messages(p.send, info, wire_chunk, staged_chunk),
-                joined,
-                info.payload.tolist(),
-            )
+            sent = chunk_messages(p.send, info, wire_chunk, staged_chunk)
+            self.send_chunks = join_pieces(sent, joined, info.payload)
             self.recv_chunks = chunk_messages(p.recv, info, wire_chunk, staged_chunk)
         except ExecutionError as e:
             raise ExecutionError(f"slot {p.slot}: {e}") from e

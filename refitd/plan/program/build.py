@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
+from itertools import pairwise
 
 import numpy as np
 
@@ -285,7 +286,8 @@ class ProgramIndex:
         self._rows, self._pieces = rows, copies
         self._piece = _PieceColumns.of(copies, tensors)
         self.copy_lo, self.copy_hi = base, base + total
-        self._chunks = _chunk_starts(total, chunk_rows)
+        # chunk i holds dense slots [_bounds[i], _bounds[i + 1])
+        self._bounds = np.r_[_chunk_starts(total, chunk_rows), n_slots]
         self._built: dict[int, tuple[int, CopyColumns, dict[str, list[str]]]] = {}
         self.local_start = send["copies"] + recv["copies"]
         self.send = self._messages(msgs, send, np.zeros(n_slots, np.int64))
@@ -310,11 +312,10 @@ class ProgramIndex:
     def _copies_of(self, k: int) -> tuple[int, CopyColumns, dict[str, list[str]]]:
         """(first dense slot, copy columns, narrowest dtypes per slot) of the chunk of
         slots holding dense slot k, taken on first use and kept (`programs` drops them)."""
-        i = int(np.searchsorted(self._chunks, k, side="right")) - 1
+        i = int(np.searchsorted(self._bounds, k, side="right")) - 1
         chunk = self._built.get(i)
         if chunk is None:
-            k0 = int(self._chunks[i])
-            k1 = int(self._chunks[i + 1]) if i + 1 < self._chunks.size else self.slots.size
+            k0, k1 = int(self._bounds[i]), int(self._bounds[i + 1])
             a, b = int(self.copy_lo[k0]), int(self.copy_hi[k1 - 1])
             c = _copy_table(self._pieces, self._piece, self.tensors, self._rows[a:b])
             lo = self.copy_lo[k0:k1] - a
@@ -326,8 +327,7 @@ class ProgramIndex:
     def programs(self) -> Iterator[SlotProgram]:
         """Every slot's program, slots ascending; each chunk's columns are dropped once its
         slots' programs are made, so the pass holds one chunk at a time."""
-        for i, k0 in enumerate(self._chunks.tolist()):
-            k1 = int(self._chunks[i + 1]) if i + 1 < self._chunks.size else self.slots.size
+        for i, (k0, k1) in enumerate(pairwise(self._bounds.tolist())):
             for k in range(k0, k1):
                 yield self.program(int(self.slots[k]))
             self._built.pop(i, None)
