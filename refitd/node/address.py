@@ -21,7 +21,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from refitd.transport.netif import InterfaceError, interface_address
+from refitd.transport.netif import InterfaceError, host_of, interface_address, is_loopback
 
 
 class DataPlaneError(RuntimeError):
@@ -73,17 +73,10 @@ def route_address(target_host: str, target_port: int = 9) -> str:
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host:
+    _, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
         raise DataPlaneError(f"controller address {address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
+    return host_of(address), int(port)
 
 
 def _pick(iface: str, addr: str, gloo_if: str, host: str, port: int) -> DataPlaneAddress:

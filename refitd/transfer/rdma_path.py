@@ -37,6 +37,7 @@ from refitd.transport.doorbell import HEADER_WORDS, MAGIC, RETIRED, Doorbell, va
 from refitd.transport.errors import TransportError
 from refitd.transport.mooncake import MooncakeEndpoint, MooncakeOptions, MooncakePeer
 from refitd.transport.mooncake_runs import Runs, view_runs
+from refitd.transport.netif import host_of
 from refitd.transport.paths import (
     Exposed,
     Exposure,
@@ -135,8 +136,7 @@ class RdmaPeer(Peer):
     ) -> None:  # fmt: skip
         self.path, self.peer, self.bell, self.what = path, peer, bell, what
         self._specs, self._landing = tensors, landing
-        session_host = peer.desc.sessions[0].rsplit(":", 1)[0].strip("[]")
-        self.one_host = session_host == path.settings.host
+        self.one_host = host_of(peer.desc.sessions[0]) == path.settings.host
         self._tensors: dict[int, RemoteTensor] = {}
         self._mirrors: dict[int, tuple[int, int]] = {}  # storage -> (mirror, remote) address
         self._registered: set[int] = set()  # storages this peer holds registered

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import os
 import re
 import time
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from refitd.transport.base import ConnectInfo, Transport, TransportError, Work, check_buffer
+from refitd.transport.netif import host_of, is_loopback
 
 
 def epoch_prefix(info: ConnectInfo) -> str:
@@ -69,7 +69,7 @@ def describe_failure(
         where += f" -> peer {peer.group(1)}"
     why = first if len(first) < 400 else first[:400] + "..."
     hint = ""
-    if peer and _is_loopback(peer.group(1).strip("[]").rsplit(":", 1)[0].strip("[]")):
+    if peer and is_loopback(host_of(peer.group(1))):
         hint = (
             "; the peer advertised a loopback address: set its agent's --data-plane-address "
             "or --data-plane-interface"
@@ -93,16 +93,9 @@ def gloo_device(info: ConnectInfo) -> tuple[object, str]:
     env_if = (os.environ.get("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
     if env_if:
         return create(interface=env_if), env_if
-    if _is_loopback(info.store_host):
+    if is_loopback(info.store_host):
         return create(hostname="127.0.0.1"), "127.0.0.1"
     return dist.ProcessGroupGloo.create_default_device(), "the host name's address"
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class _GlooWork:

@@ -1,8 +1,9 @@
-"""Network interfaces by name and address (Linux ioctls; no torch, no gRPC)."""
+"""Network interfaces and addresses: by name, by address, host of HOST:PORT (no torch, no gRPC)."""
 
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import socket
 import struct
 
@@ -36,3 +37,18 @@ def interface_of(address: str) -> str:
         except InterfaceError:
             continue
     return ""
+
+
+def host_of(address: str) -> str:
+    """The host part of `HOST:PORT` (brackets of an IPv6 host removed); `address` itself
+    when it has no port."""
+    host, sep, _ = address.rpartition(":")
+    return (host if sep and not address.endswith("]") else address).strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, or the name localhost) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"

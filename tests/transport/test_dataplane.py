@@ -4,6 +4,7 @@ refused with the setting that fixes it. Communicator set-up errors say what, whe
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -45,6 +46,13 @@ def test_loopback_with_a_remote_controller_is_refused(tmp_path) -> None:
         choose_data_plane(
             load_settings(data_dir=tmp_path), "10.213.250.1:1", env={"GLOO_SOCKET_IFNAME": "lo"}
         )
+
+
+@pytest.mark.parametrize("controller", ["10.213.250.1", "10.213.250.1:port", "[fd00::1]"])
+def test_a_controller_address_without_a_port_is_named(tmp_path, controller: str) -> None:
+    s = load_settings(data_dir=tmp_path, data_plane_address="127.0.0.1")
+    with pytest.raises(DataPlaneError, match=f"controller address '{re.escape(controller)}'"):
+        choose_data_plane(s, controller, env={})
 
 
 def test_refused_connection_is_told_as_such() -> None:
