@@ -5,7 +5,9 @@ largest resulting load is as small as possible; each run sees the loads the runs
 it left. Runs over disjoint slots cannot see each other, so they are dealt in waves (a
 run's wave: one past the last wave that touched any of its slots) and every run of a
 wave is filled at once in NumPy, with the same arithmetic, in the same order per slot,
-as one run at a time: the result is the same to the bit.
+as one run at a time: the result is the same to the bit. Waves of few runs over few
+candidates (relay senders: thousands of runs over ~10 replicas, four runs a wave) cost
+NumPy more per call than they hold: successive ones are dealt one run at a time in Python.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import math
 
 import numpy as np
 
-_FEW = 32  # waves of fewer slots (runs x candidates) go one run at a time: NumPy's
-#            cost per call is more than theirs
+_FEW = 160  # a wave under this many slot visits (runs x (candidates + 8)) goes one run at a
+#             time in Python: a NumPy wave costs about that many visits
 
 
 def fill_runs(
@@ -31,25 +33,49 @@ def fill_runs(
     counts = np.zeros((run_class.size, classes.shape[1]), np.int64)
     if not run_class.size:
         return counts
-    repeats = classes.shape[1] > 1 and bool((np.diff(classes, axis=1) == 0).any())
+    r = classes.shape[1]
     # a slot twice in one class is raised twice per run: one run at a time
+    repeats = r > 1 and bool((np.diff(classes, axis=1) == 0).any())
     wave = np.arange(run_class.size) if repeats else _waves(classes, run_class, load.size)
     by_wave = np.argsort(wave, kind="stable")
-    cuts = np.flatnonzero(np.diff(wave[by_wave])) + 1
-    for idx in np.split(by_wave, cuts):
-        slots = classes[run_class[idx]]
-        sizes = run_size[idx]
-        if idx.size * classes.shape[1] < _FEW:
-            # a wave's runs share no slot (or it is one run): each sees the loads as read
-            rows = zip(load[slots].tolist(), sizes.tolist(), run_count[idx].tolist(), strict=True)
-            got = np.array([_waterfill(ls, float(z), m) for ls, z, m in rows], np.int64)
-            counts[idx] = got
-            np.add.at(load, slots, got * sizes[:, None])  # a slot twice in a class: twice
+    bounds = np.r_[np.flatnonzero(np.r_[True, np.diff(wave[by_wave]) != 0]), wave.size]
+    few = repeats | (np.diff(bounds) * (r + 8) < _FEW)
+    # successive waves of few runs are one stretch, dealt one run at a time
+    stretch = np.flatnonzero(np.r_[True, few[1:] != few[:-1]])
+    edge = bounds.tolist()
+    for a, b in zip(stretch.tolist(), np.r_[stretch[1:], few.size].tolist(), strict=True):
+        if few[a]:
+            idx = by_wave[edge[a] : edge[b]]
+            counts[idx] = _one_at_a_time(
+                classes[run_class[idx]], run_size[idx], run_count[idx], load
+            )
             continue
-        got = _waterfill_rows(load[slots], sizes, run_count[idx])
-        counts[idx] = got
-        load[slots] += got * sizes[:, None]
+        for w in range(a, b):
+            idx = by_wave[edge[w] : edge[w + 1]]
+            slots = classes[run_class[idx]]
+            sizes = run_size[idx]
+            got = _waterfill_rows(load[slots], sizes, run_count[idx])
+            counts[idx] = got
+            load[slots] += got * sizes[:, None]
     return counts
+
+
+def _one_at_a_time(
+    slots: np.ndarray, sizes: np.ndarray, m: np.ndarray, load: np.ndarray
+) -> list[list[int]]:
+    """_waterfill of runs in order (candidate slots per row), each seeing the loads the
+    ones before it left; `load` is raised by what they take."""
+    touched = np.unique(slots)
+    level = dict(zip(touched.tolist(), load[touched].tolist(), strict=True))
+    out = []
+    for row, z, n in zip(slots.tolist(), sizes.tolist(), m.tolist(), strict=True):
+        got = _waterfill([level[x] for x in row], float(z), n)
+        for x, t in zip(row, got, strict=True):
+            if t:
+                level[x] += t * z
+        out.append(got)
+    load[touched] = list(level.values())
+    return out
 
 
 def _waves(classes: np.ndarray, run_class: np.ndarray, n_slots: int) -> np.ndarray:
