@@ -12,6 +12,7 @@ NumPy more per call than they hold: successive ones are dealt one run at a time 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -38,19 +39,18 @@ def fill_runs(
     repeats = r > 1 and bool((np.diff(classes, axis=1) == 0).any())
     wave = np.arange(run_class.size) if repeats else _waves(classes, run_class, load.size)
     by_wave = np.argsort(wave, kind="stable")
-    bounds = np.r_[np.flatnonzero(np.r_[True, np.diff(wave[by_wave]) != 0]), wave.size]
-    few = repeats | (np.diff(bounds) * (r + 8) < _FEW)
+    edge = [0, *(np.flatnonzero(np.diff(wave[by_wave])) + 1).tolist(), wave.size]
+    few = [repeats or (hi - lo) * (r + 8) < _FEW for lo, hi in itertools.pairwise(edge)]
     # successive waves of few runs are one stretch, dealt one run at a time
-    stretch = np.flatnonzero(np.r_[True, few[1:] != few[:-1]])
-    edge = bounds.tolist()
-    for a, b in zip(stretch.tolist(), np.r_[stretch[1:], few.size].tolist(), strict=True):
-        if few[a]:
-            idx = by_wave[edge[a] : edge[b]]
+    for one_by_one, group in itertools.groupby(range(len(few)), few.__getitem__):
+        waves = list(group)
+        if one_by_one:
+            idx = by_wave[edge[waves[0]] : edge[waves[-1] + 1]]
             counts[idx] = _one_at_a_time(
                 classes[run_class[idx]], run_size[idx], run_count[idx], load
             )
             continue
-        for w in range(a, b):
+        for w in waves:
             idx = by_wave[edge[w] : edge[w + 1]]
             slots = classes[run_class[idx]]
             sizes = run_size[idx]
@@ -159,31 +159,32 @@ def _waterfill(loads: list[float], size: float, m: int) -> list[int]:
         return counts
     order = sorted(range(r), key=loads.__getitem__)
     ls = [loads[i] for i in order]
-    take = [0] * r
     if size <= 0:  # weightless items: dealt evenly, least loaded first
-        for j in range(r):
-            take[j] = m // r + (j < m % r)
+        q, e = divmod(m, r)
+        take = [q + 1] * e + [q] * (r - e)
     else:
-        cum, level, k = 0.0, 0.0, r
-        for j in range(r):
-            cum += ls[j]
-            level = (m * size + cum) / (j + 1)
-            if j + 1 == r or level <= ls[j + 1]:
-                k = j + 1
+        total, cum, level, k = m * size, 0.0, 0.0, 0
+        for x in ls:  # the k least loaded rise to a common level
+            if k and level <= x:
                 break
-        for j in range(k):
-            take[j] = max(math.floor((level - ls[j]) / size + 1e-9), 0)
-        over = sum(take) - m
-        if over > 0:  # float rounding: take back from the highest resulting loads
+            cum += x
+            k += 1
+            level = (total + cum) / k
+        take = [max(math.floor((level - x) / size + 1e-9), 0) for x in ls[:k]]
+        take += [0] * (r - k)
+        left = m - sum(take)
+        if left < 0:  # float rounding: take back from the highest resulting loads
             after = [-(x + t * size) for x, t in zip(ls, take, strict=True)]
-            for j in sorted(range(r), key=after.__getitem__)[:over]:
+            for j in sorted(range(r), key=after.__getitem__)[:-left]:
                 take[j] -= 1
-        rest = m - sum(take)
-        if rest > 0:
+        elif left:  # the floors' remainder: to the lowest resulting loads
             after = [x + t * size for x, t in zip(ls, take, strict=True)]
-            for j in sorted(range(r), key=after.__getitem__)[:rest]:
-                take[j] += 1
+            if left == 1:
+                take[after.index(min(after))] += 1
+            else:
+                for j in sorted(range(r), key=after.__getitem__)[:left]:
+                    take[j] += 1
     counts = [0] * r
-    for j, i in enumerate(order):
-        counts[i] = take[j]
+    for i, t in zip(order, take, strict=True):
+        counts[i] = t
     return counts
