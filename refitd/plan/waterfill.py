@@ -40,7 +40,12 @@ def fill_runs(
     wave = np.arange(run_class.size) if repeats else _waves(classes, run_class, load.size)
     by_wave = np.argsort(wave, kind="stable")
     edge = [0, *(np.flatnonzero(np.diff(wave[by_wave])) + 1).tolist(), wave.size]
-    few = [repeats or (hi - lo) * (r + 8) < _FEW for lo, hi in itertools.pairwise(edge)]
+    # a wave of single items costs NumPy an argmin: a quarter of a wave
+    cost = np.where(np.maximum.reduceat(run_count[by_wave], edge[:-1]) > 1, 1, 4).tolist()
+    few = [
+        repeats or (hi - lo) * (r + 8) * c < _FEW
+        for lo, hi, c in zip(edge[:-1], edge[1:], cost, strict=True)
+    ]
     # successive waves of few runs are one stretch, dealt one run at a time
     for one_by_one, group in itertools.groupby(range(len(few)), few.__getitem__):
         waves = list(group)
