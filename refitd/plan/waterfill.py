@@ -5,17 +5,20 @@ largest resulting load is as small as possible; each run sees the loads the runs
 it left. Runs over disjoint slots cannot see each other, so they are dealt in waves (a
 run's wave: one past the last wave that touched any of its slots) and every run of a
 wave is filled at once in NumPy, with the same arithmetic, in the same order per slot,
-as one run at a time: the result is the same to the bit.
+as one run at a time: the result is the same to the bit. Waves of few runs over few
+candidates (relay senders: thousands of runs over ~10 replicas, four runs a wave) cost
+NumPy more per call than they hold: successive ones are dealt one run at a time in Python.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 
-_FEW = 32  # waves of fewer slots (runs x candidates) go one run at a time: NumPy's
-#            cost per call is more than theirs
+_FEW = 160  # a wave under this many slot visits (runs x (candidates + 8)) goes one run at a
+#             time in Python: a NumPy wave costs about that many visits
 
 
 def fill_runs(
@@ -31,25 +34,53 @@ def fill_runs(
     counts = np.zeros((run_class.size, classes.shape[1]), np.int64)
     if not run_class.size:
         return counts
-    repeats = classes.shape[1] > 1 and bool((np.diff(classes, axis=1) == 0).any())
+    r = classes.shape[1]
     # a slot twice in one class is raised twice per run: one run at a time
+    repeats = r > 1 and bool((np.diff(classes, axis=1) == 0).any())
     wave = np.arange(run_class.size) if repeats else _waves(classes, run_class, load.size)
     by_wave = np.argsort(wave, kind="stable")
-    cuts = np.flatnonzero(np.diff(wave[by_wave])) + 1
-    for idx in np.split(by_wave, cuts):
-        slots = classes[run_class[idx]]
-        sizes = run_size[idx]
-        if idx.size * classes.shape[1] < _FEW:
-            # a wave's runs share no slot (or it is one run): each sees the loads as read
-            rows = zip(load[slots].tolist(), sizes.tolist(), run_count[idx].tolist(), strict=True)
-            got = np.array([_waterfill(ls, float(z), m) for ls, z, m in rows], np.int64)
-            counts[idx] = got
-            np.add.at(load, slots, got * sizes[:, None])  # a slot twice in a class: twice
+    edge = [0, *(np.flatnonzero(np.diff(wave[by_wave])) + 1).tolist(), wave.size]
+    # a wave of single items costs NumPy an argmin: a quarter of a wave
+    cost = np.where(np.maximum.reduceat(run_count[by_wave], edge[:-1]) > 1, 1, 4).tolist()
+    few = [
+        repeats or (hi - lo) * (r + 8) * c < _FEW
+        for lo, hi, c in zip(edge[:-1], edge[1:], cost, strict=True)
+    ]
+    # successive waves of few runs are one stretch, dealt one run at a time
+    for one_by_one, group in itertools.groupby(range(len(few)), few.__getitem__):
+        waves = list(group)
+        if one_by_one:
+            idx = by_wave[edge[waves[0]] : edge[waves[-1] + 1]]
+            counts[idx] = _one_at_a_time(
+                classes[run_class[idx]], run_size[idx], run_count[idx], load
+            )
             continue
-        got = _waterfill_rows(load[slots], sizes, run_count[idx])
-        counts[idx] = got
-        load[slots] += got * sizes[:, None]
+        for w in waves:
+            idx = by_wave[edge[w] : edge[w + 1]]
+            slots = classes[run_class[idx]]
+            sizes = run_size[idx]
+            got = _waterfill_rows(load[slots], sizes, run_count[idx])
+            counts[idx] = got
+            load[slots] += got * sizes[:, None]
     return counts
+
+
+def _one_at_a_time(
+    slots: np.ndarray, sizes: np.ndarray, m: np.ndarray, load: np.ndarray
+) -> list[list[int]]:
+    """_waterfill of runs in order (candidate slots per row), each seeing the loads the
+    ones before it left; `load` is raised by what they take."""
+    touched = np.unique(slots)
+    level = dict(zip(touched.tolist(), load[touched].tolist(), strict=True))
+    out = []
+    for row, z, n in zip(slots.tolist(), sizes.tolist(), m.tolist(), strict=True):
+        got = _waterfill([level[x] for x in row], float(z), n)
+        for x, t in zip(row, got, strict=True):
+            if t:
+                level[x] += t * z
+        out.append(got)
+    load[touched] = list(level.values())
+    return out
 
 
 def _waves(classes: np.ndarray, run_class: np.ndarray, n_slots: int) -> np.ndarray:
@@ -133,31 +164,32 @@ def _waterfill(loads: list[float], size: float, m: int) -> list[int]:
         return counts
     order = sorted(range(r), key=loads.__getitem__)
     ls = [loads[i] for i in order]
-    take = [0] * r
     if size <= 0:  # weightless items: dealt evenly, least loaded first
-        for j in range(r):
-            take[j] = m // r + (j < m % r)
+        q, e = divmod(m, r)
+        take = [q + 1] * e + [q] * (r - e)
     else:
-        cum, level, k = 0.0, 0.0, r
-        for j in range(r):
-            cum += ls[j]
-            level = (m * size + cum) / (j + 1)
-            if j + 1 == r or level <= ls[j + 1]:
-                k = j + 1
+        total, cum, level, k = m * size, 0.0, 0.0, 0
+        for x in ls:  # the k least loaded rise to a common level
+            if k and level <= x:
                 break
-        for j in range(k):
-            take[j] = max(math.floor((level - ls[j]) / size + 1e-9), 0)
-        over = sum(take) - m
-        if over > 0:  # float rounding: take back from the highest resulting loads
+            cum += x
+            k += 1
+            level = (total + cum) / k
+        take = [max(math.floor((level - x) / size + 1e-9), 0) for x in ls[:k]]
+        take += [0] * (r - k)
+        left = m - sum(take)
+        if left < 0:  # float rounding: take back from the highest resulting loads
             after = [-(x + t * size) for x, t in zip(ls, take, strict=True)]
-            for j in sorted(range(r), key=after.__getitem__)[:over]:
+            for j in sorted(range(r), key=after.__getitem__)[:-left]:
                 take[j] -= 1
-        rest = m - sum(take)
-        if rest > 0:
+        elif left:  # the floors' remainder: to the lowest resulting loads
             after = [x + t * size for x, t in zip(ls, take, strict=True)]
-            for j in sorted(range(r), key=after.__getitem__)[:rest]:
-                take[j] += 1
+            if left == 1:
+                take[after.index(min(after))] += 1
+            else:
+                for j in sorted(range(r), key=after.__getitem__)[:left]:
+                    take[j] += 1
     counts = [0] * r
-    for j, i in enumerate(order):
-        counts[i] = take[j]
+    for i, t in zip(order, take, strict=True):
+        counts[i] = t
     return counts

@@ -103,10 +103,8 @@ def runs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     return classes, run_class, run_size, run_count, load
 
 
-@settings(max_examples=150, deadline=None)
-@given(runs())
-def test_waves_fill_as_one_run_at_a_time(case: tuple) -> None:
-    """Runs dealt wave by wave in NumPy take what one run at a time takes, to the bit."""
+def _one_run_at_a_time(case: tuple) -> tuple[list[list[int]], list[float]]:
+    """(counts, loads) of the runs of `case` dealt by _waterfill one at a time."""
     classes, run_class, run_size, run_count, load = case
     want_load = load.tolist()
     want = []
@@ -117,7 +115,30 @@ def test_waves_fill_as_one_run_at_a_time(case: tuple) -> None:
         for x, n in zip(slots, got, strict=True):
             want_load[x] += n * size
         want.append(got)
+    return want, want_load
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs())
+def test_waves_fill_as_one_run_at_a_time(case: tuple) -> None:
+    """Runs dealt wave by wave in NumPy take what one run at a time takes, to the bit."""
+    classes, run_class, run_size, run_count, load = case
+    want, want_load = _one_run_at_a_time(case)
     new_load = load.copy()
     counts = fill_runs(classes, run_class, run_size, run_count, new_load)
     assert counts.tolist() == want
+    assert new_load.tolist() == want_load
+
+
+def test_wide_class_with_a_slot_twice_raises_it_per_column() -> None:
+    """A slot listed twice in a class of hundreds of candidates takes items in both
+    columns and its load rises by both."""
+    r = 300
+    classes = np.r_[0, np.arange(r - 1)][None, :]  # slot 0 in columns 0 and 1
+    load = np.full(r - 1, 5.0)
+    load[0] = 0.0
+    case = (classes, np.zeros(3, np.int64), np.array([4, 4, 2]), np.array([1, 3, 700]), load)
+    want, want_load = _one_run_at_a_time(case)
+    new_load = load.copy()
+    assert fill_runs(*case[:4], new_load).tolist() == want
     assert new_load.tolist() == want_load
