@@ -104,6 +104,12 @@ class Pieces:
             return Pieces(self.table, self.rows[idx])
         return Pieces(self.table, self.rows[idx], self.step[idx], self.len0[idx])
 
+    def first(self, n: int) -> Pieces:
+        """The first n pieces (views)."""
+        if self.step is None or self.len0 is None:
+            return Pieces(self.table, self.rows[:n])
+        return Pieces(self.table, self.rows[:n], self.step[:n], self.len0[:n])
+
     def take(self) -> CopyTable:
         """Every column of the pieces, as a table of their own."""
         return CopyTable(*(self.column(f) for f in COLUMNS))

@@ -134,7 +134,10 @@ class Plan:
             direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)
             relays = sched.messages(table, nb, ~local & relay, direct, False)
         n_direct = direct.rows.size
-        self._remote = Pieces.concat([direct.pieces(table), relays.pieces(table)])
+        # every copy in program index order, the remote ones a view of its head: the
+        # program index takes it as it is (no second copy of millions of rows)
+        self._copies = Pieces.concat([direct.pieces(table), relays.pieces(table), self._local])
+        self._remote = self._copies.first(n_direct + relays.rows.size)
         m_round = np.concatenate([direct.round, relays.round])
         m_src = np.concatenate([direct.src, relays.src])
         m_dst = np.concatenate([direct.dst, relays.dst])
@@ -314,9 +317,10 @@ class Plan:
                 self._m_bytes,
                 self._m_path,
             )
-            copies = Pieces.concat([self._remote, self._local])
             n_remote = self._remote.rows.size
-            self._index = ProgramIndex(self.digest, copies, n_remote, msgs, tensors, chunk_rows)
+            self._index = ProgramIndex(
+                self.digest, self._copies, n_remote, msgs, tensors, chunk_rows
+            )
         return self._index
 
     def release_index(self) -> None:

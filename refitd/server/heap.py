@@ -2,7 +2,8 @@
 
 A plan allocates and frees NumPy arrays of tens of MB by the hundred; the controller keeps
 them in glibc's heap (`keep_plan_heap`, at start) and gives the free part back to the OS
-once a plan's programs are encoded (`release_free_heap`). Both do nothing off glibc.
+once a plan's programs are encoded (`release_free_heap`); a planning process keeps all
+it frees (`keep_freed_heap`). All do nothing off glibc.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ctypes
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _MAP_ABOVE = 1 << 30  # blocks of this size and more get their own mapping
 _TRIM_ABOVE = 64 << 20  # free memory kept at the top of the heap
+_TRIM_NEVER = (1 << 31) - 1  # the largest trim threshold mallopt takes (an int)
 
 
 def keep_plan_heap() -> None:
@@ -28,6 +30,16 @@ def keep_plan_heap() -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, _MAP_ABOVE)
         libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE)
     _no_huge_page_advice()
+
+
+def keep_freed_heap() -> None:
+    """Have glibc keep the heap's freed memory for good (mallopt; nothing elsewhere): for
+    a planning process, which exits once its plan is written. Trimmed, the top of its
+    heap (a plan's transient arrays, each chunk of program copy columns) goes back to the
+    OS and the next arrays fault the same pages in afresh: about 40k of 450k faults at
+    4,096 ranks."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+        ctypes.CDLL(None).mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER)
 
 
 def _no_huge_page_advice() -> None:

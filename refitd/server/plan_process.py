@@ -44,6 +44,7 @@ from refitd.plan.planner import Plan, PlanConfig, PlanStats, build_plan_from_tab
 from refitd.plan.program import encode_program
 from refitd.plan.table import SpecTable
 from refitd.server.errors import ControlError, ErrorKind
+from refitd.server.heap import keep_freed_heap
 
 WorkerKey = tuple[str, int]  # (pool, rank)
 
@@ -184,6 +185,7 @@ def _child(
     code = _EXIT_FAILED
     try:
         gc.disable()  # a plan's objects are acyclic; the collector only slows it
+        keep_freed_heap()  # freed pages reused, not given back and faulted in again
         for sig in (signal.SIGINT, signal.SIGTERM):  # not the parent's handlers: just end
             signal.signal(sig, signal.SIG_DFL)
         with contextlib.suppress(OSError):

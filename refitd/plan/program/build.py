@@ -356,14 +356,14 @@ class ProgramIndex:
         end = end - np.repeat(slot_base - offset, cnt)
         self_lo = np.cumsum(cnt) - cnt
         m = MessageColumns(
-            id=o.astype(np.int64),
+            id=o.astype(np.int64, copy=False),
             round=np.take(msgs.round, o),
             src_slot=np.take(msgs.src, o),
             dst_slot=np.take(msgs.dst, o),
             start=end - lens,
             end=end,
             nbytes=np.take(msgs.nbytes, o),
-            path=np.take(msgs.path, o).astype(np.uint8),
+            path=np.take(msgs.path, o).astype(np.uint8, copy=False),
         )
         side["lo"], side["hi"] = self_lo, self_lo + cnt
         return m
