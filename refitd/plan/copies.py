@@ -98,17 +98,12 @@ class Pieces:
                     out[name][:, 0] += self.step
         return out
 
-    def subset(self, idx: np.ndarray) -> Pieces:
-        """Pieces `idx` of these (rows and cuts gathered once, for several columns)."""
+    def subset(self, idx: np.ndarray | slice) -> Pieces:
+        """Pieces `idx` of these (rows and cuts gathered once, for several columns; views
+        where `idx` is a slice)."""
         if self.step is None or self.len0 is None:
             return Pieces(self.table, self.rows[idx])
         return Pieces(self.table, self.rows[idx], self.step[idx], self.len0[idx])
-
-    def first(self, n: int) -> Pieces:
-        """The first n pieces (views)."""
-        if self.step is None or self.len0 is None:
-            return Pieces(self.table, self.rows[:n])
-        return Pieces(self.table, self.rows[:n], self.step[:n], self.len0[:n])
 
     def take(self) -> CopyTable:
         """Every column of the pieces, as a table of their own."""

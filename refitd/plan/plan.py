@@ -134,10 +134,12 @@ class Plan:
             direct = sched.messages(table, nb, ~local & ~relay, None, any_relay)
             relays = sched.messages(table, nb, ~local & relay, direct, False)
         n_direct = direct.rows.size
-        # every copy in program index order, the remote ones a view of its head: the
+        # every copy in program index order, remote and local ones views of it: the
         # program index takes it as it is (no second copy of millions of rows)
         self._copies = Pieces.concat([direct.pieces(table), relays.pieces(table), self._local])
-        self._remote = self._copies.first(n_direct + relays.rows.size)
+        n_remote = n_direct + relays.rows.size
+        self._remote = self._copies.subset(slice(0, n_remote))
+        self._local = self._copies.subset(slice(n_remote, None))
         m_round = np.concatenate([direct.round, relays.round])
         m_src = np.concatenate([direct.src, relays.src])
         m_dst = np.concatenate([direct.dst, relays.dst])
