@@ -147,16 +147,16 @@ def _read(fd: int, pid: int, status: int, model: str) -> ForkedPlan:
             f"({signal.Signals(sig).name}) before its plan was built; the next plan starts "
             "a new one",
         )
-    size = os.fstat(fd).st_size
-    buf = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size >= _HEAD.size else None
-    view = memoryview(buf if buf is not None else bytes(_HEAD.size))
-    kind, head_at, head_len = _HEAD.unpack_from(view)
-    if not head_len:  # the preamble is written last
+    # the preamble is written last: short or zero, the child wrote no result
+    preamble = os.pread(fd, _HEAD.size, 0).ljust(_HEAD.size, b"\0")
+    kind, head_at, head_len = _HEAD.unpack(preamble)
+    if not head_len:
         raise ControlError(
             ErrorKind.UNAVAILABLE,
             f"the planning process (pid {pid}) of model {model!r} exited with status "
             f"{os.waitstatus_to_exitcode(status)} without a result",
         )
+    view = memoryview(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
     head = pickle.loads(view[head_at : head_at + head_len])
     if kind == _PLAN_ERROR:
         raise PlanError(head)
@@ -167,7 +167,7 @@ def _read(fd: int, pid: int, status: int, model: str) -> ForkedPlan:
         )
     n_prog, n_tens = head.pop("program_bytes"), head.pop("tensor_count")
     programs = view[_HEAD.size : _HEAD.size + n_prog]
-    tensors = np.frombuffer(buf, np.int64, n_tens, head.pop("tensors_at"))
+    tensors = np.frombuffer(view, np.int64, n_tens, head.pop("tensors_at"))
     return ForkedPlan(programs=programs, tensors=tensors, **head)
 
 
